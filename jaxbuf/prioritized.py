@@ -1,0 +1,183 @@
+"""Proportional prioritized replay (Schaul et al., 2016) over a sum tree.
+
+Shape key: B add batch, S sample size, C capacity.
+
+Item i is drawn with probability `p_i ** alpha / sum_j p_j ** alpha`, where
+`p_i = priority_i + eps`. Importance weights are `(N * P(i)) ** -beta` divided
+by the largest in the sample, so the largest weight is 1. New items enter at
+the running maximum priority, so each is likely to be seen at least once.
+
+The module-level functions take every setting explicitly;
+`prioritized_replay` binds them into a `Buffer`.
+"""
+
+import functools
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxbuf import ring
+from jaxbuf import sum_tree
+from jaxbuf import validation
+from jaxbuf.replay import (Buffer, ReplaySample, ReplayState, add_to_ring, bind,
+                           check_sample_args, current_item_ids, init_ring,
+                           uniform_indices, valid_priority_updates)
+
+PyTree = Any
+Schedule = Callable[[jax.Array], jax.Array]
+
+_INT32_MAX = jnp.iinfo(jnp.int32).max
+
+
+@flax.struct.dataclass
+class PrioritizedReplayState(ReplayState):
+  """A `ReplayState` with priorities. Fields below add to the ring's."""
+  sum_tree: sum_tree.SumTree  # leaves: (priority + eps) ** alpha per slot, 0 if empty
+  max_priority: jax.Array     # shape=(), float32: largest priority + eps seen
+  beta_step: jax.Array        # shape=(), int32: update_priorities calls so far
+                              # (saturating); the step fed to a beta schedule
+
+
+def init(example_item: PyTree, *, capacity: int) -> PrioritizedReplayState:
+  """An empty prioritized buffer for items shaped like `example_item`."""
+  validation.check_capacity(capacity)
+  return PrioritizedReplayState(
+      **init_ring(example_item, capacity),
+      sum_tree=sum_tree.init(capacity),
+      max_priority=jnp.ones((), jnp.float32),
+      beta_step=jnp.zeros((), jnp.int32))
+
+
+def add(state: PrioritizedReplayState, items: PyTree, *,
+        alpha: float) -> PrioritizedReplayState:
+  """Adds `items [B, ...]` in ring order at the running maximum priority."""
+  state, slots = add_to_ring(state, items)
+  leaf_values = jnp.full(slots.shape, state.max_priority ** alpha, jnp.float32)
+  return state.replace(
+      sum_tree=sum_tree.set_leaves(state.sum_tree, slots, leaf_values))
+
+
+def beta_at(beta: float | Schedule, step: jax.Array) -> jax.Array:
+  return jnp.asarray(beta(step) if callable(beta) else beta, jnp.float32)
+
+
+def sample(state: PrioritizedReplayState, key: jax.Array, batch_size: int, *,
+           beta: float | Schedule, stratified: bool = True,
+           checked: bool = False) -> ReplaySample:
+  """Draws `batch_size` items in proportion to `priority ** alpha`.
+
+  With `stratified`, `[0, total)` is cut into S equal strata and one target is
+  drawn in each: the same marginal probabilities, less variance, and the
+  indices come out in slot order. Should every priority underflow to zero,
+  sampling falls back to uniform over the items held with weights 1; on an
+  empty buffer it returns slot 0 with weight 0 (checked mode raises).
+
+  Returns:
+    A `ReplaySample`: items `[S, ...]`, indices int32 `[S]`, weights float32
+    `[S]` (largest 1), item_ids uint32 `[S]`.
+  """
+  check_sample_args(state, key, batch_size, checked=checked)
+  target_key, fallback_key = jax.random.split(key)
+  total = sum_tree.total(state.sum_tree)
+  offsets = jax.random.uniform(target_key, (batch_size,), jnp.float32)
+  if stratified:
+    targets = (jnp.arange(batch_size, dtype=jnp.float32) + offsets) * (
+        total / batch_size)
+  else:
+    targets = offsets * total
+  has_mass = total > 0
+  indices = jnp.where(has_mass,
+                      sum_tree.find_prefix_sums(state.sum_tree, targets),
+                      uniform_indices(fallback_key, state.size, batch_size))
+  probabilities = sum_tree.leaves(state.sum_tree)[indices] / total
+  log_weights = -beta_at(beta, state.beta_step) * jnp.log(
+      state.size.astype(jnp.float32) * probabilities)
+  weights = jnp.exp(log_weights - jnp.max(log_weights))
+  weights = jnp.where(has_mass, weights, (state.size > 0).astype(jnp.float32))
+  return ReplaySample(items=ring.gather(state.storage, indices), indices=indices,
+                      weights=weights,
+                      item_ids=current_item_ids(state, indices))
+
+
+def update_priorities(state: PrioritizedReplayState, indices: jax.Array,
+                      priorities: jax.Array, item_ids: jax.Array | None = None,
+                      *, alpha: float, eps: float,
+                      checked: bool = False) -> PrioritizedReplayState:
+  """Sets the priorities of slots `indices [S]` to `priorities [S] + eps`.
+
+  Duplicate indices: the last valid occurrence wins. Updates whose index is
+  not an item held, whose priority is NaN, infinite or negative, or (given
+  `item_ids`, e.g. `sample.item_ids`) whose slot was overwritten since it was
+  sampled, are skipped and leave that slot as it was; checked mode raises on
+  the first two. Cost O(S log C).
+  """
+  indices = jnp.asarray(indices)
+  priorities = jnp.asarray(priorities)
+  valid = valid_priority_updates(state, indices, priorities, item_ids,
+                                 checked=checked)
+  indices = indices.astype(jnp.int32)
+  new_priorities = jnp.where(valid, priorities.astype(jnp.float32) + eps, 0.0)
+  return state.replace(
+      sum_tree=sum_tree.set_leaves(state.sum_tree, indices,
+                                   new_priorities ** alpha, valid),
+      max_priority=jnp.maximum(state.max_priority, jnp.max(new_priorities)),
+      beta_step=jnp.minimum(state.beta_step, _INT32_MAX - 1) + 1)
+
+
+def clear(state: PrioritizedReplayState) -> PrioritizedReplayState:
+  """Empties the buffer without reallocating; priorities reset, beta_step kept."""
+  return state.replace(
+      insert_position=jnp.zeros_like(state.insert_position),
+      size=jnp.zeros_like(state.size),
+      sum_tree=jax.tree.map(jnp.zeros_like, state.sum_tree),
+      max_priority=jnp.ones_like(state.max_priority))
+
+
+def prioritized_replay(capacity: int, *, alpha: float = 0.6,
+                       beta: float | Schedule = 0.4, eps: float = 1e-6,
+                       stratified: bool = True,
+                       checked: bool = False) -> Buffer:
+  """A proportional prioritized replay buffer holding up to `capacity` items.
+
+  Args:
+    capacity: C, a Python int.
+    alpha: priority exponent; 0 is uniform.
+    beta: importance-weight exponent, a float or a schedule `step -> beta`
+      (an optax schedule works) evaluated at `state.beta_step`, the number of
+      `update_priorities` calls so far (one per learner step).
+    eps: added to every priority so that none is zero.
+    stratified: draw one target per equal stratum of the total priority.
+    checked: as for `uniform_replay`.
+
+  Returns:
+    A `Buffer` with the same functions as `uniform_replay`'s.
+
+  >>> import jax, jax.numpy as jnp, jaxbuf
+  >>> buffer = jaxbuf.prioritized_replay(1000, alpha=0.6, beta=0.4)
+  >>> state = buffer.init({"obs": jnp.zeros(4)})
+  >>> state = buffer.add(state, {"obs": jnp.ones((8, 4))})
+  >>> batch = buffer.sample(state, jax.random.key(0), 4)
+  >>> state = buffer.update_priorities(state, batch.indices,
+  ...                                  jnp.array([0.1, 2.0, 0.5, 1.0]),
+  ...                                  batch.item_ids)
+  >>> float(batch.weights.max())
+  1.0
+  """
+  validation.check_capacity(capacity)
+  if not alpha >= 0:
+    raise ValueError(f"alpha must be non-negative, given {alpha}.")
+  if not eps > 0:
+    raise ValueError(f"eps must be positive, given {eps}.")
+  if not callable(beta) and not beta >= 0:
+    raise ValueError(f"beta must be non-negative or a schedule, given {beta}.")
+  return bind(
+      init=functools.partial(init, capacity=capacity),
+      add=functools.partial(add, alpha=alpha),
+      sample=functools.partial(sample, beta=beta, stratified=stratified,
+                               checked=checked),
+      update_priorities=functools.partial(update_priorities, alpha=alpha,
+                                          eps=eps, checked=checked),
+      clear=clear,
+      checked=checked)

@@ -1,0 +1,119 @@
+"""Uniform replay: every item held is equally likely to be sampled.
+
+Shape key: B add batch, S sample size, C capacity.
+
+The module-level functions take every setting explicitly; `uniform_replay`
+binds them into a `Buffer`.
+"""
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxbuf import ring
+from jaxbuf import validation
+from jaxbuf.replay import (Buffer, ReplaySample, ReplayState, add_to_ring, bind,
+                           check_sample_args, current_item_ids, init_ring,
+                           uniform_indices, valid_priority_updates)
+
+PyTree = Any
+
+
+def init(example_item: PyTree, *, capacity: int) -> ReplayState:
+  """An empty buffer for items shaped like `example_item` (unbatched).
+
+  Args:
+    example_item: any pytree of arrays (or `jax.ShapeDtypeStruct`s); only
+      shapes and dtypes are read.
+    capacity: C, the number of items held before the oldest is overwritten.
+
+  Returns:
+    A `ReplayState` with storage `[C, *leaf.shape]`, each leaf's dtype kept.
+  """
+  validation.check_capacity(capacity)
+  return ReplayState(**init_ring(example_item, capacity))
+
+
+def add(state: ReplayState, items: PyTree) -> ReplayState:
+  """Adds `items [B, ...]` in ring order, overwriting the oldest first.
+
+  B may exceed C: the newest C items are kept. Shapes, dtypes and structure
+  are checked while tracing; no value is cast.
+  """
+  state, _ = add_to_ring(state, items)
+  return state
+
+
+def sample(state: ReplayState, key: jax.Array, batch_size: int,
+           *, checked: bool = False) -> ReplaySample:
+  """Draws `batch_size` items uniformly, with replacement, from those held.
+
+  Sampling an empty buffer returns slot 0 (whatever it holds) with weight 0, so
+  a weighted loss ignores it; in checked mode it raises instead.
+
+  Returns:
+    A `ReplaySample`: items `[S, ...]`, indices int32 `[S]`, weights float32
+    `[S]` (1, or 0 when empty), item_ids uint32 `[S]`.
+  """
+  check_sample_args(state, key, batch_size, checked=checked)
+  indices = uniform_indices(key, state.size, batch_size)
+  weights = jnp.full((batch_size,), state.size > 0, jnp.float32)
+  return ReplaySample(items=ring.gather(state.storage, indices), indices=indices,
+                      weights=weights,
+                      item_ids=current_item_ids(state, indices))
+
+
+def update_priorities(state: ReplayState, indices: jax.Array,
+                      priorities: jax.Array, item_ids: jax.Array | None = None,
+                      *, checked: bool = False) -> ReplayState:
+  """The identity: uniform replay keeps no priorities.
+
+  Arguments are still validated as for prioritized replay (shapes while
+  tracing; values in checked mode), so switching buffer kinds surfaces no new
+  errors.
+  """
+  valid_priority_updates(state, jnp.asarray(indices), jnp.asarray(priorities),
+                         item_ids, checked=checked)
+  return state
+
+
+def clear(state: ReplayState) -> ReplayState:
+  """Empties the buffer without reallocating or zeroing its storage."""
+  return state.replace(insert_position=jnp.zeros_like(state.insert_position),
+                       size=jnp.zeros_like(state.size))
+
+
+def uniform_replay(capacity: int, *, checked: bool = False) -> Buffer:
+  """A uniform replay buffer holding up to `capacity` items.
+
+  Args:
+    capacity: C, a Python int.
+    checked: if True, run-time violations (sampling an empty buffer, indices
+      outside the items held, non-finite or negative priorities) raise; the
+      functions are then left unjitted, and inside your own jit you wrap the
+      step in `jax.experimental.checkify.checkify`.
+
+  Returns:
+    A `Buffer`. By default `add`, `update_priorities` and `clear` are jitted
+    with the state donated: the state you pass in is consumed (updated in
+    place) and you use the one returned.
+
+  >>> import jax, jax.numpy as jnp, jaxbuf
+  >>> buffer = jaxbuf.uniform_replay(1000)
+  >>> state = buffer.init({"obs": jnp.zeros(4), "action": jnp.int32(0)})
+  >>> state = buffer.add(state, {"obs": jnp.ones((8, 4)),
+  ...                            "action": jnp.arange(8, dtype=jnp.int32)})
+  >>> batch = buffer.sample(state, jax.random.key(0), 16)
+  >>> batch.items["obs"].shape, int(state.size)
+  ((16, 4), 8)
+  """
+  validation.check_capacity(capacity)
+  return bind(
+      init=functools.partial(init, capacity=capacity),
+      add=add,
+      sample=functools.partial(sample, checked=checked),
+      update_priorities=functools.partial(update_priorities, checked=checked),
+      clear=clear,
+      checked=checked)

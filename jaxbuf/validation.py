@@ -1,0 +1,144 @@
+"""Trace-time checks that a batch of items matches a buffer's item structure.
+
+The checks read only shapes, dtypes and tree structure, so they run once while
+tracing and cost nothing in the compiled program. Every message names the leaf
+path (as `jax.tree_util.keystr` writes it), the expected and the given value.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+
+def _paths(tree: PyTree) -> list[str]:
+  return [jax.tree_util.keystr(path) for path, _ in
+          jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def check_same_structure(expected: PyTree, given: PyTree, *, what: str) -> None:
+  """Raises `TypeError` naming the missing and unexpected leaves of `given`."""
+  expected_def = jax.tree_util.tree_structure(expected)
+  given_def = jax.tree_util.tree_structure(given)
+  if expected_def == given_def:
+    return
+  expected_paths, given_paths = _paths(expected), _paths(given)
+  missing = [p for p in expected_paths if p not in given_paths]
+  unexpected = [p for p in given_paths if p not in expected_paths]
+  detail = (f"missing leaves {missing}, unexpected leaves {unexpected}"
+            if missing or unexpected else
+            f"expected {expected_def}, given {given_def}")
+  raise TypeError(f"{what}: tree structure differs from the buffer's item: "
+                  f"{detail}.")
+
+
+def canonical_dtype(leaf: Any) -> np.dtype:
+  """The dtype `jnp.asarray(leaf)` would have, without converting it."""
+  return jax.dtypes.canonicalize_dtype(jnp.result_type(leaf))
+
+
+def check_batched_leaves(
+    expected: PyTree,
+    given: PyTree,
+    *,
+    what: str,
+    batch_shape: tuple[int, ...] | None = None,
+    num_batch_axes: int = 1,
+) -> tuple[int, ...]:
+  """Checks `given` is `expected` with `num_batch_axes` leading batch axes.
+
+  Args:
+    expected: pytree of arrays or `jax.ShapeDtypeStruct`, one unbatched item.
+    given: pytree of arrays, the same structure with leading batch axes.
+    what: the operation, for the message (e.g. "add").
+    batch_shape: the required leading shape; `None` accepts any, provided
+      every leaf has the same one.
+    num_batch_axes: how many leading axes form the batch (when `batch_shape`
+      is None).
+
+  Returns:
+    The leading batch shape shared by all leaves.
+
+  Raises:
+    TypeError: on a different tree structure or a leaf dtype that differs
+      from the buffer's (no silent casts).
+    ValueError: on a leaf shape that is not `batch_shape + item_shape`.
+  """
+  check_same_structure(expected, given, what=what)
+  flat_expected = jax.tree_util.tree_leaves(expected)
+  flat_given = jax.tree_util.tree_flatten_with_path(given)[0]
+  if batch_shape is not None:
+    num_batch_axes = len(batch_shape)
+  for (path, leaf), reference in zip(flat_given, flat_expected):
+    name = jax.tree_util.keystr(path) or "<root>"
+    shape = tuple(np.shape(leaf))
+    item_shape = tuple(reference.shape)
+    leading = shape[:len(shape) - len(item_shape)] if item_shape else shape
+    if (len(shape) != num_batch_axes + len(item_shape)
+        or shape[num_batch_axes:] != item_shape
+        or (batch_shape is not None and leading != tuple(batch_shape))):
+      if batch_shape is not None:
+        wanted = str(tuple(batch_shape) + item_shape)
+      else:
+        wanted = "(" + ", ".join(["B"] * num_batch_axes + list(map(str, item_shape))) + ")"
+      raise ValueError(
+          f"{what}: leaf {name} has shape {shape}, expected {wanted}: "
+          f"{num_batch_axes} batch axes, then the item shape {item_shape}.")
+    if batch_shape is None:
+      batch_shape = leading
+    dtype = canonical_dtype(leaf)
+    if dtype != reference.dtype:
+      raise TypeError(
+          f"{what}: leaf {name} has dtype {dtype}, expected {reference.dtype}; "
+          f"cast it explicitly if that is intended.")
+  return tuple(batch_shape) if batch_shape is not None else ()
+
+
+def check_index_batch(indices: Any, values: Any, *, what: str,
+                      values_name: str = "priorities") -> None:
+  """Checks `indices` is integer `[S]` and `values` is floating `[S]`."""
+  index_shape, value_shape = np.shape(indices), np.shape(values)
+  if len(index_shape) != 1:
+    raise ValueError(f"{what}: indices must have shape [S], given {index_shape}.")
+  if value_shape != index_shape:
+    raise ValueError(f"{what}: {values_name} have shape {value_shape}, expected "
+                     f"{index_shape} (one per index).")
+  if not jnp.issubdtype(canonical_dtype(indices), jnp.integer):
+    raise TypeError(f"{what}: indices must be integers, given dtype "
+                    f"{canonical_dtype(indices)}.")
+  if not jnp.issubdtype(canonical_dtype(values), jnp.floating):
+    raise TypeError(f"{what}: {values_name} must be floating point, given dtype "
+                    f"{canonical_dtype(values)}.")
+
+
+def check_key(key: Any, *, what: str) -> None:
+  """Accepts a typed key (`jax.random.key`) or a legacy uint32[2] PRNGKey."""
+  dtype = getattr(key, "dtype", None)
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    if np.shape(key) != ():
+      raise ValueError(f"{what}: key must be a single key, given shape "
+                       f"{np.shape(key)}; vmap over keys instead.")
+    return
+  if dtype == jnp.uint32 and np.shape(key) == (2,):
+    return
+  raise TypeError(f"{what}: key must be jax.random.key(...) or "
+                  f"jax.random.PRNGKey(...), given {type(key).__name__} with "
+                  f"dtype {dtype} and shape {np.shape(key)}.")
+
+
+def check_batch_size(batch_size: Any, *, what: str) -> None:
+  if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+    raise TypeError(f"{what}: batch_size must be a Python int (it sets the "
+                    f"output shape), given {type(batch_size).__name__}.")
+  if batch_size <= 0:
+    raise ValueError(f"{what}: batch_size must be positive, given {batch_size}.")
+
+
+def check_capacity(capacity: Any) -> None:
+  if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+    raise TypeError(f"capacity must be a Python int, given {type(capacity).__name__}.")
+  if not 0 < capacity < 2**30:
+    raise ValueError(f"capacity must be in [1, 2**30), given {capacity}.")
