@@ -1,0 +1,59 @@
+"""A plain NumPy replay buffer: the obviously correct, slow model of jaxbuf.
+
+Items are added one at a time, priorities set one at a time, probabilities
+computed from scratch. Tests drive it and jaxbuf with the same operations.
+"""
+
+import numpy as np
+
+
+class ReferenceReplay:
+  """Ring buffer of `capacity` items with optional proportional priorities."""
+
+  def __init__(self, capacity: int, *, alpha: float = 0.6, eps: float = 1e-6):
+    self.capacity = capacity
+    self.alpha = alpha
+    self.eps = eps
+    self.storage: list = [None] * capacity
+    self.priorities = np.zeros(capacity)
+    self.ids = np.zeros(capacity, np.int64)
+    self.insert_position = 0
+    self.size = 0
+    self.add_count = 0
+    self.max_priority = 1.0
+    self.updates = 0
+
+  def add(self, items: list) -> None:
+    for item in items:
+      self.storage[self.insert_position] = item
+      self.priorities[self.insert_position] = self.max_priority
+      self.ids[self.insert_position] = self.add_count
+      self.insert_position = (self.insert_position + 1) % self.capacity
+      self.size = min(self.size + 1, self.capacity)
+      self.add_count += 1
+
+  def update_priorities(self, indices, priorities, item_ids=None) -> None:
+    for position, (index, priority) in enumerate(zip(indices, priorities)):
+      if not (0 <= index < self.size and np.isfinite(priority) and priority >= 0):
+        continue
+      if item_ids is not None and self.ids[index] % 2**32 != item_ids[position]:
+        continue
+      self.priorities[index] = float(np.float32(priority) + np.float32(self.eps))
+      self.max_priority = max(self.max_priority, self.priorities[index])
+    self.updates += 1
+
+  def clear(self) -> None:
+    self.insert_position = 0
+    self.size = 0
+    self.priorities[:] = 0
+    self.max_priority = 1.0
+
+  def probabilities(self) -> np.ndarray:
+    """P(i) for every slot; zero outside the items held."""
+    mass = np.where(np.arange(self.capacity) < self.size,
+                    self.priorities ** self.alpha, 0.0)
+    return mass / mass.sum()
+
+  def weights(self, indices, beta: float) -> np.ndarray:
+    raw = (self.size * self.probabilities()[indices]) ** -beta
+    return raw / raw.max()

@@ -1,0 +1,552 @@
+"""Conformance suite run over both replay kinds, plus prioritized statistics."""
+
+import dataclasses
+
+import chex
+import flax.struct
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+import numpy as np
+import optax
+import pytest
+import scipy.stats
+
+import jaxbuf
+from tests.reference import ReferenceReplay
+
+CAPACITY = 8
+AUTO = jax.sharding.AxisType.Auto  # GSPMD propagates shardings through the ops
+# Eager checks raise JAX's (private) FailedCheckError, checkified ones a
+# ValueError from err.throw(); the message is what identifies the check.
+CHECK_FAILED = Exception
+MAKERS = {
+    "uniform": lambda: jaxbuf.uniform_replay(CAPACITY),
+    "prioritized": lambda: jaxbuf.prioritized_replay(CAPACITY, alpha=0.7, beta=0.5),
+}
+# Shared across tests so that each shape compiles once per session.
+KINDS = {name: make() for name, make in MAKERS.items()}
+
+
+@flax.struct.dataclass
+class Transition:
+  obs: jax.Array       # uint8 [3, 2]: image-like
+  action: jax.Array    # int32 []
+  reward: jax.Array    # float32 []
+  done: jax.Array      # bool []
+  extras: tuple        # (float32 [2], {"a": int8 []})
+
+
+def example_item() -> Transition:
+  return Transition(obs=jnp.zeros((3, 2), jnp.uint8), action=jnp.int32(0),
+                    reward=jnp.float32(0), done=jnp.bool_(False),
+                    extras=(jnp.zeros(2), {"a": jnp.int8(0)}))
+
+
+def make_items(start: int, batch: int) -> Transition:
+  """Items whose every leaf encodes its serial number, for exact checks."""
+  serial = np.arange(start, start + batch)
+  return Transition(
+      obs=jnp.asarray(np.broadcast_to((serial % 256)[:, None, None], (batch, 3, 2)),
+                      jnp.uint8),
+      action=jnp.asarray(serial, jnp.int32),
+      reward=jnp.asarray(serial, jnp.float32) / 2,
+      done=jnp.asarray(serial % 2 == 0),
+      extras=(jnp.asarray(np.stack([serial, -serial], 1), jnp.float32),
+              {"a": jnp.asarray(serial % 100, jnp.int8)}))
+
+
+@pytest.fixture(params=sorted(KINDS))
+def kind(request):
+  return request.param
+
+
+def fresh(kind_name):
+  buffer = KINDS[kind_name]
+  return buffer, buffer.init(example_item())
+
+
+# --- Storage and ring order ---------------------------------------------------
+
+def test_init_preallocates_each_leaf_with_its_dtype(kind):
+  _, state = fresh(kind)
+  shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state.storage)
+  assert shapes.obs == ((CAPACITY, 3, 2), jnp.uint8)
+  assert shapes.action == ((CAPACITY,), jnp.int32)
+  assert shapes.done == ((CAPACITY,), jnp.bool_)
+  assert shapes.extras[1]["a"] == ((CAPACITY,), jnp.int8)
+  assert state.size.dtype == jnp.int32 and int(state.size) == 0
+
+
+@pytest.mark.parametrize("batches", [[3, 3, 3], [CAPACITY], [CAPACITY + 5],
+                                     [1, 2 * CAPACITY + 3, 2], [5, 7, 11]])
+def test_add_keeps_the_newest_items_in_ring_order(kind, batches):
+  buffer, state = fresh(kind)
+  reference = ReferenceReplay(CAPACITY)
+  serial = 0
+  for batch in batches:
+    state = buffer.add(state, make_items(serial, batch))
+    reference.add(list(range(serial, serial + batch)))
+    serial += batch
+  held = np.asarray(state.storage.action)
+  for slot in range(reference.size):
+    assert held[slot] == reference.storage[slot]
+  assert int(state.size) == reference.size
+  assert int(state.insert_position) == reference.insert_position
+  assert int(state.add_count) == reference.add_count
+
+
+def test_clear_empties_without_reallocating(kind):
+  buffer, state = fresh(kind)
+  state = buffer.add(state, make_items(0, 5))
+  storage_shapes = jax.tree.map(jnp.shape, state.storage)
+  state = buffer.clear(state)
+  assert int(state.size) == 0 and int(state.insert_position) == 0
+  assert jax.tree.map(jnp.shape, state.storage) == storage_shapes
+  assert not bool(buffer.can_sample(state, 1))
+  state = buffer.add(state, make_items(100, 2))
+  batch = buffer.sample(state, jax.random.key(0), 64)
+  assert set(np.asarray(batch.items.action)) <= {100, 101}
+
+
+def test_can_sample_counts_items_held(kind):
+  buffer, state = fresh(kind)
+  state = buffer.add(state, make_items(0, 3))
+  assert bool(buffer.can_sample(state, 3)) and not bool(buffer.can_sample(state, 4))
+  assert buffer.can_sample(state, 3).dtype == jnp.bool_
+
+
+# --- Sampling -------------------------------------------------------------------
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
+def test_sample_returns_only_items_held(kind, make_key):
+  buffer, state = fresh(kind)
+  state = buffer.add(state, make_items(0, 5))
+  batch = buffer.sample(state, make_key(1), 256)
+  indices = np.asarray(batch.indices)
+  assert batch.indices.dtype == jnp.int32 and batch.weights.dtype == jnp.float32
+  assert indices.min() >= 0 and indices.max() < 5
+  np.testing.assert_array_equal(np.asarray(batch.items.action), indices)
+  np.testing.assert_array_equal(np.asarray(batch.item_ids), indices)
+  assert float(batch.weights.max()) == 1.0
+
+
+def test_sampling_an_empty_buffer_returns_zero_weights(kind):
+  buffer, state = fresh(kind)
+  batch = buffer.sample(state, jax.random.key(0), 4)
+  np.testing.assert_array_equal(np.asarray(batch.indices), 0)
+  np.testing.assert_array_equal(np.asarray(batch.weights), 0.0)
+
+
+def test_uniform_sampling_is_uniform_over_items_held():
+  """Chi-square over 7 held slots of 8; seed fixed, reject at p < 1e-3."""
+  buffer = KINDS["uniform"]
+  state = buffer.add(buffer.init(example_item()), make_items(0, 7))
+  keys = jax.random.split(jax.random.key(2), 200)
+  indices = jax.vmap(lambda k: buffer.sample(state, k, 256).indices)(keys)
+  counts = np.bincount(np.asarray(indices).ravel(), minlength=CAPACITY)
+  assert counts[7] == 0
+  assert scipy.stats.chisquare(counts[:7]).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("stratified", [True, False])
+def test_prioritized_sampling_follows_priority_power_alpha(stratified):
+  """Draw frequencies vs p_i^alpha / sum_j p_j^alpha; chi-square, p > 1e-3."""
+  capacity, alpha = 10, 0.6
+  buffer = jaxbuf.prioritized_replay(capacity, alpha=alpha, stratified=stratified)
+  state = buffer.add(buffer.init(jnp.zeros(())), jnp.zeros(capacity))
+  priorities = np.array([0.1, 1, 2, 3, 4, 5, 0.5, 8, 0.0, 10], np.float32)
+  state = buffer.update_priorities(state, jnp.arange(capacity), priorities)
+  keys = jax.random.split(jax.random.key(3), 400)
+  indices = jax.vmap(lambda k: buffer.sample(state, k, 128).indices)(keys)
+  counts = np.bincount(np.asarray(indices).ravel(), minlength=capacity)
+  expected = (priorities.astype(np.float64) + 1e-6) ** alpha
+  expected = expected / expected.sum() * counts.sum()
+  assert scipy.stats.chisquare(counts, expected).pvalue > 1e-3
+
+
+def test_prioritized_weights_are_exact():
+  capacity, alpha, beta = 16, 0.7, 0.5
+  buffer = jaxbuf.prioritized_replay(capacity, alpha=alpha, beta=beta)
+  state = buffer.add(buffer.init(jnp.zeros(())), jnp.zeros(12))
+  reference = ReferenceReplay(capacity, alpha=alpha)
+  reference.add(list(range(12)))
+  priorities = np.linspace(0.05, 3.0, 12).astype(np.float32)
+  state = buffer.update_priorities(state, jnp.arange(12), priorities)
+  reference.update_priorities(range(12), priorities)
+  batch = buffer.sample(state, jax.random.key(4), 64)
+  np.testing.assert_allclose(np.asarray(batch.weights),
+                             reference.weights(np.asarray(batch.indices), beta),
+                             rtol=2e-5)
+
+
+def test_beta_schedule_reads_the_step_counter_in_the_state():
+  schedule = optax.linear_schedule(0.4, 1.0, transition_steps=10)
+  buffer = jaxbuf.prioritized_replay(16, alpha=1.0, beta=schedule)
+  state = buffer.add(buffer.init(jnp.zeros(())), jnp.zeros(16))
+  reference = ReferenceReplay(16, alpha=1.0)
+  reference.add(list(range(16)))
+  priorities = np.arange(1, 17, dtype=np.float32)
+  for _ in range(4):
+    state = buffer.update_priorities(state, jnp.arange(16), priorities)
+    reference.update_priorities(range(16), priorities)
+  assert int(state.beta_step) == 4
+  batch = buffer.sample(state, jax.random.key(5), 32)
+  np.testing.assert_allclose(
+      np.asarray(batch.weights),
+      reference.weights(np.asarray(batch.indices), float(schedule(4))), rtol=2e-5)
+
+
+# --- Priority updates -----------------------------------------------------------
+
+def test_new_items_enter_at_the_running_maximum_priority():
+  buffer = jaxbuf.prioritized_replay(8, alpha=1.0)
+  state = buffer.add(buffer.init(jnp.zeros(())), jnp.zeros(4))
+  state = buffer.update_priorities(state, jnp.array([0, 1]), jnp.array([5.0, 0.5]))
+  state = buffer.add(state, jnp.zeros(2))
+  leaves = np.asarray(state.sum_tree.levels[0])
+  np.testing.assert_allclose(leaves[:6], [5, 0.5, 1, 1, 5, 5], rtol=1e-5)
+  assert float(state.max_priority) == pytest.approx(5.0)
+
+
+def test_duplicate_indices_keep_the_last_and_tree_stays_consistent():
+  buffer = jaxbuf.prioritized_replay(8, alpha=1.0, eps=1e-6)
+  state = buffer.add(buffer.init(jnp.zeros(())), jnp.zeros(8))
+  state = buffer.update_priorities(state, jnp.array([2, 2, 5, 2, 5]),
+                                   jnp.array([1.0, 2.0, 3.0, 4.0, 0.5]))
+  leaves = np.asarray(state.sum_tree.levels[0])
+  assert leaves[2] == np.float32(4.0) + np.float32(1e-6)
+  assert leaves[5] == np.float32(0.5) + np.float32(1e-6)
+  assert float(state.sum_tree.levels[-1][0]) == pytest.approx(leaves.sum(), rel=1e-6)
+
+
+def test_uniform_update_priorities_is_the_identity():
+  buffer, state = fresh("uniform")
+  state = buffer.add(state, make_items(0, 4))
+  before = jax.tree.map(np.asarray, state)
+  state = buffer.update_priorities(state, jnp.array([0, 1]), jnp.array([3.0, 4.0]))
+  chex.assert_trees_all_equal(before, jax.tree.map(np.asarray, state))
+
+
+# --- The NumPy model, driven by hypothesis ----------------------------------------
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.sampled_from([1, 3, CAPACITY + 3])),
+        st.tuples(st.just("sample"), st.integers(0, 2**16)),
+        st.tuples(st.just("update"),
+                  st.lists(st.tuples(st.integers(-2, CAPACITY + 1),
+                                     st.sampled_from([0.0, 0.3, 2.0, 7.5, -1.0,
+                                                      np.nan, np.inf])),
+                           min_size=4, max_size=4)),
+        st.tuples(st.just("clear"), st.none())),
+    min_size=1, max_size=12)
+
+
+@hypothesis.given(ops=operations)
+def test_random_operation_sequences_match_the_numpy_model(ops):
+  buffer = KINDS["prioritized"]
+  state = buffer.init(example_item())
+  reference = ReferenceReplay(CAPACITY, alpha=0.7)
+  serial = 0
+  for name, argument in ops:
+    if name == "add":
+      state = buffer.add(state, make_items(serial, argument))
+      reference.add(list(range(serial, serial + argument)))
+      serial += argument
+    elif name == "sample":
+      batch = buffer.sample(state, jax.random.key(argument), 16)
+      indices = np.asarray(batch.indices)
+      if reference.size:
+        assert indices.max() < reference.size
+        np.testing.assert_array_equal(
+            np.asarray(batch.items.action),
+            [reference.storage[i] for i in indices])
+        np.testing.assert_allclose(np.asarray(batch.weights),
+                                   reference.weights(indices, 0.5), rtol=1e-4)
+      else:
+        np.testing.assert_array_equal(np.asarray(batch.weights), 0.0)
+    elif name == "update":
+      indices = np.array([i for i, _ in argument], np.int32)
+      priorities = np.array([p for _, p in argument], np.float32)
+      state = buffer.update_priorities(state, indices, priorities)
+      reference.update_priorities(indices, priorities)
+    else:
+      state = buffer.clear(state)
+      reference.clear()
+    assert int(state.size) == reference.size
+    assert int(state.insert_position) == reference.insert_position
+    leaves = np.asarray(state.sum_tree.levels[0])[:CAPACITY]
+    held = np.arange(CAPACITY) < reference.size
+    np.testing.assert_allclose(leaves[held],
+                               reference.priorities[held] ** 0.7, rtol=1e-5)
+    assert np.all(leaves[~held] == 0)
+    assert np.isfinite(float(state.sum_tree.levels[-1][0]))
+    assert float(state.max_priority) == pytest.approx(reference.max_priority, rel=1e-6)
+
+
+# --- Errors at trace time; state intact ---------------------------------------------
+
+@pytest.mark.parametrize("corrupt, error, words", [
+    (lambda t: t.replace(obs=t.obs[:, :2]), ValueError, ["obs", "(3, 2, 2)"]),
+    (lambda t: t.replace(action=t.action.astype(jnp.float32)), TypeError,
+     ["action", "float32", "int32"]),
+    (lambda t: t.replace(extras=(t.extras[0],)), TypeError, ["extras", "missing"]),
+    (lambda t: t.replace(reward=t.reward[:2]), ValueError, ["reward", "(3,)"]),
+    (lambda t: t.replace(done=t.done[:, None]), ValueError, ["done"]),
+])
+def test_bad_items_raise_naming_the_leaf_and_leave_the_state_intact(
+    kind, corrupt, error, words):
+  buffer, state = fresh(kind)
+  state = buffer.add(state, make_items(0, 3))
+  before = jax.tree.map(np.asarray, state)
+  with pytest.raises(error) as raised:
+    buffer.add(state, corrupt(make_items(3, 3)))
+  for word in words:
+    assert word in str(raised.value)
+  chex.assert_trees_all_equal(before, jax.tree.map(np.asarray, state))
+  buffer.add(state, make_items(3, 3))  # the state is still usable
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda b, s: b.sample(s, jnp.zeros(3, jnp.uint32), 4), TypeError),
+    (lambda b, s: b.sample(s, jnp.array([1.0, 2.0]), 4), TypeError),
+    (lambda b, s: b.sample(s, jax.random.key(0), 0), ValueError),
+    (lambda b, s: b.update_priorities(s, jnp.array([0, 1]), jnp.array([1.0])),
+     ValueError),
+    (lambda b, s: b.update_priorities(s, jnp.array([0.0]), jnp.array([1.0])),
+     TypeError),
+    (lambda b, s: b.update_priorities(s, jnp.array([0]), jnp.array([1.0]),
+                                      jnp.array([0])), TypeError),
+])
+def test_bad_arguments_raise_and_leave_the_state_intact(kind, call, error):
+  buffer, state = fresh(kind)
+  state = buffer.add(state, make_items(0, 3))
+  before = jax.tree.map(np.asarray, state)
+  with pytest.raises(error):
+    call(buffer, state)
+  chex.assert_trees_all_equal(before, jax.tree.map(np.asarray, state))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: jaxbuf.uniform_replay(0), lambda: jaxbuf.uniform_replay(2.5),
+    lambda: jaxbuf.prioritized_replay(8, alpha=-1.0),
+    lambda: jaxbuf.prioritized_replay(8, eps=0.0),
+    lambda: jaxbuf.prioritized_replay(8, beta=-0.1)])
+def test_bad_hyperparameters_raise_when_the_buffer_is_made(make):
+  with pytest.raises((TypeError, ValueError)):
+    make()
+
+
+def test_checked_mode_raises_on_empty_sample_and_bad_priorities():
+  buffer = jaxbuf.prioritized_replay(8, checked=True)
+  state = buffer.init(jnp.zeros(()))
+  with pytest.raises(CHECK_FAILED, match="empty"):
+    buffer.sample(state, jax.random.key(0), 2)
+  state = buffer.add(state, jnp.zeros(3))
+  with pytest.raises(CHECK_FAILED, match="finite"):
+    buffer.update_priorities(state, jnp.array([0]), jnp.array([jnp.nan]))
+  with pytest.raises(CHECK_FAILED, match="items held"):
+    buffer.update_priorities(state, jnp.array([5]), jnp.array([1.0]))
+  step = jax.jit(checkify.checkify(
+      lambda s, k: buffer.sample(s, k, 2)))
+  error, _ = step(buffer.clear(state), jax.random.key(0))
+  with pytest.raises(ValueError, match="empty"):
+    error.throw()
+
+
+# --- Composability: jit, vmap, scan, cond, recompilation, devices ------------------------
+
+def test_functions_keep_structure_shape_and_dtype(kind):
+  buffer, state = fresh(kind)
+  items = make_items(0, 3)
+  after_add = jax.eval_shape(buffer.add, state, items)
+  after_update = jax.eval_shape(buffer.update_priorities, state,
+                                jnp.zeros(4, jnp.int32), jnp.ones(4))
+  for after in (after_add, after_update, jax.eval_shape(buffer.clear, state)):
+    chex.assert_trees_all_equal_shapes_and_dtypes(after, state)
+    assert jax.tree.structure(after) == jax.tree.structure(state)
+
+
+def test_every_function_runs_inside_lax_cond(kind):
+  buffer, state = fresh(kind)
+  state = buffer.add(state, make_items(0, 5))
+
+  @jax.jit
+  def step(state, key, learn):
+    batch = buffer.sample(state, key, 4)
+    state = jax.lax.cond(learn & buffer.can_sample(state, 4),
+                         lambda s: buffer.update_priorities(
+                             s, batch.indices, batch.weights + 1.0, batch.item_ids),
+                         lambda s: s, state)
+    state = jax.lax.cond(learn, lambda s: buffer.add(s, make_items(9, 2)),
+                         lambda s: buffer.clear(s), state)
+    return state
+  assert int(step(state, jax.random.key(0), jnp.bool_(True)).size) == 7
+  assert int(step(state, jax.random.key(0), jnp.bool_(False)).size) == 0
+
+
+def test_scan_of_add_sample_update_matches_python_loop(kind):
+  buffer, state = fresh(kind)
+  keys = jax.random.split(jax.random.key(6), 10)
+
+  def body(state, inputs):
+    key, start = inputs
+    state = buffer.add(state, make_items(0, 3).replace(action=start + jnp.arange(3)))
+    batch = buffer.sample(state, key, 4)
+    state = buffer.update_priorities(state, batch.indices,
+                                     batch.items.reward + 0.5, batch.item_ids)
+    return state, batch.indices
+
+  starts = jnp.arange(10, dtype=jnp.int32) * 3
+  scanned_state, scanned_indices = jax.jit(
+      lambda s: jax.lax.scan(body, s, (keys, starts)))(state)
+  _, state = fresh(kind)
+  looped = []
+  for key, start in zip(keys, starts):
+    state, indices = body(state, (key, start))
+    looped.append(indices)
+  np.testing.assert_array_equal(np.asarray(scanned_indices), np.stack(looped))
+  chex.assert_trees_all_close(scanned_state, state)
+
+
+def test_vmap_over_many_independent_buffers(kind):
+  buffer, _ = fresh(kind)
+  num_buffers = 6
+  states = jax.vmap(lambda _: buffer.init(example_item()))(jnp.arange(num_buffers))
+  batches = jax.vmap(lambda b: make_items(0, b + 1).replace(
+      action=jnp.full(1, 0, jnp.int32) + b))
+  items = jax.tree.map(lambda *xs: jnp.stack(xs),
+                       *[make_items(10 * b, 3) for b in range(num_buffers)])
+  states = jax.vmap(buffer.add)(states, items)
+  keys = jax.random.split(jax.random.key(7), num_buffers)
+  samples = jax.vmap(lambda s, k: buffer.sample(s, k, 5))(states, keys)
+  states = jax.vmap(buffer.update_priorities)(states, samples.indices,
+                                               samples.weights, samples.item_ids)
+  ok = jax.vmap(lambda s: buffer.can_sample(s, 3))(states)
+  assert ok.shape == (num_buffers,) and bool(ok.all())
+  for b in range(num_buffers):
+    _, single = fresh(kind)
+    single = buffer.add(single, make_items(10 * b, 3))
+    expected = buffer.sample(single, keys[b], 5)
+    np.testing.assert_array_equal(np.asarray(samples.indices[b]),
+                                  np.asarray(expected.indices))
+    np.testing.assert_array_equal(np.asarray(samples.items.action[b]),
+                                  np.asarray(expected.items.action))
+  del batches
+  cleared = jax.vmap(buffer.clear)(states)
+  assert not bool(cleared.size.any())
+
+
+def test_no_recompilation_on_the_second_call(kind):
+  buffer = MAKERS[kind]()
+  state = buffer.init(example_item())
+  chex.clear_trace_counter()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(state, key, items):
+    state = buffer.add(state, items)
+    batch = buffer.sample(state, key, 4)
+    return buffer.update_priorities(state, batch.indices, batch.weights,
+                                    batch.item_ids)
+  for i in range(3):
+    state = step(state, jax.random.key(i), make_items(3 * i, 3))
+  functions = (buffer.add, buffer.sample, buffer.update_priorities)
+  state = buffer.add(state, make_items(0, 3))
+  batch = buffer.sample(state, jax.random.key(0), 4)
+  state = buffer.update_priorities(state, batch.indices, batch.weights)
+  # jit caches are shared by every buffer wrapping the same function, so
+  # count what the second and later calls add, not the absolute size.
+  compiled = [f._cache_size() for f in functions]
+  for i in range(1, 4):
+    state = buffer.add(state, make_items(i, 3))
+    batch = buffer.sample(state, jax.random.key(i), 4)
+    state = buffer.update_priorities(state, batch.indices, batch.weights)
+  assert [f._cache_size() for f in functions] == compiled
+
+
+def test_python_loop_add_updates_the_storage_in_place(kind):
+  buffer, state = fresh(kind)
+  state = buffer.add(state, make_items(0, 2))
+  pointer = state.storage.obs.unsafe_buffer_pointer()
+  for i in range(3):
+    old = state
+    state = buffer.add(state, make_items(2 + i, 1))
+    assert old.storage.obs.is_deleted()
+  assert state.storage.obs.unsafe_buffer_pointer() == pointer
+
+
+def test_buffers_sharded_over_four_devices(kind):
+  assert jax.device_count() == 4
+  buffer, _ = fresh(kind)
+  mesh = jax.make_mesh((4,), ("buffers",), axis_types=(AUTO,))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("buffers"))
+  states = jax.vmap(lambda _: buffer.init(example_item()))(jnp.arange(8))
+  states = jax.device_put(states, sharding)
+  items = jax.tree.map(lambda *xs: jnp.stack(xs), *[make_items(b, 3) for b in range(8)])
+  keys = jax.random.split(jax.random.key(8), 8)
+  items, keys = jax.device_put((items, keys), sharding)
+
+  @jax.jit
+  def step(states, items, keys):
+    states = jax.vmap(buffer.add)(states, items)
+    samples = jax.vmap(lambda s, k: buffer.sample(s, k, 4))(states, keys)
+    states = jax.vmap(buffer.update_priorities)(states, samples.indices,
+                                                 samples.weights + 1, samples.item_ids)
+    return states, samples
+  states, samples = step(states, items, keys)
+  assert states.storage.obs.sharding.is_equivalent_to(sharding, 3)
+  np.testing.assert_array_equal(np.asarray(samples.items.action),
+                                np.asarray(samples.indices) + np.arange(8)[:, None])
+
+
+def test_one_buffer_with_storage_sharded_over_capacity(kind):
+  capacity = 16
+  buffer = (jaxbuf.uniform_replay if kind == "uniform"
+            else jaxbuf.prioritized_replay)(capacity)
+  mesh = jax.make_mesh((4,), ("slots",), axis_types=(AUTO,))
+  state = buffer.init(jnp.zeros(5))
+  row_sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("slots"))
+  state = state.replace(storage=jax.device_put(state.storage, row_sharded))
+  for start in range(0, 40, 6):
+    rows = jnp.arange(start, start + 6, dtype=jnp.float32)
+    state = buffer.add(state, jnp.broadcast_to(rows[:, None], (6, 5)))
+  assert state.storage.sharding.is_equivalent_to(row_sharded, 2)
+  batch = buffer.sample(state, jax.random.key(0), 32)
+  np.testing.assert_array_equal(np.asarray(batch.items[:, 0]),
+                                np.asarray(state.storage[batch.indices, 0]))
+  assert np.asarray(batch.items[:, 0]).min() >= 42 - capacity
+
+
+def test_fused_step_needs_no_host_transfer_or_callback(kind):
+  buffer, state = fresh(kind)
+  state = buffer.add(state, make_items(0, 4))
+  items = make_items(4, 2)
+  key = jax.random.key(0)
+
+  def step(state, key, items):
+    state = buffer.add(state, items)
+    batch = buffer.sample(state, key, 4)
+    loss = jnp.mean(batch.weights * batch.items.reward)
+    state = buffer.update_priorities(state, batch.indices,
+                                     jnp.abs(batch.items.reward), batch.item_ids)
+    return state, loss
+  jitted = jax.jit(step, donate_argnums=0)
+  assert "callback" not in jitted.lower(state, key, items).as_text()
+  state, key, items = jax.device_put((state, key, items))
+  with jax.transfer_guard("disallow"):
+    state, loss = jitted(state, key, items)
+    state, loss = jitted(state, key, items)
+  assert int(state.size) == 8 and loss.shape == ()
+
+
+def test_dataclass_items_round_trip(kind):
+  buffer, state = fresh(kind)
+  state = buffer.add(state, make_items(40, 2))
+  batch = buffer.sample(state, jax.random.key(0), 3)
+  assert isinstance(batch.items, Transition)
+  assert dataclasses.fields(batch.items)[0].name == "obs"
+  assert batch.items.obs.dtype == jnp.uint8

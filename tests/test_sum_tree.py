@@ -1,0 +1,115 @@
+"""Sum tree against NumPy: writes, duplicates, descents, and long-run totals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxbuf import sum_tree
+
+
+def _numpy_levels(leaf_values: np.ndarray) -> list[np.ndarray]:
+  """Reference: every level's node sums, in float64, bottom-up."""
+  levels = [leaf_values.astype(np.float64)]
+  while levels[-1].size > 1:
+    child = levels[-1]
+    padded = np.zeros(-(-child.size // sum_tree.BRANCHING) * sum_tree.BRANCHING)
+    padded[:child.size] = child
+    levels.append(padded.reshape(-1, sum_tree.BRANCHING).sum(axis=1))
+  return levels
+
+
+@pytest.mark.parametrize("num_leaves", [1, 2, 31, 32, 33, 1000, 32 ** 2 + 5])
+def test_level_sizes_cover_leaves_and_end_at_root(num_leaves):
+  sizes = sum_tree.level_sizes(num_leaves)
+  assert sizes[-1] == 1
+  assert sizes[0] >= num_leaves
+  for child, parent in zip(sizes[:-1], sizes[1:]):
+    assert child % sum_tree.BRANCHING == 0
+    assert child // sum_tree.BRANCHING <= max(parent, 1)
+
+
+def test_set_leaves_matches_numpy_at_every_level():
+  rng = np.random.default_rng(0)
+  num_leaves = 1500
+  tree = sum_tree.init(num_leaves)
+  reference = np.zeros(num_leaves)
+  for _ in range(5):
+    indices = rng.integers(0, num_leaves, 300)
+    values = rng.uniform(0, 10, 300).astype(np.float32)
+    tree = sum_tree.set_leaves(tree, indices, values)
+    for i, v in zip(indices, values):
+      reference[i] = v
+  for level, expected in zip(tree.levels, _numpy_levels(reference)):
+    np.testing.assert_allclose(np.asarray(level)[:expected.size], expected,
+                               rtol=1e-6)
+    assert not np.any(np.asarray(level)[expected.size:])
+
+
+def test_duplicate_indices_last_valid_occurrence_wins():
+  tree = sum_tree.init(8)
+  indices = jnp.array([3, 5, 3, 3, 5, 6])
+  values = jnp.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+  valid = jnp.array([True, True, True, False, True, False])
+  tree = sum_tree.set_leaves(tree, indices, values, valid)
+  np.testing.assert_array_equal(sum_tree.leaves(tree)[:8],
+                                [0, 0, 0, 3.0, 0, 5.0, 0, 0])
+  assert sum_tree.total(tree) == 8.0
+
+
+def test_last_valid_occurrence_marks_one_per_distinct_index():
+  rng = np.random.default_rng(1)
+  indices = rng.integers(0, 20, 200)
+  valid = rng.random(200) < 0.7
+  marked = np.asarray(sum_tree.last_valid_occurrence(jnp.asarray(indices),
+                                                     jnp.asarray(valid)))
+  for index in np.unique(indices):
+    positions = np.flatnonzero((indices == index) & valid)
+    expected = positions[-1:] if positions.size else []
+    np.testing.assert_array_equal(np.flatnonzero(marked & (indices == index)),
+                                  expected)
+
+
+def test_find_prefix_sums_matches_searchsorted():
+  rng = np.random.default_rng(2)
+  num_leaves = 3000
+  values = rng.uniform(0, 1, num_leaves).astype(np.float32)
+  values[rng.random(num_leaves) < 0.3] = 0.0
+  tree = sum_tree.set_leaves(sum_tree.init(num_leaves), jnp.arange(num_leaves),
+                             values)
+  total = float(sum_tree.total(tree))
+  targets = rng.uniform(0, total, 5000).astype(np.float32)
+  found = np.asarray(sum_tree.find_prefix_sums(tree, targets))
+  prefix = np.cumsum(values.astype(np.float64))
+  expected = np.searchsorted(prefix, targets, side="right")
+  # Targets within float32 rounding of a boundary may land on either side.
+  near_boundary = np.abs(prefix[np.minimum(expected, num_leaves - 1)] - targets) < 1e-3
+  agree = (found == expected) | near_boundary
+  assert agree.mean() == 1.0
+  assert np.all(values[found] > 0)
+
+
+@pytest.mark.parametrize("targets", [[0.0], [1.0], [1e30], [np.inf], [-1.0]])
+def test_descent_never_returns_a_zero_leaf(targets):
+  tree = sum_tree.set_leaves(sum_tree.init(100), jnp.array([17, 64]),
+                             jnp.array([0.25, 0.75]))
+  found = sum_tree.find_prefix_sums(tree, jnp.asarray(targets, jnp.float32))
+  assert int(found[0]) in (17, 64)
+
+
+def test_root_tracks_leaf_sum_over_a_million_batched_updates():
+  """10^6 random updates (977 batches of 1024): no drift, to float32 precision."""
+  num_leaves, batch, steps = 50_000, 1024, 977
+  def step(tree, key):
+    index_key, value_key = jax.random.split(key)
+    indices = jax.random.randint(index_key, (batch,), 0, num_leaves)
+    values = jax.random.uniform(value_key, (batch,), minval=0.0, maxval=100.0)
+    return sum_tree.set_leaves(tree, indices, values), None
+  keys = jax.random.split(jax.random.key(3), steps)
+  tree, _ = jax.jit(lambda t: jax.lax.scan(step, t, keys))(sum_tree.init(num_leaves))
+  assert steps * batch >= 10**6
+  leaves = np.asarray(sum_tree.leaves(tree), np.float64)
+  np.testing.assert_allclose(float(sum_tree.total(tree)), leaves.sum(), rtol=2e-6)
+  for level, expected in zip(tree.levels, _numpy_levels(leaves[:num_leaves])):
+    np.testing.assert_allclose(np.asarray(level)[:expected.size], expected,
+                               rtol=2e-6)
