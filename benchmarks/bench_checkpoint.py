@@ -1,0 +1,117 @@
+"""Checkpoint save/load time and bytes: jaxbuf.save/load (orbax) against numpy.
+
+The state is the issue's case: a prioritized buffer of 1M items, each an (84,)
+float32 observation, full, with priorities set. The NumPy baseline writes the
+same arrays (every leaf of the state) with `numpy.savez`, i.e. `numpy.save`
+per array into one uncompressed file, and reads them back with `numpy.load`.
+
+Both sides write through the OS page cache and read back warm; neither number
+includes the time to reach the disk platter. `jaxbuf.save` additionally pays
+for atomicity (a temporary directory, renames, directory fsyncs) and for the
+layout check on load. Each measurement is the median of `--repeats` runs.
+
+Run: .venv/bin/python benchmarks/bench_checkpoint.py [--capacity N] [--repeats R]
+"""
+
+import argparse
+import os
+import pathlib
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint
+
+import jaxbuf
+
+
+def directory_bytes(path: pathlib.Path) -> int:
+  if path.is_file():
+    return path.stat().st_size
+  return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def make_state(capacity: int) -> jaxbuf.PrioritizedReplayState:
+  buffer = jaxbuf.prioritized_replay(capacity)
+  state = buffer.init(jnp.zeros(84, jnp.float32))
+  observations = np.random.default_rng(0).standard_normal((capacity, 84), np.float32)
+  state = buffer.add(state, jnp.asarray(observations))
+  batch = 4096
+  for start in range(0, capacity, batch * 16):
+    indices = jnp.arange(start, min(start + batch, capacity), dtype=jnp.int32)
+    state = buffer.update_priorities(
+        state, indices, jax.random.uniform(jax.random.key(start), indices.shape) * 10)
+  return jax.block_until_ready(state)
+
+
+def timed(function, repeats: int) -> tuple[float, object]:
+  times, result = [], None
+  for _ in range(repeats):
+    start = time.perf_counter()
+    result = function()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), result
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--capacity", type=int, default=1_000_000)
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args()
+
+  state = make_state(args.capacity)
+  leaves = {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in
+            jax.tree_util.tree_flatten_with_path(state)[0]}
+  array_bytes = sum(leaf.nbytes for leaf in leaves.values())
+  like = jax.eval_shape(lambda: state)
+  work = pathlib.Path(tempfile.mkdtemp(prefix="bench_checkpoint_"))
+  try:
+    fresh_paths = iter(work / f"fresh_{i}" for i in range(args.repeats))
+    save_seconds, _ = timed(lambda: jaxbuf.save(next(fresh_paths), state),
+                            args.repeats)
+    checkpoint = work / "fresh_0"
+    overwrite_seconds, _ = timed(lambda: jaxbuf.save(checkpoint, state), args.repeats)
+    load_seconds, restored = timed(
+        lambda: jax.block_until_ready(jaxbuf.load(checkpoint, like=like)), args.repeats)
+    exact = all(np.array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                               np.asarray(b).reshape(-1).view(np.uint8))
+                for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
+    jaxbuf_bytes = directory_bytes(checkpoint)
+
+    npz = work / "numpy_arrays.npz"
+
+    def numpy_save():
+      np.savez(npz, **{f"leaf{i}": leaf for i, leaf in enumerate(leaves.values())})
+
+    def numpy_load():
+      with np.load(npz) as data:
+        return [data[name] for name in data.files]
+
+    numpy_save_seconds, _ = timed(numpy_save, args.repeats)
+    numpy_load_seconds, _ = timed(numpy_load, args.repeats)
+    numpy_bytes = directory_bytes(npz)
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+
+  print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{jax.devices()[0].platform}; jax {jax.__version__}, "
+        f"orbax-checkpoint {orbax.checkpoint.__version__}, numpy {np.__version__}")
+  print(f"state: prioritized replay, capacity {args.capacity}, obs (84,) float32, "
+        f"{len(leaves)} arrays, {array_bytes / 1e6:.1f} MB of array data; "
+        f"median of {args.repeats}")
+  print(f"{'':28s}{'save s':>9s}{'load s':>9s}{'MB on disk':>12s}")
+  print(f"{'jaxbuf.save/load (orbax)':28s}{save_seconds:9.2f}{load_seconds:9.2f}"
+        f"{jaxbuf_bytes / 1e6:12.1f}")
+  print(f"{'  overwriting a checkpoint':28s}{overwrite_seconds:9.2f}{'':9s}{'':12s}")
+  print(f"{'numpy.savez/load':28s}{numpy_save_seconds:9.2f}{numpy_load_seconds:9.2f}"
+        f"{numpy_bytes / 1e6:12.1f}")
+  print(f"jaxbuf round trip bit-exact: {exact}")
+
+
+if __name__ == "__main__":
+  main()

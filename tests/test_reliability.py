@@ -1,0 +1,753 @@
+"""Reliability: checked mode, stale priority updates, counters, long-run numerics,
+and the bad-input table of RELIABILITY.md (one test id per row).
+"""
+
+import math
+import pathlib
+import re
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+import numpy as np
+import optax
+import pytest
+
+import jaxbuf
+from jaxbuf import prioritized
+from jaxbuf import sum_tree
+from tests.reference import ReferenceReplay
+
+CAPACITY = 8
+INT32_MAX = 2**31 - 1
+# Eager checked calls raise JaxRuntimeError (JAX keeps the class private; its
+# public base is Exception); the message identifies the check.
+CHECK_FAILED = Exception
+UNIFORM = jaxbuf.uniform_replay(CAPACITY)
+PRIORITIZED = jaxbuf.prioritized_replay(CAPACITY, alpha=0.7, beta=0.5)
+CHECKED = {"uniform": jaxbuf.uniform_replay(CAPACITY, checked=True),
+           "prioritized": jaxbuf.prioritized_replay(CAPACITY, alpha=0.7, beta=0.5,
+                                                    checked=True)}
+LONG_RUN = jaxbuf.prioritized_replay(100_003, alpha=1.0)
+SMALL_TREE = jaxbuf.prioritized_replay(70)
+SMALL_TREE_FULL = SMALL_TREE.add(SMALL_TREE.init(jnp.int32(0)),
+                                 jnp.arange(70, dtype=jnp.int32))
+
+
+def snapshot(state):
+  """Every leaf as raw bytes (NaN payloads compare exactly); a host copy."""
+  return jax.tree.map(lambda x: np.asarray(x).reshape(-1).view(np.uint8).copy(), state)
+
+
+def assert_same(state, before):
+  for got, want in zip(jax.tree.leaves(snapshot(state)), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(got, want)
+
+
+def example_item():
+  return {"obs": jnp.zeros(3, jnp.float32), "action": jnp.int32(0)}
+
+
+def make_items(start, count):
+  serial = np.arange(start, start + count)
+  return {"obs": np.repeat(serial[:, None], 3, axis=1).astype(np.float32),
+          "action": serial.astype(np.int32)}
+
+
+def filled(buffer, count=5):
+  return buffer.add(buffer.init(example_item()), make_items(0, count))
+
+
+def leaves_of(state):
+  return np.asarray(sum_tree.leaves(state.sum_tree))
+
+
+# --- Checked mode: every run-time violation raises, eagerly and under jit --------
+
+# Made once: each new buffer has new jitted functions, compiled afresh.
+SHORT_ROLLOUTS = {checked: jaxbuf.rollout_buffer(num_steps=2, num_envs=3, checked=checked)
+                  for checked in (False, True)}
+ROLLOUT = jaxbuf.rollout_buffer(num_steps=4, num_envs=3)
+
+
+def _rollout_full(checked):
+  rollout = SHORT_ROLLOUTS[checked]
+  state = rollout.init(jnp.zeros(2))
+  for _ in range(2):
+    state = rollout.add(state, jnp.ones((3, 2)), mask=jnp.array([True, False, True]))
+  return rollout, state
+
+
+VIOLATIONS = {
+    # name: (kind, call(buffer, state), words in the message)
+    "sample empty uniform": ("uniform", lambda b, s: b.sample(
+        b.clear(s), jax.random.key(0), 4), "empty"),
+    "sample empty prioritized": ("prioritized", lambda b, s: b.sample(
+        b.clear(s), jax.random.key(0), 4), "empty"),
+    "NaN priority": ("prioritized", lambda b, s: b.update_priorities(
+        s, jnp.array([0, 1]), jnp.array([1.0, jnp.nan])), "finite"),
+    "inf priority": ("prioritized", lambda b, s: b.update_priorities(
+        s, jnp.array([0]), jnp.array([jnp.inf])), "finite"),
+    "negative priority": ("prioritized", lambda b, s: b.update_priorities(
+        s, jnp.array([0]), jnp.array([-0.5])), "non-negative"),
+    "index at an empty slot": ("prioritized", lambda b, s: b.update_priorities(
+        s, jnp.array([6]), jnp.array([1.0])), "items held"),
+    "index past capacity": ("prioritized", lambda b, s: b.update_priorities(
+        s, jnp.array([CAPACITY + 3]), jnp.array([1.0])), "items held"),
+    "negative index": ("prioritized", lambda b, s: b.update_priorities(
+        s, jnp.array([-1]), jnp.array([1.0])), "items held"),
+    "uint32 index 2**32-1": ("prioritized", lambda b, s: b.update_priorities(
+        s, jnp.array([2**32 - 1], jnp.uint32), jnp.array([1.0])), "items held"),
+    "uniform NaN priority": ("uniform", lambda b, s: b.update_priorities(
+        s, jnp.array([0]), jnp.array([jnp.nan])), "finite"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VIOLATIONS))
+def test_checked_mode_raises_eagerly_and_leaves_the_state_intact(name):
+  kind, call, words = VIOLATIONS[name]
+  buffer = CHECKED[kind]
+  state = filled(buffer)
+  before = snapshot(state)
+  with pytest.raises(CHECK_FAILED, match=words) as raised:
+    call(buffer, state)
+  assert type(raised.value).__name__ == "JaxRuntimeError"
+  assert_same(state, before)
+
+
+@pytest.mark.parametrize("name", sorted(VIOLATIONS))
+def test_default_mode_has_a_documented_harmless_outcome(name):
+  kind, call, _ = VIOLATIONS[name]
+  buffer = UNIFORM if kind == "uniform" else PRIORITIZED
+  state = filled(buffer)
+  before = snapshot(state)
+  result = call(buffer, state)
+  if isinstance(result, jaxbuf.ReplaySample):
+    # Sampling an empty buffer: slot 0 with weight 0, so a weighted loss ignores it.
+    np.testing.assert_array_equal(np.asarray(result.indices), 0)
+    np.testing.assert_array_equal(np.asarray(result.weights), 0.0)
+    return
+  if kind == "prioritized":
+    assert int(result.beta_step) == 1  # the call still counts as a schedule step
+    result = result.replace(beta_step=jnp.int32(0))
+    if name == "NaN priority":  # the valid entry of the batch applies
+      applied = PRIORITIZED.update_priorities(filled(PRIORITIZED), jnp.array([0]),
+                                              jnp.array([1.0]))
+      before = snapshot(applied.replace(beta_step=jnp.int32(0)))
+  assert_same(result, before)
+
+
+def test_checked_rollout_raises_on_writes_past_num_steps():
+  rollout, state = _rollout_full(checked=True)
+  before = snapshot(state)
+  with pytest.raises(CHECK_FAILED, match="full") as raised:
+    rollout.add(state, jnp.ones((3, 2)), mask=jnp.array([False, True, True]))
+  assert type(raised.value).__name__ == "JaxRuntimeError"
+  assert_same(state, before)
+  # Default mode: the write to a full env is dropped, the others land.
+  rollout, state = _rollout_full(checked=False)
+  state = rollout.add(state, jnp.full((3, 2), 9.0), mask=jnp.array([True, True, False]))
+  np.testing.assert_array_equal(np.asarray(state.step_counts), [2, 1, 2])
+  np.testing.assert_array_equal(np.asarray(state.data[:, :, 0]),
+                                [[1, 9, 1], [1, 0, 1]])
+
+
+def test_checked_mode_inside_jit_and_scan_needs_checkify():
+  buffer = CHECKED["prioritized"]
+
+  def train(state, priorities):
+    def step(state, priority):
+      batch = buffer.sample(state, jax.random.key(0), 4)
+      return buffer.update_priorities(
+          state, batch.indices, jnp.full((4,), priority), batch.item_ids), None
+    return jax.lax.scan(step, state, priorities)[0]
+
+  checked_train = jax.jit(checkify.checkify(train))
+  state = filled(buffer)
+  error, trained = checked_train(state, jnp.array([1.0, 2.0, 3.0]))
+  assert error.get() is None
+  assert int(trained.beta_step) == 3
+  error, _ = checked_train(state, jnp.array([1.0, jnp.nan, 3.0]))
+  with pytest.raises(ValueError, match="finite"):
+    error.throw()
+  # Staged without checkify, the check cannot run: JAX says so while tracing.
+  with pytest.raises(ValueError, match="checkify"):
+    jax.jit(train)(state, jnp.array([1.0]))
+  rollout, full = _rollout_full(checked=True)
+  error, _ = jax.jit(checkify.checkify(rollout.add))(full, jnp.ones((3, 2)))
+  with pytest.raises(ValueError, match="full"):
+    error.throw()
+
+
+# --- Stale priority updates --------------------------------------------------------
+
+@pytest.mark.parametrize("overwrite", [3, CAPACITY - 1, CAPACITY + 5])
+def test_updates_for_overwritten_slots_are_skipped(overwrite):
+  state = filled(PRIORITIZED, CAPACITY)
+  reference = ReferenceReplay(CAPACITY, alpha=0.7)
+  reference.add(list(range(CAPACITY)))
+  batch = PRIORITIZED.sample(state, jax.random.key(1), 16)
+  indices, item_ids = np.asarray(batch.indices), np.asarray(batch.item_ids)
+  np.testing.assert_array_equal(item_ids, reference.ids[indices])
+  # A large add between sample and update overwrites some sampled slots.
+  state = PRIORITIZED.add(state, make_items(100, overwrite))
+  reference.add(list(range(100, 100 + overwrite)))
+  priorities = np.linspace(0.5, 8.0, 16).astype(np.float32)
+  state = PRIORITIZED.update_priorities(state, batch.indices, priorities,
+                                        batch.item_ids)
+  reference.update_priorities(indices, priorities, item_ids)
+  overwritten = reference.ids[indices] != item_ids
+  assert overwritten.any() and (overwrite >= CAPACITY or not overwritten.all())
+  np.testing.assert_allclose(leaves_of(state)[:CAPACITY], reference.priorities ** 0.7,
+                             rtol=1e-5)
+  # New items keep the priority they entered with (the running maximum).
+  fresh = reference.ids >= 100
+  np.testing.assert_allclose(leaves_of(state)[:CAPACITY][fresh],
+                             1.0, rtol=1e-6)
+
+
+def test_without_item_ids_the_update_lands_on_whatever_the_slot_holds():
+  state = filled(PRIORITIZED, CAPACITY)
+  batch = PRIORITIZED.sample(state, jax.random.key(2), 1)
+  state = PRIORITIZED.add(state, make_items(100, CAPACITY))  # overwrite all
+  state = PRIORITIZED.update_priorities(state, batch.indices, jnp.array([4.0]))
+  assert leaves_of(state)[int(batch.indices[0])] == pytest.approx(
+      (4.0 + 1e-6) ** 0.7, rel=1e-6)
+
+
+def test_item_ids_stay_stale_across_clear_and_refill():
+  state = filled(PRIORITIZED, 4)
+  batch = PRIORITIZED.sample(state, jax.random.key(3), 8)
+  state = PRIORITIZED.add(PRIORITIZED.clear(state), make_items(50, 4))
+  before = leaves_of(state)
+  state = PRIORITIZED.update_priorities(state, batch.indices, jnp.full((8,), 9.0),
+                                        batch.item_ids)
+  np.testing.assert_array_equal(leaves_of(state), before)
+  assert np.all(np.asarray(PRIORITIZED.sample(state, jax.random.key(4), 8).item_ids)
+                >= 4)
+
+
+# --- Counters: no overflow -------------------------------------------------------
+
+@pytest.mark.parametrize("start", [2**31 - 3, 2**32 - 3])
+def test_counters_past_2_to_the_31_and_the_uint32_wrap(start):
+  """Simulates more than 2**31 (and 2**32) adds by starting the counters there."""
+  state = filled(PRIORITIZED, CAPACITY)
+  state = state.replace(add_count=jnp.uint32(start), insert_position=jnp.int32(5))
+  reference = ReferenceReplay(CAPACITY, alpha=0.7)
+  reference.add(list(range(CAPACITY)))
+  reference.ids = start - 1 - (5 - 1 - np.arange(CAPACITY)) % CAPACITY
+  reference.insert_position, reference.add_count = 5, start
+  serial = 1000
+  for _ in range(4):
+    batch = PRIORITIZED.sample(state, jax.random.key(serial), 6)
+    np.testing.assert_array_equal(np.asarray(batch.item_ids, np.int64),
+                                  reference.ids[np.asarray(batch.indices)] % 2**32)
+    state = PRIORITIZED.add(state, make_items(serial, 3))
+    reference.add(list(range(serial, serial + 3)))
+    serial += 3
+    priorities = np.full(6, float(serial % 7), np.float32)
+    state = PRIORITIZED.update_priorities(state, batch.indices, priorities,
+                                          batch.item_ids)
+    reference.update_priorities(np.asarray(batch.indices), priorities,
+                                np.asarray(batch.item_ids, np.int64))
+    assert int(state.insert_position) == reference.insert_position
+    np.testing.assert_allclose(leaves_of(state)[:CAPACITY],
+                               reference.priorities ** 0.7, rtol=1e-5)
+  assert int(state.add_count) == (start + 12) % 2**32
+  assert int(state.size) == CAPACITY
+  np.testing.assert_array_equal(np.asarray(state.storage["action"]),
+                                [reference.storage[i] for i in range(CAPACITY)])
+
+
+def test_beta_step_saturates_and_the_schedule_still_works():
+  schedule = optax.linear_schedule(0.4, 1.0, transition_steps=10**6)
+  buffer = jaxbuf.prioritized_replay(CAPACITY, beta=schedule)
+  state = filled(buffer).replace(beta_step=jnp.int32(INT32_MAX - 2))
+  for _ in range(4):
+    state = buffer.update_priorities(state, jnp.array([0, 1]), jnp.array([1.0, 3.0]))
+  assert int(state.beta_step) == INT32_MAX
+  weights = np.asarray(buffer.sample(state, jax.random.key(0), 64).weights)
+  assert np.all(np.isfinite(weights)) and 1 - 1e-6 <= weights.max() <= 1
+
+
+def test_ring_counters_after_many_adds_in_a_scan():
+  capacity, batch, steps = 10, 7, 10_000
+  buffer = jaxbuf.uniform_replay(capacity)
+  state = buffer.init(jnp.int32(0))
+  state = jax.jit(lambda s: jax.lax.scan(
+      lambda s, t: (buffer.add(s, t * batch + jnp.arange(batch)), None),
+      s, jnp.arange(steps))[0])(state)
+  total = steps * batch
+  assert (int(state.insert_position), int(state.size), int(state.add_count)) == (
+      total % capacity, capacity, total)
+  expected = np.arange(total - capacity, total)
+  np.testing.assert_array_equal(np.sort(np.asarray(state.storage)), expected)
+
+
+# --- Long-run numerics -------------------------------------------------------------
+
+def test_ten_million_updates_spanning_twelve_decades_do_not_drift():
+  """10^7 priority updates, priorities log-uniform in [1e-6, 1e6], alpha=1.
+
+  Stated bound: |root - exact sum of the float32 leaves| <= 1e-5 * exact sum.
+  Each parent is recomputed from its K=32 children, never adjusted by deltas,
+  so the error is that of one float32 summation tree of depth 4: at most about
+  4 * 31 * 2**-24 = 7.4e-6 relative, whatever the number of updates.
+  """
+  capacity, batch = 100_003, 4096
+  steps = -(-10**7 // batch)
+  state = LONG_RUN.add(LONG_RUN.init(jnp.int8(0)), jnp.zeros(capacity, jnp.int8))
+
+  def step(state, key):
+    index_key, priority_key = jax.random.split(key)
+    indices = jax.random.randint(index_key, (batch,), 0, capacity)
+    priorities = 10.0 ** jax.random.uniform(priority_key, (batch,),
+                                            minval=-6.0, maxval=6.0)
+    return prioritized.update_priorities(state, indices, priorities,
+                                         alpha=1.0, eps=1e-6), None
+
+  keys = jax.random.split(jax.random.key(0), steps)
+  state = jax.jit(lambda s: jax.lax.scan(step, s, keys)[0])(state)
+  assert steps * batch >= 10**7 and int(state.beta_step) == steps
+  leaves = np.asarray(sum_tree.leaves(state.sum_tree), np.float64)
+  exact = math.fsum(leaves)
+  root = float(sum_tree.total(state.sum_tree))
+  assert abs(root - exact) <= 1e-5 * exact
+  assert leaves[:capacity].min() >= 1e-6 and np.all(leaves[capacity:] == 0)
+  assert leaves.max() > 1e5 and leaves.min() < 1e-5  # the span was exercised
+  # Every node equals the sum of its children (no drift at any level).
+  for child, parent in zip(state.sum_tree.levels[:-1], state.sum_tree.levels[1:]):
+    sums = np.asarray(child, np.float64).reshape(-1, sum_tree.BRANCHING).sum(axis=1)
+    np.testing.assert_allclose(np.asarray(parent)[:sums.size], sums, rtol=4e-6)
+  batch_ = LONG_RUN.sample(state, jax.random.key(1), 4096)
+  indices = np.asarray(batch_.indices)
+  assert indices.min() >= 0 and indices.max() < capacity
+  assert np.all(np.isfinite(np.asarray(batch_.weights)))
+
+
+LEAF_VALUES = [0.0, 1e-45, 1e-40, 1.2e-38, 1e-30, 1.0, 3e5, 1e30]
+
+
+@hypothesis.given(
+    size=st.integers(1, 70),
+    pattern=st.lists(st.sampled_from(LEAF_VALUES), min_size=70, max_size=70),
+    seed=st.integers(0, 2**16))
+def test_sampling_returns_only_items_held_whatever_the_leaf_values(size, pattern, seed):
+  """Zeros, denormals (XLA on CPU flushes them to zero), single nonzero leaves.
+
+  The leaves are written straight into the tree, so any value can be tried.
+  """
+  values = np.where(np.arange(70) < size, np.asarray(pattern, np.float32), 0)
+  state = SMALL_TREE_FULL.replace(
+      size=jnp.int32(size), insert_position=jnp.int32(size % 70),
+      sum_tree=sum_tree.set_leaves(sum_tree.init(70), jnp.arange(70),
+                                   jnp.asarray(values)))
+  batch = SMALL_TREE.sample(state, jax.random.key(seed), 64)
+  indices, weights = np.asarray(batch.indices), np.asarray(batch.weights)
+  assert indices.min() >= 0 and indices.max() < size
+  np.testing.assert_array_equal(np.asarray(batch.items), indices)
+  assert np.all(np.isfinite(weights)) and 1 - 1e-6 <= weights.max() <= 1
+  normal = values >= np.finfo(np.float32).tiny
+  if normal.any():  # mass to sample from: a zero leaf never comes out
+    assert np.all(values[indices] > 0)
+  if normal.sum() == 1 and (values > 0).sum() == 1:
+    np.testing.assert_array_equal(indices, np.flatnonzero(normal)[0])
+
+
+@pytest.mark.parametrize("slot", [0, 37, 69])
+@pytest.mark.parametrize("value", [1.2e-38, 1.0, 1e30])
+def test_a_single_nonzero_leaf_is_all_that_is_sampled(slot, value):
+  values = np.zeros(70, np.float32)
+  values[slot] = value
+  state = SMALL_TREE_FULL.replace(sum_tree=sum_tree.set_leaves(
+      sum_tree.init(70), jnp.arange(70), jnp.asarray(values)))
+  batch = SMALL_TREE.sample(state, jax.random.key(slot), 64)
+  np.testing.assert_array_equal(np.asarray(batch.indices), slot)
+  np.testing.assert_allclose(np.asarray(batch.weights), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("alpha", [8.0, 30.0])
+def test_priorities_that_underflow_fall_back_to_uniform(alpha):
+  """(p + eps) ** alpha below float32's range: every leaf is 0, sampling is uniform."""
+  buffer = jaxbuf.prioritized_replay(CAPACITY, alpha=alpha)
+  state = buffer.add(buffer.init(example_item()), make_items(0, 6))
+  state = buffer.update_priorities(state, jnp.arange(6), jnp.zeros(6))
+  assert float(sum_tree.total(state.sum_tree)) == 0.0
+  batch = buffer.sample(state, jax.random.key(0), 600)
+  counts = np.bincount(np.asarray(batch.indices), minlength=CAPACITY)
+  assert counts[6:].sum() == 0 and counts[:6].min() > 60  # binomial(600, 1/6) > 60
+  np.testing.assert_array_equal(np.asarray(batch.weights), 1.0)
+
+
+# --- The bad-input table (RELIABILITY.md): one row id per case ----------------------
+
+def _with(**leaves):
+  return {**make_items(10, 2), **leaves}
+
+
+RAISES = {
+    # row id: (call(buffer, state), error, words in the message)
+    "add-wrong-leaf-shape": (lambda b, s: b.add(
+        s, _with(obs=np.zeros((2, 4), np.float32))), ValueError,
+                             ["['obs']", "(2, 4)", "(3,)"]),
+    "add-unbatched-item": (lambda b, s: b.add(s, example_item()), ValueError,
+                           ["['action']", "expected (B)", "batch axes"]),
+    "add-ragged-batch": (lambda b, s: b.add(s, _with(action=np.zeros(3, np.int32))),
+                         ValueError, ["['obs']", "(2, 3)", "expected (3, 3)"]),
+    "add-wrong-dtype": (lambda b, s: b.add(s, _with(action=np.zeros(2, np.float32))),
+                        TypeError, ["['action']", "float32", "int32"]),
+    "add-missing-leaf": (lambda b, s: b.add(s, {"obs": make_items(0, 2)["obs"]}),
+                         TypeError, ["missing leaves", "['action']"]),
+    "add-extra-leaf": (lambda b, s: b.add(s, _with(reward=np.zeros(2, np.float32))),
+                       TypeError, ["unexpected leaves", "['reward']"]),
+    "add-wrong-container": (lambda b, s: b.add(s, tuple(make_items(0, 2).values())),
+                            TypeError, ["tree structure"]),
+    "sample-batch-size-zero": (lambda b, s: b.sample(s, jax.random.key(0), 0),
+                               ValueError, ["batch_size must be positive"]),
+    "sample-batch-size-float": (lambda b, s: b.sample(s, jax.random.key(0), 4.0),
+                                TypeError, ["batch_size must be a Python int"]),
+    "sample-int-seed-as-key": (lambda b, s: b.sample(s, 0, 4), TypeError,
+                               ["key must be jax.random.key"]),
+    "sample-uint32-key-wrong-shape": (lambda b, s: b.sample(
+        s, jnp.zeros(3, jnp.uint32), 4), TypeError, ["key must be", "(3,)"]),
+    "sample-float-key": (lambda b, s: b.sample(s, jnp.array([1.0, 2.0]), 4),
+                         TypeError, ["key must be", "float32"]),
+    "sample-batched-keys": (lambda b, s: b.sample(
+        s, jax.random.split(jax.random.key(0), 2), 4), ValueError,
+                            ["single key", "vmap"]),
+    "can-sample-batch-size-zero": (lambda b, s: b.can_sample(s, 0), ValueError,
+                                   ["batch_size must be positive"]),
+    "update-float-indices": (lambda b, s: b.update_priorities(
+        s, jnp.array([0.0]), jnp.array([1.0])), TypeError, ["indices must be integers"]),
+    "update-2d-indices": (lambda b, s: b.update_priorities(
+        s, jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2))), ValueError, ["[S]"]),
+    "update-length-mismatch": (lambda b, s: b.update_priorities(
+        s, jnp.array([0, 1]), jnp.array([1.0])), ValueError, ["one per index"]),
+    "update-integer-priorities": (lambda b, s: b.update_priorities(
+        s, jnp.array([0]), jnp.array([1])), TypeError, ["floating point"]),
+    "update-item-ids-wrong-dtype": (lambda b, s: b.update_priorities(
+        s, jnp.array([0]), jnp.array([1.0]), jnp.array([0])), TypeError,
+                                    ["item_ids must be uint32"]),
+    "update-item-ids-wrong-shape": (lambda b, s: b.update_priorities(
+        s, jnp.array([0]), jnp.array([1.0]), jnp.zeros(2, jnp.uint32)), ValueError,
+                                    ["item_ids have shape (2,)"]),
+}
+
+
+@pytest.mark.parametrize("kind", ["uniform", "prioritized"])
+@pytest.mark.parametrize("row", sorted(RAISES))
+def test_bad_input_raises_and_the_state_survives(row, kind):
+  call, error, words = RAISES[row]
+  buffer = UNIFORM if kind == "uniform" else PRIORITIZED
+  state = filled(buffer)
+  before = snapshot(state)
+  with pytest.raises(error) as raised:
+    call(buffer, state)
+  for word in words:
+    assert word in str(raised.value)
+  # The error came while tracing, before the donating call ran: the state
+  # passed in is intact and still usable.
+  assert_same(state, before)
+  assert int(buffer.add(state, make_items(5, 1)).size) == 6
+
+
+def _skipped(indices, priorities):
+  """A prioritized update whose entries are all skipped: only beta_step moves."""
+  def check():
+    state = filled(PRIORITIZED)
+    before = snapshot(state.replace(beta_step=jnp.int32(1)))
+    state = PRIORITIZED.update_priorities(state, jnp.asarray(indices),
+                                          jnp.asarray(priorities, jnp.float32))
+    assert_same(state, before)
+    assert np.isfinite(float(sum_tree.total(state.sum_tree)))
+  return check
+
+
+def _add_outcome(items, expected_obs, size, add_count):
+  def check():
+    for buffer in (UNIFORM, PRIORITIZED):
+      state = buffer.add(filled(buffer), items)
+      np.testing.assert_array_equal(np.asarray(state.storage["obs"]), expected_obs)
+      assert (int(state.size), int(state.add_count)) == (size, add_count)
+      assert state.storage["obs"].dtype == jnp.float32
+  return check
+
+
+def _stored_obs(first, count):
+  """Storage obs after `filled` (items 0..4) then items first..first+count-1."""
+  reference = ReferenceReplay(CAPACITY)
+  reference.add(list(range(5)) + list(range(first, first + count)))
+  obs = np.zeros((CAPACITY, 3), np.float32)
+  for slot, serial in enumerate(reference.storage):
+    if serial is not None:
+      obs[slot] = serial
+  return obs
+
+
+def _empty_sample():
+  for buffer in (UNIFORM, PRIORITIZED):
+    batch = buffer.sample(buffer.clear(filled(buffer)), jax.random.key(0), 4)
+    np.testing.assert_array_equal(np.asarray(batch.indices), 0)
+    np.testing.assert_array_equal(np.asarray(batch.weights), 0.0)
+    assert not bool(buffer.can_sample(buffer.clear(filled(buffer)), 1))
+
+
+def _oversized_sample():
+  for buffer in (UNIFORM, PRIORITIZED):
+    batch = buffer.sample(filled(buffer, 2), jax.random.key(0), 64)
+    assert set(np.asarray(batch.indices).tolist()) == {0, 1}  # with replacement
+
+
+def _nan_items():
+  state = PRIORITIZED.add(filled(PRIORITIZED),
+                          _with(obs=np.full((2, 3), np.nan, np.float32)))
+  assert np.isnan(np.asarray(state.storage["obs"])[5:7]).all()
+  assert float(sum_tree.total(state.sum_tree)) == pytest.approx(7.0)
+
+
+def _huge_finite_priority():
+  buffer = jaxbuf.prioritized_replay(CAPACITY, alpha=1.0)
+  state = buffer.add(buffer.init(example_item()), make_items(0, CAPACITY))
+  state = buffer.update_priorities(state, jnp.arange(4), jnp.full(4, 3e38))
+  state = buffer.add(state, make_items(8, 2))  # enters at the (huge) max priority
+  total = float(sum_tree.total(state.sum_tree))
+  assert np.isfinite(total)
+  batch = buffer.sample(state, jax.random.key(0), 64)
+  weights = np.asarray(batch.weights)
+  assert np.all(np.isfinite(weights)) and 1 - 1e-6 <= weights.max() <= 1
+  assert set(np.asarray(batch.indices).tolist()) <= {0, 1, 2, 3}
+
+
+def _duplicate_indices():
+  state = PRIORITIZED.update_priorities(
+      filled(PRIORITIZED), jnp.array([2, 2, 2]), jnp.array([3.0, 5.0, jnp.nan]))
+  assert leaves_of(state)[2] == pytest.approx((5.0 + 1e-6) ** 0.7, rel=1e-6)
+
+
+def _reuse_donated_state():
+  state = filled(UNIFORM)
+  newer = UNIFORM.add(state, make_items(5, 1))
+  with pytest.raises((RuntimeError, ValueError), match="deleted|donated"):
+    UNIFORM.add(state, make_items(6, 1))
+  assert int(newer.size) == 6 and int(UNIFORM.add(newer, make_items(6, 1)).size) == 7
+
+
+OUTCOMES = {
+    "add-float64-numpy": _add_outcome(
+        _with(obs=np.full((2, 3), 7.0, np.float64)),
+        np.where(np.arange(CAPACITY)[:, None] < 5, _stored_obs(10, 2),
+                 np.where(np.arange(CAPACITY)[:, None] < 7, 7.0, 0.0)), 7, 7),
+    "add-empty-batch": _add_outcome(make_items(10, 0), _stored_obs(10, 0), 5, 5),
+    "add-batch-larger-than-capacity": _add_outcome(
+        make_items(10, CAPACITY + 5), _stored_obs(10, CAPACITY + 5), CAPACITY,
+        5 + CAPACITY + 5),
+    "add-nan-items": _nan_items,
+    "sample-empty-buffer": _empty_sample,
+    "sample-batch-larger-than-size": _oversized_sample,
+    "update-nan-priority": _skipped([0, 3], [np.nan, np.nan]),
+    "update-inf-priority": _skipped([0], [np.inf]),
+    "update-negative-priority": _skipped([0, 1], [-1.0, -1e-30]),
+    "update-index-at-empty-slot": _skipped([5, 7], [1.0, 2.0]),
+    "update-index-past-capacity": _skipped([CAPACITY, 2**30], [1.0, 2.0]),
+    "update-negative-index": _skipped([-1, -CAPACITY], [1.0, 2.0]),
+    "update-uint32-index-wrap": _skipped(np.array([2**32 - 1, 2**31], np.uint32),
+                                         [1.0, 2.0]),
+    "update-huge-finite-priority": _huge_finite_priority,
+    "update-duplicate-indices": _duplicate_indices,
+    "reuse-donated-state": _reuse_donated_state,
+}
+
+
+@pytest.mark.parametrize("row", sorted(OUTCOMES))
+def test_bad_input_has_its_documented_outcome(row):
+  OUTCOMES[row]()
+
+
+SETTINGS = {
+    "capacity-zero": (lambda: jaxbuf.uniform_replay(0), ValueError, "[1, 2**30)"),
+    "capacity-too-large": (lambda: jaxbuf.uniform_replay(2**30), ValueError,
+                           "[1, 2**30)"),
+    "capacity-float": (lambda: jaxbuf.prioritized_replay(2.5), TypeError, "Python int"),
+    "capacity-bool": (lambda: jaxbuf.uniform_replay(True), TypeError, "Python int"),
+    "alpha-negative": (lambda: jaxbuf.prioritized_replay(8, alpha=-1.0), ValueError,
+                       "alpha"),
+    "eps-zero": (lambda: jaxbuf.prioritized_replay(8, eps=0.0), ValueError, "eps"),
+    "beta-negative": (lambda: jaxbuf.prioritized_replay(8, beta=-0.1), ValueError,
+                      "beta"),
+    "num-steps-zero": (lambda: jaxbuf.rollout_buffer(0, 4), ValueError, "num_steps"),
+    "num-envs-float": (lambda: jaxbuf.rollout_buffer(4, 2.0), TypeError, "num_envs"),
+}
+
+
+@pytest.mark.parametrize("row", sorted(SETTINGS))
+def test_bad_settings_raise_when_the_buffer_is_made(row):
+  make, error, words = SETTINGS[row]
+  with pytest.raises(error, match=re.escape(words)):
+    make()
+
+
+ROLLOUT_RAISES = {
+    "rollout-wrong-num-envs": (lambda r, s: r.add(s, jnp.ones((2, 2))), ValueError,
+                               ["(2, 2)", "(3, 2)"]),
+    "rollout-wrong-dtype": (lambda r, s: r.add(s, jnp.ones((3, 2), jnp.int32)),
+                            TypeError, ["int32", "float32"]),
+    "rollout-mask-wrong-shape": (lambda r, s: r.add(s, jnp.ones((3, 2)),
+                                                    mask=jnp.ones(2, bool)),
+                                 ValueError, ["mask", "(3,)"]),
+    "rollout-mask-not-bool": (lambda r, s: r.add(s, jnp.ones((3, 2)),
+                                                 mask=jnp.ones(3, jnp.int32)),
+                              TypeError, ["mask must be bool"]),
+}
+
+
+@pytest.mark.parametrize("row", sorted(ROLLOUT_RAISES))
+def test_bad_rollout_input_raises_and_the_state_survives(row):
+  call, error, words = ROLLOUT_RAISES[row]
+  rollout = ROLLOUT
+  state = rollout.add(rollout.init(jnp.zeros(2)), jnp.ones((3, 2)))
+  before = snapshot(state)
+  with pytest.raises(error) as raised:
+    call(rollout, state)
+  for word in words:
+    assert word in str(raised.value)
+  assert_same(state, before)
+  assert rollout.add(state, jnp.ones((3, 2))).step_counts.tolist() == [2, 2, 2]
+
+
+# --- Random operation sequences, bad ones included, against the NumPy model ----------
+
+BAD_ADDS = sorted(row for row in RAISES if row.startswith("add-"))
+BAD_SAMPLES = sorted(row for row in RAISES if row.startswith("sample-"))
+PRIORITY_VALUES = [0.0, 0.3, 2.0, 7.5, 3e38, -1.0, np.nan, np.inf]
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.sampled_from([1, 3, CAPACITY + 3])),
+        st.tuples(st.just("bad add"), st.sampled_from(BAD_ADDS)),
+        st.tuples(st.just("sample"), st.integers(0, 2**16)),
+        st.tuples(st.just("bad sample"), st.sampled_from(BAD_SAMPLES)),
+        st.tuples(st.just("update"),
+                  st.lists(st.tuples(st.integers(-2, CAPACITY + 1),
+                                     st.sampled_from(PRIORITY_VALUES)),
+                           min_size=4, max_size=4)),
+        st.tuples(st.just("update sampled"), st.sampled_from(PRIORITY_VALUES)),
+        # The stale case: sample, add (overwriting some sampled slots once
+        # the ring is full), then update the sample's priorities.
+        st.tuples(st.just("sample, add, update sampled"),
+                  st.tuples(st.integers(0, 2**16), st.sampled_from([1, 3, CAPACITY + 3]),
+                            st.sampled_from(PRIORITY_VALUES))),
+        st.tuples(st.just("clear"), st.none())),
+    min_size=1, max_size=14)
+
+
+def run_against_the_model(buffer, ops, *, checked):
+  """Applies `ops` to jaxbuf and the model; checks they agree after each one.
+
+  Bad operations must raise (trace-time errors in both modes; run-time
+  violations in checked mode) and leave the state exactly as it was.
+  """
+  state = buffer.init(example_item())
+  reference = ReferenceReplay(CAPACITY, alpha=0.7)
+  serial, last_sample = 0, None
+  primitive_ops = []
+  for name, argument in ops:
+    if name == "sample, add, update sampled":
+      primitive_ops += list(zip(name.split(", "), argument))
+    else:
+      primitive_ops.append((name, argument))
+  for name, argument in primitive_ops:
+    before = snapshot(state)
+    if name == "add":
+      state = buffer.add(state, make_items(serial, argument))
+      reference.add(list(range(serial, serial + argument)))
+      serial += argument
+    elif name in ("bad add", "bad sample"):
+      call, error, _ = RAISES[argument]
+      with pytest.raises(error):
+        call(buffer, state)
+      assert_same(state, before)
+    elif name == "sample":
+      if checked and reference.size == 0:
+        with pytest.raises(CHECK_FAILED, match="empty"):
+          buffer.sample(state, jax.random.key(argument), 16)
+        continue
+      batch = buffer.sample(state, jax.random.key(argument), 16)
+      indices = np.asarray(batch.indices)
+      if reference.size:
+        assert 0 <= indices.min() and indices.max() < reference.size
+        np.testing.assert_array_equal(np.asarray(batch.items["action"]),
+                                      [reference.storage[i] for i in indices])
+        np.testing.assert_array_equal(np.asarray(batch.item_ids, np.int64),
+                                      reference.ids[indices] % 2**32)
+        np.testing.assert_allclose(np.asarray(batch.weights),
+                                   reference.weights(indices, 0.5), rtol=1e-4)
+        last_sample = (indices, np.asarray(batch.item_ids, np.int64))
+      else:
+        np.testing.assert_array_equal(np.asarray(batch.weights), 0.0)
+    elif name == "clear":
+      state = buffer.clear(state)
+      reference.clear()
+    else:
+      if name == "update":
+        indices = np.array([i for i, _ in argument], np.int32)
+        priorities = np.array([p for _, p in argument], np.float32)
+        item_ids = None
+      elif last_sample is None:
+        continue
+      else:
+        indices, item_ids = last_sample
+        priorities = np.full(indices.shape, argument, np.float32)
+      invalid = ~((indices >= 0) & (indices < reference.size)
+                  & np.isfinite(priorities) & (priorities >= 0))
+      call = lambda: buffer.update_priorities(
+          state, indices, priorities,
+          None if item_ids is None else item_ids.astype(np.uint32))
+      if checked and invalid.any():
+        with pytest.raises(CHECK_FAILED, match="items held|finite"):
+          call()
+        assert_same(state, before)
+      else:
+        state = call()
+        reference.update_priorities(indices, priorities, item_ids)
+    assert (int(state.size), int(state.insert_position), int(state.add_count)) == (
+        reference.size, reference.insert_position, reference.add_count % 2**32)
+    held = np.arange(CAPACITY) < reference.size
+    np.testing.assert_array_equal(np.asarray(state.storage["action"])[held],
+                                  np.asarray(reference.storage, object)[held])
+    leaves = leaves_of(state)[:CAPACITY]
+    np.testing.assert_allclose(leaves[held], reference.priorities[held] ** 0.7,
+                               rtol=1e-5)
+    assert np.all(leaves[~held] == 0) and np.all(leaves_of(state)[CAPACITY:] == 0)
+    assert np.isfinite(float(sum_tree.total(state.sum_tree)))
+    assert float(state.max_priority) == pytest.approx(reference.max_priority, rel=1e-6)
+
+
+@hypothesis.given(ops=operations)
+def test_random_sequences_with_bad_operations_match_the_model(ops):
+  run_against_the_model(PRIORITIZED, ops, checked=False)
+
+
+@hypothesis.settings(max_examples=10)
+@hypothesis.given(ops=operations)
+def test_random_sequences_in_checked_mode_raise_on_bad_operations(ops):
+  run_against_the_model(CHECKED["prioritized"], ops, checked=True)
+
+
+def test_reliability_md_lists_every_row_and_names_real_tests():
+  root = pathlib.Path(__file__).parents[1]
+  text = (root / "RELIABILITY.md").read_text()
+  listed = set()
+  for line in text.splitlines():
+    if line.startswith("| `"):
+      listed.update(re.findall(r"`([^`]+)`", line.split("|")[1]))
+  rows = set(RAISES) | set(OUTCOMES) | set(SETTINGS) | set(ROLLOUT_RAISES)
+  assert rows <= listed, sorted(rows - listed)
+  for name in VIOLATIONS:
+    assert f"`{name}`" in text
+  sources = "".join((root / "tests" / name).read_text()
+                    for name in ("test_reliability.py", "test_checkpoint.py"))
+  for test in set(re.findall(r"\b(test_\w+)(?!\.py)\b", text)):
+    assert f"def {test}(" in sources, test
