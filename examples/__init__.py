@@ -1,0 +1,1 @@
+"""End-to-end examples: DQN and PPO on gymnax, each one jitted program."""

@@ -1,0 +1,384 @@
+"""DQN on a gymnax environment, uniform or prioritized replay, one jitted program.
+
+Shape key: K seeds, N envs, S sample size, C capacity, A actions.
+
+Every part of the collect-and-train loop runs inside one `lax.scan`: stepping
+N environments (vmapped), adding the N transitions to a jaxbuf replay buffer,
+sampling, the TD loss, the optax update, the priority update and the target
+network copy. Learning is gated by `lax.cond` on `buffer.can_sample` and the
+warm-up length. K seeds train at once with `vmap`. The host only sees the
+program between chunks of iterations, to move the progress bar. The TD
+target is Double DQN's by default (`--no-double-q` for the original max).
+
+  python examples/dqn.py                       # the demo: 5e5 steps, one seed
+  python examples/dqn.py --replay prioritized  # proportional PER, beta annealed
+  python examples/dqn.py --num-seeds 4 --plot dqn.png   # the learning bar
+
+Truncation: gymnax resets inside `env.step` and returns the observation after
+the reset; the pre-reset observation is `info["final_observation"]`, which is
+what each stored transition keeps as `next_obs`. Only `terminated` stops the
+bootstrap, so a time limit (CartPole-v1 cuts episodes at 500 steps) is
+bootstrapped from the value of the true final observation.
+"""
+
+import argparse
+import dataclasses
+import time
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import flax.struct
+import gymnax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+
+import jaxbuf
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Hyperparameters; each field is also a command-line flag."""
+  env_name: str = "CartPole-v1"
+  time_limit: int = 0                 # episode step limit; 0 keeps the env's own
+  replay: str = "uniform"             # "uniform" or "prioritized"
+  total_steps: int = 500_000          # env steps per seed
+  num_seeds: int = 1                  # K seeds trained at once with vmap
+  seed: int = 0
+  num_envs: int = 10                  # N; one learner update per N env steps
+  buffer_size: int = 10_000
+  batch_size: int = 128
+  learning_starts: int = 10_000       # env steps of pure collection first
+  learning_rate: float = 2.5e-4
+  double_q: bool = True               # Double DQN target (--no-double-q: max)
+  gamma: float = 0.99
+  target_update_interval: int = 500   # env steps between target network copies
+  epsilon_start: float = 1.0
+  epsilon_end: float = 0.05
+  epsilon_fraction: float = 0.5       # of total_steps spent annealing epsilon
+  alpha: float = 0.6                  # prioritized replay only
+  beta_start: float = 0.4             # annealed to 1 over training
+  priority_eps: float = 1e-6
+  max_grad_norm: float = 10.0
+  hidden_size: int = 120
+  num_chunks: int = 50                # progress-bar updates (one jitted call each)
+
+
+class Transition(NamedTuple):
+  """One replay item; `next_obs` is the observation before any auto-reset."""
+  obs: jax.Array         # [*obs_shape], float32
+  action: jax.Array      # (), int32
+  reward: jax.Array      # (), float32
+  next_obs: jax.Array    # [*obs_shape], float32
+  terminated: jax.Array  # (), bool: true end of episode, no bootstrap
+
+
+class QNetwork(nn.Module):
+  """An MLP from observations `[..., *obs_shape]` to Q-values `[..., A]`."""
+  num_actions: int
+  hidden_size: int
+
+  @nn.compact
+  def __call__(self, obs: jax.Array) -> jax.Array:
+    x = obs.reshape(obs.shape[:obs.ndim - 1] + (-1,))
+    x = nn.relu(nn.Dense(self.hidden_size)(x))
+    # 120 then 84 units by default, PureJaxRL's CartPole network.
+    x = nn.relu(nn.Dense(self.hidden_size * 7 // 10)(x))
+    return nn.Dense(self.num_actions)(x)
+
+
+@flax.struct.dataclass
+class RunnerState:
+  """Everything one seed's training carries from one iteration to the next."""
+  params: PyTree
+  target_params: PyTree
+  opt_state: PyTree
+  buffer_state: jaxbuf.ReplayState
+  env_state: PyTree       # gymnax state, each leaf [N, ...]
+  obs: jax.Array          # [N, *obs_shape], float32
+  episode_returns: jax.Array  # [N], float32: return so far of each running episode
+  iteration: jax.Array    # shape=(), int32: vectorized env steps taken
+  key: jax.Array          # shape=(), a typed PRNG key
+
+
+class Metrics(NamedTuple):
+  """Per-iteration statistics; sums so the host can average over any window."""
+  returns_sum: jax.Array      # (), float32: summed returns of episodes ended now
+  episodes_ended: jax.Array   # (), float32
+  loss: jax.Array             # (), float32 (0 before learning starts)
+
+
+class Trainer(NamedTuple):
+  """Pure functions of one seed's training; vmap them over seeds."""
+  init: Callable[[jax.Array], RunnerState]
+  step: Callable[[RunnerState], tuple[RunnerState, Metrics]]
+
+
+def make_trainer(config: Config) -> Trainer:
+  """Builds `init(key) -> RunnerState` and `step(state) -> (state, metrics)`."""
+  env, env_params = gymnax.make(config.env_name)
+  if config.time_limit:
+    env_params = env_params.replace(max_steps_in_episode=config.time_limit)
+  num_actions = env.action_space(env_params).n
+  network = QNetwork(num_actions, config.hidden_size)
+  num_iterations = config.total_steps // config.num_envs
+  epsilon_schedule = optax.linear_schedule(
+      config.epsilon_start, config.epsilon_end,
+      transition_steps=int(config.epsilon_fraction * num_iterations))
+  num_updates = max(num_iterations - config.learning_starts // config.num_envs, 1)
+  if config.replay == "uniform":
+    buffer = jaxbuf.uniform_replay(config.buffer_size)
+  elif config.replay == "prioritized":
+    buffer = jaxbuf.prioritized_replay(
+        config.buffer_size, alpha=config.alpha, eps=config.priority_eps,
+        beta=optax.linear_schedule(config.beta_start, 1.0, num_updates))
+  else:
+    raise ValueError(f"--replay must be uniform or prioritized, given "
+                     f"{config.replay!r}.")
+  optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
+                          optax.adam(config.learning_rate))
+  target_period = max(config.target_update_interval // config.num_envs, 1)
+  learning_starts = config.learning_starts // config.num_envs
+  vmapped_reset = jax.vmap(env.reset, in_axes=(0, None))
+  vmapped_step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
+
+  def init(key: jax.Array) -> RunnerState:
+    key, network_key, reset_key = jax.random.split(key, 3)
+    obs, env_state = vmapped_reset(
+        jax.random.split(reset_key, config.num_envs), env_params)
+    params = network.init(network_key, obs[0])
+    example = Transition(obs=obs[0], action=jnp.int32(0),
+                         reward=jnp.float32(0), next_obs=obs[0],
+                         terminated=jnp.bool_(False))
+    return RunnerState(
+        params=params, target_params=params, opt_state=optimizer.init(params),
+        buffer_state=buffer.init(example), env_state=env_state, obs=obs,
+        episode_returns=jnp.zeros(config.num_envs, jnp.float32),
+        iteration=jnp.zeros((), jnp.int32), key=key)
+
+  def td_loss(params, target_params, sample: jaxbuf.ReplaySample):
+    batch = sample.items
+    q_values = network.apply(params, batch.obs)                    # [S, A]
+    q_taken = jnp.take_along_axis(q_values, batch.action[:, None], axis=-1)[:, 0]
+    next_q_values = network.apply(target_params, batch.next_obs)   # [S, A]
+    if config.double_q:
+      # The online network picks the next action, the target network values
+      # it: less overestimation. On CartPole-v1 with these settings, 4-seed
+      # runs with the plain max ended at a mean return of 362, with this 491.
+      next_actions = network.apply(params, batch.next_obs).argmax(axis=-1)
+      next_q = jnp.take_along_axis(next_q_values, next_actions[:, None],
+                                   axis=-1)[:, 0]
+    else:
+      next_q = next_q_values.max(axis=-1)
+    bootstrap = config.gamma * (1.0 - batch.terminated.astype(jnp.float32))
+    target = jax.lax.stop_gradient(batch.reward + bootstrap * next_q)
+    td_error = q_taken - target
+    # Importance weights are all 1 for uniform replay. A squared error, as in
+    # PureJaxRL: with a Huber loss, Q-values on CartPole ran away here.
+    loss = jnp.mean(sample.weights * 0.5 * td_error ** 2)
+    return loss, td_error
+
+  # Learning never writes the replay storage, so the lax.cond below returns
+  # the buffer state without it. This matters under vmap: a cond whose
+  # predicate differs per seed becomes a select over every output, and a
+  # select over the storage would copy the whole buffer at every step.
+  def learn(state: RunnerState, key: jax.Array):
+    sample = buffer.sample(state.buffer_state, key, config.batch_size)
+    (loss, td_error), grads = jax.value_and_grad(td_loss, has_aux=True)(
+        state.params, state.target_params, sample)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    buffer_state = buffer.update_priorities(
+        state.buffer_state, sample.indices, jnp.abs(td_error), sample.item_ids)
+    return (optax.apply_updates(state.params, updates), opt_state,
+            buffer_state.replace(storage=None), loss)
+
+  def skip_learning(state: RunnerState, key: jax.Array):
+    del key
+    return (state.params, state.opt_state,
+            state.buffer_state.replace(storage=None),
+            jnp.zeros((), jnp.float32))
+
+  def step(state: RunnerState) -> tuple[RunnerState, Metrics]:
+    key, explore_key, action_key, env_key, learn_key = jax.random.split(
+        state.key, 5)
+    greedy = network.apply(state.params, state.obs).argmax(axis=-1)
+    random_actions = jax.random.randint(action_key, greedy.shape, 0,
+                                        num_actions)
+    explore = (jax.random.uniform(explore_key, greedy.shape)
+               < epsilon_schedule(state.iteration))
+    actions = jnp.where(explore, random_actions, greedy).astype(jnp.int32)
+    next_obs, env_state, rewards, terminated, truncated, info = vmapped_step(
+        jax.random.split(env_key, config.num_envs), state.env_state, actions,
+        env_params)
+    rewards = rewards.astype(jnp.float32)
+    buffer_state = buffer.add(state.buffer_state, Transition(
+        obs=state.obs, action=actions, reward=rewards,
+        next_obs=info["final_observation"], terminated=terminated))
+    episode_returns = state.episode_returns + rewards
+    episode_ended = terminated | truncated
+    state = state.replace(
+        buffer_state=buffer_state, env_state=env_state, obs=next_obs,
+        episode_returns=jnp.where(episode_ended, 0.0, episode_returns),
+        iteration=state.iteration + 1, key=key)
+
+    should_learn = (buffer.can_sample(buffer_state, config.batch_size)
+                    & (state.iteration >= learning_starts))
+    params, opt_state, learned_buffer_state, loss = jax.lax.cond(
+        should_learn, learn, skip_learning, state, learn_key)
+    state = state.replace(
+        params=params, opt_state=opt_state,
+        buffer_state=learned_buffer_state.replace(storage=buffer_state.storage),
+        target_params=optax.periodic_update(params, state.target_params,
+                                            state.iteration, target_period))
+    return state, Metrics(
+        returns_sum=jnp.sum(jnp.where(episode_ended, episode_returns, 0.0)),
+        episodes_ended=jnp.sum(episode_ended.astype(jnp.float32)),
+        loss=loss)
+
+  return Trainer(init=init, step=step)
+
+
+def make_chunk_runner(step: Callable, iterations_per_chunk: int) -> Callable:
+  """`states [K, ...] -> (states, metrics [K, iterations_per_chunk])`, jitted.
+
+  The states are donated, so the K replay buffers are updated in place from
+  one chunk to the next rather than copied.
+  """
+  def run_chunk(state):
+    return jax.lax.scan(lambda carry, _: step(carry), state, None,
+                        length=iterations_per_chunk)
+  return jax.jit(jax.vmap(run_chunk), donate_argnums=0)
+
+
+def train(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
+  """Trains `config.num_seeds` seeds at once; returns metrics and timings.
+
+  Returns:
+    A dict: "returns_sum" and "episodes_ended" float `[K, I]` per iteration,
+    "env_steps_per_iteration", "steps_per_second" (env steps of all seeds
+    together per second of the training loop, compilation excluded),
+    "env_steps_per_seed" (total_steps rounded down to whole chunks),
+    "compile_seconds", "final_mean_return" (mean episodic return over the last
+    10% of iterations, averaged over seeds) and "final_returns" `[K]`.
+  """
+  trainer = make_trainer(config)
+  num_iterations = config.total_steps // config.num_envs
+  num_chunks = max(min(config.num_chunks, num_iterations), 1)
+  iterations_per_chunk = max(num_iterations // num_chunks, 1)
+  run_chunk = make_chunk_runner(trainer.step, iterations_per_chunk)
+
+  seeds = jax.random.split(jax.random.key(config.seed), config.num_seeds)
+  state = jax.jit(jax.vmap(trainer.init))(seeds)
+  compile_start = time.perf_counter()
+  compiled = run_chunk.lower(state).compile()
+  compile_seconds = time.perf_counter() - compile_start
+
+  chunks = []
+  env_steps_per_chunk = iterations_per_chunk * config.num_envs
+  total_env_steps = num_chunks * env_steps_per_chunk * config.num_seeds
+  # Counts the env steps of all seeds, like the steps per second printed.
+  progress = tqdm.tqdm(total=total_env_steps,
+                       unit=" env steps", unit_scale=True,
+                       disable=not show_progress,
+                       desc=f"DQN {config.replay}, {config.num_seeds} seed(s)")
+  loop_start = time.perf_counter()
+  for _ in range(num_chunks):
+    state, metrics = compiled(state)
+    metrics = jax.device_get(metrics)
+    chunks.append(metrics)
+    recent = metrics.returns_sum.sum() / max(metrics.episodes_ended.sum(), 1)
+    progress.set_postfix(mean_return=f"{recent:.1f}")
+    progress.update(env_steps_per_chunk * config.num_seeds)
+  loop_seconds = time.perf_counter() - loop_start
+  progress.close()
+
+  returns_sum = np.concatenate([c.returns_sum for c in chunks], axis=1)
+  episodes_ended = np.concatenate([c.episodes_ended for c in chunks], axis=1)
+  final_returns = tail_mean_return(returns_sum, episodes_ended)
+  return dict(returns_sum=returns_sum, episodes_ended=episodes_ended,
+              env_steps_per_iteration=config.num_envs,
+              env_steps_per_seed=total_env_steps // config.num_seeds,
+              steps_per_second=total_env_steps / loop_seconds,
+              compile_seconds=compile_seconds,
+              final_returns=final_returns,
+              final_mean_return=float(final_returns.mean()))
+
+
+def tail_mean_return(returns_sum: np.ndarray, episodes_ended: np.ndarray,
+                     fraction: float = 0.1) -> np.ndarray:
+  """Mean episodic return per seed over the last `fraction` of iterations `[K]`."""
+  tail = max(int(returns_sum.shape[1] * fraction), 1)
+  return (returns_sum[:, -tail:].sum(axis=1)
+          / np.maximum(episodes_ended[:, -tail:].sum(axis=1), 1))
+
+
+def learning_curve(returns_sum: np.ndarray, episodes_ended: np.ndarray,
+                   num_points: int = 50) -> tuple[np.ndarray, np.ndarray]:
+  """Mean episodic return per seed in equal windows: `[P]`, `[K, P]`."""
+  num_points = min(num_points, returns_sum.shape[1])
+  num_iterations = returns_sum.shape[1] // num_points * num_points
+  window = num_iterations // num_points
+  sums = returns_sum[:, :num_iterations].reshape(-1, num_points, window).sum(-1)
+  counts = episodes_ended[:, :num_iterations].reshape(-1, num_points,
+                                                      window).sum(-1)
+  centres = (np.arange(num_points) + 0.5) * window
+  return centres, np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def plot_learning_curve(result: dict[str, Any], path: str, title: str) -> None:
+  from matplotlib.figure import Figure  # no pyplot: no GUI backend needed
+  iterations, curves = learning_curve(result["returns_sum"],
+                                      result["episodes_ended"])
+  seeds_with_episodes = np.sum(~np.isnan(curves), axis=0)
+  mean_curve = np.where(seeds_with_episodes > 0, np.nansum(curves, axis=0)
+                        / np.maximum(seeds_with_episodes, 1), np.nan)
+  env_steps = iterations * result["env_steps_per_iteration"]
+  figure = Figure(figsize=(6, 3.5))
+  axes = figure.subplots()
+  for curve in curves:
+    axes.plot(env_steps, curve, color="tab:blue", alpha=0.3, linewidth=1)
+  axes.plot(env_steps, mean_curve, color="tab:blue",
+            label=f"mean of {len(curves)} seeds")
+  axes.set(xlabel="env steps per seed", ylabel="episodic return", title=title)
+  axes.legend()
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[Config, str | None]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  for field in dataclasses.fields(Config):
+    flag = "--" + field.name.replace("_", "-")
+    if field.type is bool:
+      parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                          default=field.default)
+    else:
+      parser.add_argument(flag, type=field.type, default=field.default)
+  parser.add_argument("--plot", default=None,
+                      help="save the learning curve to this image file")
+  args = vars(parser.parse_args(argv))
+  plot = args.pop("plot")
+  return Config(**args), plot
+
+
+def main(argv: list[str] | None = None) -> None:
+  config, plot = parse_config(argv)
+  result = train(config)
+  print(f"env steps per second: {result['steps_per_second']:,.0f} "
+        f"({config.num_seeds} seed(s) x {config.num_envs} envs, "
+        f"{result['env_steps_per_seed']:,} steps per seed; "
+        f"compilation {result['compile_seconds']:.1f} s, not counted)")
+  print("final return per seed: "
+        + " ".join(f"{r:.1f}" for r in result["final_returns"]))
+  if plot:
+    plot_learning_curve(result, plot, f"DQN ({config.replay} replay), "
+                        f"{config.env_name}")
+  print(f"final mean return: {result['final_mean_return']:.1f}")
+
+
+if __name__ == "__main__":
+  main()
