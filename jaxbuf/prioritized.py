@@ -50,13 +50,27 @@ def init(example_item: PyTree, *, capacity: int) -> PrioritizedReplayState:
       beta_step=jnp.zeros((), jnp.int32))
 
 
+def capped_leaf_values(priorities: jax.Array, alpha: float,
+                       tree: sum_tree.SumTree) -> jax.Array:
+  """`priorities ** alpha`, capped at `float32 max / (2 * leaves)`.
+
+  Finite priorities can still overflow the total (two leaves of 3e38 sum to
+  inf, and every weight becomes NaN); under the cap no sum of leaves can.
+  """
+  cap = jnp.finfo(jnp.float32).max / (2 * sum_tree.leaves(tree).shape[0])
+  return jnp.minimum(priorities ** alpha, cap)
+
+
 def add(state: PrioritizedReplayState, items: PyTree, *,
         alpha: float) -> PrioritizedReplayState:
   """Adds `items [B, ...]` in ring order at the running maximum priority."""
   state, slots = add_to_ring(state, items)
-  leaf_values = jnp.full(slots.shape, state.max_priority ** alpha, jnp.float32)
+  new_leaves = jnp.full(
+      slots.shape, capped_leaf_values(state.max_priority, alpha, state.sum_tree),
+      jnp.float32)
   return state.replace(
-      sum_tree=sum_tree.set_leaves(state.sum_tree, slots, leaf_values))
+      sum_tree=sum_tree.set_leaves(state.sum_tree, slots, new_leaves,
+                                   unique_indices=True))
 
 
 def beta_at(beta: float | Schedule, step: jax.Array) -> jax.Array:
@@ -88,10 +102,14 @@ def sample(state: PrioritizedReplayState, key: jax.Array, batch_size: int, *,
   else:
     targets = offsets * total
   has_mass = total > 0
-  indices = jnp.where(has_mass,
-                      sum_tree.find_prefix_sums(state.sum_tree, targets),
-                      uniform_indices(fallback_key, state.size, batch_size))
-  probabilities = sum_tree.leaves(state.sum_tree)[indices] / total
+  found, leaf_values = sum_tree.find_prefix_sums_and_leaves(state.sum_tree,
+                                                            targets)
+  # A cond, not a where: the fallback's random draw runs only when needed
+  # (under vmap both branches run, as with a where).
+  indices = jax.lax.cond(
+      has_mass, lambda: found,
+      lambda: uniform_indices(fallback_key, state.size, batch_size))
+  probabilities = leaf_values / total
   log_weights = -beta_at(beta, state.beta_step) * jnp.log(
       state.size.astype(jnp.float32) * probabilities)
   weights = jnp.exp(log_weights - jnp.max(log_weights))
@@ -111,7 +129,8 @@ def update_priorities(state: PrioritizedReplayState, indices: jax.Array,
   not an item held, whose priority is NaN, infinite or negative, or (given
   `item_ids`, e.g. `sample.item_ids`) whose slot was overwritten since it was
   sampled, are skipped and leave that slot as it was; checked mode raises on
-  the first two. Cost O(S log C).
+  the first two. Leaf values are capped (`capped_leaf_values`) so that the
+  total stays finite. Cost O(S log C).
   """
   indices = jnp.asarray(indices)
   priorities = jnp.asarray(priorities)
@@ -120,8 +139,9 @@ def update_priorities(state: PrioritizedReplayState, indices: jax.Array,
   indices = indices.astype(jnp.int32)
   new_priorities = jnp.where(valid, priorities.astype(jnp.float32) + eps, 0.0)
   return state.replace(
-      sum_tree=sum_tree.set_leaves(state.sum_tree, indices,
-                                   new_priorities ** alpha, valid),
+      sum_tree=sum_tree.set_leaves(
+          state.sum_tree, indices,
+          capped_leaf_values(new_priorities, alpha, state.sum_tree), valid),
       max_priority=jnp.maximum(state.max_priority, jnp.max(new_priorities)),
       beta_step=jnp.minimum(state.beta_step, _INT32_MAX - 1) + 1)
 

@@ -293,7 +293,7 @@ def test_ten_million_updates_spanning_twelve_decades_do_not_drift():
   """10^7 priority updates, priorities log-uniform in [1e-6, 1e6], alpha=1.
 
   Stated bound: |root - exact sum of the float32 leaves| <= 1e-5 * exact sum.
-  Each parent is recomputed from its K=32 children, never adjusted by deltas,
+  Each parent is recomputed from its K=8 children, never adjusted by deltas,
   so the error is that of one float32 summation tree of depth 4: at most about
   4 * 31 * 2**-24 = 7.4e-6 relative, whatever the number of updates.
   """

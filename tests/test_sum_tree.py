@@ -29,14 +29,20 @@ def test_level_sizes_cover_leaves_and_end_at_root(num_leaves):
     assert child // sum_tree.BRANCHING <= max(parent, 1)
 
 
-def test_set_leaves_matches_numpy_at_every_level():
+@pytest.mark.parametrize("num_leaves, batch", [
+    (1500, 300),     # every level small enough to be summed whole
+    (40_000, 300),   # the lowest levels updated sparsely, node by node
+    (40_000, 1500),  # duplicates resolved by sorting (batch > QUADRATIC_DEDUPE_MAX)
+])
+def test_set_leaves_matches_numpy_at_every_level(num_leaves, batch):
+  assert (num_leaves > sum_tree.DENSE_LEVEL_MAX) == (num_leaves == 40_000)
+  assert (batch > sum_tree.QUADRATIC_DEDUPE_MAX) == (batch == 1500)
   rng = np.random.default_rng(0)
-  num_leaves = 1500
   tree = sum_tree.init(num_leaves)
   reference = np.zeros(num_leaves)
   for _ in range(5):
-    indices = rng.integers(0, num_leaves, 300)
-    values = rng.uniform(0, 10, 300).astype(np.float32)
+    indices = rng.integers(0, num_leaves // 10, batch)  # many duplicates
+    values = rng.uniform(0, 10, batch).astype(np.float32)
     tree = sum_tree.set_leaves(tree, indices, values)
     for i, v in zip(indices, values):
       reference[i] = v
@@ -57,15 +63,16 @@ def test_duplicate_indices_last_valid_occurrence_wins():
   assert sum_tree.total(tree) == 8.0
 
 
-def test_last_valid_occurrence_marks_one_per_distinct_index():
+@pytest.mark.parametrize("batch", [200, 1500])  # quadratic and sorting paths
+def test_last_valid_occurrence_marks_one_per_distinct_index(batch):
   rng = np.random.default_rng(1)
-  indices = rng.integers(0, 20, 200)
-  valid = rng.random(200) < 0.7
+  indices = rng.integers(0, 20, batch)
+  valid = rng.random(batch) < 0.7
   marked = np.asarray(sum_tree.last_valid_occurrence(jnp.asarray(indices),
                                                      jnp.asarray(valid)))
   for index in np.unique(indices):
     positions = np.flatnonzero((indices == index) & valid)
-    expected = positions[-1:] if positions.size else []
+    expected = positions[-1:]
     np.testing.assert_array_equal(np.flatnonzero(marked & (indices == index)),
                                   expected)
 
