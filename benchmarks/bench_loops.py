@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from examples import common  # noqa: E402
 from examples import dqn  # noqa: E402
 from examples import ppo  # noqa: E402
 
@@ -43,7 +44,7 @@ def time_fused(module, config, iterations_per_chunk: int, num_chunks: int,
                num_seeds: int = 1) -> float:
   """Env steps/s of the example's own jitted chunk runner (vmapped over seeds)."""
   trainer = module.make_trainer(config)
-  runner = module.make_chunk_runner(trainer.step, iterations_per_chunk)
+  runner = common.make_chunk_runner(trainer.step, iterations_per_chunk)
   state = jax.jit(jax.vmap(trainer.init))(
       jax.random.split(jax.random.key(0), num_seeds))
   compiled = runner.lower(state).compile()
@@ -195,13 +196,7 @@ def time_ppo_host(config: ppo.Config, num_updates: int) -> float:
   @jax.jit
   def update(params, opt_state, data, last_obs, key):
     _, last_value = network.apply(params, last_obs)
-    advantages, returns = jaxbuf.compute_gae(
-        data["reward"], data["value"], data["terminated"], last_value,
-        gamma=config.gamma, gae_lambda=config.gae_lambda,
-        truncated=data["truncated"], truncated_values=data["truncated_value"])
-    batch = dict(obs=data["obs"], action=data["action"],
-                 log_prob=data["log_prob"], value=data["value"],
-                 advantage=advantages, **{"return": returns})
+    batch = ppo.training_batch(data, last_value, config)
 
     def gradient_step(carry, minibatch):
       params, opt_state = carry

@@ -22,21 +22,24 @@ observation), so GAE bootstraps from it instead of treating the time limit
 as a failure. A step both terminated and truncated counts as terminated.
 """
 
-import argparse
 import dataclasses
-import time
-from typing import Any, Callable, NamedTuple
+import pathlib
+import sys
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import flax.struct
-import gymnax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-import tqdm
 
 import jaxbuf
+
+if __package__ in (None, ""):
+  # Run as `python examples/ppo.py`: put the repository root on the path so
+  # `examples` imports the same way as from the tests and benchmarks.
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from examples import common  # noqa: E402
 
 PyTree = Any
 
@@ -135,12 +138,6 @@ class Metrics(NamedTuple):
   loss: jax.Array             # (), float32: mean total loss over minibatches
 
 
-class Trainer(NamedTuple):
-  """Pure functions of one seed's training; vmap them over seeds."""
-  init: Callable[[jax.Array], RunnerState]
-  step: Callable[[RunnerState], tuple[RunnerState, Metrics]]
-
-
 def ppo_loss(logits: jax.Array, values: jax.Array, minibatch: dict[str, Any],
              config: Config) -> jax.Array:
   """The clipped PPO objective over any batch shape `[...]`; logits `[..., A]`."""
@@ -162,16 +159,39 @@ def ppo_loss(logits: jax.Array, values: jax.Array, minibatch: dict[str, Any],
           - config.entropy_coef * entropy)
 
 
-def make_trainer(config: Config) -> Trainer:
+def training_batch(rollout: dict[str, jax.Array], last_value: jax.Array,
+                   config: Config) -> dict[str, jax.Array]:
+  """GAE advantages and returns for a rollout, with the inputs `ppo_loss` reads.
+
+  Args:
+    rollout: "obs", "action", "log_prob", "value", "reward", "terminated",
+      "truncated" and "truncated_value", each `[T, N, ...]`.
+    last_value: `[N]`, V of the observation after the rollout's last step.
+    config: gamma and gae_lambda.
+
+  Returns:
+    "obs", "action", "log_prob", "value", "advantage" and "return", each
+    `[T, N, ...]`.
+  """
+  advantages, returns = jaxbuf.compute_gae(
+      rollout["reward"], rollout["value"], rollout["terminated"], last_value,
+      gamma=config.gamma, gae_lambda=config.gae_lambda,
+      truncated=rollout["truncated"],
+      truncated_values=rollout["truncated_value"])
+  return dict(obs=rollout["obs"], action=rollout["action"],
+              log_prob=rollout["log_prob"], value=rollout["value"],
+              advantage=advantages, **{"return": returns})
+
+
+def make_trainer(config: Config) -> common.Trainer:
   """Builds `init(key) -> RunnerState` and `step(state) -> (state, metrics)`.
 
   One `step` is one PPO update: T * N env steps, GAE, then
   `update_epochs * num_minibatches` gradient steps.
   """
-  env, env_params = gymnax.make(config.env_name)
-  if config.time_limit:
-    env_params = env_params.replace(max_steps_in_episode=config.time_limit)
-  num_actions = env.action_space(env_params).n
+  envs = common.make_vector_env(config.env_name, config.time_limit,
+                                config.num_envs)
+  num_actions = envs.num_actions
   num_updates = config.total_steps // (config.num_steps * config.num_envs)
   recurrent = config.recurrent != "none"
   if config.recurrent not in ("none", "gru", "lstm"):
@@ -197,13 +217,10 @@ def make_trainer(config: Config) -> Trainer:
   optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
                           optax.adam(learning_rate, eps=1e-5))
   rollout = jaxbuf.rollout_buffer(config.num_steps, config.num_envs)
-  vmapped_reset = jax.vmap(env.reset, in_axes=(0, None))
-  vmapped_step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
 
   def init(key: jax.Array) -> RunnerState:
     key, network_key, reset_key = jax.random.split(key, 3)
-    obs, env_state = vmapped_reset(
-        jax.random.split(reset_key, config.num_envs), env_params)
+    obs, env_state = envs.reset(reset_key)
     episode_start = jnp.ones((config.num_envs,), bool)
     if recurrent:
       hidden = network.initial_hidden(config.num_envs)
@@ -230,9 +247,8 @@ def make_trainer(config: Config) -> Trainer:
     action = jax.random.categorical(action_key, logits).astype(jnp.int32)
     log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits),
                                    action[:, None], axis=-1)[:, 0]
-    next_obs, env_state, reward, terminated, truncated, info = vmapped_step(
-        jax.random.split(env_key, config.num_envs), state.env_state, action,
-        env_params)
+    next_obs, env_state, reward, terminated, truncated, info = envs.step(
+        env_key, state.env_state, action)
     # V(final observation) for steps cut by the time limit: the observation
     # the auto-reset replaced, seen with the hidden state this step produced.
     _, _, truncated_value = policy(state.params, next_hidden,
@@ -282,14 +298,9 @@ def make_trainer(config: Config) -> Trainer:
     data = state.rollout_state.data                      # leaves [T, N, ...]
     _, _, last_value = policy(state.params, state.hidden, state.obs,
                               state.episode_start)
-    advantages, returns = jaxbuf.compute_gae(
-        data["reward"], data["value"], data["terminated"], last_value,
-        gamma=config.gamma, gae_lambda=config.gae_lambda,
-        truncated=data["truncated"], truncated_values=data["truncated_value"])
-    batch = dict(obs=data["obs"], action=data["action"],
-                 log_prob=data["log_prob"], value=data["value"],
-                 episode_start=data["episode_start"], advantage=advantages,
-                 **{"return": returns})
+    # episode_start: a recurrent unroll zeroes its hidden state there.
+    batch = dict(training_batch(data, last_value, config),
+                 episode_start=data["episode_start"])
 
     def epoch(params_and_opt_state, key):
       if recurrent:
@@ -311,143 +322,33 @@ def make_trainer(config: Config) -> Trainer:
                           episodes_ended=step_metrics.episodes_ended.sum(),
                           loss=losses.mean())
 
-  return Trainer(init=init, step=step)
-
-
-def make_chunk_runner(step: Callable, iterations_per_chunk: int) -> Callable:
-  """`states [K, ...] -> (states, metrics [K, iterations_per_chunk])`, jitted.
-
-  The states are donated, so the rollout storage is reused in place from one
-  chunk to the next rather than copied.
-  """
-  def run_chunk(state):
-    return jax.lax.scan(lambda carry, _: step(carry), state, None,
-                        length=iterations_per_chunk)
-  return jax.jit(jax.vmap(run_chunk), donate_argnums=0)
+  return common.Trainer(init=init, step=step)
 
 
 def train(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
   """Trains `config.num_seeds` seeds at once; returns metrics and timings.
 
   Returns:
-    A dict: "returns_sum" and "episodes_ended" float `[K, U]` per update,
-    "env_steps_per_iteration" (T * N), "steps_per_second" (env steps of all
-    seeds together per second of the training loop, compilation excluded),
-    "env_steps_per_seed" (total_steps rounded down to whole chunks),
-    "compile_seconds", "final_mean_return" (mean episodic return over the last
-    10% of updates, averaged over seeds) and "final_returns" `[K]`.
+    `common.train_in_chunks`'s dict, with an iteration per PPO update of
+    T * N env steps: "returns_sum" and "episodes_ended" `[K, U]`,
+    "final_returns" `[K]`, "final_mean_return", "steps_per_second", ...
   """
-  trainer = make_trainer(config)
   steps_per_update = config.num_steps * config.num_envs
-  num_updates = config.total_steps // steps_per_update
-  num_chunks = max(min(config.num_chunks, num_updates), 1)
-  updates_per_chunk = max(num_updates // num_chunks, 1)
-  run_chunk = make_chunk_runner(trainer.step, updates_per_chunk)
-
-  seeds = jax.random.split(jax.random.key(config.seed), config.num_seeds)
-  state = jax.jit(jax.vmap(trainer.init))(seeds)
-  compile_start = time.perf_counter()
-  compiled = run_chunk.lower(state).compile()
-  compile_seconds = time.perf_counter() - compile_start
-
-  chunks = []
-  env_steps_per_chunk = updates_per_chunk * steps_per_update
   description = ("PPO" if config.recurrent == "none"
                  else f"PPO-{config.recurrent.upper()}")
-  total_env_steps = num_chunks * env_steps_per_chunk * config.num_seeds
-  # Counts the env steps of all seeds, like the steps per second printed.
-  progress = tqdm.tqdm(total=total_env_steps,
-                       unit=" env steps", unit_scale=True,
-                       disable=not show_progress,
-                       desc=f"{description}, {config.num_seeds} seed(s)")
-  loop_start = time.perf_counter()
-  for _ in range(num_chunks):
-    state, metrics = compiled(state)
-    metrics = jax.device_get(metrics)
-    chunks.append(metrics)
-    recent = metrics.returns_sum.sum() / max(metrics.episodes_ended.sum(), 1)
-    progress.set_postfix(mean_return=f"{recent:.1f}")
-    progress.update(env_steps_per_chunk * config.num_seeds)
-  loop_seconds = time.perf_counter() - loop_start
-  progress.close()
-
-  returns_sum = np.concatenate([c.returns_sum for c in chunks], axis=1)
-  episodes_ended = np.concatenate([c.episodes_ended for c in chunks], axis=1)
-  final_returns = tail_mean_return(returns_sum, episodes_ended)
-  return dict(returns_sum=returns_sum, episodes_ended=episodes_ended,
-              env_steps_per_iteration=steps_per_update,
-              env_steps_per_seed=total_env_steps // config.num_seeds,
-              steps_per_second=total_env_steps / loop_seconds,
-              compile_seconds=compile_seconds,
-              final_returns=final_returns,
-              final_mean_return=float(final_returns.mean()))
-
-
-def tail_mean_return(returns_sum: np.ndarray, episodes_ended: np.ndarray,
-                     fraction: float = 0.1) -> np.ndarray:
-  """Mean episodic return per seed over the last `fraction` of updates `[K]`."""
-  tail = max(int(returns_sum.shape[1] * fraction), 1)
-  return (returns_sum[:, -tail:].sum(axis=1)
-          / np.maximum(episodes_ended[:, -tail:].sum(axis=1), 1))
-
-
-def learning_curve(returns_sum: np.ndarray, episodes_ended: np.ndarray,
-                   num_points: int = 50) -> tuple[np.ndarray, np.ndarray]:
-  """Mean episodic return per seed in equal windows: `[P]`, `[K, P]`."""
-  num_points = min(num_points, returns_sum.shape[1])
-  num_iterations = returns_sum.shape[1] // num_points * num_points
-  window = num_iterations // num_points
-  sums = returns_sum[:, :num_iterations].reshape(-1, num_points, window).sum(-1)
-  counts = episodes_ended[:, :num_iterations].reshape(-1, num_points,
-                                                      window).sum(-1)
-  centres = (np.arange(num_points) + 0.5) * window
-  return centres, np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
-
-
-def plot_learning_curve(result: dict[str, Any], path: str, title: str) -> None:
-  from matplotlib.figure import Figure  # no pyplot: no GUI backend needed
-  iterations, curves = learning_curve(result["returns_sum"],
-                                      result["episodes_ended"])
-  seeds_with_episodes = np.sum(~np.isnan(curves), axis=0)
-  mean_curve = np.where(seeds_with_episodes > 0, np.nansum(curves, axis=0)
-                        / np.maximum(seeds_with_episodes, 1), np.nan)
-  env_steps = iterations * result["env_steps_per_iteration"]
-  figure = Figure(figsize=(6, 3.5))
-  axes = figure.subplots()
-  for curve in curves:
-    axes.plot(env_steps, curve, color="tab:orange", alpha=0.3, linewidth=1)
-  axes.plot(env_steps, mean_curve, color="tab:orange",
-            label=f"mean of {len(curves)} seeds")
-  axes.set(xlabel="env steps per seed", ylabel="episodic return", title=title)
-  axes.legend()
-  figure.tight_layout()
-  figure.savefig(path, dpi=100)
-
-
-def parse_config(argv: list[str] | None = None) -> tuple[Config, str | None]:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  for field in dataclasses.fields(Config):
-    parser.add_argument("--" + field.name.replace("_", "-"), type=field.type,
-                        default=field.default)
-  parser.add_argument("--plot", default=None,
-                      help="save the learning curve to this image file")
-  args = vars(parser.parse_args(argv))
-  plot = args.pop("plot")
-  return Config(**args), plot
+  return common.train_in_chunks(
+      make_trainer(config),
+      num_iterations=config.total_steps // steps_per_update,
+      env_steps_per_iteration=steps_per_update, num_chunks=config.num_chunks,
+      num_seeds=config.num_seeds, seed=config.seed, description=description,
+      show_progress=show_progress)
 
 
 def main(argv: list[str] | None = None) -> None:
-  config, plot = parse_config(argv)
-  result = train(config)
-  print(f"env steps per second: {result['steps_per_second']:,.0f} "
-        f"({config.num_seeds} seed(s) x {config.num_envs} envs, "
-        f"{result['env_steps_per_seed']:,} steps per seed; "
-        f"compilation {result['compile_seconds']:.1f} s, not counted)")
-  print("final return per seed: "
-        + " ".join(f"{r:.1f}" for r in result["final_returns"]))
-  if plot:
-    plot_learning_curve(result, plot, f"PPO, {config.env_name}")
-  print(f"final mean return: {result['final_mean_return']:.1f}")
+  common.main(argv, config_type=Config, train=train,
+              description=__doc__.split("\n")[0],
+              plot_title=lambda config: f"PPO, {config.env_name}",
+              plot_color="tab:orange")
 
 
 if __name__ == "__main__":

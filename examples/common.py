@@ -1,0 +1,234 @@
+"""What the DQN and PPO examples share: the chunked training loop, curves, flags.
+
+Shape key: K seeds, N envs, I iterations (a DQN vectorized env step, a PPO
+update), P points of a learning curve.
+
+Both examples build a `Trainer` (`init(key) -> state`,
+`step(state) -> (state, metrics)`, each example with its own state and
+metrics types, the metrics holding `returns_sum` and `episodes_ended` per
+iteration) and hand it to `train_in_chunks`, which vmaps it over K seeds and
+runs it as a few jitted chunks of a `lax.scan`, so the host only sees the
+program between chunks to move the progress bar. Each script's `Config`
+dataclass doubles as its command line through `parse_config`.
+"""
+
+import argparse
+import dataclasses
+import time
+from typing import Any, Callable, NamedTuple
+
+import gymnax
+import jax
+import numpy as np
+import tqdm
+
+
+class Trainer(NamedTuple):
+  """Pure functions of one seed's training; vmap them over seeds."""
+  init: Callable[[jax.Array], Any]       # key -> the example's RunnerState
+  step: Callable[[Any], tuple[Any, Any]]  # state -> (state, its Metrics)
+
+
+class VectorEnv(NamedTuple):
+  """N copies of a gymnax environment; reset and step split their key N ways."""
+  num_actions: int
+  # key -> (obs [N, *obs_shape], env_state with leaves [N, ...])
+  reset: Callable[[jax.Array], tuple[jax.Array, Any]]
+  # (key, env_state, actions [N]) -> (obs, env_state, reward [N],
+  # terminated [N], truncated [N], info), gymnax's step with auto-reset.
+  step: Callable[[jax.Array, Any, jax.Array], tuple[Any, ...]]
+
+
+def make_vector_env(env_name: str, time_limit: int,
+                    num_envs: int) -> VectorEnv:
+  """`num_envs` vmapped copies of `gymnax.make(env_name)`.
+
+  Args:
+    env_name: a gymnax environment id, e.g. "CartPole-v1".
+    time_limit: episode step limit; 0 keeps the environment's own.
+    num_envs: N.
+
+  Returns:
+    A `VectorEnv` whose functions close over the environment parameters.
+  """
+  env, env_params = gymnax.make(env_name)
+  if time_limit:
+    env_params = env_params.replace(max_steps_in_episode=time_limit)
+  vmapped_reset = jax.vmap(env.reset, in_axes=(0, None))
+  vmapped_step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
+
+  def reset(key: jax.Array) -> tuple[jax.Array, Any]:
+    return vmapped_reset(jax.random.split(key, num_envs), env_params)
+
+  def step(key: jax.Array, env_state: Any,
+           actions: jax.Array) -> tuple[Any, ...]:
+    return vmapped_step(jax.random.split(key, num_envs), env_state, actions,
+                        env_params)
+
+  return VectorEnv(num_actions=env.action_space(env_params).n, reset=reset,
+                   step=step)
+
+
+def make_chunk_runner(step: Callable, iterations_per_chunk: int) -> Callable:
+  """`states [K, ...] -> (states, metrics [K, iterations_per_chunk])`, jitted.
+
+  The states are donated, so the K replay buffers or rollout storages are
+  updated in place from one chunk to the next rather than copied.
+  """
+  def run_chunk(state):
+    return jax.lax.scan(lambda carry, _: step(carry), state, None,
+                        length=iterations_per_chunk)
+  return jax.jit(jax.vmap(run_chunk), donate_argnums=0)
+
+
+def train_in_chunks(trainer: Trainer, *, num_iterations: int,
+                    env_steps_per_iteration: int, num_chunks: int,
+                    num_seeds: int, seed: int, description: str,
+                    show_progress: bool = True) -> dict[str, Any]:
+  """Trains `num_seeds` seeds of `trainer` at once; returns metrics and timings.
+
+  Args:
+    trainer: one seed's training, from the example's `make_trainer`.
+    num_iterations: `step` calls per seed, rounded down to whole chunks.
+    env_steps_per_iteration: env steps of one seed in one `step`.
+    num_chunks: jitted calls, one progress-bar update each (at most one per
+      iteration).
+    num_seeds: K, seeds trained at once with vmap.
+    seed: the seed of the key the K seeds' keys are split from.
+    description: the progress bar's label, before ", K seed(s)".
+    show_progress: False hides the progress bar (tests, notebooks).
+
+  Returns:
+    A dict: "returns_sum" and "episodes_ended" float `[K, I]` per iteration,
+    "env_steps_per_iteration", "steps_per_second" (env steps of all seeds
+    together per second of the training loop, compilation excluded),
+    "env_steps_per_seed" (env steps of whole chunks), "compile_seconds",
+    "final_mean_return" (mean episodic return over the last 10% of
+    iterations, averaged over seeds) and "final_returns" `[K]`.
+  """
+  num_chunks = max(min(num_chunks, num_iterations), 1)
+  iterations_per_chunk = max(num_iterations // num_chunks, 1)
+  run_chunk = make_chunk_runner(trainer.step, iterations_per_chunk)
+
+  seeds = jax.random.split(jax.random.key(seed), num_seeds)
+  state = jax.jit(jax.vmap(trainer.init))(seeds)
+  compile_start = time.perf_counter()
+  compiled = run_chunk.lower(state).compile()
+  compile_seconds = time.perf_counter() - compile_start
+
+  chunks = []
+  env_steps_per_chunk = iterations_per_chunk * env_steps_per_iteration
+  total_env_steps = num_chunks * env_steps_per_chunk * num_seeds
+  # Counts the env steps of all seeds, like the steps per second printed.
+  progress = tqdm.tqdm(total=total_env_steps,
+                       unit=" env steps", unit_scale=True,
+                       disable=not show_progress,
+                       desc=f"{description}, {num_seeds} seed(s)")
+  loop_start = time.perf_counter()
+  for _ in range(num_chunks):
+    state, metrics = compiled(state)
+    metrics = jax.device_get(metrics)
+    chunks.append(metrics)
+    recent = metrics.returns_sum.sum() / max(metrics.episodes_ended.sum(), 1)
+    progress.set_postfix(mean_return=f"{recent:.1f}")
+    progress.update(env_steps_per_chunk * num_seeds)
+  loop_seconds = time.perf_counter() - loop_start
+  progress.close()
+
+  returns_sum = np.concatenate([c.returns_sum for c in chunks], axis=1)
+  episodes_ended = np.concatenate([c.episodes_ended for c in chunks], axis=1)
+  final_returns = tail_mean_return(returns_sum, episodes_ended)
+  return dict(returns_sum=returns_sum, episodes_ended=episodes_ended,
+              env_steps_per_iteration=env_steps_per_iteration,
+              env_steps_per_seed=total_env_steps // num_seeds,
+              steps_per_second=total_env_steps / loop_seconds,
+              compile_seconds=compile_seconds,
+              final_returns=final_returns,
+              final_mean_return=float(final_returns.mean()))
+
+
+def tail_mean_return(returns_sum: np.ndarray, episodes_ended: np.ndarray,
+                     fraction: float = 0.1) -> np.ndarray:
+  """Mean episodic return per seed over the last `fraction` of iterations `[K]`."""
+  tail = max(int(returns_sum.shape[1] * fraction), 1)
+  return (returns_sum[:, -tail:].sum(axis=1)
+          / np.maximum(episodes_ended[:, -tail:].sum(axis=1), 1))
+
+
+def learning_curve(returns_sum: np.ndarray, episodes_ended: np.ndarray,
+                   num_points: int = 50) -> tuple[np.ndarray, np.ndarray]:
+  """Mean episodic return per seed in equal windows: `[P]`, `[K, P]`."""
+  num_points = min(num_points, returns_sum.shape[1])
+  num_iterations = returns_sum.shape[1] // num_points * num_points
+  window = num_iterations // num_points
+  sums = returns_sum[:, :num_iterations].reshape(-1, num_points, window).sum(-1)
+  counts = episodes_ended[:, :num_iterations].reshape(-1, num_points,
+                                                      window).sum(-1)
+  centres = (np.arange(num_points) + 0.5) * window
+  return centres, np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def plot_learning_curve(result: dict[str, Any], path: str, title: str,
+                        color: str) -> None:
+  """Saves each seed's curve (faint) and their mean, in `color`, to `path`."""
+  from matplotlib.figure import Figure  # no pyplot: no GUI backend needed
+  iterations, curves = learning_curve(result["returns_sum"],
+                                      result["episodes_ended"])
+  seeds_with_episodes = np.sum(~np.isnan(curves), axis=0)
+  mean_curve = np.where(seeds_with_episodes > 0, np.nansum(curves, axis=0)
+                        / np.maximum(seeds_with_episodes, 1), np.nan)
+  env_steps = iterations * result["env_steps_per_iteration"]
+  figure = Figure(figsize=(6, 3.5))
+  axes = figure.subplots()
+  for curve in curves:
+    axes.plot(env_steps, curve, color=color, alpha=0.3, linewidth=1)
+  axes.plot(env_steps, mean_curve, color=color,
+            label=f"mean of {len(curves)} seeds")
+  axes.set(xlabel="env steps per seed", ylabel="episodic return", title=title)
+  axes.legend()
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+
+
+def parse_config(config_type: type, description: str,
+                 argv: list[str] | None = None) -> tuple[Any, str | None]:
+  """`config_type(...)` from one flag per field, and the `--plot` path.
+
+  A field `learning_rate` is the flag `--learning-rate`; a bool field
+  `double_q` is the pair `--double-q` / `--no-double-q`, since
+  `type=bool` would read any non-empty string, "False" included, as True.
+  """
+  parser = argparse.ArgumentParser(description=description)
+  for field in dataclasses.fields(config_type):
+    flag = "--" + field.name.replace("_", "-")
+    if field.type is bool:
+      parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                          default=field.default)
+    else:
+      parser.add_argument(flag, type=field.type, default=field.default)
+  parser.add_argument("--plot", default=None,
+                      help="save the learning curve to this image file")
+  args = vars(parser.parse_args(argv))
+  plot = args.pop("plot")
+  return config_type(**args), plot
+
+
+def main(argv: list[str] | None, *, config_type: type,
+         train: Callable[[Any], dict[str, Any]], description: str,
+         plot_title: Callable[[Any], str], plot_color: str) -> None:
+  """Parses the flags, trains, prints the speed and returns, maybe plots.
+
+  The last line printed is always `final mean return: X`, which
+  tests/test_examples.py reads.
+  """
+  config, plot = parse_config(config_type, description, argv)
+  result = train(config)
+  print(f"env steps per second: {result['steps_per_second']:,.0f} "
+        f"({config.num_seeds} seed(s) x {config.num_envs} envs, "
+        f"{result['env_steps_per_seed']:,} steps per seed; "
+        f"compilation {result['compile_seconds']:.1f} s, not counted)")
+  print("final return per seed: "
+        + " ".join(f"{r:.1f}" for r in result["final_returns"]))
+  if plot:
+    plot_learning_curve(result, plot, plot_title(config), plot_color)
+  print(f"final mean return: {result['final_mean_return']:.1f}")
