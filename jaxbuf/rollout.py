@@ -84,12 +84,8 @@ class RolloutBuffer(NamedTuple):
 
 
 def _check_sizes(num_steps: Any, num_envs: Any) -> None:
-  for value, name in ((num_steps, "num_steps"), (num_envs, "num_envs")):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-      raise TypeError(f"{name} must be a Python int, given "
-                      f"{type(value).__name__}.")
-    if value <= 0:
-      raise ValueError(f"{name} must be positive, given {value}.")
+  validation.check_positive_int(num_steps, "num_steps")
+  validation.check_positive_int(num_envs, "num_envs")
   # add indexes the storage as int32 rows of [(T + 1) * N].
   if (num_steps + 1) * num_envs >= 2**31:
     raise ValueError(f"num_steps * num_envs must be below 2**31 - num_envs, "

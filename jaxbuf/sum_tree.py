@@ -8,9 +8,11 @@ descent costs O(B * K * log_K C) and is a few gathers, scatters and small
 elementwise kernels per level, whichever the capacity. On CPU, K = 8 measured
 fastest for a 256-sample descent at 1M leaves (18 us, against 26 for K = 4,
 57 for K = 16 and 79 for K = 32): wider nodes do more arithmetic per level
-than they save in levels. Parents are always recomputed
-from their children, never adjusted by deltas, so the root cannot drift away
-from the sum of the leaves however many updates it sees.
+than they save in levels.
+
+Parents are always recomputed from their children, never adjusted by deltas,
+so the root cannot drift away from the sum of the leaves however many updates
+it sees.
 
 Levels are stored bottom-up: `levels[0]` holds the leaves (padded with zeros
 to a multiple of K), `levels[-1]` holds the root alone. Each level below the

@@ -129,16 +129,32 @@ def check_key(key: Any, *, what: str) -> None:
                   f"dtype {dtype} and shape {np.shape(key)}.")
 
 
+def check_python_int(value: Any, name: str, *, prefix: str = "",
+                     reason: str = "") -> None:
+  """Raises `TypeError` unless `value` is a Python (or NumPy) int, not a bool.
+
+  Sizes set array shapes, so they must be known while tracing: an array, a
+  float or a bool here is a mistake, not something to convert.
+  """
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{prefix}{name} must be a Python int{reason}, given "
+                    f"{type(value).__name__}.")
+
+
+def check_positive_int(value: Any, name: str, *, prefix: str = "",
+                       reason: str = "") -> None:
+  """`check_python_int`, then `ValueError` unless `value > 0`."""
+  check_python_int(value, name, prefix=prefix, reason=reason)
+  if value <= 0:
+    raise ValueError(f"{prefix}{name} must be positive, given {value}.")
+
+
 def check_batch_size(batch_size: Any, *, what: str) -> None:
-  if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-    raise TypeError(f"{what}: batch_size must be a Python int (it sets the "
-                    f"output shape), given {type(batch_size).__name__}.")
-  if batch_size <= 0:
-    raise ValueError(f"{what}: batch_size must be positive, given {batch_size}.")
+  check_positive_int(batch_size, "batch_size", prefix=f"{what}: ",
+                     reason=" (it sets the output shape)")
 
 
 def check_capacity(capacity: Any) -> None:
-  if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
-    raise TypeError(f"capacity must be a Python int, given {type(capacity).__name__}.")
+  check_python_int(capacity, "capacity")
   if not 0 < capacity < 2**30:
     raise ValueError(f"capacity must be in [1, 2**30), given {capacity}.")
