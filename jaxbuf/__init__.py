@@ -1,34 +1,47 @@
-"""jaxbuf: experience buffers for reinforcement learning as pure JAX functions."""
+"""jaxbuf: experience buffers for reinforcement learning as pure JAX functions.
 
-from jaxbuf.advantages import compute_gae
-from jaxbuf.advantages import lambda_returns
-from jaxbuf.advantages import n_step_returns
-from jaxbuf.advantages import normalize_advantages
-from jaxbuf.checkpoint import load
-from jaxbuf.checkpoint import save
-from jaxbuf.minibatch import SequenceMinibatches
-from jaxbuf.minibatch import env_minibatches
-from jaxbuf.minibatch import sequence_chunks
-from jaxbuf.minibatch import shuffled_minibatches
-from jaxbuf.prioritized import PrioritizedReplayState
-from jaxbuf.prioritized import prioritized_replay
-from jaxbuf.replay import Buffer
-from jaxbuf.replay import ReplaySample
-from jaxbuf.replay import ReplayState
-from jaxbuf.rollout import RolloutBuffer
-from jaxbuf.rollout import RolloutState
-from jaxbuf.rollout import rollout_buffer
-from jaxbuf.uniform import uniform_replay
+This module is the public surface; everything under `jaxbuf._src` is private
+and may change. The module-level functions of each buffer kind, with every
+setting explicit, are public too, for users who bind them differently:
+`jaxbuf.uniform`, `jaxbuf.prioritized`, `jaxbuf.rollout`.
+"""
+
+from jaxbuf._src import prioritized
+from jaxbuf._src import rollout
+from jaxbuf._src import uniform
+from jaxbuf._src.advantages import compute_gae
+from jaxbuf._src.advantages import lambda_returns
+from jaxbuf._src.advantages import n_step_returns
+from jaxbuf._src.advantages import normalize_advantages
+from jaxbuf._src.base import Buffer
+from jaxbuf._src.base import PyTree
+from jaxbuf._src.base import ReplaySample
+from jaxbuf._src.base import Schedule
+from jaxbuf._src.checkpoint import load
+from jaxbuf._src.checkpoint import save
+from jaxbuf._src.minibatch import SequenceMinibatches
+from jaxbuf._src.minibatch import env_minibatches
+from jaxbuf._src.minibatch import sequence_chunks
+from jaxbuf._src.minibatch import shuffled_minibatches
+from jaxbuf._src.prioritized import PrioritizedReplayState
+from jaxbuf._src.prioritized import prioritized_replay
+from jaxbuf._src.ring import ReplayState
+from jaxbuf._src.rollout import RolloutBuffer
+from jaxbuf._src.rollout import RolloutState
+from jaxbuf._src.rollout import rollout_buffer
+from jaxbuf._src.uniform import uniform_replay
 
 __version__ = "0.1.0"
 
 __all__ = (
     "Buffer",
     "PrioritizedReplayState",
+    "PyTree",
     "ReplaySample",
     "ReplayState",
     "RolloutBuffer",
     "RolloutState",
+    "Schedule",
     "SequenceMinibatches",
     "compute_gae",
     "env_minibatches",
@@ -36,10 +49,13 @@ __all__ = (
     "load",
     "n_step_returns",
     "normalize_advantages",
+    "prioritized",
     "prioritized_replay",
+    "rollout",
     "rollout_buffer",
     "save",
     "sequence_chunks",
     "shuffled_minibatches",
+    "uniform",
     "uniform_replay",
 )

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxbuf
-from jaxbuf import checkpoint
+from jaxbuf._src import checkpoint
 
 
 # Made once: each new buffer has new jitted functions, compiled afresh.

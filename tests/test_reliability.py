@@ -16,8 +16,8 @@ import optax
 import pytest
 
 import jaxbuf
-from jaxbuf import prioritized
-from jaxbuf import sum_tree
+from jaxbuf._src import prioritized
+from jaxbuf._src import sum_tree
 from tests.reference import ReferenceReplay
 
 CAPACITY = 8

@@ -580,10 +580,10 @@ def test_dataclass_items_round_trip(kind):
 
 def test_computed_once_returns_the_computation_whatever_the_guard():
   compute = lambda: jnp.arange(5) * 3
-  run = jax.jit(lambda guard: jaxbuf.replay.computed_once(compute, guard))
+  run = jax.jit(lambda guard: jaxbuf._src.random.computed_once(compute, guard))
   for guard in (7, 0, -2):  # a negative guard only costs a second trip
     np.testing.assert_array_equal(run(jnp.int32(guard)), np.arange(5) * 3)
-  doubled = jax.vmap(lambda guard, x: jaxbuf.replay.computed_once(
+  doubled = jax.vmap(lambda guard, x: jaxbuf._src.random.computed_once(
       lambda: x * 2, guard))(jnp.array([0, 5, -1]), jnp.arange(3))
   assert doubled.tolist() == [0, 2, 4]
 
@@ -626,5 +626,5 @@ def test_capacity_one_holds_the_newest_item(kind):
                                    jnp.array([1.0, 2.0, 3.0, 4.0]), batch.item_ids)
   assert int(state.size) == 1
   if kind == "prioritized":  # duplicates: the last update wins
-    np.testing.assert_allclose(jaxbuf.sum_tree.total(state.sum_tree),
+    np.testing.assert_allclose(jaxbuf._src.sum_tree.total(state.sum_tree),
                                (4.0 + 1e-6) ** 0.7, rtol=1e-6)

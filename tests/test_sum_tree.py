@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbuf import sum_tree
+from jaxbuf._src import sum_tree
 
 
 def _numpy_levels(leaf_values: np.ndarray) -> list[np.ndarray]:

@@ -10,8 +10,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
-PyTree = Any
+from jaxbuf._src.base import PyTree
 
 
 def _paths(tree: PyTree) -> list[str]:
@@ -160,3 +161,27 @@ def check_capacity(capacity: Any) -> None:
   check_python_int(capacity, "capacity")
   if not 0 < capacity < 2**30:
     raise ValueError(f"capacity must be in [1, 2**30), given {capacity}.")
+
+
+def check_sample_args(size: jax.Array, key: jax.Array, batch_size: int,
+                      *, checked: bool) -> None:
+  """Checks a sample's key and batch size; in checked mode, that `size > 0`."""
+  check_key(key, what="sample")
+  check_batch_size(batch_size, what="sample")
+  if checked:
+    checkify.check(size > 0, "sample: the buffer is empty; add items "
+                   "before sampling (guard with can_sample).")
+
+
+def check_priority_update_args(indices: Any, priorities: Any,
+                               item_ids: Any) -> None:
+  """Shape and dtype checks of an update, from static information alone."""
+  check_index_batch(indices, priorities, what="update_priorities")
+  if item_ids is not None:
+    if np.shape(item_ids) != np.shape(indices):
+      raise ValueError(f"update_priorities: item_ids have shape "
+                       f"{np.shape(item_ids)}, expected {np.shape(indices)}.")
+    if canonical_dtype(item_ids) != jnp.uint32:
+      raise TypeError("update_priorities: item_ids must be uint32, as "
+                      "ReplaySample.item_ids; given "
+                      f"{canonical_dtype(item_ids)}.")

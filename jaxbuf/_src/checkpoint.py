@@ -33,10 +33,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxbuf.replay import ReplayState
-from jaxbuf.rollout import RolloutState
-
-PyTree = Any
+from jaxbuf._src.ring import ReplayState
+from jaxbuf._src.rollout import RolloutState
+from jaxbuf._src.base import PyTree
 
 _FORMAT = "jaxbuf-checkpoint"
 _FORMAT_VERSION = 1

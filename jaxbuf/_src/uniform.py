@@ -7,19 +7,15 @@ binds them into a `Buffer`.
 """
 
 import functools
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
-from jaxbuf import ring
-from jaxbuf import validation
-from jaxbuf.replay import (Buffer, ReplaySample, ReplayState, add_to_ring, bind,
-                           check_priority_update_args, check_sample_args,
-                           current_item_ids, init_ring, uniform_indices,
-                           valid_priority_updates)
+from jaxbuf._src import random
+from jaxbuf._src import ring
+from jaxbuf._src import validation
+from jaxbuf._src.base import Buffer, PyTree, ReplaySample, bind
+from jaxbuf._src.ring import ReplayState
 
-PyTree = Any
 
 
 def init(example_item: PyTree, *, capacity: int) -> ReplayState:
@@ -34,7 +30,7 @@ def init(example_item: PyTree, *, capacity: int) -> ReplayState:
     A `ReplayState` with storage `[C, *leaf.shape]`, each leaf's dtype kept.
   """
   validation.check_capacity(capacity)
-  return ReplayState(**init_ring(example_item, capacity))
+  return ReplayState(**ring.init_ring(example_item, capacity))
 
 
 def add(state: ReplayState, items: PyTree) -> ReplayState:
@@ -43,7 +39,7 @@ def add(state: ReplayState, items: PyTree) -> ReplayState:
   B may exceed C: the newest C items are kept. Shapes, dtypes and structure
   are checked while tracing; no value is cast.
   """
-  state, _ = add_to_ring(state, items)
+  state, _ = ring.add_to_ring(state, items)
   return state
 
 
@@ -58,12 +54,12 @@ def sample(state: ReplayState, key: jax.Array, batch_size: int,
     A `ReplaySample`: items `[S, ...]`, indices int32 `[S]`, weights float32
     `[S]` (1, or 0 when empty), item_ids uint32 `[S]`.
   """
-  check_sample_args(state, key, batch_size, checked=checked)
-  indices = uniform_indices(key, state.size, batch_size)
+  validation.check_sample_args(state.size, key, batch_size, checked=checked)
+  indices = random.uniform_indices(key, state.size, batch_size)
   weights = jnp.full((batch_size,), state.size > 0, jnp.float32)
   return ReplaySample(items=ring.gather(state.storage, indices), indices=indices,
                       weights=weights,
-                      item_ids=current_item_ids(state, indices))
+                      item_ids=ring.current_item_ids(state, indices))
 
 
 def update_priorities(state: ReplayState, indices: jax.Array,
@@ -77,10 +73,10 @@ def update_priorities(state: ReplayState, indices: jax.Array,
   needs no jit and a Python-loop call costs no dispatch.
   """
   if checked:
-    valid_priority_updates(state, jnp.asarray(indices), jnp.asarray(priorities),
+    ring.valid_priority_updates(state, jnp.asarray(indices), jnp.asarray(priorities),
                            item_ids, checked=True)
   else:
-    check_priority_update_args(indices, priorities, item_ids)
+    validation.check_priority_update_args(indices, priorities, item_ids)
   return state
 
 
@@ -121,6 +117,7 @@ def uniform_replay(capacity: int, *, checked: bool = False) -> Buffer:
       add=add,
       sample=functools.partial(sample, checked=checked),
       update_priorities=functools.partial(update_priorities, checked=checked),
+      can_sample=ring.can_sample,
       clear=clear,
       checked=checked,
       # The identity with shape checks: a jitted call would only add dispatch.

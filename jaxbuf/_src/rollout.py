@@ -41,9 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from jaxbuf import validation
-
-PyTree = Any
+from jaxbuf._src import validation
+from jaxbuf._src.base import PyTree
 
 
 def valid_mask(step_counts: jax.Array, num_steps: int) -> jax.Array:

@@ -24,12 +24,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jaxbuf import threefry
-from jaxbuf import validation
-
-PyTree = Any
+from jaxbuf._src import random
+from jaxbuf._src import validation
+from jaxbuf._src.base import PyTree
 
 
 class SequenceMinibatches(NamedTuple):
@@ -55,24 +53,6 @@ def _leading_shape(tree: PyTree, num_axes: int, *, what: str) -> tuple[int, ...]
           f"{shape}; every leaf must start with the same {num_axes} axes as "
           f"leaf {jax.tree_util.keystr(first_path) or '<root>'}, {leading}.")
   return leading
-
-
-def permutation(key: jax.Array, num_items: int) -> jax.Array:
-  """A uniformly random permutation of `range(num_items)`, int32 `[num_items]`.
-
-  One sort of the indices by 64 random bits each. `jax.random.permutation`
-  sorts by 32 bits in as many rounds as it needs for exactness (two for a
-  rollout of 512K steps); on CPU the sort dominates a PPO epoch's data work,
-  and a single 64-bit sort halves it. Ties, which would order two indices
-  by position, have probability below `num_items**2 / 2**65` (1e-8 at 512K).
-
-  >>> import jax, jaxbuf.minibatch
-  >>> sorted(jaxbuf.minibatch.permutation(jax.random.key(0), 5).tolist())
-  [0, 1, 2, 3, 4]
-  """
-  high_bits, low_bits = threefry.random_bits(key, (2, num_items))
-  return lax.sort((high_bits, low_bits, lax.iota(jnp.int32, num_items)),
-                  num_keys=2)[2]
 
 
 def _check_divides(total: int, parts: Any, *, what: str, total_name: str,
@@ -109,7 +89,7 @@ def shuffled_minibatches(key: jax.Array, data: PyTree, *, num_minibatches: int,
   num_items = int(np.prod(leading))
   _check_divides(num_items, num_minibatches, what="shuffled_minibatches",
                  total_name="steps", parts_name="num_minibatches")
-  order = permutation(key, num_items)
+  order = random.permutation(key, num_items)
 
   def shuffle(leaf):
     leaf = jnp.reshape(jnp.asarray(leaf),
@@ -173,7 +153,7 @@ def sequence_chunks(key: jax.Array, data: PyTree, hidden: PyTree, *,
   _check_divides(num_sequences, num_minibatches, what=what,
                  total_name="(T / chunk_length) * N", parts_name="num_minibatches")
   sequences_per_minibatch = num_sequences // num_minibatches
-  order = permutation(key, num_sequences)
+  order = random.permutation(key, num_sequences)
 
   def as_sequences(leaf):
     """`[T, N, ...]` -> `[L, C * N, ...]`; sequence c * N + n: chunk c, env n."""

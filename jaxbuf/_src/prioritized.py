@@ -12,22 +12,17 @@ The module-level functions take every setting explicitly;
 """
 
 import functools
-from typing import Any, Callable
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxbuf import ring
-from jaxbuf import sum_tree
-from jaxbuf import threefry
-from jaxbuf import validation
-from jaxbuf.replay import (Buffer, ReplaySample, ReplayState, add_to_ring, bind,
-                           check_sample_args, current_item_ids, init_ring,
-                           uniform_indices, valid_priority_updates)
+from jaxbuf._src import random
+from jaxbuf._src import sum_tree
+from jaxbuf._src import ring
+from jaxbuf._src import validation
+from jaxbuf._src.base import Buffer, PyTree, ReplaySample, Schedule, bind
+from jaxbuf._src.ring import ReplayState
 
-PyTree = Any
-Schedule = Callable[[jax.Array], jax.Array]
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -45,7 +40,7 @@ def init(example_item: PyTree, *, capacity: int) -> PrioritizedReplayState:
   """An empty prioritized buffer for items shaped like `example_item`."""
   validation.check_capacity(capacity)
   return PrioritizedReplayState(
-      **init_ring(example_item, capacity),
+      **ring.init_ring(example_item, capacity),
       sum_tree=sum_tree.init(capacity),
       max_priority=jnp.ones((), jnp.float32),
       beta_step=jnp.zeros((), jnp.int32))
@@ -66,7 +61,7 @@ def capped_leaf_values(priorities: jax.Array, alpha: float,
 def add(state: PrioritizedReplayState, items: PyTree, *,
         alpha: float) -> PrioritizedReplayState:
   """Adds `items [B, ...]` in ring order at the running maximum priority."""
-  state, slots = add_to_ring(state, items)
+  state, slots = ring.add_to_ring(state, items)
   new_leaves = jnp.full(
       slots.shape, capped_leaf_values(state.max_priority, alpha, state.sum_tree),
       jnp.float32)
@@ -94,11 +89,11 @@ def sample(state: PrioritizedReplayState, key: jax.Array, batch_size: int, *,
     A `ReplaySample`: items `[S, ...]`, indices int32 `[S]`, weights float32
     `[S]` (largest 1), item_ids uint32 `[S]`.
   """
-  check_sample_args(state, key, batch_size, checked=checked)
+  validation.check_sample_args(state.size, key, batch_size, checked=checked)
   total = sum_tree.total(state.sum_tree)
   # One key serves the targets and the uniform fallback without a split: the
   # fallback's indices are used only when the targets are not.
-  offsets = threefry.random_uniform(key, (batch_size,))
+  offsets = random.random_uniform(key, (batch_size,))
   if stratified:
     targets = (jnp.arange(batch_size, dtype=jnp.float32) + offsets) * (
         total / batch_size)
@@ -111,7 +106,7 @@ def sample(state: PrioritizedReplayState, key: jax.Array, batch_size: int, *,
   # (under vmap both branches run, as with a where).
   indices = jax.lax.cond(
       has_mass, lambda: found,
-      lambda: uniform_indices(key, state.size, batch_size))
+      lambda: random.uniform_indices(key, state.size, batch_size))
   probabilities = leaf_values / total
   log_weights = -beta_at(beta, state.beta_step) * jnp.log(
       state.size.astype(jnp.float32) * probabilities)
@@ -119,7 +114,7 @@ def sample(state: PrioritizedReplayState, key: jax.Array, batch_size: int, *,
   weights = jnp.where(has_mass, weights, (state.size > 0).astype(jnp.float32))
   return ReplaySample(items=ring.gather(state.storage, indices), indices=indices,
                       weights=weights,
-                      item_ids=current_item_ids(state, indices))
+                      item_ids=ring.current_item_ids(state, indices))
 
 
 def update_priorities(state: PrioritizedReplayState, indices: jax.Array,
@@ -137,7 +132,7 @@ def update_priorities(state: PrioritizedReplayState, indices: jax.Array,
   """
   indices = jnp.asarray(indices)
   priorities = jnp.asarray(priorities)
-  valid = valid_priority_updates(state, indices, priorities, item_ids,
+  valid = ring.valid_priority_updates(state, indices, priorities, item_ids,
                                  checked=checked)
   indices = indices.astype(jnp.int32)
   new_priorities = jnp.where(valid, priorities.astype(jnp.float32) + eps, 0.0)
@@ -202,5 +197,6 @@ def prioritized_replay(capacity: int, *, alpha: float = 0.6,
                                checked=checked),
       update_priorities=functools.partial(update_priorities, alpha=alpha,
                                           eps=eps, checked=checked),
+      can_sample=ring.can_sample,
       clear=clear,
       checked=checked)

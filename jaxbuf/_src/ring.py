@@ -1,0 +1,146 @@
+"""Ring-ordered storage and its counters: a pytree of preallocated `[C, ...]` arrays.
+
+Shape key: B add batch, S sample size, C capacity.
+
+Writes touch only the rows they fill, so under `jax.jit(..., donate_argnums=0)`
+XLA updates the storage in place whatever the capacity.
+"""
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from jaxbuf._src import validation
+from jaxbuf._src.base import PyTree
+
+
+def capacity_of(storage: PyTree) -> int:
+  """The capacity C, read from the storage's leading axis (never stored twice)."""
+  return jax.tree_util.tree_leaves(storage)[0].shape[0]
+
+
+def init_storage(example_item: PyTree, capacity: int) -> PyTree:
+  """Zeros `[C, *leaf.shape]` for each leaf, keeping each leaf's dtype."""
+  return jax.tree.map(
+      lambda leaf: jnp.zeros((capacity, *jnp.shape(leaf)), jnp.result_type(leaf)),
+      example_item)
+
+
+def item_spec(storage: PyTree) -> PyTree:
+  """The unbatched item shapes and dtypes, as `jax.ShapeDtypeStruct`s."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), storage)
+
+
+def write(storage: PyTree, items: PyTree, insert_position: jax.Array,
+          batch_size: int) -> tuple[PyTree, jax.Array]:
+  """Writes `items [B, ...]` in ring order from `insert_position`.
+
+  A batch larger than C keeps its newest C items. The older ones are dropped
+  by a static slice rather than written and overwritten: XLA gives duplicate
+  scatter indices no defined order, so every written slot is written once.
+
+  Returns:
+    The new storage and the slots written, int32 `[min(B, C)]`.
+  """
+  capacity = capacity_of(storage)
+  kept = min(batch_size, capacity)
+  dropped = batch_size - kept
+  items = jax.tree.map(lambda x: x[dropped:], items)
+  start = (insert_position + dropped % capacity) % capacity
+  slots = (start + jnp.arange(kept, dtype=jnp.int32)) % capacity
+  storage = jax.tree.map(
+      lambda column, new: column.at[slots].set(
+          new, unique_indices=True, mode="promise_in_bounds"),
+      storage, items)
+  return storage, slots
+
+
+def gather(storage: PyTree, indices: jax.Array) -> PyTree:
+  """Rows `indices [S]` of every leaf: `[S, ...]`."""
+  return jax.tree.map(
+      lambda column: column.at[indices].get(mode="promise_in_bounds"), storage)
+
+
+@flax.struct.dataclass
+class ReplayState:
+  """A ring buffer of items. Every field is an array; nothing is static."""
+  storage: PyTree             # each leaf [C, *item_shape], the item's own dtype
+  insert_position: jax.Array  # shape=(), int32: the slot the next item goes to
+  size: jax.Array             # shape=(), int32: items held, at most C
+  add_count: jax.Array        # shape=(), uint32: items ever added, modulo 2**32
+
+
+def init_ring(example_item: PyTree, capacity: int) -> dict[str, Any]:
+  """The `ReplayState` fields of an empty buffer, as keyword arguments."""
+  return dict(storage=init_storage(example_item, capacity),
+              insert_position=jnp.zeros((), jnp.int32),
+              size=jnp.zeros((), jnp.int32),
+              add_count=jnp.zeros((), jnp.uint32))
+
+
+def add_to_ring(state: ReplayState, items: PyTree) -> tuple[ReplayState, jax.Array]:
+  """Validates `items [B, ...]` against the storage and writes them in ring order.
+
+  Returns:
+    The new state and the slots written, int32 `[min(B, C)]`.
+  """
+  (batch_size,) = validation.check_batched_leaves(
+      item_spec(state.storage), items, what="add")
+  items = jax.tree.map(jnp.asarray, items)
+  capacity = capacity_of(state.storage)
+  storage, slots = write(state.storage, items, state.insert_position,
+                              batch_size)
+  return state.replace(
+      storage=storage,
+      insert_position=(state.insert_position + batch_size % capacity) % capacity,
+      size=jnp.minimum(state.size + min(batch_size, capacity), capacity),
+      add_count=state.add_count + jnp.uint32(batch_size % 2**32),
+  ), slots
+
+
+def current_item_ids(state: ReplayState, indices: jax.Array) -> jax.Array:
+  """Which write (counting from 0, modulo 2**32) filled each slot, uint32 `[S]`.
+
+  Writes are contiguous in ring order, so slot s holds the item written
+  `(insert_position - 1 - s) mod C` writes before the newest one.
+  """
+  capacity = capacity_of(state.storage)
+  writes_since = (state.insert_position - 1 - indices) % capacity
+  return state.add_count - jnp.uint32(1) - writes_since.astype(jnp.uint32)
+
+
+def valid_priority_updates(state: ReplayState, indices: jax.Array,
+                           priorities: jax.Array, item_ids: jax.Array | None,
+                           *, checked: bool) -> jax.Array:
+  """Which updates apply: bool `[S]`. Validates shapes while tracing.
+
+  An update applies when its index points at an item held, its priority is
+  finite and non-negative, and (given `item_ids`) the slot still holds the item
+  that was sampled. In checked mode the first two raise instead.
+  """
+  validation.check_priority_update_args(indices, priorities, item_ids)
+  # Cast first: `uint32 >= 0` always holds and, without x64, `uint32 < int32`
+  # converts both to int32, so 2**32 - 1 became -1 and passed as in range.
+  indices = indices.astype(jnp.int32)
+  in_range = (indices >= 0) & (indices < state.size)
+  finite = jnp.isfinite(priorities) & (priorities >= 0)
+  if checked:
+    checkify.check(jnp.all(in_range), "update_priorities: indices must point at "
+                   "items held, in [0, size={size}); given {indices}",
+                   size=state.size, indices=indices)
+    checkify.check(jnp.all(finite), "update_priorities: priorities must be "
+                   "finite and non-negative; given {priorities}",
+                   priorities=priorities)
+  valid = in_range & finite
+  if item_ids is not None:
+    valid &= current_item_ids(state, indices) == item_ids
+  return valid
+
+
+def can_sample(state: ReplayState, batch_size: int) -> jax.Array:
+  """Whether the buffer holds at least `batch_size` items: bool `()`."""
+  validation.check_batch_size(batch_size, what="can_sample")
+  return state.size >= batch_size
