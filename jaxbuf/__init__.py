@@ -14,6 +14,7 @@ from jaxbuf._src.advantages import lambda_returns
 from jaxbuf._src.advantages import n_step_returns
 from jaxbuf._src.advantages import normalize_advantages
 from jaxbuf._src.base import Buffer
+from jaxbuf._src.base import BufferState
 from jaxbuf._src.base import PyTree
 from jaxbuf._src.base import ReplaySample
 from jaxbuf._src.base import Schedule
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "Buffer",
+    "BufferState",
     "PrioritizedReplayState",
     "PyTree",
     "ReplaySample",

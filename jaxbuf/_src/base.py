@@ -1,4 +1,5 @@
-"""The types every buffer kind shares: `PyTree`, `Schedule`, `Buffer`, `ReplaySample`.
+"""The types every buffer kind shares: `PyTree`, `Schedule`, `BufferState`,
+`Buffer`, `ReplaySample`.
 
 Shape key: S sample size.
 """
@@ -10,6 +11,23 @@ import jax
 
 PyTree = Any
 Schedule = Callable[[jax.Array], jax.Array]
+
+
+@flax.struct.dataclass
+class BufferState:
+  """The base of every buffer state: a frozen pytree of arrays.
+
+  A state knows the sizes its buffer was made with, read from its array
+  shapes, so that `jaxbuf.load` can name a mismatch (a capacity, a number of
+  envs) without a switch over buffer kinds.
+  """
+
+  def buffer_dims(self) -> dict[str, Any]:
+    """The sizes the buffer was made with: `{"capacity": C, ...}`.
+
+    A state vmapped over many buffers reports them as `"vmapped buffers"`.
+    """
+    return {}
 
 
 @flax.struct.dataclass

@@ -33,9 +33,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxbuf._src.ring import ReplayState
-from jaxbuf._src.rollout import RolloutState
-from jaxbuf._src.base import PyTree
+from jaxbuf._src.base import BufferState, PyTree
 
 _FORMAT = "jaxbuf-checkpoint"
 _FORMAT_VERSION = 1
@@ -50,23 +48,8 @@ def _type_name(state: PyTree) -> str:
 
 
 def _buffer_dims(state: PyTree) -> dict[str, Any]:
-  """The sizes a buffer was made with, read from its array shapes.
-
-  A state vmapped over many buffers has leading batch axes on every leaf; the
-  scalar counters have exactly those axes, which tells them apart.
-  """
-  if isinstance(state, ReplayState):
-    batch_shape = np.shape(state.insert_position)
-    storage = jax.tree_util.tree_leaves(state.storage)[0]
-    return {"vmapped buffers": list(batch_shape),
-            "capacity": int(np.shape(storage)[len(batch_shape)])}
-  if isinstance(state, RolloutState):
-    batch_shape = np.shape(state.step_counts)[:-1]
-    data = jax.tree_util.tree_leaves(state.data)[0]
-    return {"vmapped buffers": list(batch_shape),
-            "num_steps": int(np.shape(data)[len(batch_shape)]),
-            "num_envs": int(np.shape(state.step_counts)[-1])}
-  return {}
+  """The sizes a buffer was made with (none for a plain pytree of arrays)."""
+  return state.buffer_dims() if isinstance(state, BufferState) else {}
 
 
 def _layout(state: PyTree) -> dict[str, Any]:

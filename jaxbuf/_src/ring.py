@@ -11,10 +11,11 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import checkify
 
 from jaxbuf._src import validation
-from jaxbuf._src.base import PyTree
+from jaxbuf._src.base import BufferState, PyTree
 
 
 def capacity_of(storage: PyTree) -> int:
@@ -65,12 +66,19 @@ def gather(storage: PyTree, indices: jax.Array) -> PyTree:
 
 
 @flax.struct.dataclass
-class ReplayState:
+class ReplayState(BufferState):
   """A ring buffer of items. Every field is an array; nothing is static."""
   storage: PyTree             # each leaf [C, *item_shape], the item's own dtype
   insert_position: jax.Array  # shape=(), int32: the slot the next item goes to
   size: jax.Array             # shape=(), int32: items held, at most C
   add_count: jax.Array        # shape=(), uint32: items ever added, modulo 2**32
+
+  def buffer_dims(self) -> dict[str, Any]:
+    # The scalar counters have exactly the vmapped axes, if any.
+    batch_shape = np.shape(self.insert_position)
+    storage = jax.tree_util.tree_leaves(self.storage)[0]
+    return {"vmapped buffers": list(batch_shape),
+            "capacity": int(np.shape(storage)[len(batch_shape)])}
 
 
 def init_ring(example_item: PyTree, capacity: int) -> dict[str, Any]:

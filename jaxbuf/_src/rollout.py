@@ -42,7 +42,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from jaxbuf._src import validation
-from jaxbuf._src.base import PyTree
+from jaxbuf._src.base import BufferState, PyTree
 
 
 def valid_mask(step_counts: jax.Array, num_steps: int) -> jax.Array:
@@ -52,7 +52,7 @@ def valid_mask(step_counts: jax.Array, num_steps: int) -> jax.Array:
 
 
 @flax.struct.dataclass
-class RolloutState:
+class RolloutState(BufferState):
   """One rollout in progress. Every field is an array; nothing is static."""
   data: PyTree             # each leaf [T, N, *step_shape], the step's own dtype
   step_counts: jax.Array   # shape=(N,), int32: steps written per env, at most T
@@ -73,6 +73,13 @@ class RolloutState:
     `jax.vmap(lambda s: s.valid)(states)`.
     """
     return valid_mask(self.step_counts, self.num_steps)
+
+  def buffer_dims(self) -> dict[str, Any]:
+    batch_shape = np.shape(self.step_counts)[:-1]
+    data = jax.tree_util.tree_leaves(self.data)[0]
+    return {"vmapped buffers": list(batch_shape),
+            "num_steps": int(np.shape(data)[len(batch_shape)]),
+            "num_envs": int(np.shape(self.step_counts)[-1])}
 
 
 class RolloutBuffer(NamedTuple):
