@@ -7,6 +7,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4")
 
 import hypothesis  # noqa: E402
+import pytest  # noqa: E402
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -15,3 +16,16 @@ hypothesis.settings.register_profile(
     "ci", max_examples=40, deadline=None, derandomize=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
 hypothesis.settings.load_profile("ci")
+
+
+@pytest.fixture(params=[False, True], ids=["x32", "x64"])
+def x64_mode(request):
+  """Runs a test twice: with 32-bit defaults, and inside `jax.enable_x64(True)`.
+
+  jaxbuf must behave the same whether or not a user turns on 64-bit mode, so
+  tests that feed NumPy or Python data of default dtypes use this fixture
+  (`pytestmark = pytest.mark.usefixtures("x64_mode")`), and the default suite
+  covers both without a second run under `JAX_ENABLE_X64=1`.
+  """
+  with jax.enable_x64(request.param):
+    yield request.param
