@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.stats
 
 from jaxbuf._src import sum_tree
 
@@ -101,7 +102,8 @@ def test_claim_last_writes_marks_one_per_distinct_index(batch):
 
 def test_find_prefix_sums_matches_searchsorted():
   rng = np.random.default_rng(2)
-  num_leaves = 3000
+  num_leaves = 500  # at most 8**3 leaves: one target per descent, no redraw
+  assert sum_tree.num_redraws(sum_tree.init(num_leaves)) == 0
   values = rng.uniform(0, 1, num_leaves).astype(np.float32)
   values[rng.random(num_leaves) < 0.3] = 0.0
   tree = sum_tree.set_leaves(sum_tree.init(num_leaves), jnp.arange(num_leaves),
@@ -116,6 +118,95 @@ def test_find_prefix_sums_matches_searchsorted():
   agree = (found == expected) | near_boundary
   assert agree.mean() == 1.0
   assert np.all(values[found] > 0)
+
+
+def _leaf_levels(leaf_values: np.ndarray) -> sum_tree.SumTree:
+  """A tree built directly from its leaves, in float32, without any writes."""
+  levels = []
+  level = np.asarray(leaf_values, np.float32)
+  for size in sum_tree.level_sizes(leaf_values.size):
+    padded = np.zeros(size, np.float32)
+    padded[:level.size] = level
+    levels.append(jnp.asarray(padded))
+    if size == 1:
+      break
+    level = padded.reshape(-1, sum_tree.BRANCHING).sum(axis=1, dtype=np.float32)
+  return sum_tree.SumTree(tuple(levels))
+
+
+def test_redraws_descend_within_the_node_reached():
+  """Top levels follow the target; below them, the redraw within that node."""
+  rng = np.random.default_rng(4)
+  num_leaves = 5000  # 5 levels below the root: one redraw, after 3 of them
+  values = rng.uniform(0, 1, num_leaves).astype(np.float32)
+  values[rng.random(num_leaves) < 0.3] = 0.0
+  tree = _leaf_levels(values)
+  assert sum_tree.num_redraws(tree) == 1
+  # Leaves under a node 3 levels below the root.
+  block = sum_tree.BRANCHING ** (len(tree.levels) - 1 - sum_tree.LEVELS_PER_TARGET)
+  assert block == 64
+  padded = np.zeros(-(-num_leaves // block) * block)
+  padded[:num_leaves] = values
+  block_sums = padded.reshape(-1, block).sum(axis=1)
+  count = 4000
+  targets = rng.uniform(0, block_sums.sum(), count).astype(np.float32)
+  redraws = rng.uniform(0, 1, (1, count)).astype(np.float32)
+  found, found_values = sum_tree.find_prefix_sums_and_leaves(
+      tree, targets, redraws)
+  found, found_values = np.asarray(found), np.asarray(found_values)
+  block_prefix = np.cumsum(block_sums)
+  chosen_block = np.searchsorted(block_prefix, targets, side="right")
+  within = redraws[0] * block_sums[np.minimum(chosen_block, block_sums.size - 1)]
+  leaf_prefix = np.cumsum(padded.reshape(-1, block)[
+      np.minimum(chosen_block, block_sums.size - 1)], axis=1)
+  expected = chosen_block * block + np.array(
+      [np.searchsorted(row, t, side="right") for row, t in zip(leaf_prefix, within)])
+  near_boundary = (
+      np.min(np.abs(block_prefix[None, :] - targets[:, None]), axis=1) < 1e-3
+  ) | (np.min(np.abs(leaf_prefix - within[:, None]), axis=1) < 1e-5)
+  assert np.mean((found == expected) | near_boundary) == 1.0
+  assert np.mean(near_boundary) < 0.01
+  np.testing.assert_array_equal(found_values, values[found])
+  assert np.all(values[found] > 0)
+
+
+def test_a_descent_of_a_deep_tree_without_its_redraws_is_refused():
+  tree = sum_tree.init(5000)
+  with pytest.raises(ValueError, match=r"needs redraws of shape \(1, 3\)"):
+    sum_tree.find_prefix_sums(tree, jnp.zeros(3))
+  with pytest.raises(ValueError, match="needs redraws"):
+    sum_tree.find_prefix_sums(tree, jnp.zeros(3), jnp.zeros((2, 3)))
+
+
+@pytest.mark.parametrize("redraw", [True, False])
+def test_every_leaf_is_drawn_in_proportion_past_2_to_the_24_leaves(
+    redraw, monkeypatch):
+  """3 * 2**23 leaves of 1, 2, 3, 1, 2, 3, ...: each residue of the index
+  modulo 6 is drawn in proportion in each third of the leaves.
+
+  A float32 target alone cannot reach every leaf here (its ulp near the total
+  is 4 leaves' mass): with the redraws turned off the same test must fail.
+  The tree is built directly from its leaves (110 MB), not by writes.
+  """
+  if not redraw:
+    monkeypatch.setattr(sum_tree, "LEVELS_PER_TARGET", 100)
+  num_leaves = 3 * 2**23
+  tree = _leaf_levels(np.tile(np.array([1, 2, 3], np.float32), num_leaves // 3))
+  draw = jax.jit(lambda key: sum_tree.sample_leaves(tree, key, 2**16,
+                                                    stratified=False))
+  found = np.concatenate([np.asarray(draw(key)[0])
+                          for key in jax.random.split(jax.random.key(5), 4)])
+  expected_shares = np.array([1, 2, 3, 1, 2, 3]) / 12
+  p_values = []
+  for third in range(3):
+    chosen = found[(found >= third * 2**23) & (found < (third + 1) * 2**23)]
+    counts = np.bincount(chosen % 6, minlength=6)
+    p_values.append(scipy.stats.chisquare(
+        counts, expected_shares * counts.sum()).pvalue)
+  if redraw:
+    assert min(p_values) > 1e-3, p_values
+  else:
+    assert min(p_values) < 1e-12, p_values
 
 
 @pytest.mark.parametrize("targets", [[0.0], [1.0], [1e30], [np.inf], [-1.0]])

@@ -91,17 +91,11 @@ def sample(state: PrioritizedReplayState, key: jax.Array, batch_size: int, *,
   """
   validation.check_sample_args(state.size, key, batch_size, checked=checked)
   total = sum_tree.total(state.sum_tree)
-  # One key serves the targets and the uniform fallback without a split: the
-  # fallback's indices are used only when the targets are not.
-  offsets = random.random_uniform(key, (batch_size,))
-  if stratified:
-    targets = (jnp.arange(batch_size, dtype=jnp.float32) + offsets) * (
-        total / batch_size)
-  else:
-    targets = offsets * total
+  # One key serves the descent and the uniform fallback without a split: the
+  # fallback's indices are used only when the descent's are not.
   has_mass = total > 0
-  found, leaf_values = sum_tree.find_prefix_sums_and_leaves(state.sum_tree,
-                                                            targets)
+  found, leaf_values = sum_tree.sample_leaves(state.sum_tree, key, batch_size,
+                                              stratified=stratified)
   # A cond, not a where: the fallback's random draw runs only when needed
   # (under vmap both branches run, as with a where).
   indices = jax.lax.cond(

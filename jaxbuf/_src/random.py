@@ -118,23 +118,62 @@ def computed_once(compute: Callable[[], jax.Array],
   return jax.lax.platform_dependent(cpu=in_a_loop, default=compute)
 
 
+def multiply_high(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The full 64-bit product of uint32 arrays: its high and low uint32 words.
+
+  In 16-bit halves, so that no partial product overflows 32 bits, whatever
+  the 64-bit mode (`lax.mul` of uint32 keeps only the low word).
+  """
+  mask = np.uint32(0xFFFF)
+  a_low, a_high = a & mask, a >> np.uint32(16)
+  b_low, b_high = b & mask, b >> np.uint32(16)
+  low_low = a_low * b_low
+  middle = a_high * b_low + (low_low >> np.uint32(16))     # < 2**32
+  other_middle = a_low * b_high + (middle & mask)           # < 2**32
+  high = a_high * b_high + (middle >> np.uint32(16)) + (other_middle >> np.uint32(16))
+  return high, a * b
+
+
+def scale_to_span(higher_bits: jax.Array, lower_bits: jax.Array,
+                  span: jax.Array) -> jax.Array:
+  """`floor(r * span / 2**64)` for the 64-bit `r = higher_bits * 2**32 + lower_bits`.
+
+  Multiply-shift reduction (Lemire's, without rejection): each of the `span`
+  results receives `floor(2**64 / span)` or one more of the 2**64 values of
+  `r`, so with uniform bits every result has probability `1 / span` to
+  within `2**-64`, for every `span` in `[1, 2**32)`. (Reducing 32-bit words
+  modulo `span`, as `jax.random.randint` does, overflows for spans past 2**16
+  and favoured the first third of 3 * 2**28 items, 37.5% against 33.3%.)
+
+  Args:
+    higher_bits, lower_bits: uint32 `[S]`, the two words of `r`.
+    span: uint32 scalar, at least 1.
+
+  Returns:
+    uint32 `[S]` in `[0, span)`.
+  """
+  # r * span = higher * span * 2**32 + lower * span; only the carry of the
+  # second term into the top word matters.
+  high_of_high, low_of_high = multiply_high(higher_bits, span)
+  carry_source, _ = multiply_high(lower_bits, span)
+  low_word = low_of_high + carry_source
+  carry = (low_word < low_of_high).astype(jnp.uint32)
+  return high_of_high + carry
+
+
 def uniform_indices(key: jax.Array, size: jax.Array, batch_size: int) -> jax.Array:
   """Slots drawn uniformly from the `size` items held (slot 0 when empty).
 
-  The arithmetic of `jax.random.randint(key, (S,), 0, size)` (64 random bits
-  per draw, reduced modulo `size`), with all the bits from one unrolled call
-  to the generator (`threefry.random_bits`) instead of a split and two calls,
-  each of them a loop of small kernels on CPU. Computed once
+  64 random bits per draw, scaled to `[0, size)` by `scale_to_span`: exact
+  to within 2**-64 per slot at every capacity, with all the bits from one
+  unrolled call to the generator (`random_bits`) instead of a split and two
+  calls, each of them a loop of small kernels on CPU. Computed once
   (`computed_once`), not inside each gather that uses them.
   """
   def draw():
     higher_bits, lower_bits = random_bits(key, (2, batch_size))
     span = jnp.maximum(size, 1).astype(jnp.uint32)
-    # 2**32 mod span, computed without overflow as (2**16 mod span)**2 mod span.
-    multiplier = jnp.uint32(2 ** 16) % span
-    multiplier = multiplier * multiplier % span
-    offsets = (higher_bits % span * multiplier + lower_bits % span) % span
-    return offsets.astype(jnp.int32)
+    return scale_to_span(higher_bits, lower_bits, span).astype(jnp.int32)
   return computed_once(draw, size)
 
 

@@ -26,6 +26,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxbuf._src import random
+
 BRANCHING = 8
 
 
@@ -161,22 +163,68 @@ def set_leaves(tree: SumTree, indices: jax.Array, values: jax.Array,
   return SumTree(tuple(levels))
 
 
-def find_prefix_sums(tree: SumTree, targets: jax.Array) -> jax.Array:
+# A float32 target places itself to within about 2**-24 of the total: fine
+# among 8**3 = 512 nodes (1/512 of the total is 2**15 of its ulps), not among
+# the 2**24 or more leaves of a large tree, where leaves too light for the
+# target's precision were never drawn (a sixth of 3 * 2**23 equal leaves).
+# So a descent redraws its target, uniformly within the node it has reached,
+# every LEVELS_PER_TARGET levels: each stretch of the descent then chooses
+# among at most 512 nodes, and the probability of every leaf is its share of
+# the total to within a few float32 roundings per stretch, at any capacity.
+LEVELS_PER_TARGET = 3
+
+
+def num_redraws(tree: SumTree) -> int:
+  """How many fresh uniforms a descent of `tree` takes per target, R."""
+  descent_levels = len(tree.levels) - 1
+  return max(0, -(-descent_levels // LEVELS_PER_TARGET) - 1)
+
+
+def sample_leaves(tree: SumTree, key: jax.Array, batch_size: int, *,
+                  stratified: bool) -> tuple[jax.Array, jax.Array]:
+  """Draws `batch_size` leaves, leaf i with probability `leaves[i] / total`.
+
+  Args:
+    tree: the tree; its total should be positive (an empty tree gives leaf 0).
+    key: a PRNG key.
+    batch_size: S.
+    stratified: one target in each of S equal strata of `[0, total)`, in
+      stratum order; otherwise S independent targets.
+
+  Returns:
+    int32 `[S]` leaf indices and float32 `[S]` their leaf values.
+  """
+  # One call to the generator for the targets and every redraw; its first
+  # row is `random_uniform(key, (S,))`, so small trees sample as before.
+  uniforms = random.random_uniform(key, (1 + num_redraws(tree), batch_size))
+  total_mass = total(tree)
+  if stratified:
+    targets = (jnp.arange(batch_size, dtype=jnp.float32) + uniforms[0]) * (
+        total_mass / batch_size)
+  else:
+    targets = uniforms[0] * total_mass
+  return find_prefix_sums_and_leaves(tree, targets, uniforms[1:])
+
+
+def find_prefix_sums(tree: SumTree, targets: jax.Array,
+                     redraws: jax.Array | None = None) -> jax.Array:
   """For each target, the leaf whose prefix-sum interval contains it.
 
-  Leaf i is returned for targets in `[sum(leaves[:i]), sum(leaves[:i+1]))`, so
-  a target drawn uniformly from `[0, total)` returns leaf i with probability
+  Without redraws (trees of at most 8**3 leaves), leaf i is returned for
+  targets in `[sum(leaves[:i]), sum(leaves[:i+1]))`, so a target drawn
+  uniformly from `[0, total)` returns leaf i with probability
   `leaves[i] / total`. Zero leaves are never returned while the total is
   positive, even for targets at or past the total through rounding.
 
   Args:
     tree: the tree.
     targets: float32 `[S]`.
+    redraws: float32 `[R, S]` uniforms in `[0, 1)`, R = `num_redraws(tree)`.
 
   Returns:
     int32 `[S]` leaf indices.
   """
-  indices, _ = find_prefix_sums_and_leaves(tree, targets)
+  indices, _ = find_prefix_sums_and_leaves(tree, targets, redraws)
   return indices
 
 
@@ -194,9 +242,13 @@ def row_prefix_sums(rows: jax.Array) -> jax.Array:
   return prefix
 
 
-def find_prefix_sums_and_leaves(tree: SumTree, targets: jax.Array
+def find_prefix_sums_and_leaves(tree: SumTree, targets: jax.Array,
+                                redraws: jax.Array | None = None
                                 ) -> tuple[jax.Array, jax.Array]:
   """`find_prefix_sums`, and the values of the leaves found.
+
+  Every `LEVELS_PER_TARGET` levels below the root, the target is replaced by
+  `redraws[r] * (value of the node reached)`: a uniform position within it.
 
   The values come from the descent's own reads rather than a second gather of
   the leaves: a gather that nothing downstream depends on is unordered with a
@@ -206,16 +258,33 @@ def find_prefix_sums_and_leaves(tree: SumTree, targets: jax.Array
   Args:
     tree: the tree.
     targets: float32 `[S]`.
+    redraws: float32 `[R, S]` uniforms in `[0, 1)`, R = `num_redraws(tree)`;
+      may be None when R is 0.
 
   Returns:
     int32 `[S]` leaf indices and float32 `[S]` their leaf values.
+
+  Raises:
+    ValueError: if `redraws` is missing or not `[R, S]`.
   """
   targets = jnp.asarray(targets, jnp.float32)
+  expected = (num_redraws(tree), *targets.shape)
+  if redraws is None and expected[0] == 0:
+    redraws = jnp.zeros(expected, jnp.float32)
+  if redraws is None or tuple(jnp.shape(redraws)) != expected:
+    raise ValueError(
+        f"find_prefix_sums: a tree of {len(tree.levels)} levels needs redraws "
+        f"of shape {expected} (uniforms in [0, 1); see sample_leaves), given "
+        f"{None if redraws is None else tuple(jnp.shape(redraws))}.")
   node = jnp.zeros(targets.shape, jnp.int32)
   if len(tree.levels) == 1:  # a single leaf, which is also the root
     return node, jnp.broadcast_to(tree.levels[0][0], targets.shape)
   child_position = jnp.arange(BRANCHING, dtype=jnp.int32)[None, :]
-  for level in reversed(tree.levels[:-1]):
+  for depth, level in enumerate(reversed(tree.levels[:-1])):
+    if depth and depth % LEVELS_PER_TARGET == 0:
+      node_value = jnp.sum(
+          jnp.where(child_position == child[:, None], children, 0.0), axis=1)
+      targets = redraws[depth // LEVELS_PER_TARGET - 1] * node_value
     children = level.reshape(-1, BRANCHING).at[node].get(mode="promise_in_bounds")
     prefix = row_prefix_sums(children)
     # The first positive child whose prefix sum passes the target, scored
