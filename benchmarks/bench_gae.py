@@ -38,11 +38,6 @@ Usage:
 
 import argparse
 import functools
-import importlib.metadata
-import os
-import platform
-import statistics
-import time
 from typing import Any, Callable
 
 import jax
@@ -50,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import rlax
 
+import harness
 import jaxbuf
 
 GAMMA, GAE_LAMBDA = 0.99, 0.95
@@ -58,20 +54,9 @@ EPOCHS, MINIBATCHES = 4, 4
 
 
 def timed(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-  """Median seconds per call of each jitted thunk, after one warm-up call each.
-
-  The thunks are called round-robin, one call each per repeat, so a change
-  in the machine's load (it is shared) hits every variant alike.
-  """
-  for call in calls.values():
-    jax.block_until_ready(call())
-  times = {name: [] for name in calls}
-  for _ in range(repeats):
-    for name, call in calls.items():
-      start = time.perf_counter()
-      jax.block_until_ready(call())
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(samples) for name, samples in times.items()}
+  """Median seconds per call of each jitted thunk, after one warm-up call each,
+  the thunks interleaved (`harness.time_interleaved`)."""
+  return harness.time_interleaved(calls, repeats=repeats, warmup=1)
 
 
 def repeats_for(num_items: int, repeats: int) -> int:
@@ -282,15 +267,6 @@ def bench_ppo(shapes, repeats):
 # ---------------------------------------------------------------- report
 
 
-def machine() -> str:
-  device = jax.devices()[0]
-  versions = ", ".join(f"{name} {importlib.metadata.version(name)}"
-                       for name in ("jax", "jaxlib", "rlax"))
-  return (f"{device.platform} ({device.device_kind}), {os.cpu_count()} CPU "
-          f"cores visible, {platform.python_implementation()} "
-          f"{platform.python_version()}; {versions}")
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true",
@@ -305,13 +281,13 @@ def main():
     repeats = 10
   repeats = args.repeats or repeats
 
-  print(f"machine: {machine()}")
+  harness.print_machine(("jax", "jaxlib", "numpy", "rlax"))
   print(f"GAE, gamma={GAMMA}, lambda={GAE_LAMBDA}: median ms per call "
         f"(at least {repeats} interleaved repeats, more for small shapes); "
         "ratio = rlax time / this time (>1: faster than rlax)")
   names = ("jaxbuf scan", "jaxbuf assoc", "jaxbuf full", "rlax vmap",
            "purejaxrl")
-  print(f"| T | N | floor MB | " + " | ".join(names)
+  print("| T | N | floor MB | " + " | ".join(names)
         + " | scan vs rlax | assoc vs rlax |")
   print("|---|---|---|" + "---|" * (len(names) + 2))
   for num_steps, num_envs, floor_mb, times in bench_gae(gae_shapes, repeats):

@@ -21,9 +21,7 @@ iteration learns.
 
 import argparse
 import dataclasses
-import os
 import pathlib
-import platform
 import sys
 import time
 
@@ -37,6 +35,7 @@ from examples import common  # noqa: E402
 from examples import dqn  # noqa: E402
 from examples import ppo  # noqa: E402
 
+import harness  # noqa: E402
 import jaxbuf  # noqa: E402
 
 
@@ -238,15 +237,6 @@ def time_ppo_host(config: ppo.Config, num_updates: int) -> float:
   return num_updates * config.num_steps * config.num_envs / seconds
 
 
-def cpu_name() -> str:
-  cpuinfo = pathlib.Path("/proc/cpuinfo")
-  if cpuinfo.exists():
-    for line in cpuinfo.read_text().splitlines():
-      if line.startswith("model name"):
-        return line.split(":", 1)[1].strip()
-  return platform.processor() or platform.machine()
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true",
@@ -255,8 +245,7 @@ def main() -> None:
   scale = 1 if args.quick else 4
   dqn_config = dqn.Config()
   ppo_config = ppo.Config()
-  print(f"jax {jax.__version__} ({jax.default_backend()}), python "
-        f"{platform.python_version()}, {cpu_name()}, {os.cpu_count()} cores")
+  harness.print_machine(("jax", "jaxlib", "numpy", "flax", "optax", "gymnax"))
   rows = []
   rows.append(("DQN uniform, fused (jaxbuf)", time_fused(
       dqn, dqn_config, iterations_per_chunk=500, num_chunks=2 * scale)))

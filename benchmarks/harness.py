@@ -1,0 +1,287 @@
+"""What every benchmark script shares: the machine, timing, memory, tables.
+
+Each script prints `machine_lines()` first, so every figure it prints carries
+the machine, the library versions, the load and the command that produced it.
+
+* Timing: `time_interleaved` calls several thunks round-robin, one call each
+  per repeat, so a change in the load of a shared machine hits every
+  contender alike, and returns the median seconds per call of each after
+  warm-up calls (compilation). `time_call` is the one-thunk case.
+* Memory: the peak of a block of work, measured where the data lives: the
+  device allocator's counters on an accelerator, the process's resident set
+  (with the kernel's peak counter reset where allowed) on CPU. Run it in a
+  fresh process (`run_child`) so earlier work does not hide the peak.
+* Tables: fixed-width columns, `microseconds` and `ratio` formatting, and
+  `Verdicts`, the PASS/FAIL/info lines that judge figures against targets.
+"""
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+PACKAGES = ("jax", "jaxlib", "numpy", "flax", "optax", "chex", "gymnax",
+            "flashbax", "cpprb", "rlax", "orbax-checkpoint")
+
+
+def block(tree):
+  """Waits for every array in `tree`; returns it."""
+  return jax.block_until_ready(tree)
+
+
+# ---------------------------------------------------------------- machine
+
+
+def _command_output(command: Sequence[str]) -> str:
+  try:
+    return subprocess.run(command, capture_output=True, text=True,
+                          check=False).stdout.strip()
+  except OSError:
+    return ""
+
+
+def cpu_name() -> str:
+  for line in _command_output(["lscpu"]).splitlines():
+    if line.startswith("Model name"):
+      return line.split(":", 1)[1].strip()
+  return platform.processor() or platform.machine()
+
+
+def versions(packages: Sequence[str] = PACKAGES) -> dict[str, str]:
+  found = {}
+  for package in packages:
+    try:
+      found[package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      found[package] = "not installed"
+  return found
+
+
+def load_average() -> str:
+  return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def machine_description(packages: Sequence[str] = PACKAGES) -> dict[str, Any]:
+  """CPU, cores, JAX backend and devices, Python and package versions, load."""
+  device = jax.devices()[0]
+  return dict(cpu=cpu_name(), cores=os.cpu_count(),
+              backend=jax.default_backend(), device_kind=device.device_kind,
+              devices=[str(d) for d in jax.devices()],
+              python=platform.python_version(), versions=versions(packages),
+              load_average=load_average(),
+              date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              command=" ".join(shlex.quote(a) for a in sys.argv))
+
+
+def machine_lines(machine: dict[str, Any]) -> list[str]:
+  return [
+      f"machine: {machine['cpu']}, {machine['cores']} cores; backend "
+      f"{machine['backend']} ({machine['device_kind']}), "
+      f"{len(machine['devices'])} device(s)",
+      f"python {machine['python']}, " + ", ".join(
+          f"{name} {version}" for name, version in machine["versions"].items()
+          if version != "not installed"),
+      f"date {machine['date']}; load average (1, 5, 15 min) at start: "
+      f"{machine['load_average']}",
+      f"command: {machine['command']}",
+  ]
+
+
+def print_machine(packages: Sequence[str] = PACKAGES) -> dict[str, Any]:
+  """Prints and returns `machine_description`."""
+  machine = machine_description(packages)
+  for line in machine_lines(machine):
+    print(line, flush=True)
+  return machine
+
+
+# ---------------------------------------------------------------- timing
+
+
+def time_interleaved(calls: dict[str, Callable[[], Any]], *, repeats: int,
+                     warmup: int = 1, number: int = 1) -> dict[str, float]:
+  """Median seconds per call of each thunk, the thunks interleaved.
+
+  Args:
+    calls: name -> thunk; each call's result is waited for (`block`).
+    repeats: timed rounds; each round times every thunk once, in order.
+    warmup: untimed rounds first (compilation; a state that comes back with
+      other types than it went in, say weak types, compiles again on the
+      second call).
+    number: calls per timed sample; the sample is divided by it.
+
+  Returns:
+    name -> median over the repeats of (seconds per call).
+  """
+  for _ in range(warmup):
+    for call in calls.values():
+      block(call())
+  samples = {name: [] for name in calls}
+  for _ in range(repeats):
+    for name, call in calls.items():
+      start = time.perf_counter()
+      for _ in range(number):
+        result = call()
+      block(result)
+      samples[name].append((time.perf_counter() - start) / number)
+  return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def time_call(call: Callable[[], Any], *, repeats: int, warmup: int = 1,
+              number: int = 1) -> float:
+  """Median seconds per call of one thunk (see `time_interleaved`)."""
+  return time_interleaved({"call": call}, repeats=repeats, warmup=warmup,
+                          number=number)["call"]
+
+
+# ---------------------------------------------------------------- memory
+
+
+def resident_bytes() -> int:
+  with open("/proc/self/statm") as statm:
+    return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_resident() -> bool:
+  """Resets the kernel's peak-RSS counter (VmHWM); False if not allowed."""
+  try:
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+      clear_refs.write("5")
+    return True
+  except OSError:
+    return False
+
+
+def peak_resident_bytes() -> int:
+  with open("/proc/self/status") as status:
+    for line in status:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclasses.dataclass
+class PeakMemory:
+  """Peak memory of the work done between `start()` and `stop()`.
+
+  On an accelerator the arrays live in device memory and the allocator's
+  counters are read; on CPU (or when the device keeps no counters) the
+  process's resident set is; `host=True` reads the resident set always (a
+  host library such as cpprb). `baseline` is what was in use at `start()`;
+  `peak - baseline` is what the work added at its worst.
+  """
+  host: bool = False
+  measured: str = ""
+  baseline: int = 0
+  peak: int = 0
+  peak_was_reset: bool = False
+
+  def start(self) -> "PeakMemory":
+    block(jax.numpy.zeros(()))
+    stats = self._device_stats()
+    if stats is not None:
+      self.measured = "device memory"
+      self.baseline = stats["bytes_in_use"]
+      # The allocator's peak cannot be reset: the work must exceed it.
+      self.peak_was_reset = False
+    else:
+      self.measured = "host RSS"
+      self.baseline = resident_bytes()
+      self.peak_was_reset = reset_peak_resident()
+    return self
+
+  def stop(self) -> "PeakMemory":
+    stats = self._device_stats()
+    self.peak = (stats["peak_bytes_in_use"] if stats is not None
+                 else peak_resident_bytes())
+    return self
+
+  @property
+  def added(self) -> int:
+    return self.peak - self.baseline
+
+  def _device_stats(self) -> dict[str, int] | None:
+    if self.host or jax.default_backend() == "cpu":
+      return None
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats if "peak_bytes_in_use" in stats else None
+
+
+def run_child(script: str, arguments: Sequence[str], timeout: float = 1800
+              ) -> dict[str, Any]:
+  """Runs `python script *arguments` in a fresh process; parses the JSON
+  object on its last stdout line, or returns {"error": [last stderr line]}."""
+  completed = subprocess.run([sys.executable, os.path.abspath(script),
+                              *arguments], capture_output=True, text=True,
+                             check=False, timeout=timeout)
+  if completed.returncode != 0:
+    return {"error": completed.stderr.strip().splitlines()[-1:]}
+  return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- tables
+
+
+def microseconds(seconds: float | None) -> str:
+  return "-" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+  if not numerator or not denominator:
+    return None
+  return numerator / denominator
+
+
+def ratio_text(value: float | None) -> str:
+  return "-" if value is None else f"{value:.2f}x"
+
+
+def print_table(columns: Sequence[tuple[str, int]],
+                rows: Sequence[Sequence[Any]]) -> None:
+  """Fixed-width table: `columns` are (title, width), a negative width
+  left-aligns; each row holds one value per column (str() is applied)."""
+  def line(values):
+    return " ".join(f"{str(value):<{-width}}" if width < 0
+                    else f"{str(value):>{width}}"
+                    for value, (_, width) in zip(values, columns))
+  header = line([title for title, _ in columns])
+  print(header)
+  print("-" * len(header))
+  for row in rows:
+    print(line(row))
+
+
+class Verdicts:
+  """PASS/FAIL lines for figures with a target, info lines for the rest."""
+
+  def __init__(self):
+    self.lines: list[str] = []
+
+  def judge(self, name: str, value: float | None, target: float, *,
+            higher_is_better: bool = True, unit: str = "x") -> None:
+    if value is None:
+      verdict, shown = "n/a ", "n/a"
+    else:
+      passed = value >= target if higher_is_better else value <= target
+      verdict, shown = ("PASS" if passed else "FAIL"), f"{value:.2f}{unit}"
+    bound = ">=" if higher_is_better else "<="
+    self.lines.append(f"{verdict}  {name}: {shown} (target {bound} "
+                      f"{target:g}{unit})")
+
+  def info(self, text: str) -> None:
+    self.lines.append(f"info  {text}")
+
+  def print(self, title: str) -> None:
+    print(f"\n{title}")
+    for line in self.lines:
+      print("  " + line)
