@@ -14,9 +14,7 @@ Run: .venv/bin/python benchmarks/bench_checkpoint.py [--capacity N] [--repeats R
 """
 
 import argparse
-import os
 import pathlib
-import platform
 import shutil
 import statistics
 import tempfile
@@ -25,8 +23,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint
 
+import harness
 import jaxbuf
 
 
@@ -98,9 +96,7 @@ def main() -> None:
   finally:
     shutil.rmtree(work, ignore_errors=True)
 
-  print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"{jax.devices()[0].platform}; jax {jax.__version__}, "
-        f"orbax-checkpoint {orbax.checkpoint.__version__}, numpy {np.__version__}")
+  harness.print_machine(("jax", "jaxlib", "orbax-checkpoint", "numpy"))
   print(f"state: prioritized replay, capacity {args.capacity}, obs (84,) float32, "
         f"{len(leaves)} arrays, {array_bytes / 1e6:.1f} MB of array data; "
         f"median of {args.repeats}")
