@@ -30,6 +30,12 @@ from jaxbuf._src.ring import ReplayState
 from jaxbuf._src.rollout import RolloutBuffer
 from jaxbuf._src.rollout import RolloutState
 from jaxbuf._src.rollout import rollout_buffer
+from jaxbuf._src.transitions import NStepTargets
+from jaxbuf._src.transitions import NStepTransitions
+from jaxbuf._src.transitions import burn_in_split
+from jaxbuf._src.transitions import n_step_targets
+from jaxbuf._src.transitions import n_step_transitions
+from jaxbuf._src.transitions import r2d2_priorities
 from jaxbuf._src.uniform import uniform_replay
 
 __version__ = "0.1.0"
@@ -37,6 +43,8 @@ __version__ = "0.1.0"
 __all__ = (
     "Buffer",
     "BufferState",
+    "NStepTargets",
+    "NStepTransitions",
     "PrioritizedReplayState",
     "PyTree",
     "ReplaySample",
@@ -45,14 +53,18 @@ __all__ = (
     "RolloutState",
     "Schedule",
     "SequenceMinibatches",
+    "burn_in_split",
     "compute_gae",
     "env_minibatches",
     "lambda_returns",
     "load",
     "n_step_returns",
+    "n_step_targets",
+    "n_step_transitions",
     "normalize_advantages",
     "prioritized",
     "prioritized_replay",
+    "r2d2_priorities",
     "rollout",
     "rollout_buffer",
     "save",
