@@ -253,7 +253,7 @@ def print_table(columns: Sequence[tuple[str, int]],
   def line(values):
     return " ".join(f"{str(value):<{-width}}" if width < 0
                     else f"{str(value):>{width}}"
-                    for value, (_, width) in zip(values, columns))
+                    for value, (_, width) in zip(values, columns, strict=True))
   header = line([title for title, _ in columns])
   print(header)
   print("-" * len(header))
