@@ -1,47 +1,98 @@
-"""Saving and loading buffer states with orbax-checkpoint, atomically.
+"""Saving and loading buffer states: atomic, checksummed, safe to share a path.
 
 Shape key: C capacity, T rollout length (num_steps), N envs.
 
-A checkpoint is a directory holding the state's arrays (orbax's standard
-format) and a small JSON layout: the state's type and every leaf's path,
-shape and dtype. `load` compares the layout with the state you expect before
-reading any array, so a mismatch reads as what it is (a capacity, an item
-structure, a leaf shape or dtype) instead of a failure deep inside orbax.
+A checkpoint at `<path>` is a directory that jaxbuf alone writes:
 
-Writes never lose the previous checkpoint. orbax writes each checkpoint into a
-temporary directory and renames it into place once complete; `save` aims that
-at a sibling `<path>.jaxbuf-new` and then swaps it in:
+  state/                 every array of nonzero size, in orbax's standard format;
+  layout.json            the state's type and sizes, and for every leaf its path,
+                         shape, dtype (and PRNG implementation for typed keys)
+                         and the CRC-32 of its bytes;
+  jaxbuf-checkpoint.json the marker, written last: format name, a random token
+                         also stored in the layout, and the list of every file
+                         and folder written.
 
-  1. write `<path>.jaxbuf-new` (orbax: temporary directory, then rename);
-  2. rename `<path>` to `<path>.jaxbuf-old`;
-  3. rename `<path>.jaxbuf-new` to `<path>`;
-  4. delete `<path>.jaxbuf-old`.
+A directory is taken for a jaxbuf checkpoint only if its marker parses, names
+this format and carries the layout's token; `save` replaces it only if it holds
+nothing beyond the entries its marker lists, so a directory that merely looks
+like a checkpoint, or one a user has added files to, raises `FileExistsError`.
 
-A process killed at any point leaves one complete checkpoint: the previous one
-before step 2, the new one from step 2 on (after step 2 it sits at
-`<path>.jaxbuf-new` until step 3 renames it). `load` reads whichever that is,
-and the next `save` to the same path tidies up. One process saves a given path
-at a time; saves of multi-host states are not covered.
+`load` treats the layout as untrusted data: it checks every field and type,
+compares the layout with `like` before reading an array, compares each
+restored array's shape and dtype with the layout, and recomputes every CRC-32.
+orbax stores arrays compressed, so a flipped bit can decode to other values
+without any error of its own; the CRC-32 (which catches every single-bit and
+every burst error up to 32 bits) turns that into an error naming the leaf.
+
+orbax locates its own files with glob patterns built from the directory name,
+so a path with `[`, `*` or `?` would save and never load. orbax is therefore
+only ever given `/proc/self/fd/<fd>/state`, where `<fd>` is a descriptor of the
+checkpoint directory: a name free of pattern characters whatever the user's
+path. Where `/proc/self/fd` does not exist, paths with pattern characters are
+refused before anything is written.
+
+Writes never lose the previous checkpoint: `save` writes `<path>.jaxbuf-new`
+completely (marker last), then renames `<path>` to `<path>.jaxbuf-old`,
+renames the new one to `<path>` and deletes the old one. A process killed at any
+point leaves one complete checkpoint (the previous one before the first rename,
+the new one after it, found at `<path>.jaxbuf-new` until the second rename);
+`load` reads whichever that is, and the next `save` tidies up.
+
+Concurrency. A writer holds an exclusive `flock` on `<path>.jaxbuf-lock` (left
+in place; the kernel drops the lock when its process dies, so a killed writer
+never blocks the next). A second writer meanwhile gets `BlockingIOError` before
+touching anything. A reader opens the checkpoint directory, takes a shared
+`flock` on that directory and reads through its descriptor, so a writer
+renaming it away does not disturb the read; the writer takes an exclusive lock
+on a directory before deleting it, so it waits for readers to finish. One
+process saves and loads; multi-process (multi-host) states are refused.
 """
 
+import concurrent.futures
+import errno
+import fcntl
+import json
+import math
 import os
 import pathlib
+import secrets
 import shutil
+import zlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxbuf._src.base import BufferState, PyTree
 
 _FORMAT = "jaxbuf-checkpoint"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
+_MARKER = "jaxbuf-checkpoint.json"
+_LAYOUT = "layout.json"
+_STATE = "state"
 _NEW_SUFFIX = ".jaxbuf-new"
 _OLD_SUFFIX = ".jaxbuf-old"
-# orbax's own temporary directory for a checkpoint at `p` is `p + this`.
-_ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_LOCK_SUFFIX = ".jaxbuf-lock"
+# Each leaf's bytes are checksummed in chunks of this size, so that several
+# threads share the work (zlib releases the GIL while it runs).
+_CHUNK_BYTES = 1 << 24
+_CHECKSUM_THREADS = max(1, min(8, os.cpu_count() or 1))
+# Characters that Python's glob (which orbax uses) or a shell would expand.
+_PATTERN_CHARACTERS = frozenset("*?[]{}")
+_PROC_FD = pathlib.Path("/proc/self/fd")
+_KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+_DTYPES = {str(np.dtype(t)): np.dtype(t) for t in (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+    np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64,
+    np.complex128, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2)}
+# A killed writer's leftovers never hold a reader for long; a reader that keeps
+# losing races with writers gives up after this many rounds.
+_OPEN_ATTEMPTS = 100
 
+
+# --- Layout: what a checkpoint holds, as plain JSON data -----------------------------
 
 def _type_name(state: PyTree) -> str:
   return f"{type(state).__module__}.{type(state).__qualname__}"
@@ -52,35 +103,115 @@ def _buffer_dims(state: PyTree) -> dict[str, Any]:
   return state.buffer_dims() if isinstance(state, BufferState) else {}
 
 
+def _is_key(leaf: Any) -> bool:
+  return jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _leaf_layout(name: str, leaf: Any) -> dict[str, Any]:
+  """A leaf's shape and dtype as the layout records them (typed keys by dtype name)."""
+  if not hasattr(leaf, "dtype"):
+    raise TypeError(f"save/load: leaf {name} is a {type(leaf).__name__}, not an "
+                    "array; every leaf of a state must be an array.")
+  dtype = str(leaf.dtype) if _is_key(leaf) else str(np.dtype(leaf.dtype))
+  if not _is_key(leaf) and dtype not in _DTYPES:
+    raise TypeError(f"save/load: leaf {name} has dtype {dtype}, which jaxbuf "
+                    f"checkpoints do not store; supported: {sorted(_DTYPES)} "
+                    "and typed PRNG keys.")
+  return {"shape": [int(d) for d in np.shape(leaf)], "dtype": dtype}
+
+
+def _named_leaves(state: PyTree) -> list[tuple[str, Any]]:
+  return [(jax.tree_util.keystr(path), leaf)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
 def _layout(state: PyTree) -> dict[str, Any]:
-  """What `load` checks before reading: type, buffer sizes, leaf shapes and dtypes."""
-  leaves = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    leaves[jax.tree_util.keystr(path)] = {
-        "shape": [int(d) for d in np.shape(leaf)],
-        "dtype": str(np.dtype(leaf.dtype)),
-    }
+  """Type, buffer sizes, and each leaf's shape and dtype (no checksums yet)."""
   return {"format": _FORMAT, "version": _FORMAT_VERSION,
           "state_type": _type_name(state), "buffer_dims": _buffer_dims(state),
-          "leaves": leaves}
+          "leaves": {name: _leaf_layout(name, leaf)
+                     for name, leaf in _named_leaves(state)}}
+
+
+def _fail(where: str, problem: str) -> ValueError:
+  return ValueError(f"{where}: malformed layout: {problem}.")
+
+
+def _require(where: str, mapping: Any, field: str, kind: type, context: str) -> Any:
+  """`mapping[field]`, which must be a `kind` (bool is not an int here)."""
+  if not isinstance(mapping, dict):
+    raise _fail(where, f"{context} is a {type(mapping).__name__}, not an object")
+  if field not in mapping:
+    raise _fail(where, f"{context} has no field {field!r}")
+  value = mapping[field]
+  if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    raise _fail(where, f"{context} field {field!r} is {value!r}, not a "
+                       f"{kind.__name__}")
+  return value
+
+
+def _validate_layout(stored: Any, where: str) -> None:
+  """Raises `ValueError` unless `stored` has every field a layout needs, well typed."""
+  _require(where, stored, "format", str, "the layout")
+  version = _require(where, stored, "version", int, "the layout")
+  if stored["format"] != _FORMAT:
+    raise ValueError(f"{where} is not a jaxbuf checkpoint (format "
+                     f"{stored['format']!r}).")
+  if version != _FORMAT_VERSION:
+    raise ValueError(f"{where} has format version {version}; this jaxbuf reads "
+                     f"version {_FORMAT_VERSION}.")
+  for field in ("token", "state_type"):
+    _require(where, stored, field, str, "the layout")
+  dims = _require(where, stored, "buffer_dims", dict, "the layout")
+  for name, size in dims.items():
+    if not (isinstance(size, int) and not isinstance(size, bool)) and not (
+        isinstance(size, list) and all(isinstance(s, int) for s in size)):
+      raise _fail(where, f"buffer_dims[{name!r}] is {size!r}, not an integer")
+  chunk = _require(where, stored, "chunk_bytes", int, "the layout")
+  if chunk < 1:
+    raise _fail(where, f"chunk_bytes is {chunk}, not positive")
+  leaves = _require(where, stored, "leaves", dict, "the layout")
+  for name, leaf in leaves.items():
+    context = f"leaf {name}"
+    shape = _require(where, leaf, "shape", list, context)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+               for d in shape):
+      raise _fail(where, f"{context} has shape {shape!r}, not a list of sizes")
+    dtype = _require(where, leaf, "dtype", str, context)
+    if dtype.startswith("key<"):
+      impl = _require(where, leaf, "key_impl", str, context)
+      if impl not in _KEY_IMPLS:
+        raise _fail(where, f"{context} has PRNG implementation {impl!r}; "
+                           f"known: {list(_KEY_IMPLS)}")
+      data_dtype = np.dtype(np.uint32)
+      data_shape = _require(where, leaf, "key_data_shape", list, context)
+      if (not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                  for d in data_shape) or data_shape[:len(shape)] != shape):
+        raise _fail(where, f"{context} has key_data_shape {data_shape!r}, which "
+                           f"does not extend its shape {shape!r}")
+    elif dtype in _DTYPES:
+      data_dtype, data_shape = _DTYPES[dtype], shape
+    else:
+      raise _fail(where, f"{context} has unknown dtype {dtype!r}")
+    crcs = _require(where, leaf, "crc32", list, context)
+    nbytes = math.prod(data_shape) * data_dtype.itemsize
+    if len(crcs) != -(-nbytes // chunk) or not all(
+        isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32
+        for c in crcs):
+      raise _fail(where, f"{context} has crc32 {crcs!r}, not one 32-bit value "
+                         f"per {chunk}-byte chunk of its {nbytes} bytes")
 
 
 def _check_layout(stored: dict[str, Any], expected: dict[str, Any],
-                  path: pathlib.Path) -> None:
+                  where: str) -> None:
   """Raises naming the first difference between a stored and an expected layout."""
-  where = f"load: the checkpoint at {path}"
-  if stored.get("format") != _FORMAT:
-    raise ValueError(f"{where} is not a jaxbuf checkpoint.")
-  if stored["version"] > _FORMAT_VERSION:
-    raise ValueError(f"{where} has format version {stored['version']}; this "
-                     f"jaxbuf reads up to {_FORMAT_VERSION}.")
   if stored["state_type"] != expected["state_type"]:
     raise TypeError(f"{where} holds a {stored['state_type']}, but `like` is a "
                     f"{expected['state_type']}.")
   for name, size in expected["buffer_dims"].items():
     stored_size = stored["buffer_dims"].get(name)
-    if stored_size != size:
-      shown = [tuple(value) if isinstance(value, list) else value
+    if stored_size != (list(size) if isinstance(size, tuple) else size):
+      shown = [tuple(value) if isinstance(value, (list, tuple)) else value
                for value in (stored_size, size)]
       raise ValueError(f"{where}: {name} mismatch: the checkpoint has {name} "
                        f"{shown[0]}, `like` has {name} {shown[1]}.")
@@ -103,37 +234,163 @@ def _check_layout(stored: dict[str, Any], expected: dict[str, Any],
                       f"has {found['dtype']}, `like` has {leaf['dtype']}.")
 
 
+# --- Checksums ----------------------------------------------------------------------
+
+def _host_bytes(array: Any) -> np.ndarray:
+  """A leaf's bytes in C order, as uint8 (no copy for a host or CPU array)."""
+  return np.ascontiguousarray(np.asarray(array)).reshape(-1).view(np.uint8)
+
+
+def _crc32s(data: np.ndarray, pool: concurrent.futures.Executor
+            ) -> list[concurrent.futures.Future]:
+  """CRC-32 of each `_CHUNK_BYTES` chunk of `data` (uint8 [n]), started in `pool`."""
+  return [pool.submit(zlib.crc32, data[start:start + _CHUNK_BYTES])
+          for start in range(0, data.size, _CHUNK_BYTES)]
+
+
+def _results(futures: list[concurrent.futures.Future]) -> list[int]:
+  return [future.result() for future in futures]
+
+
+def _stored_form(leaf: Any) -> Any:
+  """What is written for a leaf: typed keys as their raw key data."""
+  return jax.random.key_data(leaf) if _is_key(leaf) else leaf
+
+
+# --- Files and directories ----------------------------------------------------------
+
 def _sibling(path: pathlib.Path, suffix: str) -> pathlib.Path:
   return path.with_name(path.name + suffix)
 
 
-def _is_checkpoint(path: pathlib.Path) -> bool:
-  """Whether `path` is a complete jaxbuf checkpoint.
-
-  orbax writes into a temporary directory and renames it to `path` when done,
-  so a directory at `path` with both items is complete.
-  """
-  return (path / "state").is_dir() and (path / "layout").is_dir()
+def _orbax_path(directory_fd: int, path: pathlib.Path) -> str:
+  """The path orbax is given for `<directory>/state`: free of pattern characters."""
+  if _PROC_FD.is_dir():
+    return str(_PROC_FD / str(directory_fd) / _STATE)
+  return str(path / _STATE)
 
 
-def _committed(path: pathlib.Path) -> pathlib.Path | None:
-  """Where the checkpoint saved at `path` is, after a save killed at any point."""
-  for candidate in (path, _sibling(path, _NEW_SUFFIX), _sibling(path, _OLD_SUFFIX)):
-    if _is_checkpoint(candidate):
-      return candidate
-  return None
+def _check_path_is_usable(path: pathlib.Path, caller: str) -> None:
+  if not _PROC_FD.is_dir() and _PATTERN_CHARACTERS & set(str(path)):
+    raise ValueError(
+        f"{caller}: the path {path} contains one of {sorted(_PATTERN_CHARACTERS)}, "
+        "which orbax would read as a file pattern; on this system (no "
+        "/proc/self/fd) choose a path without them.")
 
 
-def _sync_directory(directory: pathlib.Path) -> None:
+def _write_file(directory_fd: int, name: str, data: bytes) -> None:
+  """Writes `name` in the directory durably: temporary file, fsync, rename."""
+  temporary = name + ".tmp"
+  handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644,
+                   dir_fd=directory_fd)
+  try:
+    with os.fdopen(handle, "wb", closefd=False) as file:
+      file.write(data)
+    os.fsync(handle)
+  finally:
+    os.close(handle)
+  os.rename(temporary, name, src_dir_fd=directory_fd, dst_dir_fd=directory_fd)
+
+
+def _read_json(directory_fd: int, name: str, where: str) -> Any:
+  try:
+    handle = os.open(name, os.O_RDONLY, dir_fd=directory_fd)
+  except FileNotFoundError:
+    raise ValueError(f"{where}: {name} is missing.") from None
+  with os.fdopen(handle, "rb") as file:
+    data = file.read()
+  try:
+    return json.loads(data.decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    raise _fail(where, f"{name} is not valid JSON ({error})") from None
+
+
+def _entries(directory: pathlib.Path) -> set[str]:
+  """Every file and folder under `directory`, as paths relative to it."""
+  found = set()
+  for root, folders, files in os.walk(directory):
+    relative = pathlib.Path(root).relative_to(directory)
+    found.update(str(relative / name) for name in folders + files)
+  return found
+
+
+def _sync_directory(directory: pathlib.Path | int) -> None:
   """Makes renames inside `directory` durable (a no-op where unsupported)."""
   try:
-    handle = os.open(directory, os.O_RDONLY)
+    handle = os.open(directory, os.O_RDONLY) if not isinstance(directory, int) else None
   except OSError:
     return
   try:
-    os.fsync(handle)
+    os.fsync(directory if handle is None else handle)
   except OSError:
     pass
+  finally:
+    if handle is not None:
+      os.close(handle)
+
+
+def _marker_of(directory_fd: int, where: str) -> dict[str, Any] | None:
+  """The directory's marker if it is a complete jaxbuf checkpoint, else None."""
+  try:
+    marker = _read_json(directory_fd, _MARKER, where)
+  except ValueError:
+    return None
+  try:
+    layout = _read_json(directory_fd, _LAYOUT, where)
+  except ValueError:
+    layout = None
+  if (not isinstance(marker, dict) or marker.get("format") != _FORMAT
+      or not isinstance(marker.get("token"), str)
+      or not isinstance(marker.get("entries"), list)):
+    return None
+  # A marker copied next to another layout is not a checkpoint; a layout that
+  # does not parse is still jaxbuf's (load reports it, save may replace it).
+  if isinstance(layout, dict) and layout.get("token") != marker["token"]:
+    return None
+  return marker
+
+
+def _open_directory(path: pathlib.Path) -> int | None:
+  try:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+  except (FileNotFoundError, NotADirectoryError):
+    return None
+
+
+def _foreign_entries(path: pathlib.Path) -> list[str] | None:
+  """None if `path` is not a jaxbuf checkpoint, else what jaxbuf did not write there."""
+  handle = _open_directory(path)
+  if handle is None:
+    return None
+  try:
+    marker = _marker_of(handle, str(path))
+  finally:
+    os.close(handle)
+  if marker is None:
+    return None
+  return sorted(_entries(path) - set(marker["entries"]) - {_MARKER})
+
+
+def _check_replaceable(path: pathlib.Path, caller: str) -> None:
+  if not path.exists() and not path.is_symlink():
+    return
+  foreign = _foreign_entries(path)
+  if foreign is None:
+    raise FileExistsError(f"{caller}: {path} exists and is not a jaxbuf "
+                          "checkpoint; refusing to replace it.")
+  if foreign:
+    raise FileExistsError(f"{caller}: {path} holds entries jaxbuf did not write "
+                          f"{foreign}; refusing to replace it.")
+
+
+def _delete(directory: pathlib.Path) -> None:
+  """Deletes a directory jaxbuf wrote, once no reader holds it."""
+  handle = _open_directory(directory)
+  if handle is None:
+    return
+  try:
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    shutil.rmtree(directory)
   finally:
     os.close(handle)
 
@@ -141,29 +398,70 @@ def _sync_directory(directory: pathlib.Path) -> None:
 def _settle(path: pathlib.Path) -> None:
   """Finishes or discards what a killed `save` to `path` left behind."""
   new, old = _sibling(path, _NEW_SUFFIX), _sibling(path, _OLD_SUFFIX)
-  if not path.exists() and _is_checkpoint(new):
-    os.replace(new, path)
-  elif not path.exists() and _is_checkpoint(old):
-    os.replace(old, path)
-  for leftover in (new, old, _sibling(new, _ORBAX_TMP_SUFFIX)):
+  if not path.exists():
+    for complete in (new, old):
+      if _foreign_entries(complete) == []:
+        os.replace(complete, path)
+        break
+  for leftover in (new, old):
     if leftover.exists():
-      shutil.rmtree(leftover)
+      # `.jaxbuf-new` without a marker is a killed write (jaxbuf's reserved
+      # name); a complete one is replaced only if it holds nothing foreign.
+      if _foreign_entries(leftover) is not None:
+        _check_replaceable(leftover, "save")
+      _delete(leftover)
   _sync_directory(path.parent)
 
+
+def _lock_writer(path: pathlib.Path) -> int:
+  lock_path = _sibling(path, _LOCK_SUFFIX)
+  handle = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as error:
+    os.close(handle)
+    if error.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+      raise BlockingIOError(
+          error.errno, f"save: another save to {path} is in progress (it holds "
+          f"{lock_path}); nothing was written. Retry once it has finished.") from None
+    raise
+  return handle
+
+
+def _resolve(path: str | os.PathLike) -> pathlib.Path:
+  """The real location of `path`: links in it and its parents followed."""
+  return pathlib.Path(os.path.realpath(os.fspath(path)))
+
+
+def _check_single_process(caller: str) -> None:
+  if jax.process_count() > 1:
+    raise ValueError(f"{caller}: multi-process states are not supported "
+                     f"(jax.process_count() is {jax.process_count()}).")
+
+
+# --- save and load ------------------------------------------------------------------
 
 def save(path: str | os.PathLike, state: PyTree) -> None:
   """Writes `state` to the directory `path`, replacing any checkpoint there.
 
   Works for every buffer state (`ReplayState`, `PrioritizedReplayState`,
-  `RolloutState`, or any pytree of arrays), sharded or not. The write is
-  atomic: a process killed mid-save leaves either the previous checkpoint or
-  the new one at `path`, complete, never a mix and never nothing (see the
-  module docstring for how).
+  `RolloutState`, ...) or any pytree of arrays, sharded or not, with leaves of
+  any size (zero included) and of dtype bool, (u)int8-64, float16, bfloat16,
+  float32/64, complex, float8 or typed PRNG keys. The write is atomic: a
+  process killed mid-save leaves either the previous checkpoint or the new one,
+  complete, never a mix and never nothing (see the module docstring for how).
 
   Args:
-    path: a directory; created, or replaced if it holds a jaxbuf checkpoint
-      (anything else there raises `FileExistsError`). Its parent must exist.
+    path: a directory; any name, links followed. Created, or replaced if it is
+      a jaxbuf checkpoint holding only what jaxbuf wrote. Its parent must exist.
+      A lock file `<path>.jaxbuf-lock` is left beside it.
     state: the state to save. Not consumed: keep using it afterwards.
+
+  Raises:
+    FileExistsError: `path` exists and is not a jaxbuf checkpoint, or holds
+      entries jaxbuf did not write; nothing is written.
+    BlockingIOError: another save to `path` is running; nothing is written.
+    TypeError: a leaf is not an array or has a dtype checkpoints do not store.
 
   >>> import tempfile, jax.numpy as jnp, jaxbuf
   >>> buffer = jaxbuf.uniform_replay(100)
@@ -175,40 +473,102 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
   >>> int(restored.size), restored.storage["obs"].shape
   (5, (100, 3))
   """
-  path = pathlib.Path(path).absolute()
-  _settle(path)
-  if path.exists() and not _is_checkpoint(path):
-    raise FileExistsError(f"save: {path} exists and is not a jaxbuf "
-                          "checkpoint; refusing to replace it.")
-  new, old = _sibling(path, _NEW_SUFFIX), _sibling(path, _OLD_SUFFIX)
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-    checkpointer.save(new, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        layout=ocp.args.JsonSave(_layout(state))))
-  _sync_directory(path.parent)
-  if path.exists():
-    os.replace(path, old)
-  os.replace(new, path)
-  _sync_directory(path.parent)
-  if old.exists():
-    shutil.rmtree(old)
+  _check_single_process("save")
+  path = _resolve(path)
+  _check_path_is_usable(path, "save")
+  if not path.parent.is_dir():
+    raise FileNotFoundError(f"save: the parent directory of {path} does not exist.")
+  layout = _layout(state)
+  named = [(name, _stored_form(leaf)) for name, leaf in _named_leaves(state)]
+  lock = _lock_writer(path)
+  try:
+    _settle(path)
+    _check_replaceable(path, "save")
+    new, old = _sibling(path, _NEW_SUFFIX), _sibling(path, _OLD_SUFFIX)
+    os.mkdir(new)
+    new_fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+      _write_checkpoint(new_fd, new, state, layout, named)
+    finally:
+      os.close(new_fd)
+    _sync_directory(path.parent)
+    if path.exists():
+      os.replace(path, old)
+    os.replace(new, path)
+    _sync_directory(path.parent)
+    _delete(old)
+  finally:
+    os.close(lock)
 
 
-def _restore_target(leaf: Any) -> jax.ShapeDtypeStruct:
-  """The shape, dtype and sharding to restore a leaf of `like` with."""
+def _write_checkpoint(directory_fd: int, directory: pathlib.Path, state: PyTree,
+                      layout: dict[str, Any],
+                      named: list[tuple[str, Any]]) -> None:
+  """Writes arrays, layout and (last) the marker into an empty directory."""
+  token = secrets.token_hex(16)
+  to_write = {f"leaf_{i}": leaf for i, (_, leaf) in enumerate(named)
+              if math.prod(np.shape(leaf)) > 0}
+  with concurrent.futures.ThreadPoolExecutor(_CHECKSUM_THREADS) as pool:
+    # The checksums run in threads while orbax writes (zlib releases the GIL).
+    host = [_host_bytes(leaf) for _, leaf in named]
+    crcs = [_crc32s(data, pool) for data in host]
+    if to_write:
+      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+        checkpointer.save(_orbax_path(directory_fd, directory), to_write)
+    for (name, original), (_, leaf), crc in zip(_named_leaves(state), named, crcs):
+      entry = layout["leaves"][name]
+      entry["crc32"] = _results(crc)
+      if _is_key(original):
+        entry["key_impl"] = str(jax.random.key_impl(original))
+        entry["key_data_shape"] = [int(d) for d in np.shape(leaf)]
+  layout.update(token=token, chunk_bytes=_CHUNK_BYTES)
+  _write_file(directory_fd, _LAYOUT, json.dumps(layout, indent=1).encode())
+  entries = sorted(_entries(directory))
+  marker = {"format": _FORMAT, "version": _FORMAT_VERSION, "token": token,
+            "entries": entries}
+  _write_file(directory_fd, _MARKER, json.dumps(marker, indent=1).encode())
+  _sync_directory(directory_fd)
+
+
+def _open_committed(path: pathlib.Path) -> tuple[int, pathlib.Path]:
+  """A descriptor of the complete checkpoint saved at `path`, share-locked."""
+  candidates = (path, _sibling(path, _NEW_SUFFIX), _sibling(path, _OLD_SUFFIX))
+  for _ in range(_OPEN_ATTEMPTS):
+    seen = False
+    for candidate in candidates:
+      handle = _open_directory(candidate)
+      if handle is None:
+        continue
+      seen = True
+      fcntl.flock(handle, fcntl.LOCK_SH)
+      try:
+        unchanged = os.stat(candidate).st_ino == os.fstat(handle).st_ino
+      except FileNotFoundError:
+        unchanged = False
+      if unchanged and _marker_of(handle, str(candidate)) is not None:
+        return handle, candidate
+      os.close(handle)
+    if not seen:
+      break
+  raise FileNotFoundError(f"load: no checkpoint at {path}.")
+
+
+def _restore_target(leaf: Any, shape: list[int], dtype: Any) -> jax.ShapeDtypeStruct:
+  """Shape, dtype and sharding to restore a stored leaf with (`like`'s sharding)."""
   sharding = (leaf.sharding if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
               else None)
   if sharding is None:
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
 def load(path: str | os.PathLike, *, like: PyTree) -> PyTree:
   """Reads the state saved at `path`, bit for bit, shaped and placed like `like`.
 
   Args:
-    path: the directory given to `save`. If a save there was killed part-way,
-      the complete checkpoint it left is read.
+    path: the directory given to `save` (links followed). If a save there was
+      killed part-way, the complete checkpoint it left is read; a save running
+      meanwhile in another process does not disturb the read.
     like: a state of the expected kind, sizes, item structure, shapes and
       dtypes: e.g. `buffer.init(example_item)`, or an abstract one from
       `jax.eval_shape(buffer.init, example_item)`. Only its structure, shapes,
@@ -224,16 +584,69 @@ def load(path: str | os.PathLike, *, like: PyTree) -> PyTree:
       structure (item structure), or a leaf of another dtype; the message
       names the leaf path and both values.
     ValueError: another capacity (or num_steps / num_envs), or a leaf of
-      another shape; the message names it and both values.
+      another shape; a malformed or edited layout; stored data whose shape,
+      dtype or CRC-32 differs from the layout (corruption), naming the leaf.
   """
-  path = pathlib.Path(path).absolute()
-  found = _committed(path)
-  if found is None:
-    raise FileNotFoundError(f"load: no checkpoint at {path}.")
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-    stored = checkpointer.restore(
-        found, args=ocp.args.Composite(layout=ocp.args.JsonRestore())).layout
-    _check_layout(stored, _layout(like), path)
-    target = jax.tree.map(_restore_target, like)
-    return checkpointer.restore(found, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target))).state
+  _check_single_process("load")
+  path = _resolve(path)
+  _check_path_is_usable(path, "load")
+  expected = _layout(like)
+  handle, found = _open_committed(path)
+  where = f"load: the checkpoint at {path}"
+  try:
+    stored = _read_json(handle, _LAYOUT, where)
+    _validate_layout(stored, where)
+    _check_layout(stored, expected, where)
+    like_leaves = [leaf for _, leaf in _named_leaves(like)]
+    entries = list(stored["leaves"].items())
+    targets = {}
+    for i, ((name, entry), leaf) in enumerate(zip(entries, like_leaves)):
+      shape = entry.get("key_data_shape", entry["shape"])
+      dtype = np.dtype(np.uint32) if _is_key(leaf) else _DTYPES[entry["dtype"]]
+      targets[f"leaf_{i}"] = _restore_target(leaf, shape, dtype)
+    to_read = {key: t for key, t in targets.items() if math.prod(t.shape) > 0}
+    restored = {}
+    if to_read:
+      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+        try:
+          # orbax casts to the requested dtype: compare what it stored first.
+          stored_arrays = checkpointer.metadata(
+              _orbax_path(handle, found)).item_metadata.tree
+          for key, target in to_read.items():
+            meta = stored_arrays.get(key) if isinstance(stored_arrays, dict) else None
+            if (meta is None or tuple(meta.shape) != target.shape
+                or np.dtype(meta.dtype) != target.dtype):
+              name = entries[int(key.split("_")[1])][0]
+              found_as = ("nothing" if meta is None else
+                          f"shape {tuple(meta.shape)} and dtype {meta.dtype}")
+              raise ValueError(f"{where}: leaf {name} is stored with {found_as}, "
+                               f"but the layout says shape {target.shape} and "
+                               f"dtype {target.dtype}.")
+          restored = checkpointer.restore(_orbax_path(handle, found), to_read)
+        except (OSError, KeyError) as error:
+          raise ValueError(f"{where}: the stored arrays cannot be read "
+                           f"(corrupted or edited): {error}") from error
+    leaves = []
+    with concurrent.futures.ThreadPoolExecutor(_CHECKSUM_THREADS) as pool:
+      for i, ((name, entry), leaf) in enumerate(zip(entries, like_leaves)):
+        target = targets[f"leaf_{i}"]
+        array = restored.get(f"leaf_{i}")
+        if array is None:
+          array = jax.device_put(np.zeros(target.shape, target.dtype), target.sharding)
+        if tuple(array.shape) != target.shape or array.dtype != target.dtype:
+          raise ValueError(f"{where}: leaf {name} was restored with shape "
+                           f"{tuple(array.shape)} and dtype {array.dtype}, but the "
+                           f"layout says {target.shape} and {target.dtype}.")
+        if _results(_crc32s(_host_bytes(array), pool)) != entry["crc32"]:
+          raise ValueError(f"{where}: checksum mismatch at leaf {name}: the stored "
+                           "data is corrupted (its CRC-32 differs from the one "
+                           "recorded at save).")
+        if _is_key(leaf):
+          array = jax.random.wrap_key_data(array, impl=entry["key_impl"])
+          if str(array.dtype) != entry["dtype"]:
+            raise ValueError(f"{where}: leaf {name} has PRNG implementation "
+                             f"{entry['key_impl']}, which is not {entry['dtype']}.")
+        leaves.append(array)
+  finally:
+    os.close(handle)
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
