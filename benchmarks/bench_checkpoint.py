@@ -8,12 +8,20 @@ per array into one uncompressed file, and reads them back with `numpy.load`.
 Both sides write through the OS page cache and read back warm; neither number
 includes the time to reach the disk platter. `jaxbuf.save` additionally pays
 for atomicity (a temporary directory, renames, directory fsyncs) and for the
-layout check on load. Each measurement is the median of `--repeats` runs.
+layout check on load, and since issue 12 for a CRC-32 of every array at save,
+verified at load. Each measurement is the median of `--repeats` runs.
+
+`--baseline FILE` also times the `save`/`load` of another checkpoint module
+(e.g. the previous version: `git show HEAD~1:jaxbuf/_src/checkpoint.py >
+/tmp/old_checkpoint.py`), rounds interleaved with the current one in the same
+process, and prints current / baseline ratios.
 
 Run: .venv/bin/python benchmarks/bench_checkpoint.py [--capacity N] [--repeats R]
+       [--baseline FILE]
 """
 
 import argparse
+import importlib.util
 import pathlib
 import shutil
 import statistics
@@ -56,10 +64,25 @@ def timed(function, repeats: int) -> tuple[float, object]:
   return statistics.median(times), result
 
 
+def load_module(file: str):
+  spec = importlib.util.spec_from_file_location("baseline_checkpoint", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def bit_exact(restored, state) -> bool:
+  return all(np.array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                            np.asarray(b).reshape(-1).view(np.uint8))
+             for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--capacity", type=int, default=1_000_000)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--baseline", default=None,
+                      help="a checkpoint module file to compare with")
   args = parser.parse_args()
 
   state = make_state(args.capacity)
@@ -67,19 +90,26 @@ def main() -> None:
             jax.tree_util.tree_flatten_with_path(state)[0]}
   array_bytes = sum(leaf.nbytes for leaf in leaves.values())
   like = jax.eval_shape(lambda: state)
+  libraries = {"jaxbuf": (jaxbuf.save, jaxbuf.load)}
+  if args.baseline:
+    baseline = load_module(args.baseline)
+    libraries["baseline"] = (baseline.save, baseline.load)
+  times = {name: {"save": [], "overwrite": [], "load": []} for name in libraries}
+  exact, on_disk = {}, {}
   work = pathlib.Path(tempfile.mkdtemp(prefix="bench_checkpoint_"))
   try:
-    fresh_paths = iter(work / f"fresh_{i}" for i in range(args.repeats))
-    save_seconds, _ = timed(lambda: jaxbuf.save(next(fresh_paths), state),
-                            args.repeats)
-    checkpoint = work / "fresh_0"
-    overwrite_seconds, _ = timed(lambda: jaxbuf.save(checkpoint, state), args.repeats)
-    load_seconds, restored = timed(
-        lambda: jax.block_until_ready(jaxbuf.load(checkpoint, like=like)), args.repeats)
-    exact = all(np.array_equal(np.asarray(a).reshape(-1).view(np.uint8),
-                               np.asarray(b).reshape(-1).view(np.uint8))
-                for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
-    jaxbuf_bytes = directory_bytes(checkpoint)
+    for repeat in range(args.repeats):
+      for name, (save, load) in libraries.items():
+        fresh = work / f"{name}_{repeat}"
+        for phase, call in (
+            ("save", lambda: save(fresh, state)),
+            ("overwrite", lambda: save(work / f"{name}_0", state)),
+            ("load", lambda: jax.block_until_ready(load(work / f"{name}_0",
+                                                        like=like)))):
+          seconds, result = timed(call, 1)
+          times[name][phase].append(seconds)
+        exact[name] = bit_exact(result, state)
+        on_disk[name] = directory_bytes(work / f"{name}_0")
 
     npz = work / "numpy_arrays.npz"
 
@@ -96,17 +126,28 @@ def main() -> None:
   finally:
     shutil.rmtree(work, ignore_errors=True)
 
+  median = {name: {phase: statistics.median(values) for phase, values in phases.items()}
+            for name, phases in times.items()}
   harness.print_machine(("jax", "jaxlib", "orbax-checkpoint", "numpy"))
   print(f"state: prioritized replay, capacity {args.capacity}, obs (84,) float32, "
         f"{len(leaves)} arrays, {array_bytes / 1e6:.1f} MB of array data; "
         f"median of {args.repeats}")
-  print(f"{'':28s}{'save s':>9s}{'load s':>9s}{'MB on disk':>12s}")
-  print(f"{'jaxbuf.save/load (orbax)':28s}{save_seconds:9.2f}{load_seconds:9.2f}"
-        f"{jaxbuf_bytes / 1e6:12.1f}")
-  print(f"{'  overwriting a checkpoint':28s}{overwrite_seconds:9.2f}{'':9s}{'':12s}")
+  print(f"{'':28s}{'save s':>9s}{'load s':>9s}{'overwrite s':>13s}{'MB on disk':>12s}")
+  for name in libraries:
+    label = {"jaxbuf": "jaxbuf.save/load (orbax)",
+             "baseline": f"baseline ({pathlib.Path(args.baseline).name})"}[name]
+    print(f"{label:28s}{median[name]['save']:9.2f}{median[name]['load']:9.2f}"
+          f"{median[name]['overwrite']:13.2f}{on_disk[name] / 1e6:12.1f}")
   print(f"{'numpy.savez/load':28s}{numpy_save_seconds:9.2f}{numpy_load_seconds:9.2f}"
-        f"{numpy_bytes / 1e6:12.1f}")
-  print(f"jaxbuf round trip bit-exact: {exact}")
+        f"{'':13s}{numpy_bytes / 1e6:12.1f}")
+  ours = median["jaxbuf"]
+  print(f"jaxbuf / numpy: save {ours['save'] / numpy_save_seconds:.2f}x, "
+        f"load {ours['load'] / numpy_load_seconds:.2f}x")
+  if "baseline" in median:
+    print("jaxbuf / baseline: " + ", ".join(
+        f"{phase} {ours[phase] / median['baseline'][phase]:.2f}x"
+        for phase in ("save", "load", "overwrite")))
+  print("round trip bit-exact: " + ", ".join(f"{n} {e}" for n, e in exact.items()))
 
 
 if __name__ == "__main__":
