@@ -3,11 +3,14 @@
 This module is the public surface; everything under `jaxbuf._src` is private
 and may change. The module-level functions of each buffer kind, with every
 setting explicit, are public too, for users who bind them differently:
-`jaxbuf.uniform`, `jaxbuf.prioritized`, `jaxbuf.rollout`.
+`jaxbuf.uniform`, `jaxbuf.prioritized`, `jaxbuf.rollout`, `jaxbuf.sequence`,
+`jaxbuf.prioritized_sequence`.
 """
 
 from jaxbuf._src import prioritized
+from jaxbuf._src import prioritized_sequence
 from jaxbuf._src import rollout
+from jaxbuf._src import sequence
 from jaxbuf._src import uniform
 from jaxbuf._src.advantages import compute_gae
 from jaxbuf._src.advantages import lambda_returns
@@ -26,16 +29,15 @@ from jaxbuf._src.minibatch import sequence_chunks
 from jaxbuf._src.minibatch import shuffled_minibatches
 from jaxbuf._src.prioritized import PrioritizedReplayState
 from jaxbuf._src.prioritized import prioritized_replay
+from jaxbuf._src.prioritized_sequence import PrioritizedSequenceReplayState
+from jaxbuf._src.prioritized_sequence import prioritized_sequence_replay
 from jaxbuf._src.ring import ReplayState
 from jaxbuf._src.rollout import RolloutBuffer
 from jaxbuf._src.rollout import RolloutState
 from jaxbuf._src.rollout import rollout_buffer
-from jaxbuf._src.transitions import NStepTargets
-from jaxbuf._src.transitions import NStepTransitions
-from jaxbuf._src.transitions import burn_in_split
-from jaxbuf._src.transitions import n_step_targets
-from jaxbuf._src.transitions import n_step_transitions
-from jaxbuf._src.transitions import r2d2_priorities
+from jaxbuf._src.sequence import SequenceReplayState
+from jaxbuf._src.sequence import SequenceSample
+from jaxbuf._src.sequence import sequence_replay
 from jaxbuf._src.uniform import uniform_replay
 
 __version__ = "0.1.0"
@@ -43,9 +45,8 @@ __version__ = "0.1.0"
 __all__ = (
     "Buffer",
     "BufferState",
-    "NStepTargets",
-    "NStepTransitions",
     "PrioritizedReplayState",
+    "PrioritizedSequenceReplayState",
     "PyTree",
     "ReplaySample",
     "ReplayState",
@@ -53,22 +54,24 @@ __all__ = (
     "RolloutState",
     "Schedule",
     "SequenceMinibatches",
-    "burn_in_split",
+    "SequenceReplayState",
+    "SequenceSample",
     "compute_gae",
     "env_minibatches",
     "lambda_returns",
     "load",
     "n_step_returns",
-    "n_step_targets",
-    "n_step_transitions",
     "normalize_advantages",
     "prioritized",
     "prioritized_replay",
-    "r2d2_priorities",
+    "prioritized_sequence",
+    "prioritized_sequence_replay",
     "rollout",
     "rollout_buffer",
     "save",
+    "sequence",
     "sequence_chunks",
+    "sequence_replay",
     "shuffled_minibatches",
     "uniform",
     "uniform_replay",

@@ -747,7 +747,7 @@ def test_reliability_md_lists_every_row_and_names_real_tests():
   assert rows <= listed, sorted(rows - listed)
   for name in VIOLATIONS:
     assert f"`{name}`" in text
-  sources = "".join((root / "tests" / name).read_text()
-                    for name in ("test_reliability.py", "test_checkpoint.py"))
+  sources = "".join(path.read_text()
+                    for path in sorted((root / "tests").glob("test_*.py")))
   for test in set(re.findall(r"\b(test_\w+)(?!\.py)\b", text)):
     assert f"def {test}(" in sources, test

@@ -1,0 +1,187 @@
+"""Prioritized sequence replay: windows drawn in proportion to priority ** alpha.
+
+Shape key: N envs, R = C // N steps held per env, C capacity, T steps per
+env in one add, L sequence_length, S sample size.
+
+The streams, windows, episodes and counters are those of `sequence.py`. A
+sum tree has one leaf per window id `n * R + j` (the window starting at slot
+j of env n): `(priority + eps) ** alpha` while the window can be sampled,
+0 otherwise. A window enters at the running maximum priority when it becomes
+complete (its last step is written), and its leaf drops to 0 in the same add
+that overwrites its first step. Windows that never start on a multiple of
+`period`, or that cross an episode end under `episodes="within"`, keep leaf 0.
+Importance weights and stratification are those of `prioritized.py`, with N
+the number of sampleable windows.
+
+The module-level functions take every setting explicitly;
+`prioritized_sequence_replay` binds them into a `Buffer`.
+"""
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxbuf._src import prioritized
+from jaxbuf._src import sequence
+from jaxbuf._src import sum_tree
+from jaxbuf._src.base import Buffer, PyTree, Schedule, bind
+from jaxbuf._src.sequence import SequenceReplayState, SequenceSample
+
+_INT32_MAX = jnp.iinfo(jnp.int32).max
+
+
+@flax.struct.dataclass
+class PrioritizedSequenceReplayState(SequenceReplayState):
+  """A `SequenceReplayState` whose `window_tree` holds priorities."""
+  max_priority: jax.Array  # shape=(), float32: largest priority + eps seen
+  beta_step: jax.Array     # shape=(), int32: update_priorities calls so far
+                           # (saturating); the step fed to a beta schedule
+
+
+def init(example_step: PyTree, *, num_envs: int,
+         capacity: int) -> PrioritizedSequenceReplayState:
+  """An empty buffer for steps shaped like `example_step` (one env, unbatched)."""
+  base = sequence.init(example_step, num_envs=num_envs, capacity=capacity,
+                       with_tree=True)
+  return PrioritizedSequenceReplayState(
+      **{name: getattr(base, name) for name in base.__dataclass_fields__},
+      max_priority=jnp.ones((), jnp.float32),
+      beta_step=jnp.zeros((), jnp.int32))
+
+
+def add(state: PrioritizedSequenceReplayState, steps: PyTree,
+        mask: jax.Array | None = None, episode_end: jax.Array | None = None,
+        *, sequence_length: int, period: int, within: bool,
+        alpha: float) -> PrioritizedSequenceReplayState:
+  """`sequence.add`; windows completed enter at the running maximum priority."""
+  return sequence.add_steps(
+      state, steps, mask, episode_end, sequence_length=sequence_length,
+      period=period, within=within,
+      new_leaf_value=prioritized.capped_leaf_values(
+          state.max_priority, alpha, state.window_tree))
+
+
+def sample(state: PrioritizedSequenceReplayState, key: jax.Array,
+           batch_size: int, *, sequence_length: int, beta: float | Schedule,
+           stratified: bool = True, checked: bool = False) -> SequenceSample:
+  """Draws `batch_size` windows in proportion to `(priority + eps) ** alpha`.
+
+  With `stratified`, one target in each of S equal strata of the total (the
+  window ids come out in order). With no complete window held, or should
+  every leaf underflow to zero, it returns window 0 with weight 0; checked
+  mode raises when no window is held.
+
+  Returns:
+    A `SequenceSample`: items `[S, L, ...]`, indices int32 `[S]` (window
+    ids), weights float32 `[S]` (largest 1), item_ids uint32 `[S]`, mask
+    bool `[S, L]`.
+  """
+  num_windows = sequence.check_sample(state, key, batch_size, checked=checked)
+  found, leaf_values = sum_tree.sample_leaves(state.window_tree, key,
+                                              batch_size, stratified=stratified)
+  total = sum_tree.total(state.window_tree)
+  has_mass = total > 0
+  window_ids = jnp.where(has_mass, found, 0)
+  log_weights = -prioritized.beta_at(beta, state.beta_step) * jnp.log(
+      num_windows.astype(jnp.float32) * (leaf_values / total))
+  weights = jnp.where(has_mass, jnp.exp(log_weights - jnp.max(log_weights)),
+                      0.0)
+  items, mask = sequence.gather_windows(state, window_ids,
+                                        sequence_length=sequence_length)
+  return SequenceSample(items=items, indices=window_ids, weights=weights,
+                        item_ids=sequence.window_item_ids(state, window_ids),
+                        mask=mask)
+
+
+def update_priorities(state: PrioritizedSequenceReplayState,
+                      indices: jax.Array, priorities: jax.Array,
+                      item_ids: jax.Array | None = None, *,
+                      sequence_length: int, period: int, within: bool,
+                      alpha: float, eps: float,
+                      checked: bool = False) -> PrioritizedSequenceReplayState:
+  """Sets the priorities of windows `indices [S]` to `priorities [S] + eps`.
+
+  Duplicate ids: the last valid occurrence wins. Entries are skipped (the
+  window keeps its priority) when the id names no window that can be sampled
+  now, the priority is NaN, infinite or negative, or (given `item_ids`, e.g.
+  `sample.item_ids`) the window's first step was overwritten since it was
+  sampled; checked mode raises on ids outside `[0, C)` and bad priorities.
+  Cost O(S log C).
+  """
+  valid = sequence.valid_priority_updates(
+      state, indices, priorities, item_ids, sequence_length=sequence_length,
+      period=period, within=within, checked=checked)
+  indices = jnp.asarray(indices).astype(jnp.int32)
+  new_priorities = jnp.where(
+      valid, jnp.asarray(priorities).astype(jnp.float32) + eps, 0.0)
+  return state.replace(
+      window_tree=sum_tree.set_leaves(
+          state.window_tree, jnp.where(valid, indices, 0),
+          prioritized.capped_leaf_values(new_priorities, alpha,
+                                         state.window_tree), valid),
+      max_priority=jnp.maximum(state.max_priority, jnp.max(new_priorities)),
+      beta_step=jnp.minimum(state.beta_step, _INT32_MAX - 1) + 1)
+
+
+def clear(state: PrioritizedSequenceReplayState
+          ) -> PrioritizedSequenceReplayState:
+  """Empties the buffer; priorities reset, beta_step and step counts kept."""
+  return sequence.clear(state).replace(
+      max_priority=jnp.ones_like(state.max_priority))
+
+
+def prioritized_sequence_replay(num_envs: int, capacity: int,
+                                sequence_length: int, *, period: int = 1,
+                                alpha: float = 0.6,
+                                beta: float | Schedule = 0.4,
+                                eps: float = 1e-6, episodes: str = "cross",
+                                stratified: bool = True,
+                                checked: bool = False) -> Buffer:
+  """A prioritized replay buffer of per-env streams, sampled as windows.
+
+  Args:
+    num_envs, capacity, sequence_length, period, episodes: as for
+      `sequence_replay`.
+    alpha, beta, eps, stratified: as for `prioritized_replay`; N in the
+      importance weights is the number of windows that can be sampled.
+    checked: as for `uniform_replay`.
+
+  Returns:
+    A `Buffer` with the same functions as `sequence_replay`'s; pass
+    `sample.indices` and `sample.item_ids` to `update_priorities`.
+
+  >>> import jax, jax.numpy as jnp, jaxbuf
+  >>> buffer = jaxbuf.prioritized_sequence_replay(
+  ...     num_envs=2, capacity=16, sequence_length=3, period=2)
+  >>> state = buffer.init({"obs": jnp.zeros(4)})
+  >>> state = buffer.add(state, {"obs": jnp.ones((2, 6, 4))})  # a chunk of 6
+  >>> batch = buffer.sample(state, jax.random.key(0), 4)
+  >>> state = buffer.update_priorities(state, batch.indices,
+  ...                                  jnp.array([0.1, 2.0, 0.5, 1.0]),
+  ...                                  batch.item_ids)
+  >>> batch.items["obs"].shape, float(batch.weights.max())
+  ((4, 3, 4), 1.0)
+  """
+  sequence.check_sizes(num_envs, capacity, sequence_length, period, episodes)
+  if not alpha >= 0:
+    raise ValueError(f"alpha must be non-negative, given {alpha}.")
+  if not eps > 0:
+    raise ValueError(f"eps must be positive, given {eps}.")
+  if not callable(beta) and not beta >= 0:
+    raise ValueError(f"beta must be non-negative or a schedule, given {beta}.")
+  settings = dict(sequence_length=sequence_length, period=period,
+                  within=episodes == "within")
+  return bind(
+      init=functools.partial(init, num_envs=num_envs, capacity=capacity),
+      add=functools.partial(add, **settings, alpha=alpha),
+      sample=functools.partial(sample, sequence_length=sequence_length,
+                               beta=beta, stratified=stratified,
+                               checked=checked),
+      update_priorities=functools.partial(update_priorities, **settings,
+                                          alpha=alpha, eps=eps,
+                                          checked=checked),
+      can_sample=sequence.can_sample,
+      clear=clear,
+      checked=checked)

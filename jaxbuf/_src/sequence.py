@@ -1,0 +1,564 @@
+"""Sequence replay: per-env streams of steps, sampled as fixed-length windows.
+
+Shape key: N envs, R = C // N steps held per env, C capacity (steps over all
+envs), T steps per env in one add, L sequence_length, S sample size.
+
+Each env writes its own ring of R steps, so envs may step raggedly (`add`'s
+`mask`). A window is L consecutive steps of one env, in add order, all
+currently held: it never crosses the write head and never reads an unwritten
+slot, also where it wraps the physical array. Window starts fall on absolute
+step ids that are multiples of `period` (each env counts its own steps).
+
+A window is named by the slot of its first step: window id `w = n * R + j`
+for env n and slot j. `item_ids` are the absolute step id of the first step,
+modulo 2**32, so a priority update for a window whose first step has since
+been overwritten is recognised as stale.
+
+Episodes. `add(..., episode_end=...)` flags the last step of an episode (bool
+`[N]` or `[N, T]`; with a dm_env-style stream, the step holding the final
+observation). With `episodes="cross"` (the default) windows may run across an
+episode end, and `SequenceSample.mask` `[S, L]` marks the steps that belong to
+the window's first episode. With `episodes="within"` a window with an episode
+end before its last step is never sampled (probability 0, prioritized too):
+an episode of exactly L steps gives one window, a shorter one none.
+
+Counters never overflow: the write head is kept modulo R, the steps held
+saturate at R, the phase of the step count is kept modulo `period`, and the
+step counts that give `item_ids` are uint32 and wrap modulo 2**32 as item
+replay's `add_count` does (an overwritten window passes for fresh only if a
+multiple of 2**32 steps of its env were added between a sample and its
+update).
+
+Writes touch the N * min(T, R) rows written, plus the window bookkeeping of
+the N * min(T + L - 1, R) windows they can complete or break, so under
+`jax.jit(..., donate_argnums=0)` the storage is updated in place whatever the
+capacity.
+
+The module-level functions take every setting explicitly;
+`sequence_replay` binds them into a `Buffer`.
+"""
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from jaxbuf._src import random
+from jaxbuf._src import sum_tree
+from jaxbuf._src import validation
+from jaxbuf._src.base import Buffer, BufferState, PyTree, ReplaySample, bind
+
+EPISODE_MODES = ("cross", "within")
+
+
+@flax.struct.dataclass
+class SequenceSample(ReplaySample):
+  """A batch of windows: a `ReplaySample` with a mask of each first episode."""
+  mask: jax.Array  # bool [S, L]: True up to and including the first episode
+                   # end in the window (all True under episodes="within")
+
+
+@flax.struct.dataclass
+class SequenceReplayState(BufferState):
+  """Per-env rings of steps. Every field is an array; nothing is static."""
+  storage: PyTree             # each leaf [N, R, *step_shape], the step's dtype
+  episode_ends: jax.Array     # bool [N, R]: the step ended an episode
+  write_heads: jax.Array      # int32 [N]: the slot each env writes next, < R
+  steps_held: jax.Array       # int32 [N]: steps held per env, at most R
+  step_counts: jax.Array      # uint32 [N]: steps ever added per env, mod 2**32
+  period_phases: jax.Array    # int32 [N]: steps ever added per env, mod period
+  window_counts: jax.Array    # int32 [N]: windows that can be sampled per env
+  window_tree: sum_tree.SumTree | None  # leaves [N * R]: mass per window id;
+                                        # None for uniform cross-episode replay
+
+  def buffer_dims(self) -> dict[str, Any]:
+    # write_heads has the vmapped axes, then N.
+    batch_shape = np.shape(self.write_heads)[:-1]
+    num_envs = int(np.shape(self.write_heads)[-1])
+    per_env = int(np.shape(self.episode_ends)[-1])
+    return {"vmapped buffers": list(batch_shape), "num_envs": num_envs,
+            "capacity": num_envs * per_env}
+
+
+def steps_per_env(state: SequenceReplayState) -> int:
+  """R, read from the storage (a Python int, static under jit)."""
+  return state.episode_ends.shape[1]
+
+
+def num_envs_of(state: SequenceReplayState) -> int:
+  return state.episode_ends.shape[0]
+
+
+def step_spec(state: SequenceReplayState) -> PyTree:
+  """The unbatched step shapes and dtypes, as `jax.ShapeDtypeStruct`s."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype),
+                      state.storage)
+
+
+def check_sizes(num_envs: Any, capacity: Any, sequence_length: Any,
+                period: Any, episodes: Any = "cross") -> None:
+  """Raises naming the setting; a capacity is never rounded silently."""
+  validation.check_positive_int(num_envs, "num_envs")
+  validation.check_capacity(capacity)
+  validation.check_positive_int(sequence_length, "sequence_length")
+  validation.check_positive_int(period, "period")
+  if capacity % num_envs:
+    below = capacity - capacity % num_envs
+    above = below + num_envs
+    nearest = f"{below} or {above}" if below else f"{above}"
+    raise ValueError(
+        f"capacity {capacity} is not a multiple of num_envs {num_envs}; each "
+        f"env holds capacity // num_envs steps. Nearest valid capacities: "
+        f"{nearest}.")
+  per_env = capacity // num_envs
+  if sequence_length > per_env:
+    raise ValueError(
+        f"sequence_length {sequence_length} exceeds the steps held per env, "
+        f"capacity // num_envs = {per_env}; use capacity >= "
+        f"{sequence_length * num_envs} or a shorter sequence.")
+  if period >= 2**30:
+    raise ValueError(f"period must be below 2**30, given {period}.")
+  if episodes not in EPISODE_MODES:
+    raise ValueError(f"episodes must be one of {EPISODE_MODES}, given "
+                     f"{episodes!r}.")
+
+
+def init(example_step: PyTree, *, num_envs: int, capacity: int,
+         with_tree: bool) -> SequenceReplayState:
+  """An empty buffer for steps shaped like `example_step` (one env, unbatched).
+
+  Args:
+    example_step: any pytree of arrays (or `jax.ShapeDtypeStruct`s).
+    num_envs: N.
+    capacity: C, steps over all envs, a multiple of N.
+    with_tree: keep a sum tree over window ids (prioritized replay, or
+      uniform replay within episodes).
+  """
+  check_sizes(num_envs, capacity, 1, 1)
+  per_env = capacity // num_envs
+  # Separate arrays: a donated state must not hold one buffer twice.
+  zeros = lambda: jnp.zeros((num_envs,), jnp.int32)
+  return SequenceReplayState(
+      storage=jax.tree.map(
+          lambda leaf: jnp.zeros((num_envs, per_env, *jnp.shape(leaf)),
+                                 jnp.result_type(leaf)), example_step),
+      episode_ends=jnp.zeros((num_envs, per_env), bool),
+      write_heads=zeros(), steps_held=zeros(),
+      step_counts=jnp.zeros((num_envs,), jnp.uint32), period_phases=zeros(),
+      window_counts=zeros(),
+      window_tree=sum_tree.init(capacity) if with_tree else None)
+
+
+def steps_ago(state: SequenceReplayState, envs: jax.Array,
+              slots: jax.Array) -> jax.Array:
+  """How many steps before the newest of its env each slot's step was added."""
+  per_env = steps_per_env(state)
+  return (state.write_heads[envs] - 1 - slots) % per_env
+
+
+def windows_valid(state: SequenceReplayState, envs: jax.Array,
+                  slots: jax.Array, *, sequence_length: int, period: int,
+                  within: bool) -> jax.Array:
+  """Whether the window starting at each `(env, slot)` can be sampled: bool.
+
+  All its L steps are held (the first at most `steps_held - 1` steps ago, the
+  last at least 0), its first step's id is a multiple of `period`, and, with
+  `within`, no episode ends before its last step.
+  """
+  ago = steps_ago(state, envs, slots)
+  valid = ((ago >= sequence_length - 1) & (ago < state.steps_held[envs])
+           & ((state.period_phases[envs] - 1 - ago) % period == 0))
+  if within and sequence_length > 1:
+    offsets = jnp.arange(sequence_length - 1, dtype=jnp.int32).reshape(
+        (1,) * slots.ndim + (-1,))
+    inner = (slots[..., None] + offsets) % steps_per_env(state)
+    ends = state.episode_ends[envs[..., None], inner]
+    valid &= ~jnp.any(ends, axis=-1)
+  return valid
+
+
+def window_ids_valid(state: SequenceReplayState, window_ids: jax.Array, *,
+                     sequence_length: int, period: int,
+                     within: bool) -> jax.Array:
+  """`windows_valid` for window ids `[S]` (any ints; out of range is False)."""
+  per_env = steps_per_env(state)
+  window_ids = window_ids.astype(jnp.int32)
+  in_range = (window_ids >= 0) & (window_ids < num_envs_of(state) * per_env)
+  safe = jnp.where(in_range, window_ids, 0)
+  return in_range & windows_valid(
+      state, safe // per_env, safe % per_env, sequence_length=sequence_length,
+      period=period, within=within)
+
+
+def window_item_ids(state: SequenceReplayState,
+                    window_ids: jax.Array) -> jax.Array:
+  """The absolute step id of each window's first step, modulo 2**32: uint32."""
+  per_env = steps_per_env(state)
+  envs, slots = window_ids // per_env, window_ids % per_env
+  ago = steps_ago(state, envs, slots)
+  return state.step_counts[envs] - jnp.uint32(1) - ago.astype(jnp.uint32)
+
+
+def _check_flags(name: str, value: Any, shape: tuple[int, ...]) -> None:
+  if tuple(np.shape(value)) != shape:
+    raise ValueError(f"add: {name} has shape {tuple(np.shape(value))}, "
+                     f"expected {shape}, one flag per env"
+                     f"{' and step' if len(shape) == 2 else ''}.")
+  if validation.canonical_dtype(value) != jnp.bool_:
+    raise TypeError(f"add: {name} must be bool, given dtype "
+                    f"{validation.canonical_dtype(value)}.")
+
+
+def _chunk_length(state: SequenceReplayState, steps: PyTree) -> int | None:
+  """T for a chunk `[N, T, ...]`, None for one step `[N, ...]`; checks shapes."""
+  spec = step_spec(state)
+  num_envs = num_envs_of(state)
+  validation.check_same_structure(spec, steps, what="add")
+  (path, first), = jax.tree_util.tree_flatten_with_path(steps)[0][:1]
+  step_rank = len(jax.tree_util.tree_leaves(spec)[0].shape)
+  extra = np.ndim(first) - step_rank
+  if extra not in (1, 2):
+    raise ValueError(
+        f"add: leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+        f"{np.shape(first)}; expected one step per env ({num_envs}, ...) or a "
+        f"chunk ({num_envs}, T, ...) before the step shape "
+        f"{jax.tree_util.tree_leaves(spec)[0].shape}.")
+  batch_shape = (num_envs,) if extra == 1 else (num_envs, np.shape(first)[1])
+  validation.check_batched_leaves(spec, steps, what="add",
+                                  batch_shape=batch_shape)
+  return None if extra == 1 else batch_shape[1]
+
+
+def add_steps(state: SequenceReplayState, steps: PyTree,
+              mask: jax.Array | None, episode_end: jax.Array | None, *,
+              sequence_length: int, period: int, within: bool,
+              new_leaf_value: jax.Array | None) -> SequenceReplayState:
+  """Writes steps and updates the windows they complete or break.
+
+  Args:
+    state: the buffer.
+    steps: leaves `[N, ...]` or `[N, T, ...]`.
+    mask: bool `[N]`, the envs that stepped; None for all.
+    episode_end: bool `[N]` or `[N, T]` like `steps`; None for no ends.
+    sequence_length, period, within: the buffer's settings.
+    new_leaf_value: the tree leaf of a window that becomes sampleable
+      (ignored without a tree).
+  """
+  num_envs, per_env = num_envs_of(state), steps_per_env(state)
+  chunk = _chunk_length(state, steps)
+  steps = jax.tree.map(jnp.asarray, steps)
+  if chunk is None:
+    steps = jax.tree.map(lambda x: x[:, None], steps)
+  length = 1 if chunk is None else chunk
+  if episode_end is None:
+    episode_end = jnp.zeros((num_envs, length), bool)
+  else:
+    _check_flags("episode_end", episode_end,
+                 (num_envs,) if chunk is None else (num_envs, length))
+    episode_end = jnp.asarray(episode_end).reshape(num_envs, length)
+  if mask is None:
+    mask = jnp.ones((num_envs,), bool)
+  else:
+    _check_flags("mask", mask, (num_envs,))
+    mask = jnp.asarray(mask)
+  # A chunk longer than R keeps its newest R steps; the older ones are never
+  # written, so each written slot is written once (scatters with duplicate
+  # indices have no defined order).
+  kept = min(length, per_env)
+  dropped = length - kept
+  steps = jax.tree.map(lambda x: x[:, dropped:], steps)
+  episode_end = episode_end[:, dropped:]
+  slots = (state.write_heads[:, None] + dropped % per_env
+           + jnp.arange(kept, dtype=jnp.int32)[None, :]) % per_env
+  # Envs that did not step scatter out of bounds, and are dropped.
+  rows = jnp.broadcast_to(
+      jnp.where(mask, jnp.arange(num_envs, dtype=jnp.int32), num_envs)[:, None],
+      slots.shape)
+  write = lambda column, new: column.at[rows, slots].set(
+      new, mode="drop", unique_indices=True)
+  new_state = state.replace(
+      storage=jax.tree.map(write, state.storage, steps),
+      episode_ends=write(state.episode_ends, episode_end),
+      write_heads=jnp.where(mask, (state.write_heads + length % per_env)
+                            % per_env, state.write_heads),
+      steps_held=jnp.where(mask, jnp.minimum(state.steps_held + kept, per_env),
+                           state.steps_held),
+      step_counts=jnp.where(mask, state.step_counts + jnp.uint32(length % 2**32),
+                            state.step_counts),
+      period_phases=jnp.where(mask, (state.period_phases + length % period)
+                              % period, state.period_phases))
+  # The windows whose first step was written or whose last step was written:
+  # the newest min(T + L - 1, R) starts of each env. Every other window keeps
+  # its steps and its validity.
+  touched = min(kept + sequence_length - 1, per_env)
+  touched_slots = (new_state.write_heads[:, None] - touched
+                   + jnp.arange(touched, dtype=jnp.int32)[None, :]) % per_env
+  envs = jnp.broadcast_to(jnp.arange(num_envs, dtype=jnp.int32)[:, None],
+                          touched_slots.shape)
+  settings = dict(sequence_length=sequence_length, period=period, within=within)
+  before = windows_valid(state, envs, touched_slots, **settings)
+  after = windows_valid(new_state, envs, touched_slots, **settings)
+  change = (jnp.sum(after, axis=1, dtype=jnp.int32)
+            - jnp.sum(before, axis=1, dtype=jnp.int32))
+  new_state = new_state.replace(
+      window_counts=state.window_counts + jnp.where(mask, change, 0))
+  if state.window_tree is not None:
+    leaves = jnp.where(after, new_leaf_value, 0.0).astype(jnp.float32)
+    new_state = new_state.replace(window_tree=sum_tree.set_leaves(
+        state.window_tree, (envs * per_env + touched_slots).reshape(-1),
+        leaves.reshape(-1),
+        jnp.broadcast_to(mask[:, None], envs.shape).reshape(-1),
+        unique_indices=True))
+  return new_state
+
+
+def gather_windows(state: SequenceReplayState, window_ids: jax.Array, *,
+                   sequence_length: int) -> tuple[PyTree, jax.Array]:
+  """Items `[S, L, ...]` of windows `[S]` and their first-episode mask `[S, L]`."""
+  per_env = steps_per_env(state)
+  envs = (window_ids // per_env)[:, None]
+  slots = (window_ids[:, None] % per_env
+           + jnp.arange(sequence_length, dtype=jnp.int32)[None, :]) % per_env
+  envs = jnp.broadcast_to(envs, slots.shape)
+  items = jax.tree.map(
+      lambda column: column.at[envs, slots].get(mode="promise_in_bounds"),
+      state.storage)
+  ends = state.episode_ends.at[envs, slots].get(mode="promise_in_bounds")
+  # A step belongs to the first episode if no episode ended before it.
+  ended_before = jnp.cumsum(ends, axis=1, dtype=jnp.int32) - ends
+  return items, ended_before == 0
+
+
+def check_sample(state: SequenceReplayState, key: jax.Array, batch_size: int,
+                 *, checked: bool) -> jax.Array:
+  """Validates a sample's arguments; returns the number of windows, int32 `()`."""
+  total = jnp.sum(state.window_counts)
+  validation.check_key(key, what="sample")
+  validation.check_batch_size(batch_size, what="sample")
+  if checked:
+    checkify.check(total > 0, "sample: the buffer holds no complete window; "
+                   "add steps before sampling (guard with can_sample).")
+  return total
+
+
+def first_window_offsets(state: SequenceReplayState, *, sequence_length: int,
+                         period: int) -> jax.Array:
+  """Per env, how many steps ago its newest sampleable window starts: int32 `[N]`.
+
+  The starts are the `ago >= L - 1` with `ago = phase - 1 (mod period)`;
+  without episodes they are this one and every `period` steps before it.
+  """
+  residue = (state.period_phases - 1) % period
+  return sequence_length - 1 + (residue - (sequence_length - 1)) % period
+
+
+def uniform_window_ids(state: SequenceReplayState, key: jax.Array,
+                       batch_size: int, total: jax.Array, *,
+                       sequence_length: int, period: int,
+                       within: bool) -> jax.Array:
+  """Window ids drawn uniformly over every sampleable window: int32 `[S]`.
+
+  Across episodes the windows of env n are every `period`-th start from
+  `first_window_offsets`, so one integer drawn exactly in `[0, total)` (64
+  random bits scaled by `random.scale_to_span`) picks an env by the prefix
+  sums of `window_counts` and a start within it: O(S log N), no tree. Within
+  episodes the windows are irregular, and a sum tree with leaf 1 per window
+  is descended instead (float32 counts are exact below 2**24 windows).
+  """
+  per_env = steps_per_env(state)
+  if within:
+    found, _ = sum_tree.sample_leaves(state.window_tree, key, batch_size,
+                                      stratified=False)
+    return jnp.where(total > 0, found, 0)
+
+  def draw():
+    higher_bits, lower_bits = random.random_bits(key, (2, batch_size))
+    span = jnp.maximum(total, 1).astype(jnp.uint32)
+    rank = random.scale_to_span(higher_bits, lower_bits, span).astype(jnp.int32)
+    ends = jnp.cumsum(state.window_counts, dtype=jnp.int32)
+    envs = jnp.minimum(jnp.searchsorted(ends, rank, side="right"),
+                       num_envs_of(state) - 1).astype(jnp.int32)
+    within_env = rank - (ends[envs] - state.window_counts[envs])
+    ago = (first_window_offsets(state, sequence_length=sequence_length,
+                                period=period)[envs] + within_env * period)
+    slots = (state.write_heads[envs] - 1 - ago) % per_env
+    return jnp.where(total > 0, envs * per_env + slots, 0)
+  return random.computed_once(draw, total)
+
+
+def sample(state: SequenceReplayState, key: jax.Array, batch_size: int, *,
+           sequence_length: int, period: int, within: bool,
+           checked: bool = False) -> SequenceSample:
+  """Draws `batch_size` windows uniformly, with replacement.
+
+  Every sampleable window (env, start) is equally likely, whatever the envs'
+  step counts. With no complete window held it returns window 0 (whatever
+  its slots hold) with weight 0; checked mode raises instead.
+
+  Returns:
+    A `SequenceSample`: items `[S, L, ...]`, indices int32 `[S]` (window
+    ids), weights float32 `[S]` (1, or 0 when empty), item_ids uint32 `[S]`,
+    mask bool `[S, L]`.
+  """
+  total = check_sample(state, key, batch_size, checked=checked)
+  window_ids = uniform_window_ids(state, key, batch_size, total,
+                                  sequence_length=sequence_length,
+                                  period=period, within=within)
+  items, mask = gather_windows(state, window_ids,
+                               sequence_length=sequence_length)
+  return SequenceSample(
+      items=items, indices=window_ids,
+      weights=jnp.full((batch_size,), total > 0, jnp.float32),
+      item_ids=window_item_ids(state, window_ids), mask=mask)
+
+
+def valid_priority_updates(state: SequenceReplayState, indices: jax.Array,
+                           priorities: jax.Array, item_ids: jax.Array | None,
+                           *, sequence_length: int, period: int, within: bool,
+                           checked: bool) -> jax.Array:
+  """Which updates apply: bool `[S]`. Validates shapes while tracing.
+
+  An update applies when its window id is in `[0, C)` and names a window that
+  can be sampled now, its priority is finite and non-negative, and (given
+  `item_ids`) the window still starts at the step that was sampled. Checked
+  mode raises on ids outside `[0, C)` and on bad priorities; a window that is
+  no longer held is skipped in both modes (it is what a stale update is).
+  """
+  validation.check_priority_update_args(indices, priorities, item_ids)
+  num_windows = num_envs_of(state) * steps_per_env(state)
+  indices = jnp.asarray(indices)
+  priorities = jnp.asarray(priorities)
+  # Cast first: without x64, `uint32 < int32` converts both to int32.
+  in_range = ((indices.astype(jnp.int32) >= 0)
+              & (indices.astype(jnp.int32) < num_windows)
+              & (indices.astype(jnp.uint32) < np.uint32(num_windows)))
+  finite = jnp.isfinite(priorities) & (priorities >= 0)
+  if checked:
+    checkify.check(jnp.all(in_range), "update_priorities: indices must be "
+                   "window ids, in [0, capacity={capacity}); given {indices}",
+                   capacity=jnp.int32(num_windows), indices=indices)
+    checkify.check(jnp.all(finite), "update_priorities: priorities must be "
+                   "finite and non-negative; given {priorities}",
+                   priorities=priorities)
+  valid = in_range & finite & window_ids_valid(
+      state, indices.astype(jnp.int32), sequence_length=sequence_length,
+      period=period, within=within)
+  if item_ids is not None:
+    safe = jnp.where(in_range, indices.astype(jnp.int32), 0)
+    valid &= window_item_ids(state, safe) == item_ids
+  return valid
+
+
+def update_priorities(state: SequenceReplayState, indices: jax.Array,
+                      priorities: jax.Array, item_ids: jax.Array | None = None,
+                      *, sequence_length: int, period: int, within: bool,
+                      checked: bool = False) -> SequenceReplayState:
+  """The identity: uniform replay keeps no priorities.
+
+  Arguments are validated as for prioritized sequence replay (shapes while
+  tracing; values in checked mode), so switching kinds surfaces no new errors.
+  """
+  if checked:
+    valid_priority_updates(state, indices, priorities, item_ids,
+                           sequence_length=sequence_length, period=period,
+                           within=within, checked=True)
+  else:
+    validation.check_priority_update_args(indices, priorities, item_ids)
+  return state
+
+
+def add(state: SequenceReplayState, steps: PyTree,
+        mask: jax.Array | None = None, episode_end: jax.Array | None = None,
+        *, sequence_length: int, period: int,
+        within: bool) -> SequenceReplayState:
+  """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`).
+
+  Args:
+    state: the buffer.
+    steps: leaves `[N, *step_shape]` or `[N, T, *step_shape]`; T may exceed
+      R (the newest R steps are kept). Shapes, dtypes and structure are
+      checked while tracing; no value is cast.
+    mask: bool `[N]`, the envs that stepped (the others write nothing and
+      keep their counts); None for all.
+    episode_end: bool `[N]` or `[N, T]`, True on the last step of an
+      episode; None for none.
+    sequence_length, period, within: the buffer's settings.
+  """
+  return add_steps(state, steps, mask, episode_end,
+                   sequence_length=sequence_length, period=period,
+                   within=within, new_leaf_value=jnp.float32(1.0))
+
+
+def can_sample(state: SequenceReplayState, batch_size: int) -> jax.Array:
+  """Whether a complete window is held: bool `()` (sampling is with
+  replacement, so one window serves any `batch_size`)."""
+  validation.check_batch_size(batch_size, what="can_sample")
+  return jnp.sum(state.window_counts) > 0
+
+
+def clear(state: SequenceReplayState) -> SequenceReplayState:
+  """Empties the buffer without reallocating or zeroing its storage.
+
+  The step counts go on (and with them `item_ids` and the period phases), so
+  a priority update sampled before the clear is recognised as stale.
+  """
+  cleared = state.replace(steps_held=jnp.zeros_like(state.steps_held),
+                          window_counts=jnp.zeros_like(state.window_counts))
+  if state.window_tree is not None:
+    cleared = cleared.replace(
+        window_tree=jax.tree.map(jnp.zeros_like, state.window_tree))
+  return cleared
+
+
+def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
+                    period: int = 1, episodes: str = "cross",
+                    checked: bool = False) -> Buffer:
+  """A uniform replay buffer of per-env streams, sampled as windows.
+
+  Args:
+    num_envs: N, the number of streams.
+    capacity: C, steps held over all envs; a multiple of N (each env holds
+      R = C // N steps), else `ValueError` naming the nearest valid values.
+    sequence_length: L <= R, the steps in a window.
+    period: window starts fall on step ids (per env, from 0) that are
+      multiples of `period`; 1 allows every start.
+    episodes: "cross" (windows may span episode ends; `sample(...).mask`
+      marks the first episode's steps) or "within" (never sampled across an
+      end). Episode ends are given to `add(..., episode_end=...)`.
+    checked: as for `uniform_replay`.
+
+  Returns:
+    A `Buffer`; `add(state, steps, mask=None, episode_end=None)`,
+    `sample` returns a `SequenceSample` (a `ReplaySample` with `mask`).
+
+  >>> import jax, jax.numpy as jnp, jaxbuf
+  >>> buffer = jaxbuf.sequence_replay(num_envs=2, capacity=16,
+  ...                                 sequence_length=3)
+  >>> state = buffer.init({"obs": jnp.zeros(4), "step": jnp.int32(0)})
+  >>> for t in range(5):
+  ...   state = buffer.add(state, {"obs": jnp.ones((2, 4)),
+  ...                              "step": jnp.full(2, t, jnp.int32)})
+  >>> batch = buffer.sample(state, jax.random.key(0), 8)
+  >>> batch.items["obs"].shape
+  (8, 3, 4)
+  >>> bool(jnp.all(jnp.diff(batch.items["step"], axis=1) == 1))
+  True
+  """
+  check_sizes(num_envs, capacity, sequence_length, period, episodes)
+  settings = dict(sequence_length=sequence_length, period=period,
+                  within=episodes == "within")
+  return bind(
+      init=functools.partial(init, num_envs=num_envs, capacity=capacity,
+                             with_tree=episodes == "within"),
+      add=functools.partial(add, **settings),
+      sample=functools.partial(sample, **settings, checked=checked),
+      update_priorities=functools.partial(update_priorities, **settings,
+                                          checked=checked),
+      can_sample=can_sample,
+      clear=clear,
+      checked=checked,
+      jit_update_priorities=False)
