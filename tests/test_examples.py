@@ -13,12 +13,17 @@ import numpy as np
 import pytest
 
 from examples import dqn
+from examples import nstep_dqn
 from examples import ppo
 
 # A 5-step time limit makes every env truncate during the tests.
 TINY_DQN = dqn.Config(total_steps=400, num_envs=4, buffer_size=64,
                       batch_size=8, learning_starts=8, hidden_size=16,
                       target_update_interval=8, time_limit=5, num_chunks=2)
+TINY_NSTEP_DQN = nstep_dqn.Config(
+    total_steps=400, num_envs=4, buffer_size=64, batch_size=8,
+    learning_starts=8, hidden_size=16, target_update_interval=8, time_limit=5,
+    num_chunks=2)
 TINY_PPO = ppo.Config(total_steps=256, num_envs=4, num_steps=16,
                       update_epochs=2, num_minibatches=2, hidden_size=16,
                       sequence_length=8, time_limit=5, num_chunks=2)
@@ -38,6 +43,33 @@ def check_dqn_transitions(state, config):
                              items.obs[:held, 0] + 0.02 * items.obs[:held, 1],
                              atol=1e-6)
   assert not items.terminated[:held].any()  # time limits are not terminations
+
+
+def check_nstep_dqn_stream(state, config):
+  """Each env's stream holds every observation once, final ones included.
+
+  Every step that is not a final observation is followed in its stream by
+  its true successor (CartPole's Euler step: x' = x + 0.02 x_dot), the final
+  observation of a time limit included, never the reset one; after each
+  final-observation step comes a new episode.
+  """
+  buffer_state = jax.device_get(state.buffer_state)
+  steps = buffer_state.storage
+  for env in range(config.num_envs):
+    count = int(buffer_state.steps_held[env])
+    head = int(buffer_state.write_heads[env])
+    order = (head - count + np.arange(count)) % steps.obs.shape[1]
+    obs, last = steps.obs[env, order], steps.last[env, order]
+    ordinary = ~last[:-1]
+    np.testing.assert_allclose(obs[1:, 0][ordinary],
+                               (obs[:-1, 0] + 0.02 * obs[:-1, 1])[ordinary],
+                               atol=1e-6)
+    assert last.any()                       # the 5-step limit ended episodes
+    # Episodes of 5 steps: 5 ordinary steps, then the final observation.
+    first_last = int(np.argmax(last))
+    np.testing.assert_array_equal(
+        last[first_last::6], np.ones_like(last[first_last::6]))
+    assert not steps.terminated[env, order].any()   # time limits only
 
 
 def check_ppo_rollout(state, config):
@@ -61,6 +93,7 @@ def check_ppo_rollout(state, config):
 # uniform DQN and LSTM PPO here, prioritized DQN and MLP PPO in the script runs.
 STEP_CASES = {
     "dqn-uniform": (dqn, TINY_DQN, check_dqn_transitions),
+    "nstep-dqn-uniform": (nstep_dqn, TINY_NSTEP_DQN, check_nstep_dqn_stream),
     "ppo-lstm": (ppo, dataclasses.replace(TINY_PPO, recurrent="lstm"),
                  check_ppo_rollout),
 }
@@ -84,7 +117,7 @@ def test_training_step_is_one_program_without_host_transfers(case):
   with jax.transfer_guard("disallow"):
     # DQN learns from its 2nd step on (8 items, batch 8), PPO at once; 6 DQN
     # steps of 4 envs cross the 5-step time limit.
-    for _ in range(6 if module is dqn else 1):
+    for _ in range(1 if module is ppo else 6):
       state, metrics = step(state)
       losses.append(metrics.loss)
   losses = np.asarray(jax.device_get(losses))
@@ -96,9 +129,10 @@ def test_training_step_is_one_program_without_host_transfers(case):
 @pytest.mark.parametrize("module,flags", [
     (dqn, ["--replay", "prioritized", "--no-double-q", "--num-seeds", "2"]),
     (ppo, ["--num-seeds", "2"]),
+    (nstep_dqn, ["--replay", "prioritized", "--num-seeds", "2"]),
 ])
 def test_script_runs_end_to_end(module, flags, tmp_path, capsys):
-  tiny = TINY_DQN if module is dqn else TINY_PPO
+  tiny = {dqn: TINY_DQN, ppo: TINY_PPO, nstep_dqn: TINY_NSTEP_DQN}[module]
   size_flags = []
   for field in dataclasses.fields(tiny):
     value = getattr(tiny, field.name)
@@ -120,6 +154,16 @@ def test_dqn_reaches_400_on_cartpole_within_5e5_steps(replay):
                      show_progress=False)
   print(f"DQN {replay}: final returns {result['final_returns']}, "
         f"mean {result['final_mean_return']:.1f}")
+  assert result["env_steps_per_seed"] <= 500_000
+  assert result["final_mean_return"] >= 400, result["final_returns"]
+
+
+@pytest.mark.slow
+def test_nstep_dqn_on_sequence_replay_reaches_400_within_5e5_steps():
+  result = nstep_dqn.train(nstep_dqn.Config(num_seeds=4), show_progress=False)
+  print(f"3-step DQN, sequence replay: final returns "
+        f"{result['final_returns']}, mean {result['final_mean_return']:.1f}, "
+        f"memory {result['memory']}")
   assert result["env_steps_per_seed"] <= 500_000
   assert result["final_mean_return"] >= 400, result["final_returns"]
 
