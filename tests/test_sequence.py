@@ -430,7 +430,7 @@ def test_item_ids_wrap_with_the_uint32_step_counts():
 def test_counters_stay_bounded_over_many_steps_in_a_scan():
   buffer = jaxbuf.sequence_replay(2, 10, 3, period=3)
   state = buffer.init(STEP)
-  steps = {"id": jnp.zeros((2, 7), jnp.int32), "obs": jnp.zeros((2, 7, 2))}
+  steps = {"id": jnp.zeros((2, 7), jnp.int32), "obs": jnp.zeros((2, 7, 2), jnp.float32)}
 
   def body(state, _):
     return jaxbuf.sequence.add(state, steps, sequence_length=3, period=3,
@@ -522,7 +522,7 @@ def test_vmapped_states_sharded_over_devices_and_checkpoint_round_trip(tmp_path)
   for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(states)):
     np.testing.assert_array_equal(got, want)
   single = buffer.add(buffer.init(STEP), {"id": jnp.ones((2, 5), jnp.int32),
-                                          "obs": jnp.ones((2, 5, 2))})
+                                          "obs": jnp.ones((2, 5, 2), jnp.float32)})
   jaxbuf.save(tmp_path / "one", single)
   other = jaxbuf.prioritized_sequence_replay(3, 12, 3).init(STEP)
   with pytest.raises(ValueError, match="num_envs mismatch"):
