@@ -15,6 +15,7 @@ import pytest
 from examples import dqn
 from examples import nstep_dqn
 from examples import ppo
+from examples import r2d2
 
 # A 5-step time limit makes every env truncate during the tests.
 TINY_DQN = dqn.Config(total_steps=400, num_envs=4, buffer_size=64,
@@ -24,6 +25,10 @@ TINY_NSTEP_DQN = nstep_dqn.Config(
     total_steps=400, num_envs=4, buffer_size=64, batch_size=8,
     learning_starts=8, hidden_size=16, target_update_interval=8, time_limit=5,
     num_chunks=2)
+TINY_R2D2 = r2d2.Config(
+    total_steps=400, num_envs=4, buffer_size=128, sequence_length=4, period=2,
+    burn_in=1, n_step=2, batch_size=4, learning_starts=8, hidden_size=16,
+    target_update_interval=8, time_limit=5, num_chunks=2)
 TINY_PPO = ppo.Config(total_steps=256, num_envs=4, num_steps=16,
                       update_epochs=2, num_minibatches=2, hidden_size=16,
                       sequence_length=8, time_limit=5, num_chunks=2)
@@ -72,6 +77,25 @@ def check_nstep_dqn_stream(state, config):
     assert not steps.terminated[env, order].any()   # time limits only
 
 
+def check_r2d2_stream(state, config):
+  """Stored hidden states: zero at each episode's first step, else the GRU's.
+
+  Only position and angle are stored; a final-observation step closes each
+  5-step episode.
+  """
+  buffer_state = jax.device_get(state.buffer_state)
+  steps = buffer_state.storage
+  assert steps.obs.shape[-1] == 2
+  for env in range(config.num_envs):
+    count = int(buffer_state.steps_held[env])
+    head = int(buffer_state.write_heads[env])
+    order = (head - count + np.arange(count)) % steps.obs.shape[1]
+    last, hidden = steps.last[env, order], steps.hidden[env, order]
+    starts = np.concatenate([[True], last[:-1]])
+    np.testing.assert_array_equal(np.abs(hidden).sum(-1) == 0, starts)
+    np.testing.assert_array_equal(np.flatnonzero(last) % 6, 5)
+
+
 def check_ppo_rollout(state, config):
   """Time limits are stored as truncations that bootstrap from V(final obs)."""
   data = jax.device_get(state.rollout_state.data)
@@ -94,6 +118,7 @@ def check_ppo_rollout(state, config):
 STEP_CASES = {
     "dqn-uniform": (dqn, TINY_DQN, check_dqn_transitions),
     "nstep-dqn-uniform": (nstep_dqn, TINY_NSTEP_DQN, check_nstep_dqn_stream),
+    "r2d2-gru": (r2d2, TINY_R2D2, check_r2d2_stream),
     "ppo-lstm": (ppo, dataclasses.replace(TINY_PPO, recurrent="lstm"),
                  check_ppo_rollout),
 }
@@ -130,9 +155,11 @@ def test_training_step_is_one_program_without_host_transfers(case):
     (dqn, ["--replay", "prioritized", "--no-double-q", "--num-seeds", "2"]),
     (ppo, ["--num-seeds", "2"]),
     (nstep_dqn, ["--replay", "prioritized", "--num-seeds", "2"]),
+    (r2d2, ["--network", "mlp"]),
 ])
 def test_script_runs_end_to_end(module, flags, tmp_path, capsys):
-  tiny = {dqn: TINY_DQN, ppo: TINY_PPO, nstep_dqn: TINY_NSTEP_DQN}[module]
+  tiny = {dqn: TINY_DQN, ppo: TINY_PPO, nstep_dqn: TINY_NSTEP_DQN,
+          r2d2: TINY_R2D2}[module]
   size_flags = []
   for field in dataclasses.fields(tiny):
     value = getattr(tiny, field.name)
