@@ -1,0 +1,424 @@
+"""`jaxbuf.sharded`: one replay buffer split over the 4 fake CPU devices."""
+
+import chex
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+import jaxbuf
+
+D = 4
+CAPACITY = 32          # 8 slots per device
+LOCAL = CAPACITY // D
+ALPHA, BETA, EPS = 0.7, 0.5, 1e-6
+AUTO = jax.sharding.AxisType.Auto
+P = jax.sharding.PartitionSpec
+COLLECTIVES = ("all-reduce", "all-gather", "collective-permute", "all-to-all",
+               "reduce-scatter", "ragged-all-to-all")
+
+
+def example_item():
+  return {"obs": jnp.zeros(3, jnp.float32), "action": jnp.int32(0)}
+
+
+def make_items(start, count):
+  serial = np.arange(start, start + count)
+  return {"obs": np.repeat(serial[:, None], 3, axis=1).astype(np.float32),
+          "action": serial.astype(np.int32)}
+
+
+def base(kind, **settings):
+  if kind == "uniform":
+    return jaxbuf.uniform_replay(CAPACITY)
+  return jaxbuf.prioritized_replay(CAPACITY, alpha=ALPHA, beta=BETA, eps=EPS,
+                                   **settings)
+
+
+def local_buffer(kind):
+  return (jaxbuf.uniform_replay(LOCAL) if kind == "uniform" else
+          jaxbuf.prioritized_replay(LOCAL, alpha=ALPHA, beta=BETA, eps=EPS))
+
+
+MESH = jax.make_mesh((D,), ("data",))  # Explicit axes, the jax 0.10 default
+AUTO_MESH = jax.make_mesh((D,), ("data",), axis_types=(AUTO,))
+# Made once per setting: each new buffer compiles afresh.
+BUFFERS = {(kind, sampling, batch): jaxbuf.sharded(base(kind), MESH,
+                                                   sampling=sampling, batch=batch)
+           for kind in ("uniform", "prioritized")
+           for sampling in ("global", "local")
+           for batch in ("sharded", "replicated")}
+
+
+def stacked(states):
+  """D local states as one sharded state (what the sharded init lays out)."""
+  stack = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+  return jax.device_put(stack, jax.sharding.NamedSharding(MESH, P("data")))
+
+
+def uneven_state(kind, fills=(5, 0, 8, 3), seed=0):
+  """Per-device fills and priorities no sharded add would produce alone."""
+  rng = np.random.default_rng(seed)
+  buffer = local_buffer(kind)
+  states, serial = [], 0
+  for fill in fills:
+    state = buffer.init(example_item())
+    if fill:
+      # More than fit, so the ring has wrapped on a full device.
+      count = fill + (3 if fill == LOCAL else 0)
+      state = buffer.add(state, make_items(serial, count))
+      serial += count
+      if kind == "prioritized":
+        state = buffer.update_priorities(
+            state, jnp.arange(fill), jnp.asarray(rng.gamma(0.5, 2.0, fill),
+                                                 jnp.float32))
+    states.append(state)
+  return stacked(states)
+
+
+def expected_probabilities(kind, state):
+  """P(global slot) for one unsharded buffer holding the same items."""
+  sizes = np.asarray(state.size)
+  held = (np.arange(LOCAL)[None, :] < sizes[:, None]).reshape(-1)
+  if kind == "uniform":
+    return held / held.sum()
+  leaves = np.asarray(state.sum_tree.levels[0], np.float64)[:, :LOCAL].reshape(-1)
+  return np.where(held, leaves, 0) / leaves[held].sum()
+
+
+def draw_many(buffer, state, key, batch_size, batches):
+  keys = jax.random.split(key, batches)
+  return jax.jit(lambda s, ks: jax.lax.map(
+      lambda k: buffer.sample(s, k, batch_size), ks))(state, keys)
+
+
+def chi_square_p(counts, probabilities):
+  held = probabilities > 0
+  assert counts[~held].sum() == 0, "an empty slot was sampled"
+  expected = probabilities[held] / probabilities[held].sum() * counts.sum()
+  return scipy.stats.chisquare(counts[held], expected).pvalue
+
+
+# --- Layout and local adds --------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["uniform", "prioritized"])
+def test_state_is_the_stack_of_the_devices_local_states(kind):
+  buffer = BUFFERS[(kind, "global", "sharded")]
+  state = buffer.init(example_item())
+  assert state.storage["obs"].shape == (D, LOCAL, 3)
+  for leaf in jax.tree.leaves(state):
+    assert leaf.sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(MESH, P("data")), leaf.ndim)
+    assert [s.data.shape[0] for s in leaf.addressable_shards] == [1] * D
+  reference = [local_buffer(kind).init(example_item()) for _ in range(D)]
+  for step in range(5):  # 5 * 8 rows: each device's ring wraps
+    items = make_items(8 * step, 8)
+    state = buffer.add(state, items)
+    reference = [local_buffer(kind).add(
+        reference[d], jax.tree.map(lambda x: x[2 * d:2 * d + 2], items))
+                 for d in range(D)]
+  chex.assert_trees_all_equal(jax.device_get(state),
+                              jax.device_get(stacked(reference)))
+
+
+@pytest.mark.parametrize("mesh", [MESH, AUTO_MESH], ids=["explicit", "auto"])
+@pytest.mark.parametrize("kind", ["uniform", "prioritized"])
+def test_add_moves_nothing_between_devices(kind, mesh):
+  buffer = jaxbuf.sharded(base(kind), mesh)
+  state = buffer.init(example_item())
+  items = make_items(0, 8)
+  hlo = jax.jit(buffer.add).lower(state, items).compile().as_text()
+  for name in COLLECTIVES:
+    assert name not in hlo, name
+  # Items already split over the axis: each device's rows are its block.
+  placed = jax.device_put(items, jax.sharding.NamedSharding(mesh, P("data")))
+  state = buffer.add(state, placed)
+  np.testing.assert_array_equal(np.asarray(state.storage["action"])[:, :2],
+                                np.arange(8).reshape(D, 2))
+
+
+# --- Exact global sampling --------------------------------------------------------
+
+@pytest.mark.parametrize("kind, stratified", [
+    ("uniform", None), ("prioritized", True), ("prioritized", False)])
+def test_global_sampling_matches_one_unsharded_buffer(kind, stratified):
+  """Chi-square over uneven per-device fills and priorities; p > 1e-3."""
+  buffer = jaxbuf.sharded(base(kind, **({} if kind == "uniform" else
+                                        {"stratified": stratified})), MESH)
+  state = uneven_state(kind)
+  probabilities = expected_probabilities(kind, state)
+  samples = draw_many(buffer, state, jax.random.key(3), 32, 400)
+  indices = np.asarray(samples.indices).reshape(-1)
+  counts = np.bincount(indices, minlength=CAPACITY)
+  assert chi_square_p(counts, probabilities) > 1e-3
+  # Rows, item ids and weights are those of the slots drawn.
+  storage = np.asarray(state.storage["action"]).reshape(-1)
+  np.testing.assert_array_equal(
+      np.asarray(samples.items["action"]).reshape(-1), storage[indices])
+  if kind == "prioritized":
+    held = int(np.asarray(state.size).sum())
+    weights = (held * probabilities[np.asarray(samples.indices)]) ** -BETA
+    weights /= weights.max(axis=1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(samples.weights), weights, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "prioritized"])
+def test_sharded_and_replicated_batches_are_the_same_batch(kind):
+  state = uneven_state(kind)
+  key = jax.random.key(4)
+  split = BUFFERS[(kind, "global", "sharded")].sample(state, key, 8)
+  whole = BUFFERS[(kind, "global", "replicated")].sample(state, key, 8)
+  chex.assert_trees_all_equal(jax.device_get(split), jax.device_get(whole))
+  rows = split.items["obs"]
+  assert rows.sharding.is_equivalent_to(
+      jax.sharding.NamedSharding(MESH, P("data")), 2)
+  for shard in rows.addressable_shards:  # device d holds rows [2d, 2d + 2)
+    d = shard.device.id
+    np.testing.assert_array_equal(shard.data, np.asarray(rows)[2 * d:2 * d + 2])
+  assert whole.items["obs"].sharding.is_fully_replicated
+
+
+def test_items_travel_bit_exact():
+  item = {"f": jnp.float32(0), "h": jnp.float16(0), "b": jnp.bool_(False),
+          "i": jnp.int8(0), "u": jnp.uint16(0)}
+  values = {"f": np.array([-0.0, np.nan, np.inf, 1e-45] * 2, np.float32),
+            "h": np.array([-0.0, 1, 2, 3] * 2, np.float16),
+            "b": np.array([True, False] * 4), "i": np.arange(-4, 4, dtype=np.int8),
+            "u": np.arange(65528, 65536, dtype=np.uint16)}
+  values["f"][1] = np.frombuffer(np.uint32(0x7FC12345).tobytes(), np.float32)[0]
+  for batch in ("sharded", "replicated"):
+    buffer = jaxbuf.sharded(jaxbuf.uniform_replay(8), MESH, batch=batch)
+    state = buffer.add(buffer.init(item), values)
+    got = buffer.sample(state, jax.random.key(0), 16)
+    for name, column in values.items():
+      want = column.reshape(D, 2)[np.asarray(got.indices) // 2,
+                                  np.asarray(got.indices) % 2]
+      np.testing.assert_array_equal(
+          np.asarray(got.items[name]).view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("kind", ["uniform", "prioritized"])
+def test_empty_and_all_zero_priorities(kind):
+  buffer = BUFFERS[(kind, "global", "sharded")]
+  empty = buffer.init(example_item())
+  got = buffer.sample(empty, jax.random.key(0), 8)
+  np.testing.assert_array_equal(np.asarray(got.weights), 0)
+  np.testing.assert_array_equal(np.asarray(got.indices), 0)
+  assert not buffer.can_sample(empty, 4)
+  if kind == "prioritized":  # every leaf underflows: uniform over items held
+    state = uneven_state(kind)
+    state = state.replace(sum_tree=jax.tree.map(jnp.zeros_like, state.sum_tree))
+    samples = draw_many(buffer, state, jax.random.key(1), 32, 200)
+    counts = np.bincount(np.asarray(samples.indices).reshape(-1),
+                         minlength=CAPACITY)
+    assert chi_square_p(counts, expected_probabilities("uniform", state)) > 1e-3
+    np.testing.assert_array_equal(np.asarray(samples.weights), 1)
+
+
+# --- Local sampling -----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["uniform", "prioritized"])
+def test_local_sampling_draws_each_block_from_its_own_device(kind):
+  buffer = BUFFERS[(kind, "local", "sharded")]
+  state = uneven_state(kind, fills=(5, 2, 8, 3))
+  samples = draw_many(buffer, state, jax.random.key(5), 32, 200)
+  indices = np.asarray(samples.indices)                     # [200, 32]
+  owner = indices // LOCAL
+  np.testing.assert_array_equal(owner, np.repeat(np.arange(D), 8)[None, :]
+                                + 0 * owner)
+  assert buffer.can_sample(state, 8) and not buffer.can_sample(state, 12)
+  probabilities = expected_probabilities(kind, state).reshape(D, LOCAL)
+  for d in range(D):  # within a device: its own distribution
+    counts = np.bincount(indices[:, 8 * d:8 * d + 8].reshape(-1) - d * LOCAL,
+                         minlength=LOCAL)
+    assert chi_square_p(counts, probabilities[d] / probabilities[d].sum()) > 1e-3
+
+
+# --- Priority updates routed to their owners ----------------------------------------
+
+class Reference:
+  """A NumPy model of D local rings behind global slots."""
+
+  def __init__(self):
+    self.size = np.zeros(D, int)
+    self.position = np.zeros(D, int)
+    self.count = np.zeros(D, int)
+    self.ids = np.zeros((D, LOCAL), np.uint32)
+    self.leaves = np.zeros((D, LOCAL))
+    self.max_priority = 1.0
+
+  def add(self, batch):
+    for d in range(D):
+      for _ in range(batch // D):
+        slot = self.position[d]
+        self.ids[d, slot] = self.count[d]
+        self.leaves[d, slot] = self.max_priority ** ALPHA
+        self.position[d] = (slot + 1) % LOCAL
+        self.count[d] += 1
+        self.size[d] = min(self.size[d] + 1, LOCAL)
+
+  def update(self, indices, priorities, item_ids):
+    for index, priority, item_id in zip(indices, priorities, item_ids):
+      d, slot = divmod(int(index), LOCAL)
+      if not (0 <= index < CAPACITY and slot < self.size[d]
+              and np.isfinite(priority) and priority >= 0
+              and self.ids[d, slot] == item_id):
+        continue
+      self.leaves[d, slot] = (np.float32(priority) + EPS) ** ALPHA
+      self.max_priority = max(self.max_priority, float(np.float32(priority) + EPS))
+
+
+OPERATIONS = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.sampled_from([4, 8, 12])),
+    st.tuples(st.just("update"), st.lists(
+        st.tuples(st.integers(-2, CAPACITY + 2),
+                  st.sampled_from([0.0, 0.5, 2.0, 7.0, np.nan, -1.0, np.inf]),
+                  st.booleans()),
+        min_size=8, max_size=8))), min_size=1, max_size=8)
+
+
+@hypothesis.settings(max_examples=15)
+@hypothesis.given(OPERATIONS)
+def test_updates_reach_their_owner_as_in_a_numpy_model(operations):
+  buffer = BUFFERS[("prioritized", "global", "sharded")]
+  state = buffer.init(example_item())
+  model = Reference()
+  serial = 0
+  for name, argument in operations:
+    if name == "add":
+      state = buffer.add(state, make_items(serial, argument))
+      model.add(argument)
+      serial += argument
+    else:
+      indices = np.array([i for i, _, _ in argument], np.int32)
+      priorities = np.array([p for _, p, _ in argument], np.float32)
+      # Half the updates carry the slot's current item id, half a stale one.
+      d, slot = np.divmod(np.clip(indices, 0, CAPACITY - 1), LOCAL)
+      ids = model.ids[d, slot] + np.array([0 if fresh else 1
+                                           for _, _, fresh in argument],
+                                          np.uint32)
+      state = buffer.update_priorities(state, indices, priorities, ids)
+      model.update(indices, priorities, ids)
+  leaves = np.asarray(state.sum_tree.levels[0])[:, :LOCAL]
+  held = np.arange(LOCAL)[None, :] < model.size[:, None]
+  np.testing.assert_allclose(np.where(held, leaves, 0),
+                             np.where(held, model.leaves, 0), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(state.max_priority), model.max_priority,
+                             rtol=1e-6)
+  totals = np.asarray(state.sum_tree.levels[-1])[:, 0]
+  np.testing.assert_allclose(totals, leaves.sum(axis=1), rtol=1e-5)
+
+
+def test_update_from_a_sharded_sample_round_trips():
+  buffer = BUFFERS[("prioritized", "global", "sharded")]
+  state = buffer.add(buffer.init(example_item()), make_items(0, 16))
+  sample = buffer.sample(state, jax.random.key(2), 8)
+  state = buffer.update_priorities(state, sample.indices,
+                                   jnp.arange(8, dtype=jnp.float32) + 10,
+                                   sample.item_ids)
+  leaves = np.asarray(state.sum_tree.levels[0])[:, :LOCAL].reshape(-1)
+  indices = np.asarray(sample.indices)
+  last = {int(i): 10.0 + n for n, i in enumerate(indices)}
+  for index, priority in last.items():
+    np.testing.assert_allclose(leaves[index], (priority + EPS) ** ALPHA, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(state.max_priority), 17 + EPS)
+
+
+# --- Composition: jit with donation, scan, cond, no retrace -------------------------
+
+@pytest.mark.parametrize("kind, batch, mesh", [
+    ("uniform", "sharded", MESH), ("uniform", "replicated", AUTO_MESH),
+    ("prioritized", "replicated", MESH), ("prioritized", "sharded", AUTO_MESH)],
+    ids=["uniform-sharded-explicit", "uniform-replicated-auto",
+         "prioritized-replicated-explicit", "prioritized-sharded-auto"])
+def test_inside_a_jitted_scan_with_donation_and_no_retrace(kind, batch, mesh):
+  buffer = jaxbuf.sharded(base(kind), mesh, batch=batch)
+  chex.clear_trace_counter()  # counts by code location, across parameters
+
+  @chex.assert_max_traces(n=1)
+  def steps(state, items, key):
+    def step(state, inputs):
+      items, key = inputs
+      state = buffer.add(state, items)
+      sample = buffer.sample(state, key, 8)
+      state = jax.lax.cond(
+          buffer.can_sample(state, 8),
+          lambda s: buffer.update_priorities(s, sample.indices,
+                                             sample.weights + 1, sample.item_ids),
+          lambda s: s, state)
+      return state, sample.indices
+    return jax.lax.scan(step, state, (items, jax.random.split(key, 3)))
+
+  donated = jax.jit(steps, donate_argnums=0)
+  items = jax.tree.map(lambda x: x.reshape(3, 4, *x.shape[1:]), make_items(0, 12))
+  state = buffer.init(example_item())
+  state, indices = donated(state, items, jax.random.key(0))
+  state, _ = donated(state, items, jax.random.key(1))
+  assert indices.shape == (3, 8)
+  np.testing.assert_array_equal(np.asarray(state.size), 6)
+  # Every index drawn points at an item held (6 per device after 2 calls).
+  assert np.all(np.asarray(indices) % LOCAL < 3)
+
+
+# --- Bad input ----------------------------------------------------------------------
+
+def test_bad_settings_raise():
+  with pytest.raises(ValueError, match="capacity 30 does not divide by the 4"):
+    jaxbuf.sharded(jaxbuf.uniform_replay(30), MESH)
+  with pytest.raises(ValueError, match="axis 'model' is not an axis"):
+    jaxbuf.sharded(jaxbuf.uniform_replay(32), MESH, axis="model")
+  with pytest.raises(ValueError, match="sampling must be one of"):
+    jaxbuf.sharded(jaxbuf.uniform_replay(32), MESH, sampling="nearby")
+  with pytest.raises(ValueError, match="batch must be one of"):
+    jaxbuf.sharded(jaxbuf.uniform_replay(32), MESH, batch="split")
+  with pytest.raises(ValueError, match="checked buffers"):
+    jaxbuf.sharded(jaxbuf.uniform_replay(32, checked=True), MESH)
+  with pytest.raises(TypeError, match="must be a jaxbuf.Buffer, given Rollout"):
+    jaxbuf.sharded(jaxbuf.rollout_buffer(num_steps=4, num_envs=4), MESH)
+  with pytest.raises(TypeError, match="wraps uniform_replay and prioritized"):
+    jaxbuf.sharded(jaxbuf.Buffer(*[example_item] * 6), MESH)
+
+
+def snapshot(state):
+  return jax.tree.map(lambda x: np.asarray(x).copy(), state)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda b, s: b.add(s, make_items(0, 6)), ValueError,
+     ["add batch B 6", "4 devices"]),
+    (lambda b, s: b.add(s, {"obs": np.zeros((8, 2), np.float32),
+                            "action": np.zeros(8, np.int32)}), ValueError,
+     ["['obs']"]),
+    (lambda b, s: b.sample(s, jax.random.key(0), 6), ValueError,
+     ["batch_size 6"]),
+    (lambda b, s: b.can_sample(s, 6), ValueError, ["batch_size 6"]),
+    (lambda b, s: b.sample(jaxbuf.prioritized_replay(32).init(example_item()),
+                           jax.random.key(0), 8), ValueError,
+     ["expected a sharded state"]),
+    (lambda b, s: b.update_priorities(s, np.zeros(4, np.int32),
+                                      np.zeros(5, np.float32)), ValueError,
+     ["update_priorities"]),
+], ids=["add-batch", "add-leaf", "sample-batch", "can-sample", "unsharded",
+        "update-shapes"])
+def test_bad_arguments_raise_and_leave_the_state_intact(call, error, words):
+  buffer = BUFFERS[("prioritized", "global", "sharded")]
+  state = buffer.add(buffer.init(example_item()), make_items(0, 8))
+  before = snapshot(state)
+  with pytest.raises(error) as raised:
+    call(buffer, state)
+  for word in words:
+    assert word in str(raised.value)
+  chex.assert_trees_all_equal(snapshot(state), before)
+
+
+def test_clear_empties_every_device():
+  buffer = BUFFERS[("prioritized", "global", "sharded")]
+  state = buffer.add(buffer.init(example_item()), make_items(0, 8))
+  state = buffer.update_priorities(state, np.array([0, 9]), np.array([5.0, 3.0]))
+  state = buffer.clear(state)
+  np.testing.assert_array_equal(np.asarray(state.size), 0)
+  np.testing.assert_array_equal(np.asarray(state.sum_tree.levels[-1]), 0)
+  np.testing.assert_array_equal(np.asarray(state.max_priority), 1)
