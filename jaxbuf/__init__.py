@@ -38,6 +38,7 @@ from jaxbuf._src.rollout import rollout_buffer
 from jaxbuf._src.sequence import SequenceReplayState
 from jaxbuf._src.sequence import SequenceSample
 from jaxbuf._src.sequence import sequence_replay
+from jaxbuf._src.sharded import sharded
 from jaxbuf._src.uniform import uniform_replay
 
 __version__ = "0.1.0"
@@ -72,6 +73,7 @@ __all__ = (
     "sequence",
     "sequence_chunks",
     "sequence_replay",
+    "sharded",
     "shuffled_minibatches",
     "uniform",
     "uniform_replay",
