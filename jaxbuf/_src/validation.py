@@ -185,3 +185,69 @@ def check_priority_update_args(indices: Any, priorities: Any,
       raise TypeError("update_priorities: item_ids must be uint32, as "
                       "ReplaySample.item_ids; given "
                       f"{canonical_dtype(item_ids)}.")
+
+
+# --- Arrays of an estimator or a minibatch helper: one message per mistake ---
+
+
+def _given_dtype(value: Any) -> np.dtype:
+  """`canonical_dtype`, or NumPy's dtype for what JAX cannot hold (strings)."""
+  try:
+    return canonical_dtype(value)
+  except TypeError:
+    return np.asarray(value).dtype
+
+
+def check_floating(name: str, value: Any, *, what: str) -> None:
+  """Raises `TypeError` unless `value` has a floating-point dtype."""
+  dtype = _given_dtype(value)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{what}: {name} must be floating point, given dtype "
+                    f"{dtype}.")
+
+
+def check_flags(name: str, value: Any, *, what: str) -> None:
+  """Raises `TypeError` unless `value` is bool or numbers (0/1 flags)."""
+  dtype = _given_dtype(value)
+  if not (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer)
+          or jnp.issubdtype(dtype, jnp.floating)):
+    raise TypeError(f"{what}: {name} must be bool (or 0/1 numbers), given "
+                    f"dtype {dtype}.")
+
+
+def check_shape(name: str, value: Any, shape: tuple[int, ...], *, what: str,
+                like: str = "") -> None:
+  """Raises `ValueError` unless `value` has exactly `shape`.
+
+  `like` names where the expected shape comes from (e.g. "values"), so the
+  message says which of two disagreeing arguments set the rule.
+  """
+  given = tuple(np.shape(value))
+  if given != tuple(shape):
+    source = f" like {like}" if like else ""
+    raise ValueError(f"{what}: {name} has shape {given}, expected "
+                     f"{tuple(shape)}{source}.")
+
+
+def check_scalar_or_shape(name: str, value: Any, shape: tuple[int, ...], *,
+                          what: str, like: str) -> None:
+  """A hyperparameter: a scalar, or one value per entry of `shape`.
+
+  Raises `TypeError` unless it is a real number (bool is a mistake) and
+  `ValueError` unless its shape is `()` or `shape`. A concrete scalar must
+  also lie in [0, 1] (a discount or a lambda); per-entry arrays are not read
+  here, since entries at padding may hold anything.
+  """
+  dtype = _given_dtype(value)
+  if dtype == jnp.bool_ or not (jnp.issubdtype(dtype, jnp.floating)
+                                or jnp.issubdtype(dtype, jnp.integer)):
+    raise TypeError(f"{what}: {name} must be a real number or array, given "
+                    f"dtype {dtype}.")
+  given = tuple(np.shape(value))
+  if given not in ((), tuple(shape)):
+    raise ValueError(f"{what}: {name} has shape {given}; expected a scalar "
+                     f"or one value per step, shape {tuple(shape)} like {like}.")
+  if given == () and not isinstance(value, jax.core.Tracer):
+    number = float(np.asarray(value))
+    if not 0.0 <= number <= 1.0:
+      raise ValueError(f"{what}: {name} must be in [0, 1], given {number}.")
