@@ -120,6 +120,18 @@ def test_bad_arguments_fail_while_tracing():
                            valid=np.ones((T,), bool))
   with pytest.raises(TypeError, match="key"):
     jaxbuf.shuffled_minibatches(0, data, num_minibatches=4)
+  with pytest.raises(TypeError, match="num_minibatches must be a Python int"):
+    jaxbuf.shuffled_minibatches(key, data, num_minibatches=True)
+  with pytest.raises(ValueError, match="num_batch_axes must be positive"):
+    jaxbuf.shuffled_minibatches(key, data, num_minibatches=4, num_batch_axes=0)
+  with pytest.raises(TypeError, match="chunk_length must be a Python int"):
+    jaxbuf.sequence_chunks(key, data, data["hidden"], chunk_length=4.0,
+                           num_minibatches=2)
+  with pytest.raises(TypeError, match="sequence_chunks: valid must be bool"):
+    jaxbuf.sequence_chunks(key, data, data["hidden"], chunk_length=4,
+                           num_minibatches=2, valid=np.full((T, N), "yes"))
+  with pytest.raises(ValueError, match="empty|no leaves"):
+    jaxbuf.shuffled_minibatches(key, {}, num_minibatches=1)
 
 
 def test_vmap_over_keys_gives_independent_shuffles():

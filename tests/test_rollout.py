@@ -1,5 +1,6 @@
 """Rollout buffer against a NumPy model of per-env columns, plus its contracts."""
 
+import chex
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -64,7 +65,7 @@ def test_init_is_time_major_and_keeps_dtypes():
 @hypothesis.given(st.lists(st.one_of(st.none(),
                                      st.lists(st.booleans(), min_size=NUM_ENVS,
                                               max_size=NUM_ENVS)),
-                           min_size=1, max_size=3 * NUM_STEPS),
+                           min_size=1, max_size=4 * NUM_STEPS),
                   st.booleans())
 def test_ragged_adds_match_a_per_env_model(masks, reset_midway):
   rollout = ROLLOUT
@@ -78,6 +79,8 @@ def test_ragged_adds_match_a_per_env_model(masks, reset_midway):
     writes = [True] * NUM_ENVS if mask is None else mask
     state = rollout.add(state, steps,
                         None if mask is None else jnp.array(mask))
+    if any(writes) and all(len(column) == NUM_STEPS for column in columns):
+      columns = [[] for _ in range(NUM_ENVS)]   # a full rollout starts over
     for env, writing in enumerate(writes):
       if writing and len(columns[env]) < NUM_STEPS:   # full: a no-op
         columns[env].append(jax.tree.map(lambda x, env=env: x[env], steps))
@@ -93,30 +96,95 @@ def test_ragged_adds_match_a_per_env_model(masks, reset_midway):
   np.testing.assert_array_equal(state.valid, expected_valid)
 
 
-def test_writing_past_num_steps_leaves_every_column_unchanged():
+def test_a_write_to_a_full_env_is_dropped_while_others_have_room():
+  rollout = jaxbuf.rollout_buffer(2, NUM_ENVS)
+  state = rollout.init(example_step())
+  for seed in range(2):
+    state = rollout.add(state, batch_of_steps(seed),
+                        jnp.array([True, True, False]))
+  before = jax.tree.map(np.asarray, state.data)
+  state = rollout.add(state, batch_of_steps(99))   # envs 0 and 1 are full
+  np.testing.assert_array_equal(state.step_counts, [2, 2, 1])
+  after = jax.tree.map(np.asarray, state.data)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[:, :2], b[:, :2]),
+               before, after)
+  np.testing.assert_array_equal(after["obs"][0, 2],
+                                batch_of_steps(99)["obs"][2])
+
+
+def test_a_full_rollout_starts_over_on_the_next_add():
   rollout = jaxbuf.rollout_buffer(2, NUM_ENVS)
   state = rollout.init(example_step())
   for seed in range(2):
     state = rollout.add(state, batch_of_steps(seed))
-  before = jax.tree.map(np.asarray, state.data)
-  state = rollout.add(state, batch_of_steps(99))
-  jax.tree.map(np.testing.assert_array_equal, before,
-               jax.tree.map(np.asarray, state.data))
+  assert state.valid.all()
+  # A write of nothing changes nothing: the full rollout stays readable.
+  state = rollout.add(state, batch_of_steps(7), jnp.zeros(NUM_ENVS, bool))
   np.testing.assert_array_equal(state.step_counts, [2] * NUM_ENVS)
+  # Any write starts a new rollout for every env, as reset would.
+  state = rollout.add(state, batch_of_steps(8), jnp.array([True, False, True]))
+  np.testing.assert_array_equal(state.step_counts, [1, 0, 1])
+  np.testing.assert_array_equal(state.data["obs"][0, 0],
+                                batch_of_steps(8)["obs"][0])
 
 
-def test_checked_mode_raises_on_overflow_and_only_then():
+def test_a_ppo_loop_that_never_resets_trains_on_fresh_data():
+  # The trap of issue 9: without reset, later adds were dropped and every
+  # update read the first rollout again.
+  rollout = jaxbuf.rollout_buffer(NUM_STEPS, NUM_ENVS)
+  step = {"obs": jnp.float32(0), "reward": jnp.float32(0),
+          "value": jnp.float32(0), "terminated": jnp.bool_(False)}
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def update(state, update_index):
+    def env_step(state, t):
+      obs = jnp.full(NUM_ENVS, 100.0 * update_index + t, jnp.float32)
+      return rollout.add(state, {"obs": obs, "reward": obs,
+                                 "value": jnp.zeros(NUM_ENVS, jnp.float32),
+                                 "terminated": jnp.zeros(NUM_ENVS, bool)}), None
+    state, _ = jax.lax.scan(env_step, state,
+                            jnp.arange(NUM_STEPS, dtype=jnp.float32))
+    data = state.data
+    advantages, _ = jaxbuf.compute_gae(
+        data["reward"], data["value"], data["terminated"],
+        jnp.zeros(NUM_ENVS), gamma=1.0, gae_lambda=1.0, valid=state.valid)
+    return state, data["obs"], advantages
+
+  state = rollout.init(step)
+  for update_index in range(3):
+    state, seen, advantages = update(state, jnp.float32(update_index))
+    expected = 100.0 * update_index + np.arange(NUM_STEPS, dtype=np.float32)
+    np.testing.assert_array_equal(seen, np.repeat(expected[:, None], NUM_ENVS, 1))
+    np.testing.assert_array_equal(advantages[0], expected.sum())
+    np.testing.assert_array_equal(state.step_counts, [NUM_STEPS] * NUM_ENVS)
+
+
+def test_help_shows_the_real_docstrings():
+  for checked in (False, True):
+    rollout = jaxbuf.rollout_buffer(NUM_STEPS, NUM_ENVS, checked=checked)
+    assert "starts over" in rollout.add.__doc__
+    assert "Args:" in rollout.init.__doc__
+    assert "partial" not in rollout.add.__doc__
+
+
+def test_checked_mode_raises_on_a_dropped_write_and_only_then():
   rollout = jaxbuf.rollout_buffer(1, 2, checked=True)
   state = rollout.init({"x": jnp.float32(0)})
-  state = rollout.add(state, {"x": jnp.ones(2)}, jnp.array([True, False]))
-  # Env 1 still has room; env 0 (full) is not writing: no error.
-  state = rollout.add(state, {"x": jnp.ones(2)}, jnp.array([False, True]))
+  state = rollout.add(state, {"x": jnp.ones(2, jnp.float32)}, jnp.array([True, False]))
+  # Env 0 is full and env 1 has room: a write to env 0 would be dropped.
   with pytest.raises(checkify.JaxRuntimeError, match="full"):
-    rollout.add(state, {"x": jnp.ones(2)})
+    rollout.add(state, {"x": jnp.ones(2, jnp.float32)})
   # Inside a user's jit the check is functionalised with checkify.
-  error, _ = jax.jit(checkify.checkify(rollout.add))(state, {"x": jnp.ones(2)})
+  error, _ = jax.jit(checkify.checkify(rollout.add))(state, {"x": jnp.ones(2, jnp.float32)})
   with pytest.raises(checkify.JaxRuntimeError, match="full"):
     error.throw()
+  # Env 0 (full) is not writing: no error.
+  state = rollout.add(state, {"x": jnp.ones(2, jnp.float32)}, jnp.array([False, True]))
+  # Every env full: the next add starts a new rollout, which is no error.
+  state = rollout.add(state, {"x": jnp.full(2, 5.0, jnp.float32)})
+  np.testing.assert_array_equal(state.step_counts, [1, 1])
+  np.testing.assert_array_equal(state.data["x"], [[5.0, 5.0]])
 
 
 def test_reset_keeps_storage_and_restarts_positions():
@@ -199,11 +267,17 @@ def test_collect_in_scan_then_cond_between_add_and_reset():
     return jax.lax.cond(flag, rollout.reset,
                         lambda s: rollout.add(s, batch_of_steps(7)), state)
 
-  state = collect(rollout.init(example_step()), False)
+  state = collect(rollout.init(example_step()), True)
   jax.tree.map(np.testing.assert_array_equal, state.data, steps_over_time)
-  assert state.valid.all()
-  state = collect(state, True)
   assert not state.valid.any()
+  # The other branch adds to the full rollout: a new one starts at row 0.
+  state = collect(state, False)
+  np.testing.assert_array_equal(state.step_counts, [1] * NUM_ENVS)
+  jax.tree.map(np.testing.assert_array_equal,
+               jax.tree.map(lambda x: x[0], state.data), batch_of_steps(7))
+  jax.tree.map(np.testing.assert_array_equal,
+               jax.tree.map(lambda x: x[1:], state.data),
+               jax.tree.map(lambda x: x[1:], steps_over_time))
 
 
 def test_vmap_over_independent_rollouts():
@@ -217,6 +291,15 @@ def test_vmap_over_independent_rollouts():
   np.testing.assert_array_equal(states.step_counts, masks.astype(np.int32))
   np.testing.assert_array_equal(states.data["obs"][2, 0, 2],
                                 steps["obs"][2, 2])
+  # Fill seeds 0 and 1 (not 2 and 3): only those start over on the next add.
+  fill = jnp.array([[True] * 3] * 2 + [[False, True, True]] * 2)
+  for _ in range(NUM_STEPS):
+    states = jax.vmap(rollout.add)(states, steps, fill)
+  np.testing.assert_array_equal(states.step_counts,
+                                [[5, 5, 5]] * 2 + [[0, 5, 5]] * 2)
+  states = jax.vmap(rollout.add)(states, steps, masks)
+  np.testing.assert_array_equal(states.step_counts,
+                                [[1, 0, 1]] * 2 + [[0, 5, 5]] * 2)
 
 
 def test_ragged_rollout_feeds_gae_with_its_valid_mask():
@@ -224,10 +307,10 @@ def test_ragged_rollout_feeds_gae_with_its_valid_mask():
   state = rollout.init({"reward": jnp.float32(0), "value": jnp.float32(0),
                         "terminated": jnp.bool_(False)})
   for mask in ([True, True], [True, False], [True, False]):
-    state = rollout.add(state, {"reward": jnp.ones(2), "value": jnp.zeros(2),
+    state = rollout.add(state, {"reward": jnp.ones(2, jnp.float32), "value": jnp.zeros(2, jnp.float32),
                                 "terminated": jnp.zeros(2, bool)},
                         jnp.array(mask))
   advantages, _ = jaxbuf.compute_gae(
       state.data["reward"], state.data["value"], state.data["terminated"],
-      jnp.zeros(2), gamma=1.0, gae_lambda=1.0, valid=state.valid)
+      jnp.zeros(2, jnp.float32), gamma=1.0, gae_lambda=1.0, valid=state.valid)
   np.testing.assert_array_equal(advantages, [[3, 1], [2, 0], [1, 0], [0, 0]])

@@ -7,6 +7,10 @@ Every function reads one rollout the same way:
 
 * `rewards[t]`, `values[t] = V(s_t)`; `last_value = V(s_T)`, the value of the
   observation after the last step.
+* `gamma` (and `gae_lambda`): a scalar, or one value per step `[T, ...]`
+  (rlax's `discount_t`, `lambda_t`: options, variable time steps, per-env
+  discounts). `gamma[t]` discounts what follows step t; `gae_lambda[t]` mixes
+  step t's bootstrap with the later steps' estimate.
 * `terminated[t]`: the episode truly ended after step t. Nothing is
   bootstrapped and the trace is cut.
 * `truncated[t]`: the episode was cut off (time limit) after step t. The step
@@ -14,11 +18,18 @@ Every function reads one rollout the same way:
   (the one an auto-resetting env replaced), and the trace is cut. When both
   flags are set, termination wins.
 * `valid[t]` (optional, from ragged collection): False marks padding. Padding
-  steps are skipped as if absent: they contribute nothing, their stored
-  values (stale data from an earlier rollout, possibly non-finite) are never
-  read, and a valid step's successor is the next valid step of its stream, or
-  `last_value` when there is none. At padding steps advantages are 0 and
-  returns equal `values`.
+  steps are skipped as if absent: they contribute nothing, and a valid step's
+  successor is the next valid step of its stream, or `last_value` when there
+  is none. At padding steps every output is 0.
+
+Values the math does not use are never read: a bootstrap after a
+termination (including `last_value` when the last step terminated),
+`truncated_values` at steps that were not truncated, anything at padding
+(rewards, values, per-step gammas and lambdas), and any term whose weight is
+0 (`gamma = 0`, the `(1 - lambda)` term at `lambda = 1`, the later steps
+after a cut). They may hold NaN or inf (stale data from an earlier rollout,
+a value head evaluated on a terminal observation): each is dropped by a
+select (`jnp.where`), never multiplied by zero, so it cannot reach a result.
 
 The outputs are targets: gradients are stopped (`jax.lax.stop_gradient`), so
 a loss that differentiates through `values` does not also differentiate
@@ -27,10 +38,12 @@ through its own target.
 
 from typing import Any, NamedTuple
 
-import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from jaxbuf._src import validation
 
 Numeric = Any
 
@@ -46,47 +59,74 @@ class _Rollout(NamedTuple):
   valid: jax.Array | None              # [T, ...] bool
 
 
-def _validated(name, rewards, values, terminated, last_value, truncated,
+def _validated(what, rewards, values, terminated, last_value, truncated,
                truncated_values, valid) -> _Rollout:
-  """Checks shapes and dtypes while tracing (chex static asserts cost nothing)."""
-  rewards, values = jnp.asarray(rewards), jnp.asarray(values)
-  last_value = jnp.asarray(last_value)
-  if values.ndim < 1:
-    raise ValueError(f"{name}: values must have a time axis, shape [T, ...]; "
-                     f"given shape {values.shape}.")
-  chex.assert_type([rewards, values, last_value], float)
-  chex.assert_equal_shape([rewards, values, terminated])
-  chex.assert_shape(last_value, values.shape[1:])
+  """Checks shapes and dtypes while tracing; messages name the argument."""
+  validation.check_floating("values", values, what=what)
+  shape = tuple(np.shape(values))
+  if not shape:
+    raise ValueError(f"{what}: values must have a time axis, shape [T, ...]; "
+                     f"given shape {shape}.")
+  validation.check_floating("rewards", rewards, what=what)
+  validation.check_shape("rewards", rewards, shape, what=what, like="values")
+  validation.check_flags("terminated", terminated, what=what)
+  validation.check_shape("terminated", terminated, shape, what=what,
+                         like="values")
+  validation.check_floating("last_value", last_value, what=what)
+  validation.check_shape("last_value", last_value, shape[1:], what=what,
+                         like="values[0] (no time axis)")
   if (truncated is None) != (truncated_values is None):
-    raise ValueError(f"{name}: pass truncated and truncated_values together "
+    raise ValueError(f"{what}: pass truncated and truncated_values together "
                      "(a truncated step needs the value to bootstrap from).")
   if truncated is not None:
-    chex.assert_equal_shape([values, truncated, truncated_values])
-    chex.assert_type(truncated_values, float)
+    validation.check_flags("truncated", truncated, what=what)
+    validation.check_shape("truncated", truncated, shape, what=what,
+                           like="values")
+    validation.check_floating("truncated_values", truncated_values, what=what)
+    validation.check_shape("truncated_values", truncated_values, shape,
+                           what=what, like="values")
   if valid is not None:
-    chex.assert_equal_shape([values, valid])
+    validation.check_flags("valid", valid, what=what)
+    validation.check_shape("valid", valid, shape, what=what, like="values")
+  values = jnp.asarray(values)
   dtype = values.dtype
+
+  def as_float(x):
+    return None if x is None else lax.stop_gradient(jnp.asarray(x).astype(dtype))
 
   def as_bool(flags):
     return None if flags is None else jnp.asarray(flags).astype(bool)
 
   return _Rollout(
-      rewards=lax.stop_gradient(rewards.astype(dtype)),
+      rewards=as_float(rewards),
       values=lax.stop_gradient(values),
       terminated=as_bool(terminated),
-      last_value=lax.stop_gradient(last_value.astype(dtype)),
+      last_value=as_float(last_value),
       truncated=as_bool(truncated),
-      truncated_values=(
-          None if truncated_values is None
-          else lax.stop_gradient(jnp.asarray(truncated_values).astype(dtype))),
+      truncated_values=as_float(truncated_values),
       valid=as_bool(valid))
 
 
-def _as_dtype(rollout: _Rollout, *scalars: Numeric) -> tuple[jax.Array, ...]:
-  """Discounts and lambdas in the values' dtype, so outputs keep that dtype."""
-  for scalar in scalars:
-    chex.assert_rank(scalar, 0)
-  return tuple(jnp.asarray(scalar, rollout.values.dtype) for scalar in scalars)
+def _hyperparameter(what: str, name: str, value: Numeric,
+                    rollout: _Rollout) -> jax.Array:
+  """A scalar or a per-step `[T, ...]` array, in the values' dtype."""
+  validation.check_scalar_or_shape(name, value, rollout.values.shape, what=what,
+                                   like="values")
+  return lax.stop_gradient(jnp.asarray(value).astype(rollout.values.dtype))
+
+
+def _check_associative(what: str, associative: Any) -> None:
+  if not isinstance(associative, bool):
+    raise TypeError(f"{what}: associative must be a Python bool (it picks the "
+                    f"program), given {type(associative).__name__}.")
+
+
+def _weighted(weight: jax.Array, x: jax.Array) -> jax.Array:
+  """`weight * x`, but 0 where the weight is 0: a term weighted 0 is never read.
+
+  `0 * nan` is nan; the select keeps an unused NaN or inf out of the result.
+  """
+  return jnp.where(weight == 0, 0.0, weight * x)
 
 
 def _cut(rollout: _Rollout) -> jax.Array:
@@ -109,37 +149,37 @@ def _next_values(rollout: _Rollout, *, associative: bool) -> jax.Array:
 
 
 def _bootstrap_values(rollout: _Rollout, next_values: jax.Array,
-                      gamma: Numeric) -> jax.Array:
-  """`gamma * V(next state)`, 0 after termination: `[T, ...]`."""
+                      gamma: jax.Array) -> jax.Array:
+  """`gamma * V(next state)`, exactly 0 after termination: `[T, ...]`."""
   if rollout.truncated is not None:
     next_values = jnp.where(rollout.truncated, rollout.truncated_values,
                             next_values)
-  return jnp.where(rollout.terminated, 0.0, gamma * next_values)
+  return _weighted(jnp.where(rollout.terminated, 0.0, gamma), next_values)
 
 
-def _at_valid(rollout: _Rollout, estimates: jax.Array,
-              padding: jax.Array | float) -> jax.Array:
-  """`estimates` where valid, `padding` elsewhere."""
+def _at_valid(rollout: _Rollout, estimates: jax.Array) -> jax.Array:
+  """`estimates` where valid, 0 at padding."""
   if rollout.valid is None:
     return estimates
-  return jnp.where(rollout.valid, estimates, padding)
+  return jnp.where(rollout.valid, estimates, 0.0)
 
 
 def _compose_affine(later, earlier):
   """The affine map `earlier ∘ later`, each map as `(decay, increment)`.
 
   Step t is the map x -> increment[t] + decay[t] * x. `lax.associative_scan`
-  with reverse=True passes the composition of the later steps first.
+  with reverse=True passes the composition of the later steps first. A zero
+  decay reads nothing of the later maps.
   """
   later_decay, later_increment = later
   earlier_decay, earlier_increment = earlier
-  return (earlier_decay * later_decay,
-          earlier_increment + earlier_decay * later_increment)
+  return (_weighted(earlier_decay, later_decay),
+          earlier_increment + _weighted(earlier_decay, later_increment))
 
 
 def _affine_step(next_x, decay_and_increment):
   decay, increment = decay_and_increment
-  x = increment + decay * next_x
+  x = increment + _weighted(decay, next_x)
   return x, x
 
 
@@ -147,6 +187,7 @@ def _reverse_linear_scan(decay: jax.Array, increment: jax.Array,
                          final: jax.Array, *, associative: bool) -> jax.Array:
   """`x[t] = increment[t] + decay[t] * x[t + 1]` for t < T, with `x[T] = final`.
 
+  Where `decay[t]` is 0, `x[t + 1]` is not read (a NaN there stays out).
   The step functions live at module level so that eager calls hit JAX's
   compilation cache instead of recompiling a fresh closure every time.
 
@@ -162,9 +203,14 @@ def _reverse_linear_scan(decay: jax.Array, increment: jax.Array,
   if associative:
     total_decay, total_increment = lax.associative_scan(
         _compose_affine, (decay, increment), reverse=True)
-    return total_increment + total_decay * final[None]
+    return total_increment + _weighted(total_decay, final[None])
   _, xs = lax.scan(_affine_step, final, (decay, increment), reverse=True)
   return xs
+
+
+def _per_step(x: jax.Array) -> jax.Array | None:
+  """A per-step hyperparameter to scan over, or None for a scalar."""
+  return x if x.ndim else None
 
 
 def compute_gae(
@@ -182,11 +228,12 @@ def compute_gae(
 ) -> tuple[jax.Array, jax.Array]:
   """Generalized advantage estimation (Schulman et al., 2016) over axis 0.
 
-  With `d[t] = rewards[t] + gamma * V(next) - values[t]`, where V(next) is
+  With `d[t] = rewards[t] + gamma[t] * V(next) - values[t]`, where V(next) is
   0 after termination, `truncated_values[t]` after truncation and the next
-  (valid) step's value otherwise, `advantages[t] = d[t] + gamma * gae_lambda *
-  advantages[t + 1]`, the sum stopping at any termination or truncation.
-  See the module docstring for the full conventions.
+  (valid) step's value otherwise, `advantages[t] = d[t] + gamma[t] *
+  gae_lambda[t] * advantages[t + 1]`, the sum stopping at any termination or
+  truncation. See the module docstring for the full conventions, including
+  which inputs are never read.
 
   Args:
     rewards: `[T, ...]` float.
@@ -194,8 +241,8 @@ def compute_gae(
     terminated: `[T, ...]` bool (or 0/1 numbers).
     last_value: `[...]` float, V of the observation after step T - 1 (for a
       ragged rollout, after each stream's last valid step).
-    gamma: discount, a float or scalar array.
-    gae_lambda: the GAE lambda, a float or scalar array.
+    gamma: discount in [0, 1]: a float, a scalar array, or `[T, ...]` per step.
+    gae_lambda: the GAE lambda in [0, 1], a scalar or `[T, ...]` per step.
     truncated: `[T, ...]` bool, or None when no episode is ever truncated.
     truncated_values: `[T, ...]` float, read only where `truncated`.
     valid: `[T, ...]` bool, or None when every step is valid (e.g.
@@ -208,7 +255,12 @@ def compute_gae(
 
   Returns:
     `(advantages, returns)`, both `[T, ...]` in `values`' dtype, gradients
-    stopped; `returns = advantages + values`.
+    stopped; `returns = advantages + values` at valid steps, both 0 at
+    padding.
+
+  Raises:
+    TypeError, ValueError: naming the argument whose dtype or shape is wrong,
+      while tracing.
 
   >>> import jax.numpy as jnp, jaxbuf
   >>> advantages, returns = jaxbuf.compute_gae(
@@ -217,62 +269,76 @@ def compute_gae(
   ...     gamma=0.5, gae_lambda=1.0)
   >>> advantages.tolist()   # the trace is cut after step 1; step 2 bootstraps
   [1.5, 1.0, 6.0]
+  >>> advantages, _ = jaxbuf.compute_gae(   # per-step discounts, rlax-style
+  ...     jnp.ones(3), jnp.zeros(3), jnp.zeros(3, bool), jnp.float32(10.0),
+  ...     gamma=jnp.array([0.5, 0.0, 1.0]), gae_lambda=1.0)
+  >>> advantages.tolist()
+  [1.5, 1.0, 11.0]
   """
-  rollout = _validated("compute_gae", rewards, values, terminated,
-                       last_value, truncated, truncated_values, valid)
-  gamma, gae_lambda = _as_dtype(rollout, gamma, gae_lambda)
+  what = "compute_gae"
+  _check_associative(what, associative)
+  rollout = _validated(what, rewards, values, terminated, last_value, truncated,
+                       truncated_values, valid)
+  gamma = _hyperparameter(what, "gamma", gamma, rollout)
+  gae_lambda = _hyperparameter(what, "gae_lambda", gae_lambda, rollout)
   if not associative:
-    return _gae_scan(rollout.rewards, rollout.values, rollout.terminated,
-                     rollout.last_value, rollout.truncated,
-                     rollout.truncated_values, rollout.valid, gamma, gae_lambda)
+    return _gae_scan(rollout, gamma if gamma.ndim == 0 else None,
+                     gae_lambda if gae_lambda.ndim == 0 else None,
+                     _per_step(gamma), _per_step(gae_lambda))
   next_values = _next_values(rollout, associative=True)
   deltas = (rollout.rewards + _bootstrap_values(rollout, next_values, gamma)
             - rollout.values)
-  decay = jnp.where(_cut(rollout), 0.0, gamma * gae_lambda)
-  decay = decay.astype(deltas.dtype)
+  decay = jnp.where(_cut(rollout), 0.0, gamma * gae_lambda).astype(deltas.dtype)
   if rollout.valid is not None:
     # Padding passes the later steps' advantage through unchanged.
-    decay = jnp.where(rollout.valid, decay, 1.0)
+    decay = jnp.where(rollout.valid, decay, 1.0).astype(deltas.dtype)
     deltas = jnp.where(rollout.valid, deltas, 0.0)
   advantages = _reverse_linear_scan(decay, deltas,
                                     jnp.zeros_like(rollout.last_value),
                                     associative=True)
-  advantages = _at_valid(rollout, advantages, 0.0)
-  return advantages, advantages + rollout.values
+  return (_at_valid(rollout, advantages),
+          _at_valid(rollout, advantages + rollout.values))
 
 
 @jax.jit
-def _gae_scan(rewards, values, terminated, last_value, truncated,
-              truncated_values, valid, gamma, gae_lambda):
+def _gae_scan(rollout, gamma, gae_lambda, gamma_steps, lambda_steps):
   """The sequential GAE: one reverse scan computing everything per step.
 
   Reading the inputs step by step, with no precomputed `[T, ...]`
   intermediates (next values, deltas, decays), keeps the memory traffic at
   its floor; on CPU this beat both a precomputed-delta scan and any unrolling
   (benchmarks/bench_gae.py). Jitted so that eager calls reuse one compiled
-  program; inside a user's jit it compiles into the same program.
+  program; inside a user's jit it compiles into the same program. A scalar
+  hyperparameter comes as `gamma` / `gae_lambda` (its `_steps` None), a
+  per-step one as `gamma_steps` / `lambda_steps`, scanned with the rollout.
   """
   def step(carry, inputs):
     later_advantage, next_value = carry
-    reward, value, terminated_t, truncated_t, truncated_value, valid_t = inputs
+    (reward, value, terminated_t, truncated_t, truncated_value, valid_t,
+     gamma_t, lambda_t) = inputs
+    gamma_t = gamma if gamma_t is None else gamma_t
+    lambda_t = gae_lambda if lambda_t is None else lambda_t
     if truncated_t is not None:
       bootstrap = jnp.where(truncated_t, truncated_value, next_value)
       cut = terminated_t | truncated_t
     else:
       bootstrap, cut = next_value, terminated_t
-    delta = reward + jnp.where(terminated_t, 0.0, gamma * bootstrap) - value
-    advantage = delta + jnp.where(cut, 0.0, gamma * gae_lambda) * later_advantage
+    delta = (reward + _weighted(jnp.where(terminated_t, 0.0, gamma_t), bootstrap)
+             - value)
+    advantage = delta + _weighted(jnp.where(cut, 0.0, gamma_t * lambda_t),
+                                  later_advantage)
     if valid_t is None:
       return (advantage, value), (advantage, advantage + value)
     # Padding: emit 0 and pass the later steps' carry through unchanged.
     carry = (jnp.where(valid_t, advantage, later_advantage),
              jnp.where(valid_t, value, next_value))
-    advantage = jnp.where(valid_t, advantage, 0.0)
-    return carry, (advantage, advantage + value)
+    return carry, (jnp.where(valid_t, advantage, 0.0),
+                   jnp.where(valid_t, advantage + value, 0.0))
 
   _, (advantages, returns) = lax.scan(
-      step, (jnp.zeros_like(last_value), last_value),
-      (rewards, values, terminated, truncated, truncated_values, valid),
+      step, (jnp.zeros_like(rollout.last_value), rollout.last_value),
+      (rollout.rewards, rollout.values, rollout.terminated, rollout.truncated,
+       rollout.truncated_values, rollout.valid, gamma_steps, lambda_steps),
       reverse=True)
   return advantages, returns
 
@@ -290,13 +356,15 @@ def lambda_returns(
     valid: jax.Array | None = None,
     associative: bool = False,
 ) -> jax.Array:
-  """TD(lambda) returns: `G[t] = r[t] + gamma ((1 - l) V(next) + l G[t + 1])`.
+  """TD(lambda) returns: `G[t] = r[t] + gamma[t] ((1 - l[t]) V(next) + l[t] G[t + 1])`.
 
   The recursion bootstraps from V(next) alone at a truncation (with
   `truncated_values`), from nothing at a termination, and from `last_value`
-  after the last (valid) step. Arguments are those of `compute_gae`; with the
-  same arguments the result equals `compute_gae(...)[1]` up to rounding. At
-  padding steps the result equals `values`.
+  after the last (valid) step. Arguments are those of `compute_gae` (gamma
+  and gae_lambda scalars or per step); with the same arguments the result
+  equals `compute_gae(...)[1]` up to rounding (rlax's `lambda_returns`, with
+  `discount_t = gamma * (1 - terminated)` and `v_t` = the next values). At
+  padding steps the result is 0.
 
   Returns:
     `[T, ...]` in `values`' dtype, gradients stopped.
@@ -306,23 +374,26 @@ def lambda_returns(
   ...                       jnp.float32(4.0), gamma=0.5, gae_lambda=1.0).tolist()
   [2.25, 2.5, 3.0]
   """
-  rollout = _validated("lambda_returns", rewards, values, terminated,
-                       last_value, truncated, truncated_values, valid)
-  gamma, gae_lambda = _as_dtype(rollout, gamma, gae_lambda)
+  what = "lambda_returns"
+  _check_associative(what, associative)
+  rollout = _validated(what, rewards, values, terminated, last_value, truncated,
+                       truncated_values, valid)
+  gamma = _hyperparameter(what, "gamma", gamma, rollout)
+  gae_lambda = _hyperparameter(what, "gae_lambda", gae_lambda, rollout)
   next_values = _next_values(rollout, associative=associative)
   # G[t] = rewards[t] + bootstrap[t] * (1 - lambda) + decay[t] * G[t + 1],
   # where a cut trace takes its whole bootstrap from V(next).
+  cut = _cut(rollout)
   bootstrap = _bootstrap_values(rollout, next_values, gamma)
-  increment = rollout.rewards + jnp.where(_cut(rollout), bootstrap,
-                                          (1.0 - gae_lambda) * bootstrap)
-  decay = jnp.where(_cut(rollout), 0.0, gamma * gae_lambda)
-  decay = decay.astype(increment.dtype)
+  increment = rollout.rewards + _weighted(
+      jnp.where(cut, 1.0, 1.0 - gae_lambda), bootstrap)
+  decay = jnp.where(cut, 0.0, gamma * gae_lambda).astype(increment.dtype)
   if rollout.valid is not None:
-    decay = jnp.where(rollout.valid, decay, 1.0)
+    decay = jnp.where(rollout.valid, decay, 1.0).astype(increment.dtype)
     increment = jnp.where(rollout.valid, increment, 0.0)
   returns = _reverse_linear_scan(decay, increment, rollout.last_value,
                                  associative=associative)
-  return _at_valid(rollout, returns, rollout.values)
+  return _at_valid(rollout, returns)
 
 
 def n_step_returns(
@@ -339,18 +410,19 @@ def n_step_returns(
 ) -> jax.Array:
   """n-step bootstrapped returns: n discounted rewards, then V of the state reached.
 
-  `G[t] = r[t] + gamma r[t+1] + ... + gamma^(k-1) r[t+k-1] + gamma^k V`, where
-  k is n, or fewer when the episode ends first: a termination stops the sum
-  with no bootstrap, a truncation bootstraps from `truncated_values`, and the
-  end of the rollout bootstraps from `last_value`. With padding, steps are
-  counted over the valid steps of each stream. At padding steps the result
-  equals `values`.
+  `G[t] = r[t] + g[t] (r[t+1] + g[t+1] (... + g[t+k-1] V))`, with `g` the
+  (scalar or per-step) gamma and k = n, or fewer when the episode ends
+  first: a termination stops the sum with no bootstrap, a truncation
+  bootstraps from `truncated_values`, and the end of the rollout bootstraps
+  from `last_value`. With padding, steps are counted over the valid steps of
+  each stream. At padding steps the result is 0.
 
   Args:
     rewards, values, terminated, last_value, truncated, truncated_values,
       valid: as for `compute_gae`.
     n: a positive Python int.
-    gamma: discount, a float or scalar array.
+    gamma: discount in [0, 1], a scalar or `[T, ...]` per step (rlax's
+      `discount_t`).
 
   Returns:
     `[T, ...]` in `values`' dtype, gradients stopped.
@@ -360,12 +432,12 @@ def n_step_returns(
   ...                       jnp.float32(4.0), n=2, gamma=0.5).tolist()
   [3.5, 2.5, 3.0]
   """
-  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-    raise ValueError("n_step_returns: n must be a positive Python int, "
-                     f"given {n!r}.")
-  rollout = _validated("n_step_returns", rewards, values, terminated,
-                       last_value, truncated, truncated_values, valid)
-  (gamma,) = _as_dtype(rollout, gamma)
+  what = "n_step_returns"
+  validation.check_positive_int(n, "n", prefix=f"{what}: ",
+                                reason=" (it sets the number of rounds)")
+  rollout = _validated(what, rewards, values, terminated, last_value, truncated,
+                       truncated_values, valid)
+  gamma = _hyperparameter(what, "gamma", gamma, rollout)
   num_steps = rollout.values.shape[0]
   if rollout.valid is None:
     def successors(x):
@@ -390,7 +462,7 @@ def n_step_returns(
   for _ in range(n):
     returns = rollout.rewards + _bootstrap_values(rollout, successors(returns),
                                                   gamma)
-  return _at_valid(rollout, returns, rollout.values)
+  return _at_valid(rollout, returns)
 
 
 def normalize_advantages(advantages: jax.Array, valid: jax.Array | None = None,
@@ -399,27 +471,37 @@ def normalize_advantages(advantages: jax.Array, valid: jax.Array | None = None,
 
   The mean and (population, ddof=0) standard deviation are taken over the
   valid entries only, so padding does not bias them. Padding entries come out
-  as 0.
+  as 0, whatever they held (NaN included).
 
   Args:
     advantages: `[T, ...]` float (any shape).
     valid: bool, the same shape, or None when every entry is valid.
-    eps: added to the standard deviation, so a constant batch maps to 0.
+    eps: a positive finite float added to the standard deviation, so a
+      constant batch maps to 0.
 
   Returns:
     The same shape and dtype, gradients stopped.
 
   >>> import jax.numpy as jnp, jaxbuf
-  >>> jaxbuf.normalize_advantages(jnp.array([1.0, 3.0, 100.0]),
+  >>> jaxbuf.normalize_advantages(jnp.array([1.0, 3.0, 100.0], jnp.float32),
   ...                             jnp.array([True, True, False])).tolist()
   [-1.0, 1.0, 0.0]
   """
+  what = "normalize_advantages"
+  validation.check_floating("advantages", advantages, what=what)
+  if isinstance(eps, bool) or not isinstance(eps, (int, float, np.number)):
+    raise TypeError(f"{what}: eps must be a Python float, given "
+                    f"{type(eps).__name__}.")
+  if not 0 < eps < float("inf"):
+    raise ValueError(f"{what}: eps must be positive and finite, given {eps}.")
   advantages = lax.stop_gradient(jnp.asarray(advantages))
-  chex.assert_type(advantages, float)
   if valid is None:
     valid = jnp.ones(advantages.shape, bool)
+  else:
+    validation.check_flags("valid", valid, what=what)
+    validation.check_shape("valid", valid, advantages.shape, what=what,
+                           like="advantages")
   valid = jnp.asarray(valid).astype(bool)
-  chex.assert_equal_shape([advantages, valid])
   count = jnp.maximum(jnp.sum(valid, dtype=jnp.int32), 1).astype(advantages.dtype)
   mean = jnp.sum(jnp.where(valid, advantages, 0.0)) / count
   centered = jnp.where(valid, advantages - mean, 0.0)

@@ -57,9 +57,8 @@ def _leading_shape(tree: PyTree, num_axes: int, *, what: str) -> tuple[int, ...]
 
 def _check_divides(total: int, parts: Any, *, what: str, total_name: str,
                    parts_name: str) -> None:
-  if isinstance(parts, bool) or not isinstance(parts, (int, np.integer)):
-    raise TypeError(f"{what}: {parts_name} must be a Python int (it sets the "
-                    f"output shape), given {type(parts).__name__}.")
+  validation.check_python_int(parts, parts_name, prefix=f"{what}: ",
+                              reason=" (it sets the output shape)")
   if parts <= 0 or total % parts:
     raise ValueError(f"{what}: {parts_name}={parts} must be positive and divide "
                      f"{total_name}={total}.")
@@ -85,6 +84,8 @@ def shuffled_minibatches(key: jax.Array, data: PyTree, *, num_minibatches: int,
     `data` with leaves `[M, B, ...]`, B = steps / M.
   """
   validation.check_key(key, what="shuffled_minibatches")
+  validation.check_positive_int(num_batch_axes, "num_batch_axes",
+                                prefix="shuffled_minibatches: ")
   leading = _leading_shape(data, num_batch_axes, what="shuffled_minibatches")
   num_items = int(np.prod(leading))
   _check_divides(num_items, num_minibatches, what="shuffled_minibatches",
@@ -143,9 +144,10 @@ def sequence_chunks(key: jax.Array, data: PyTree, hidden: PyTree, *,
                      f"expected [T, N] = {(num_steps, num_envs)} like data.")
   if valid is None:
     valid = jnp.ones((num_steps, num_envs), bool)
-  elif np.shape(valid) != (num_steps, num_envs):
-    raise ValueError(f"{what}: valid has shape {np.shape(valid)}, expected "
-                     f"[T, N] = {(num_steps, num_envs)}.")
+  else:
+    validation.check_flags("valid", valid, what=what)
+    validation.check_shape("valid", valid, (num_steps, num_envs), what=what,
+                           like="[T, N] of data")
   _check_divides(num_steps, chunk_length, what=what, total_name="T",
                  parts_name="chunk_length")
   num_chunks = num_steps // chunk_length

@@ -28,6 +28,12 @@ Writes touch N rows, so under `jax.jit(..., donate_argnums=0)` (the default
 `step_counts`. A whole rollout is typically collected in a `lax.scan` whose
 carry holds the `RolloutState`.
 
+A PPO loop cannot train on a stale rollout by forgetting `reset`: once every
+env holds T steps, the next add starts a new rollout (see `add`). The one
+case this cannot catch is a ragged rollout consumed before it is full: its
+next adds continue the old columns, so call `reset` after reading a rollout
+that may be partial.
+
 The module-level functions take every setting explicitly; `rollout_buffer`
 binds them into a `RolloutBuffer`.
 """
@@ -126,11 +132,17 @@ def add(state: RolloutState, steps: PyTree, mask: jax.Array | None = None,
         *, checked: bool = False) -> RolloutState:
   """Writes one step for every env (or every env where `mask`) at its own position.
 
-  Env i's step goes to row `step_counts[i]`, which then advances by one. An env
-  that already holds T steps is left unchanged: its step is dropped, never
-  written over another env's data or its own earlier steps (checked mode
-  raises instead). Only N rows are touched, so under a donating jit the
-  storage is updated in place.
+  Env i's step goes to row `step_counts[i]`, which then advances by one. Only
+  N rows are touched, so under a donating jit the storage is updated in place.
+
+  A full rollout starts over by itself. When every env holds T steps (the
+  rollout a PPO update has just read), an add in which any env writes first
+  resets every `step_counts` to 0, as `reset` would, so a loop that forgets
+  `reset` still trains on fresh data each update. While some envs still have
+  room (ragged collection), a write to an env that already holds T steps is
+  dropped instead, never written over its own earlier steps or another
+  env's, so "add with every env until all are full" fills every column;
+  checked mode raises on such a dropped write.
 
   Args:
     state: the rollout.
@@ -138,8 +150,8 @@ def add(state: RolloutState, steps: PyTree, mask: jax.Array | None = None,
       structure, shapes and dtypes must match `init`'s example exactly
       (checked while tracing; errors name the leaf path; nothing is cast).
     mask: bool `[N]`, which envs write; None means all.
-    checked: raise (via `checkify.check`) when an env writing already holds T
-      steps.
+    checked: raise (via `checkify.check`) when a write is dropped: an env
+      writing already holds T steps while another env has room.
 
   Returns:
     The new state.
@@ -160,11 +172,16 @@ def add(state: RolloutState, steps: PyTree, mask: jax.Array | None = None,
       raise TypeError(f"add: mask must be bool, given dtype "
                       f"{validation.canonical_dtype(mask)}.")
     mask = jnp.asarray(mask)
-  has_room = state.step_counts < num_steps
+  # A full rollout that receives a write starts over (every count to 0).
+  starts_over = jnp.all(state.step_counts >= num_steps) & jnp.any(mask)
+  step_counts = jnp.where(starts_over, 0, state.step_counts)
+  has_room = step_counts < num_steps
   if checked:
     checkify.check(jnp.all(has_room | ~mask),
                    "add: envs {envs} (where 1) are full, holding num_steps="
-                   f"{num_steps} steps; reset the rollout before adding more.",
+                   f"{num_steps} steps, while other envs have room; their "
+                   "steps would be dropped. Mask them out (mask = "
+                   "state.step_counts < num_steps) or reset the rollout.",
                    envs=(mask & ~has_room).astype(jnp.int32))
   writes = mask & has_room
   # Scatter into the storage seen as [T * N, ...] rows (a free reshape): one
@@ -172,7 +189,7 @@ def add(state: RolloutState, steps: PyTree, mask: jax.Array | None = None,
   # Envs that do not write aim past the end, which mode="drop" discards; each
   # env hits its own column, so indices are unique.
   columns = jnp.arange(num_envs, dtype=jnp.int32)
-  flat_rows = jnp.where(writes, state.step_counts, num_steps) * num_envs + columns
+  flat_rows = jnp.where(writes, step_counts, num_steps) * num_envs + columns
 
   def write(stored, new):
     flat = jnp.reshape(stored, (num_steps * num_envs, *stored.shape[2:]))
@@ -181,11 +198,15 @@ def add(state: RolloutState, steps: PyTree, mask: jax.Array | None = None,
 
   data = jax.tree.map(write, state.data, steps)
   return state.replace(data=data,
-                       step_counts=state.step_counts + writes.astype(jnp.int32))
+                       step_counts=step_counts + writes.astype(jnp.int32))
 
 
 def reset(state: RolloutState) -> RolloutState:
-  """Starts a new rollout: `step_counts` to 0, storage kept (not zeroed)."""
+  """Starts a new rollout: `step_counts` to 0, storage kept (not zeroed).
+
+  Not needed after a full rollout (the next `add` starts over by itself);
+  needed after reading a ragged rollout that some env had not filled.
+  """
   return state.replace(step_counts=jnp.zeros_like(state.step_counts))
 
 
@@ -196,10 +217,12 @@ def rollout_buffer(num_steps: int, num_envs: int, *,
   Args:
     num_steps: T, a Python int.
     num_envs: N, a Python int.
-    checked: if True, adding to an env that already holds T steps raises;
-      the functions are then left unjitted, and inside your own jit you wrap
-      the step in `jax.experimental.checkify.checkify`. Otherwise such a step
-      is dropped (a documented no-op).
+    checked: if True, a write that would be dropped (to an env already
+      holding T steps while other envs have room) raises; the functions are
+      then left unjitted, and inside your own jit you wrap the step in
+      `jax.experimental.checkify.checkify`. Otherwise such a step is dropped
+      (a documented no-op). Either way, an add to a rollout in which every
+      env is full starts a new rollout.
 
   Returns:
     A `RolloutBuffer(init, add, reset)`. By default `add` and `reset` are
@@ -213,7 +236,7 @@ def rollout_buffer(num_steps: int, num_envs: int, *,
   >>> state = rollout.init(step)
   >>> state = rollout.add(state, {"obs": jnp.ones((2, 3)),
   ...                             "action": {"move": jnp.array([1, 2], jnp.int32)},
-  ...                             "reward": jnp.array([0.5, 1.0])},
+  ...                             "reward": jnp.array([0.5, 1.0], jnp.float32)},
   ...                     mask=jnp.array([True, False]))
   >>> state.data["obs"].shape, state.step_counts.tolist()
   ((4, 2, 3), [1, 0])
@@ -221,8 +244,11 @@ def rollout_buffer(num_steps: int, num_envs: int, *,
   [[True, False], [False, False]]
   """
   _check_sizes(num_steps, num_envs)
-  bound_init = functools.partial(init, num_steps=num_steps, num_envs=num_envs)
-  bound_add = functools.partial(add, checked=checked)
+  # update_wrapper: help(rollout.add) shows add's docstring, not partial's.
+  bound_init = functools.update_wrapper(
+      functools.partial(init, num_steps=num_steps, num_envs=num_envs), init)
+  bound_add = functools.update_wrapper(
+      functools.partial(add, checked=checked), add)
   if checked:
     return RolloutBuffer(init=bound_init, add=bound_add, reset=reset)
   return RolloutBuffer(init=bound_init,
