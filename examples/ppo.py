@@ -292,7 +292,8 @@ def make_trainer(config: Config) -> common.Trainer:
     return (optax.apply_updates(params, updates), opt_state), loss
 
   def step(state: RunnerState) -> tuple[RunnerState, Metrics]:
-    state = state.replace(rollout_state=rollout.reset(state.rollout_state))
+    # No rollout.reset: the rollout read by the previous update is full, so
+    # its first add here starts a new one.
     state, step_metrics = jax.lax.scan(env_step, state, None,
                                        length=config.num_steps)
     data = state.rollout_state.data                      # leaves [T, N, ...]
