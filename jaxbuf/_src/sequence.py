@@ -30,7 +30,8 @@ multiple of 2**32 steps of its env were added between a sample and its
 update).
 
 Writes touch the N * min(T, R) rows written, plus the window bookkeeping of
-the N * min(T + L - 1, R) windows they can complete or break, so under
+at most N * min(2T, R) windows (those whose first or last step is written;
+N * min(T + L - 1, R) when T >= L - 1), so under
 `jax.jit(..., donate_argnums=0)` the storage is updated in place whatever the
 capacity.
 
@@ -291,12 +292,18 @@ def add_steps(state: SequenceReplayState, steps: PyTree,
                             state.step_counts),
       period_phases=jnp.where(mask, (state.period_phases + length % period)
                               % period, state.period_phases))
-  # The windows whose first step was written or whose last step was written:
-  # the newest min(T + L - 1, R) starts of each env. Every other window keeps
-  # its steps and its validity.
-  touched = min(kept + sequence_length - 1, per_env)
-  touched_slots = (new_state.write_heads[:, None] - touched
-                   + jnp.arange(touched, dtype=jnp.int32)[None, :]) % per_env
+  # Only windows whose first or last step was written can change: starts
+  # 0..K-1 steps ago (first step written) and L-1..L+K-2 steps ago (last step
+  # written). Starts in between end past the newest step, before and after.
+  # Every other window keeps its steps and its validity.
+  span = kept + sequence_length - 1
+  if span <= 2 * kept or span >= per_env:
+    touched_ago = np.arange(min(span, per_env))
+  else:
+    touched_ago = np.concatenate([np.arange(kept),
+                                  sequence_length - 1 + np.arange(kept)])
+  touched_slots = (new_state.write_heads[:, None] - 1
+                   - jnp.asarray(touched_ago, jnp.int32)[None, :]) % per_env
   envs = jnp.broadcast_to(jnp.arange(num_envs, dtype=jnp.int32)[:, None],
                           touched_slots.shape)
   settings = dict(sequence_length=sequence_length, period=period, within=within)
