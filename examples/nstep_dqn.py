@@ -58,7 +58,10 @@ class Config:
   buffer_size: int = 10_000           # stream steps over all envs
   batch_size: int = 128
   learning_starts: int = 10_000
-  learning_rate: float = 2.5e-4
+  # Half of examples/dqn.py's: n-step targets move further per update. With
+  # 2.5e-4, 4 seeds reached 500 by mid-training, then two fell back (final
+  # mean 362.4); with 1.25e-4 the final mean was 496.5.
+  learning_rate: float = 1.25e-4
   gamma: float = 0.99
   target_update_interval: int = 500
   epsilon_start: float = 1.0
