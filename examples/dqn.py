@@ -13,6 +13,16 @@ target is Double DQN's by default (`--no-double-q` for the original max).
   python examples/dqn.py                       # the demo: 5e5 steps, one seed
   python examples/dqn.py --replay prioritized  # proportional PER, beta annealed
   python examples/dqn.py --num-seeds 4 --plot dqn.png   # the learning bar
+  python examples/dqn.py --devices 4           # data-parallel over 4 devices
+
+Data-parallel (`--devices D`): one `jaxbuf.sharded` buffer spans a mesh of
+D devices (D fake CPU devices when run as a script on a machine without
+them). The N envs and each add batch are split over the devices, each device
+writing its own envs' transitions to its part of the buffer; the sample is
+exact over all devices' items and comes back split over them, so each
+device computes the loss of its S / D rows, and the gradient of the mean
+loss over the whole batch (averaged across devices by XLA's SPMD
+partitioner) updates the replicated network on every device.
 
 Truncation: gymnax resets inside `env.step` and returns the observation after
 the reset; the pre-reset observation is `info["final_observation"]`, which is
@@ -22,9 +32,16 @@ bootstrapped from the value of the true final observation.
 """
 
 import dataclasses
+import os
 import pathlib
 import sys
 from typing import Any, NamedTuple
+
+if __name__ == "__main__" and "--devices" in sys.argv and "jax" not in sys.modules:
+  # Fake CPU devices must be asked for before JAX starts its backends.
+  _count = sys.argv[sys.argv.index("--devices") + 1]
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={_count}")
 
 import flax.linen as nn
 import flax.struct
@@ -71,6 +88,7 @@ class Config:
   max_grad_norm: float = 10.0
   hidden_size: int = 120
   num_chunks: int = 50                # progress-bar updates (one jitted call each)
+  devices: int = 1                    # D > 1: data-parallel over D devices
 
 
 class Transition(NamedTuple):
@@ -137,6 +155,20 @@ def make_trainer(config: Config) -> common.Trainer:
   else:
     raise ValueError(f"--replay must be uniform or prioritized, given "
                      f"{config.replay!r}.")
+  split_over_devices = lambda tree: tree  # one device: nothing to place
+  if config.devices > 1:
+    if config.devices > jax.device_count():
+      raise ValueError(f"--devices {config.devices}: only "
+                       f"{jax.device_count()} devices are visible.")
+    # Auto axes: XLA's partitioner propagates the envs' split through the
+    # network and inserts the gradient all-reduce.
+    mesh = jax.make_mesh((config.devices,), ("data",),
+                         axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:config.devices])
+    buffer = jaxbuf.sharded(buffer, mesh, axis="data")
+    envs_split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    split_over_devices = lambda tree: jax.lax.with_sharding_constraint(
+        tree, jax.tree.map(lambda _: envs_split, tree))
   optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
                           optax.adam(config.learning_rate))
   target_period = max(config.target_update_interval // config.num_envs, 1)
@@ -149,10 +181,14 @@ def make_trainer(config: Config) -> common.Trainer:
     example = Transition(obs=obs[0], action=jnp.int32(0),
                          reward=jnp.float32(0), next_obs=obs[0],
                          terminated=jnp.bool_(False))
+    # The same layout as every step's output, so the compiled chunk that
+    # takes the first state takes all the later ones.
+    env_state, obs, episode_returns = split_over_devices(
+        (env_state, obs, jnp.zeros(config.num_envs, jnp.float32)))
     return RunnerState(
         params=params, target_params=params, opt_state=optimizer.init(params),
         buffer_state=buffer.init(example), env_state=env_state, obs=obs,
-        episode_returns=jnp.zeros(config.num_envs, jnp.float32),
+        episode_returns=episode_returns,
         iteration=jnp.zeros((), jnp.int32), key=key)
 
   def td_loss(params, target_params, sample: jaxbuf.ReplaySample):
@@ -214,9 +250,11 @@ def make_trainer(config: Config) -> common.Trainer:
         next_obs=info["final_observation"], terminated=terminated))
     episode_returns = state.episode_returns + rewards
     episode_ended = terminated | truncated
+    env_state, next_obs, next_returns = split_over_devices(
+        (env_state, next_obs, jnp.where(episode_ended, 0.0, episode_returns)))
     state = state.replace(
         buffer_state=buffer_state, env_state=env_state, obs=next_obs,
-        episode_returns=jnp.where(episode_ended, 0.0, episode_returns),
+        episode_returns=next_returns,
         iteration=state.iteration + 1, key=key)
 
     should_learn = (buffer.can_sample(buffer_state, config.batch_size)

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from examples import common
 from examples import dqn
 from examples import nstep_dqn
 from examples import ppo
@@ -202,3 +203,21 @@ def test_ppo_reaches_450_on_cartpole_within_5e5_steps():
         f"mean {result['final_mean_return']:.1f}")
   assert result["env_steps_per_seed"] <= 500_000
   assert result["final_mean_return"] >= 450, result["final_returns"]
+
+
+def test_dqn_data_parallel_over_two_devices():
+  """`--devices 2`: the buffer and the envs split over 2 devices, learning."""
+  config = dataclasses.replace(TINY_DQN, devices=2, replay="prioritized")
+  trainer = dqn.make_trainer(config)
+  state = jax.jit(jax.vmap(trainer.init))(jax.random.split(jax.random.key(0), 1))
+  run = common.make_chunk_runner(trainer.step, 6)
+  params_before = jax.device_get(state.params)
+  state, metrics = run(state)
+  storage = state.buffer_state.storage.obs                  # [K, D, C / D, 4]
+  assert storage.shape[:3] == (1, 2, 32)
+  assert len(storage.sharding.device_set) == 2
+  # 6 steps of 4 envs: each device wrote its 2 envs' 12 transitions.
+  np.testing.assert_array_equal(np.asarray(state.buffer_state.size), [[12, 12]])
+  losses = np.asarray(metrics.loss)[0]
+  assert np.all(np.isfinite(losses)) and losses[-1] != 0.0
+  assert _params_changed(params_before, jax.device_get(state.params))
