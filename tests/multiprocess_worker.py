@@ -1,0 +1,86 @@
+"""One of the processes `tests/test_multiprocess.py` starts: 2 CPU devices each.
+
+Usage: python tests/multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
+
+Joins the others through `jax.distributed`, makes one prioritized buffer
+sharded over every process's devices, adds only this process's rows, sets
+uneven priorities, samples globally (replicated and sharded batches) and
+writes what it saw to `OUT_DIR/process_<id>.npz` for the parent to compare.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+CAPACITY = 32
+ALPHA = 0.7
+ROUNDS = 3          # adds of 4 rows per device (12 rows per process)
+BATCH = 16
+DRAWS = 300         # batches for the distribution
+
+
+def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.config.update("jax_num_cpu_devices", 2)
+  jax.distributed.initialize(coordinator_address=f"localhost:{port}",
+                             num_processes=num_processes,
+                             process_id=process_id)
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  import jaxbuf  # pylint: disable=import-outside-toplevel
+
+  num_devices = jax.device_count()
+  local_devices = jax.local_device_count()
+  mesh = jax.make_mesh((num_devices,), ("data",))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  inner = jaxbuf.prioritized_replay(CAPACITY, alpha=ALPHA, beta=0.5)
+  buffers = {batch: jaxbuf.sharded(inner, mesh, batch=batch)
+             for batch in ("replicated", "sharded")}
+  buffer = buffers["replicated"]
+  state = buffer.init({"obs": jnp.zeros(2, jnp.float32),
+                       "serial": jnp.int32(0)})
+
+  per_process = 4 * local_devices  # rows this process adds per round
+  for round_index in range(ROUNDS):
+    # Serial numbers say which process and round wrote a row.
+    serial = (1000 * process_id + 100 * round_index
+              + np.arange(per_process, dtype=np.int32))
+    local = {"obs": np.stack([serial, -serial], 1).astype(np.float32),
+             "serial": serial}
+    items = jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(rows, x), local)
+    state = buffer.add(state, items)
+
+  # Every slot is held (12 rows per device, 8 slots); uneven priorities,
+  # the same arguments on every process.
+  priorities = (np.arange(CAPACITY, dtype=np.float32) % 7) ** 2
+  state = buffer.update_priorities(state, np.arange(CAPACITY, dtype=np.int32),
+                                   priorities)
+
+  keys = jax.random.split(jax.random.key(7), DRAWS)
+  many = jax.jit(lambda s, ks: jax.lax.map(
+      lambda k: buffer.sample(s, k, BATCH), ks))(state, keys)
+  indices = np.asarray(many.indices.addressable_data(0))      # replicated
+  serials = np.asarray(many.items["serial"].addressable_data(0))
+  weights = np.asarray(many.weights.addressable_data(0))
+  split = buffers["sharded"].sample(state, jax.random.key(1), BATCH)
+  whole = buffer.sample(state, jax.random.key(1), BATCH)
+  # The sharded batch, gathered: the same batch as the replicated one.
+  split_serials = multihost_utils.process_allgather(split.items["serial"],
+                                                    tiled=True)
+  leaves = multihost_utils.process_allgather(state.sum_tree.levels[0],
+                                             tiled=True)
+  storage = multihost_utils.process_allgather(state.storage["serial"],
+                                              tiled=True)
+  np.savez(os.path.join(out_dir, f"process_{process_id}.npz"),
+           indices=indices, serials=serials, weights=weights,
+           split_serials=np.asarray(split_serials),
+           whole_serials=np.asarray(whole.items["serial"].addressable_data(0)),
+           leaves=np.asarray(leaves), storage=np.asarray(storage),
+           num_devices=num_devices, local_devices=local_devices)
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
