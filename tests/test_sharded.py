@@ -422,3 +422,18 @@ def test_clear_empties_every_device():
   np.testing.assert_array_equal(np.asarray(state.size), 0)
   np.testing.assert_array_equal(np.asarray(state.sum_tree.levels[-1]), 0)
   np.testing.assert_array_equal(np.asarray(state.max_priority), 1)
+
+
+def test_save_and_load_keep_the_split_bit_exact(tmp_path):
+  buffer = BUFFERS[("prioritized", "global", "sharded")]
+  state = uneven_state("prioritized")
+  jaxbuf.save(tmp_path / "sharded", state)
+  restored = jaxbuf.load(tmp_path / "sharded",
+                         like=buffer.init(example_item()))
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                  np.asarray(want).view(np.uint8))
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+  key = jax.random.key(6)
+  chex.assert_trees_all_equal(jax.device_get(buffer.sample(restored, key, 8)),
+                              jax.device_get(buffer.sample(state, key, 8)))

@@ -1,0 +1,157 @@
+"""Bytes a sharded replay buffer moves between devices, read from the HLO.
+
+For each device count D (fake CPU devices), buffer kind (uniform,
+prioritized), sampling mode (global, local) and batch layout (sharded,
+replicated), one `sample` of S = 256 items with an 84-float32 observation
+(plus an int32 action; 340 bytes a row) and one `update_priorities` of
+that sample are compiled, and every collective in the compiled HLO is read:
+
+* operand bytes: the sum of the collectives' operand sizes (a
+  reduce-scatter's operand is the whole `[S, ...]` batch), derived from
+  their result shapes, since compiled HLO prints operands without shapes;
+* moved per device: what each device sends under the standard ring
+  algorithms, `2 (D - 1) / D` of an all-reduce's operand and `(D - 1) / D`
+  of a reduce-scatter's, an all-gather's result or an all-to-all's operand.
+
+The goal is at most the batch's own bytes (S rows) moved per device; a
+replicated psum of the whole batch costs about twice that, the ideal
+exchange of only the rows each device receives about 1 / D of it.
+
+Per-step times on fake CPU devices are not given: the D "devices" share one
+process and the host's cores, so a time per step says nothing of how the
+sampling scales across real devices.
+
+Run: python benchmarks/bench_sharded.py [--devices 2 4 8]
+"""
+
+import argparse
+import os
+import re
+import sys
+
+# Before JAX initialises its backends: enough fake devices for the largest D.
+if "jax" not in sys.modules:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jaxbuf  # noqa: E402
+from benchmarks import harness  # noqa: E402
+
+BATCH = 256
+OBS = 84
+CAPACITY = 2 ** 14
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
+               "collective-permute", "ragged-all-to-all")
+# `%name = <result shape> <op>(<operands>)`; async pairs appear as -start.
+_INSTRUCTION = re.compile(
+    r"=\s*(?P<result>.+?)\s+(?P<op>" + "|".join(COLLECTIVES)
+    + r")(?:-start)?\((?P<operands>[^)]*)\)")
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64)"
+                    r"\[([0-9,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+          "f64": 8}
+
+
+def shape_bytes(text: str) -> int:
+  total = 0
+  for dtype, dims in _SHAPE.findall(text):
+    count = 1
+    for dim in filter(None, dims.split(",")):
+      count *= int(dim)
+    total += count * _BYTES[dtype]
+  return total
+
+
+def collective_bytes(hlo: str, num_devices: int) -> tuple[dict[str, int], int, float]:
+  """Collective op counts, their operand bytes, and bytes moved per device."""
+  counts, operand_total, moved = {}, 0, 0.0
+  share = (num_devices - 1) / num_devices
+  for match in _INSTRUCTION.finditer(hlo):
+    op = match["op"]
+    # Compiled HLO names operands without their shapes; the result's shape
+    # gives the operand's: equal, or 1/D of it for a reduce-scatter, D times
+    # it for an all-gather.
+    result = shape_bytes(match["result"])
+    operand = {"reduce-scatter": result * num_devices,
+               "all-gather": result // num_devices}.get(op, result)
+    counts[op] = counts.get(op, 0) + 1
+    operand_total += operand
+    moved += {"all-reduce": 2 * share * operand,
+              "reduce-scatter": share * operand,
+              "all-gather": share * result,
+              "all-to-all": share * operand,
+              "ragged-all-to-all": share * operand,
+              "collective-permute": operand}[op]
+  return counts, operand_total, moved
+
+
+def measure(num_devices: int, kind: str, sampling: str, batch: str):
+  mesh = jax.make_mesh((num_devices,), ("data",),
+                       devices=jax.devices()[:num_devices])
+  inner = (jaxbuf.uniform_replay(CAPACITY) if kind == "uniform"
+           else jaxbuf.prioritized_replay(CAPACITY))
+  buffer = jaxbuf.sharded(inner, mesh, sampling=sampling, batch=batch)
+  item = {"obs": jnp.zeros(OBS, jnp.float32), "action": jnp.int32(0)}
+  state = jax.eval_shape(buffer.init, item)
+  state = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+              mesh, jax.sharding.PartitionSpec("data"))), state)
+  key = jax.random.key(0)
+  sample_hlo = jax.jit(lambda s, k: buffer.sample(s, k, BATCH)).lower(
+      state, key).compile().as_text()
+  sample = jax.eval_shape(lambda s, k: buffer.sample(s, k, BATCH), state, key)
+  update_hlo = jax.jit(buffer.update_priorities).lower(
+      state, sample.indices, sample.weights, sample.item_ids).compile().as_text()
+  add_hlo = jax.jit(buffer.add).lower(
+      state, {"obs": jnp.zeros((BATCH, OBS)),
+              "action": jnp.zeros(BATCH, jnp.int32)}).compile().as_text()
+  return (collective_bytes(sample_hlo, num_devices),
+          collective_bytes(update_hlo, num_devices),
+          collective_bytes(add_hlo, num_devices))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--devices", type=int, nargs="+", default=[2, 4, 8])
+  args = parser.parse_args()
+  harness.print_machine()
+  row_bytes = OBS * 4 + 4
+  batch_bytes = BATCH * row_bytes
+  print(f"\nS = {BATCH}, a row {row_bytes} bytes: the batch is {batch_bytes} "
+        f"bytes; capacity {CAPACITY}.\n")
+  rows = []
+  verdicts = harness.Verdicts()
+  for num_devices in args.devices:
+    for kind in ("uniform", "prioritized"):
+      for sampling in ("global", "local"):
+        for batch in ("sharded", "replicated"):
+          (ops, operand, moved), (_, _, update_moved), (add_ops, _, _) = measure(
+              num_devices, kind, sampling, batch)
+          rows.append((num_devices, kind, sampling, batch,
+                       " ".join(f"{op}x{n}" for op, n in sorted(ops.items()))
+                       or "none", operand, round(moved),
+                       f"{moved / batch_bytes:.2f}", round(update_moved),
+                       "none" if not add_ops else str(add_ops)))
+          if sampling == "global" and batch == "sharded":
+            verdicts.judge(f"D={num_devices} {kind} global sharded: moved per "
+                           "device / batch bytes", moved / batch_bytes, 1.0,
+                           higher_is_better=False)
+  harness.print_table(
+      [("D", 2), ("kind", -11), ("sampling", -8), ("batch", -10),
+       ("sample collectives", -30), ("operand B", 10), ("moved/dev B", 11),
+       ("/batch", 6), ("update moved/dev B", 18), ("add collectives", -15)],
+      rows)
+  verdicts.info("per-step times on fake CPU devices are not a scaling figure "
+                "and are not reported")
+  verdicts.print("Verdicts")
+
+
+if __name__ == "__main__":
+  main()
