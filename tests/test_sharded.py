@@ -38,9 +38,15 @@ def base(kind, **settings):
                                    **settings)
 
 
+# One device's part as an unsharded buffer; made once, so each shape compiles once.
+LOCAL_BUFFERS = {
+    "uniform": jaxbuf.uniform_replay(LOCAL),
+    "prioritized": jaxbuf.prioritized_replay(LOCAL, alpha=ALPHA, beta=BETA,
+                                             eps=EPS)}
+
+
 def local_buffer(kind):
-  return (jaxbuf.uniform_replay(LOCAL) if kind == "uniform" else
-          jaxbuf.prioritized_replay(LOCAL, alpha=ALPHA, beta=BETA, eps=EPS))
+  return LOCAL_BUFFERS[kind]
 
 
 MESH = jax.make_mesh((D,), ("data",))  # Explicit axes, the jax 0.10 default
