@@ -17,7 +17,7 @@ cross-device traffic. Each device therefore holds every D-th block of the
 stream; with equal blocks the fills stay equal, but sampling does not rely
 on it.
 
-Global sampling is exact. Every device all-gathers the D local totals
+Global sampling is exact. Every device gathers the D local totals
 (prioritized) or sizes (uniform), draws the same targets over the global
 total from the replicated key, and descends its own tree (or picks its own
 slot) for the targets it owns; rows are combined with a masked sum, exact
@@ -25,12 +25,17 @@ because each row has exactly one non-zero contributor (rows travel bit-cast
 to unsigned integers, so -0.0 and NaN payloads survive). A replicated batch
 is an all-reduce of the `[S, ...]` rows (about 2x the batch's bytes through
 each device); a batch sharded over the axis is a reduce-scatter (about the
-batch's bytes, (D - 1) / D of them). Local sampling (the per-device buffers
-of Stoix and Brax) draws S / D items from each device's own part with no
-communication; each item's probability is then its share of its own
-device's total, times 1 / D, which equals the global one only when the
-devices' totals are equal, and the importance weights are normalised per
-device.
+batch's bytes, (D - 1) / D of them). A target picks its device by the
+float32 prefix sums of the D totals and keeps its offset within the owner,
+so the device choice is one more level in the first stretch of the tree's
+descent before a redraw (`sum_tree.LEVELS_PER_TARGET`), with the float32
+rounding of the global total that the unsharded tree's root has too.
+
+Local sampling (the per-device buffers of Stoix and Brax) draws S / D items
+from each device's own part with no communication; each item's probability
+is then its share of its own device's total, times 1 / D, which equals the
+global one only when the devices' totals are equal, and the importance
+weights are normalised per device.
 """
 
 import functools
