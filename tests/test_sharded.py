@@ -369,6 +369,30 @@ def test_inside_a_jitted_scan_with_donation_and_no_retrace(kind, batch, mesh):
   assert np.all(np.asarray(indices) % LOCAL < 3)
 
 
+@pytest.mark.parametrize("mesh", [MESH, AUTO_MESH], ids=["explicit", "auto"])
+def test_vmap_over_many_sharded_states_matches_one_at_a_time(mesh):
+  buffer = jaxbuf.sharded(base("prioritized"), mesh)
+  keys = jax.random.split(jax.random.key(7), 3)
+  items = jax.tree.map(lambda x: x.reshape(3, 8, *x.shape[1:]), make_items(0, 24))
+
+  def step(state, items, key):
+    state = buffer.add(state, items)
+    sample = buffer.sample(state, key, 8)
+    return buffer.update_priorities(state, sample.indices,
+                                    sample.indices.astype(jnp.float32),
+                                    sample.item_ids), sample
+
+  states = jax.vmap(lambda _: buffer.init(example_item()))(jnp.arange(3))
+  states, samples = jax.jit(jax.vmap(step))(states, items, keys)
+  assert states.storage["obs"].shape == (3, D, LOCAL, 3)
+  for v in range(3):
+    state, sample = jax.jit(step)(buffer.init(example_item()),
+                                  jax.tree.map(lambda x: x[v], items), keys[v])
+    chex.assert_trees_all_equal(
+        jax.device_get(jax.tree.map(lambda x: x[v], (states, samples))),
+        jax.device_get((state, sample)))
+
+
 # --- Bad input ----------------------------------------------------------------------
 
 def test_bad_settings_raise():

@@ -76,14 +76,19 @@ def _spec(axis: str) -> PartitionSpec:
   return PartitionSpec(axis)
 
 
-def _placed(tree: PyTree, mesh: jax.sharding.Mesh,
+def _placed(tree: PyTree, mesh: jax.sharding.Mesh, axis: str,
             spec: PartitionSpec) -> PyTree:
-  """`tree` laid out as `spec` says, on Explicit and Auto mesh axes alike.
+  """`tree` laid out as `spec` says: free for arguments already laid out so,
+  a reshard (or a local slice of replicated data) otherwise.
 
-  Inside a jit this is a sharding constraint: free for arguments already
-  laid out so, a reshard (or a local slice of replicated data) otherwise.
+  `reshard` on an Explicit axis, a sharding constraint on an Auto one; both,
+  unlike `device_put`, leave a `vmap`ped axis unsplit.
   """
-  return jax.device_put(tree, NamedSharding(mesh, spec))
+  sharding = NamedSharding(mesh, spec)
+  axis_type = mesh.axis_types[mesh.axis_names.index(axis)]
+  if axis_type == jax.sharding.AxisType.Explicit:
+    return jax.sharding.reshard(tree, sharding)
+  return jax.lax.with_sharding_constraint(tree, sharding)
 
 
 def _num_devices(mesh: jax.sharding.Mesh, axis: str) -> int:
@@ -154,7 +159,7 @@ def add(state: ReplayState, items: PyTree, *, kind, alpha: float | None,
 
   return jax.shard_map(add_block, mesh=mesh, in_specs=_spec(axis),
                        out_specs=_spec(axis))(
-                           *_placed((state, items), mesh, _spec(axis)))
+                           *_placed((state, items), mesh, axis, _spec(axis)))
 
 
 def _as_bits(leaf: jax.Array) -> jax.Array:
@@ -351,8 +356,8 @@ def sample(state: ReplayState, key: jax.Array, batch_size: int, *, kind,
   out = _spec(axis) if batch == "sharded" else PartitionSpec()
   return jax.shard_map(lambda s, k: draw(s, k), mesh=mesh,
                        in_specs=(_spec(axis), PartitionSpec()),
-                       out_specs=out)(_placed(state, mesh, _spec(axis)),
-                                      _placed(key, mesh, PartitionSpec()))
+                       out_specs=out)(_placed(state, mesh, axis, _spec(axis)),
+                                      _placed(key, mesh, axis, PartitionSpec()))
 
 
 def update_priorities(state: ReplayState, indices: jax.Array,
@@ -397,8 +402,8 @@ def update_priorities(state: ReplayState, indices: jax.Array,
       update_owned, mesh=mesh,
       in_specs=(_spec(axis), replicated, replicated, replicated),
       out_specs=_spec(axis))(
-          _placed(state, mesh, _spec(axis)),
-          *_placed((indices, priorities, item_ids), mesh, replicated))
+          _placed(state, mesh, axis, _spec(axis)),
+          *_placed((indices, priorities, item_ids), mesh, axis, replicated))
 
 
 def can_sample(state: ReplayState, batch_size: int, *, sampling: str,
@@ -421,7 +426,7 @@ def clear(state: ReplayState, *, kind, mesh: jax.sharding.Mesh,
   _check_sharded_state(state, kind, "clear", _num_devices(mesh, axis))
   return jax.shard_map(lambda s: _stacked(kind.clear(_local(s))), mesh=mesh,
                        in_specs=_spec(axis), out_specs=_spec(axis))(
-                           _placed(state, mesh, _spec(axis)))
+                           _placed(state, mesh, axis, _spec(axis)))
 
 
 def _bound_settings(function: Callable) -> dict[str, Any]:
