@@ -13,7 +13,7 @@ target is Double DQN's by default (`--no-double-q` for the original max).
   python examples/dqn.py                       # the demo: 5e5 steps, one seed
   python examples/dqn.py --replay prioritized  # proportional PER, beta annealed
   python examples/dqn.py --num-seeds 4 --plot dqn.png   # the learning bar
-  python examples/dqn.py --devices 4           # data-parallel over 4 devices
+  python examples/dqn.py --devices 4 --num-envs 12   # data-parallel, 4 devices
 
 Data-parallel (`--devices D`): one `jaxbuf.sharded` buffer spans a mesh of
 D devices (D fake CPU devices when run as a script on a machine without
@@ -160,6 +160,12 @@ def make_trainer(config: Config) -> common.Trainer:
     if config.devices > jax.device_count():
       raise ValueError(f"--devices {config.devices}: only "
                        f"{jax.device_count()} devices are visible.")
+    if config.num_envs % config.devices or config.batch_size % config.devices:
+      raise ValueError(
+          f"--devices {config.devices}: --num-envs ({config.num_envs}) and "
+          f"--batch-size ({config.batch_size}) must divide by it, each device "
+          "stepping its share of the envs and learning from its share of "
+          "the batch; e.g. --num-envs 12 for 4 devices.")
     # Auto axes: XLA's partitioner propagates the envs' split through the
     # network and inserts the gradient all-reduce.
     mesh = jax.make_mesh((config.devices,), ("data",),
