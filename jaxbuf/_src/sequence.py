@@ -325,16 +325,33 @@ def add_steps(state: SequenceReplayState, steps: PyTree,
 
 def gather_windows(state: SequenceReplayState, window_ids: jax.Array, *,
                    sequence_length: int) -> tuple[PyTree, jax.Array]:
-  """Items `[S, L, ...]` of windows `[S]` and their first-episode mask `[S, L]`."""
+  """Items `[S, L, ...]` of windows `[S]` and their first-episode mask `[S, L]`.
+
+  One gather of S * L rows from each leaf seen flat as `[N * R, ...]`. The
+  row indices are computed once (`random.computed_once`), not inside the
+  gather: fused there, their divisions and remainders were redone for every
+  element of every gathered row.
+  """
   per_env = steps_per_env(state)
-  envs = (window_ids // per_env)[:, None]
-  slots = (window_ids[:, None] % per_env
-           + jnp.arange(sequence_length, dtype=jnp.int32)[None, :]) % per_env
-  envs = jnp.broadcast_to(envs, slots.shape)
-  items = jax.tree.map(
-      lambda column: column.at[envs, slots].get(mode="promise_in_bounds"),
-      state.storage)
-  ends = state.episode_ends.at[envs, slots].get(mode="promise_in_bounds")
+  num_rows = num_envs_of(state) * per_env
+  num_windows = window_ids.shape[0]
+
+  def rows():
+    starts = window_ids.astype(jnp.int32)
+    firsts = starts - starts % per_env
+    offsets = (starts % per_env)[:, None] + jnp.arange(
+        sequence_length, dtype=jnp.int32)[None, :]
+    # The env's ring: offsets past its end wrap to its first slot.
+    wrapped = jnp.where(offsets >= per_env, offsets - per_env, offsets)
+    return (firsts[:, None] + wrapped).reshape(-1)
+
+  flat_rows = random.computed_once(rows, window_ids[0])
+  gather = lambda column: column.reshape(
+      (num_rows,) + column.shape[2:]).at[flat_rows].get(
+          mode="promise_in_bounds").reshape(
+              (num_windows, sequence_length) + column.shape[2:])
+  items = jax.tree.map(gather, state.storage)
+  ends = gather(state.episode_ends)
   # A step belongs to the first episode if no episode ended before it.
   ended_before = jnp.cumsum(ends, axis=1, dtype=jnp.int32) - ends
   return items, ended_before == 0
@@ -387,8 +404,11 @@ def uniform_window_ids(state: SequenceReplayState, key: jax.Array,
     span = jnp.maximum(total, 1).astype(jnp.uint32)
     rank = random.scale_to_span(higher_bits, lower_bits, span).astype(jnp.int32)
     ends = jnp.cumsum(state.window_counts, dtype=jnp.int32)
-    envs = jnp.minimum(jnp.searchsorted(ends, rank, side="right"),
-                       num_envs_of(state) - 1).astype(jnp.int32)
+    # searchsorted(ends, rank, side="right") as one count over [S, N]: N is
+    # small, and a binary search is a loop of log N dependent steps.
+    envs = jnp.minimum(
+        jnp.sum(ends[None, :] <= rank[:, None], axis=1, dtype=jnp.int32),
+        num_envs_of(state) - 1)
     within_env = rank - (ends[envs] - state.window_counts[envs])
     ago = (first_window_offsets(state, sequence_length=sequence_length,
                                 period=period)[envs] + within_env * period)
