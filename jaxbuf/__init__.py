@@ -22,6 +22,7 @@ from jaxbuf._src.base import PyTree
 from jaxbuf._src.base import ReplaySample
 from jaxbuf._src.base import Schedule
 from jaxbuf._src.checkpoint import load
+from jaxbuf._src.cond import cond_update
 from jaxbuf._src.checkpoint import save
 from jaxbuf._src.minibatch import SequenceMinibatches
 from jaxbuf._src.minibatch import env_minibatches
@@ -39,6 +40,13 @@ from jaxbuf._src.sequence import SequenceReplayState
 from jaxbuf._src.sequence import SequenceSample
 from jaxbuf._src.sequence import sequence_replay
 from jaxbuf._src.sharded import sharded
+from jaxbuf._src.transitions import NStepTargets
+from jaxbuf._src.transitions import NStepTransitions
+from jaxbuf._src.transitions import burn_in_split
+from jaxbuf._src.transitions import n_step_targets
+from jaxbuf._src.transitions import n_step_transitions
+from jaxbuf._src.transitions import r2d2_priorities
+from jaxbuf._src.uniform import epoch_batches
 from jaxbuf._src.uniform import uniform_replay
 
 __version__ = "0.1.0"
@@ -46,6 +54,8 @@ __version__ = "0.1.0"
 __all__ = (
     "Buffer",
     "BufferState",
+    "NStepTargets",
+    "NStepTransitions",
     "PrioritizedReplayState",
     "PrioritizedSequenceReplayState",
     "PyTree",
@@ -57,16 +67,22 @@ __all__ = (
     "SequenceMinibatches",
     "SequenceReplayState",
     "SequenceSample",
+    "burn_in_split",
     "compute_gae",
+    "cond_update",
     "env_minibatches",
+    "epoch_batches",
     "lambda_returns",
     "load",
     "n_step_returns",
+    "n_step_targets",
+    "n_step_transitions",
     "normalize_advantages",
     "prioritized",
     "prioritized_replay",
     "prioritized_sequence",
     "prioritized_sequence_replay",
+    "r2d2_priorities",
     "rollout",
     "rollout_buffer",
     "save",

@@ -34,11 +34,13 @@ class ReferenceReplay:
 
   def update_priorities(self, indices, priorities, item_ids=None) -> None:
     for position, (index, priority) in enumerate(zip(indices, priorities)):
-      if not (0 <= index < self.size and np.isfinite(priority) and priority >= 0):
+      if not (0 <= index < self.size and np.isfinite(priority)):
         continue
       if item_ids is not None and self.ids[index] % 2**32 != item_ids[position]:
         continue
-      self.priorities[index] = float(np.float32(priority) + np.float32(self.eps))
+      # Signed values count by their magnitude, as |TD error|.
+      self.priorities[index] = float(np.abs(np.float32(priority))
+                                     + np.float32(self.eps))
       self.max_priority = max(self.max_priority, self.priorities[index])
     self.updates += 1
 

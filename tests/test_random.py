@@ -1,11 +1,13 @@
 """The unrolled Threefry draws equal `jax.random`'s, bit for bit."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
 
+import jaxbuf
 from jaxbuf._src import random as jaxbuf_random
 
 KEYS = {
@@ -110,3 +112,52 @@ def test_uniform_indices_are_uniform_at_the_largest_sizes(size):
   bins = np.bincount(indices * 64 // size, minlength=64)
   assert scipy.stats.chisquare(bins).pvalue > 1e-3
   assert scipy.stats.chisquare(np.bincount(indices % 16, minlength=16)).pvalue > 1e-3
+
+
+def _every_draw(key):
+  return (jaxbuf_random.random_bits(key, (2, 5)),
+          jaxbuf_random.random_uniform(key, (7,)),
+          jaxbuf_random.uniform_indices(key, jnp.int32(1000), 64),
+          jaxbuf_random.permutation(key, 50),
+          jaxbuf_random.permutation_of_first(key, 10, jnp.int32(6)))
+
+
+def test_plain_random_switch_gives_identical_results(monkeypatch):
+  """JAXBUF_PLAIN_RANDOM=1 (read while tracing): jax.random draws the bits,
+  computed_once runs plainly, and every result is the same, down to whole
+  buffer samples and epochs."""
+  key = jax.random.key(21)
+  items = jnp.arange(40, dtype=jnp.int32)
+
+  def sampled(make):
+    buffer = make(64)  # a new buffer: its jitted functions trace afresh
+    state = buffer.add(buffer.init(jnp.int32(0)), items)
+    return (buffer.sample(state, key, 32).indices,
+            jaxbuf.epoch_batches(state, key, 16).indices)
+  makers = (jaxbuf.uniform_replay, jaxbuf.prioritized_replay)
+  jaxpr_with_tricks = str(jax.make_jaxpr(_every_draw)(key))
+  with_tricks = (jax.jit(_every_draw)(key), [sampled(m) for m in makers])
+  monkeypatch.setenv("JAXBUF_PLAIN_RANDOM", "1")
+  assert jaxbuf_random.plain_random()
+  jaxpr_plain = str(jax.make_jaxpr(lambda k: _every_draw(k))(key))  # uncached
+  plain = (jax.jit(lambda k: _every_draw(k))(key), [sampled(m) for m in makers])
+  chex.assert_trees_all_equal(with_tricks, plain)
+  # Which code ran: JAX's own random_bits only when plain; the CPU-only
+  # computed_once (a platform_index switch) only with the tricks.
+  assert "random_bits[" in jaxpr_plain and "platform_index" not in jaxpr_plain
+  assert "random_bits[" not in jaxpr_with_tricks
+  assert "platform_index" in jaxpr_with_tricks
+  monkeypatch.setenv("JAXBUF_PLAIN_RANDOM", "0")
+  assert not jaxbuf_random.plain_random()
+
+
+def test_permutation_of_first_orders_the_counted_slots_uniformly():
+  """Where slot 0 lands among the first 5 of 9, over 1000 keys: uniform
+  (chi-square p > 1e-3); the uncounted slots follow, in any order."""
+  orders = np.asarray(jax.jit(jax.vmap(
+      lambda k: jaxbuf_random.permutation_of_first(k, 9, jnp.int32(5))))(
+          jax.random.split(jax.random.key(22), 1000)))
+  assert all(sorted(row[:5]) == list(range(5)) for row in orders.tolist())
+  assert all(sorted(row[5:]) == list(range(5, 9)) for row in orders.tolist())
+  counts = np.bincount(np.argmax(orders == 0, axis=1), minlength=5)
+  assert scipy.stats.chisquare(counts).pvalue > 1e-3

@@ -57,13 +57,15 @@ def assert_raises_leaving_state_intact(call, owner, state, error, words):
 
 
 def example_item():
-  return {"obs": jnp.zeros(3, jnp.float32), "action": jnp.int32(0)}
+  return {"obs": jnp.zeros(3, jnp.float32), "action": jnp.int32(0),
+          "reward": jnp.float32(0)}
 
 
 def make_items(start, count):
   serial = np.arange(start, start + count)
   return {"obs": np.repeat(serial[:, None], 3, axis=1).astype(np.float32),
-          "action": serial.astype(np.int32)}
+          "action": serial.astype(np.int32),
+          "reward": serial.astype(np.float32) / 2}
 
 
 def filled(buffer, count=5):
@@ -145,6 +147,10 @@ def test_default_mode_has_a_documented_harmless_outcome(name):
     if name == "NaN priority":  # the valid entry of the batch applies
       applied = PRIORITIZED.update_priorities(filled(PRIORITIZED), jnp.array([0]),
                                               jnp.array([1.0]))
+      before = snapshot(applied.replace(beta_step=jnp.int32(0)))
+    if name == "negative priority":  # its magnitude applies, as |TD error|
+      applied = PRIORITIZED.update_priorities(filled(PRIORITIZED), jnp.array([0]),
+                                              jnp.array([0.5]))
       before = snapshot(applied.replace(beta_step=jnp.int32(0)))
   assert_same(result, before)
 
@@ -288,8 +294,9 @@ def test_ring_counters_after_many_adds_in_a_scan():
   buffer = jaxbuf.uniform_replay(capacity)
   state = buffer.init(jnp.int32(0))
   state = jax.jit(lambda s: jax.lax.scan(
-      lambda s, t: (buffer.add(s, t * batch + jnp.arange(batch)), None),
-      s, jnp.arange(steps))[0])(state)
+      lambda s, t: (buffer.add(s, t * batch + jnp.arange(batch, dtype=jnp.int32)),
+                    None),
+      s, jnp.arange(steps, dtype=jnp.int32))[0])(state)
   total = steps * batch
   assert (int(state.insert_position), int(state.size), int(state.add_count)) == (
       total % capacity, capacity, total)
@@ -404,15 +411,32 @@ RAISES = {
         s, _with(obs=np.zeros((2, 4), np.float32))), ValueError,
                              ["['obs']", "(2, 4)", "(3,)"]),
     "add-unbatched-item": (lambda b, s: b.add(s, example_item()), ValueError,
-                           ["['action']", "expected (B)", "batch axes"]),
+                           ["items have no batch axis", "leaf ['action'] has shape ()",
+                            "the item shape", "items[None]"]),
+    # The odd leaf out is blamed, whichever comes first in the tree.
     "add-ragged-batch": (lambda b, s: b.add(s, _with(action=np.zeros(3, np.int32))),
-                         ValueError, ["['obs']", "(2, 3)", "expected (3, 3)"]),
+                         ValueError, ["leaf ['action'] has shape (3,)", "expected (2,)",
+                                      "like the other leaves ['obs'], ['reward']"]),
+    "add-ragged-batch-first-leaf": (
+        lambda b, s: b.add(s, _with(action=np.zeros(2, np.int32),
+                                    obs=np.zeros((3, 3), np.float32),
+                                    reward=np.zeros(2, np.float32))),
+        ValueError, ["leaf ['obs'] has shape (3, 3)", "expected (2, 3)"]),
+    "add-ragged-batch-no-majority": (
+        lambda b, s: b.add(s, _with(action=np.zeros(3, np.int32),
+                                    reward=np.zeros(4, np.float32))),
+        ValueError, ["leaves disagree on the batch shape", "['action'] (3,)",
+                     "['obs'] (2,)", "['reward'] (4,)"]),
+    # One line, not one entry per number in the list.
+    "add-python-list-leaf": (lambda b, s: b.add(s, _with(obs=[[1.0, 2.0, 3.0]] * 2)),
+                             TypeError, ["leaf ['obs'] is a Python list of length 2",
+                                         "pass an array"]),
     "add-wrong-dtype": (lambda b, s: b.add(s, _with(action=np.zeros(2, np.float32))),
                         TypeError, ["['action']", "float32", "int32"]),
     "add-missing-leaf": (lambda b, s: b.add(s, {"obs": make_items(0, 2)["obs"]}),
-                         TypeError, ["missing leaves", "['action']"]),
-    "add-extra-leaf": (lambda b, s: b.add(s, _with(reward=np.zeros(2, np.float32))),
-                       TypeError, ["unexpected leaves", "['reward']"]),
+                         TypeError, ["missing leaves", "['action']", "['reward']"]),
+    "add-extra-leaf": (lambda b, s: b.add(s, _with(done=np.zeros(2, bool))),
+                       TypeError, ["unexpected leaves", "['done']"]),
     "add-wrong-container": (lambda b, s: b.add(s, tuple(make_items(0, 2).values())),
                             TypeError, ["tree structure"]),
     "sample-batch-size-zero": (lambda b, s: b.sample(s, jax.random.key(0), 0),
@@ -423,11 +447,26 @@ RAISES = {
                                ["key must be jax.random.key"]),
     "sample-uint32-key-wrong-shape": (lambda b, s: b.sample(
         s, jnp.zeros(3, jnp.uint32), 4), TypeError, ["key must be", "(3,)"]),
-    "sample-float-key": (lambda b, s: b.sample(s, jnp.array([1.0, 2.0]), 4),
+    "sample-float-key": (lambda b, s: b.sample(s, jnp.array([1.0, 2.0], jnp.float32), 4),
                          TypeError, ["key must be", "float32"]),
     "sample-batched-keys": (lambda b, s: b.sample(
         s, jax.random.split(jax.random.key(0), 2), 4), ValueError,
                             ["single key", "vmap"]),
+    # JAX's own error would be "Non-hashable static arguments".
+    "sample-batch-size-jnp-array": (lambda b, s: b.sample(
+        s, jax.random.key(0), jnp.int32(4)), TypeError,
+                                    ["sample: batch_size must be a Python int",
+                                     "an array of dtype int32", "known while tracing"]),
+    "sample-batch-size-traced": (lambda b, s: jax.jit(
+        lambda n: b.sample(s, jax.random.key(0), n))(4), TypeError,
+                                 ["sample: batch_size must be a Python int",
+                                  "a traced int"]),
+    "sample-traced-int-as-key": (lambda b, s: jax.jit(
+        lambda k: b.sample(s, k, 4))(jnp.int32(3)), TypeError,
+                                 ["key must be jax.random.key", "int32", "shape ()"]),
+    "can-sample-batch-size-jnp-array": (lambda b, s: b.can_sample(s, jnp.int32(2)),
+                                        TypeError, ["can_sample: batch_size must be "
+                                                    "a Python int"]),
     "can-sample-batch-size-zero": (lambda b, s: b.can_sample(s, 0), ValueError,
                                    ["batch_size must be positive"]),
     "update-float-indices": (lambda b, s: b.update_priorities(
@@ -471,8 +510,31 @@ def _skipped(indices, priorities):
   return check
 
 
+def _magnitudes_apply(indices, priorities):
+  """Signed priorities (TD errors) set the priority of their magnitude."""
+  def check():
+    signed = PRIORITIZED.update_priorities(
+        filled(PRIORITIZED), jnp.asarray(indices), jnp.asarray(priorities, jnp.float32))
+    magnitudes = PRIORITIZED.update_priorities(
+        filled(PRIORITIZED), jnp.asarray(indices),
+        jnp.abs(jnp.asarray(priorities, jnp.float32)))
+    assert_same(signed, snapshot(magnitudes))
+    np.testing.assert_allclose(
+        leaves_of(signed)[indices],
+        (np.abs(np.float32(priorities)) + np.float32(1e-6)) ** 0.7, rtol=1e-6)
+  return check
+
+
 def _add_outcome(items, expected_obs, size, add_count):
   def check():
+    if jax.config.jax_enable_x64 and any(
+        np.asarray(leaf).dtype == np.float64 for leaf in jax.tree.leaves(items)):
+      # With x64 on, float64 data is float64 to JAX too: refused, not cast.
+      for buffer in (UNIFORM, PRIORITIZED):
+        assert_raises_leaving_state_intact(lambda b, s: b.add(s, items), buffer,
+                                           filled(buffer), TypeError,
+                                           ["float64", "float32"])
+      return
     for buffer in (UNIFORM, PRIORITIZED):
       state = buffer.add(filled(buffer), items)
       np.testing.assert_array_equal(np.asarray(state.storage["obs"]), expected_obs)
@@ -533,11 +595,24 @@ def _duplicate_indices():
 
 
 def _reuse_donated_state():
-  state = filled(UNIFORM)
-  newer = UNIFORM.add(state, make_items(5, 1))
-  with pytest.raises((RuntimeError, ValueError), match="deleted|donated"):
-    UNIFORM.add(state, make_items(6, 1))
-  assert int(newer.size) == 6 and int(UNIFORM.add(newer, make_items(6, 1)).size) == 7
+  """Every bound function given a consumed state says which state to use."""
+  for buffer in (UNIFORM, PRIORITIZED):
+    state = filled(buffer)
+    newer = buffer.add(state, make_items(5, 1))
+    calls = {"add": lambda: buffer.add(state, make_items(6, 1)),
+             "sample": lambda: buffer.sample(state, jax.random.key(0), 2),
+             "can_sample": lambda: buffer.can_sample(state, 2),
+             "clear": lambda: buffer.clear(state)}
+    if buffer is PRIORITIZED:  # uniform's update reads no array
+      calls["update_priorities"] = lambda: buffer.update_priorities(
+          state, jnp.array([0]), jnp.array([1.0]))
+    for name, call in calls.items():
+      with pytest.raises(ValueError, match=f"^{name}: the state passed in was "
+                         "donated to an earlier call.*Use the state that call "
+                         "returned"):
+        call()
+    assert int(newer.size) == 6
+    assert int(buffer.add(newer, make_items(6, 1)).size) == 7
 
 
 OUTCOMES = {
@@ -554,7 +629,7 @@ OUTCOMES = {
     "sample-batch-larger-than-size": _oversized_sample,
     "update-nan-priority": _skipped([0, 3], [np.nan, np.nan]),
     "update-inf-priority": _skipped([0], [np.inf]),
-    "update-negative-priority": _skipped([0, 1], [-1.0, -1e-30]),
+    "update-negative-priority": _magnitudes_apply([0, 1, 3], [-1.0, -1e-30, -2.5]),
     "update-index-at-empty-slot": _skipped([5, 7], [1.0, 2.0]),
     "update-index-past-capacity": _skipped([CAPACITY, 2**30], [1.0, 2.0]),
     "update-negative-index": _skipped([-1, -CAPACITY], [1.0, 2.0]),
@@ -582,6 +657,16 @@ SETTINGS = {
     "eps-zero": (lambda: jaxbuf.prioritized_replay(8, eps=0.0), ValueError, "eps"),
     "beta-negative": (lambda: jaxbuf.prioritized_replay(8, beta=-0.1), ValueError,
                       "beta"),
+    "alpha-inf": (lambda: jaxbuf.prioritized_replay(8, alpha=math.inf), ValueError,
+                  "alpha must be finite"),
+    "alpha-nan": (lambda: jaxbuf.prioritized_replay(8, alpha=math.nan), ValueError,
+                  "alpha must be finite"),
+    "beta-inf": (lambda: jaxbuf.prioritized_replay(8, beta=math.inf), ValueError,
+                 "beta (or a schedule) must be finite"),
+    "eps-inf": (lambda: jaxbuf.prioritized_replay(8, eps=math.inf), ValueError,
+                "eps must be finite and positive"),
+    "eps-nan": (lambda: jaxbuf.prioritized_replay(8, eps=np.float32("nan")),
+                ValueError, "eps must be finite and positive"),
     "num-steps-zero": (lambda: jaxbuf.rollout_buffer(0, 4), ValueError, "num_steps"),
     "num-envs-float": (lambda: jaxbuf.rollout_buffer(4, 2.0), TypeError, "num_envs"),
 }
@@ -751,3 +836,133 @@ def test_reliability_md_lists_every_row_and_names_real_tests():
                     for path in sorted((root / "tests").glob("test_*.py")))
   for test in set(re.findall(r"\b(test_\w+)(?!\.py)\b", text)):
     assert f"def {test}(" in sources, test
+
+
+# --- Integers, hyperparameters and buffer kinds (issue 12) -----------------------
+
+WIDTHS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+          np.uint64]
+
+
+def _out_of_range_values(dtype):
+  """Values of `dtype` that point at no item of a 5-item, 8-slot buffer."""
+  limits = np.iinfo(dtype)
+  values = {5, CAPACITY, int(limits.max), int(limits.min), 2**31, 2**31 + 2,
+            2**32 + 3, 2**40 + 1, -1, -(2**31), -(2**32) + 2}
+  return sorted(v for v in values if limits.min <= v <= limits.max
+                and not 0 <= v < 5)
+
+
+@pytest.mark.usefixtures("x64_mode")
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "jax"])
+@pytest.mark.parametrize("dtype", WIDTHS, ids=lambda d: np.dtype(d).name)
+def test_indices_out_of_range_are_skipped_at_every_integer_width(dtype, host):
+  """Out of range is out of range in every dtype, wide values never wrap onto
+  a real slot: skipped by default, raised in checked mode."""
+  values = _out_of_range_values(dtype)
+  indices = np.array(values, dtype)
+  if not host:
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+      pytest.skip("JAX has no such array with 64-bit mode off")
+    indices = jnp.asarray(indices)
+  priorities = np.full(len(values), 9.0, np.float32)
+  state = filled(PRIORITIZED)
+  before = leaves_of(state).copy()
+  state = PRIORITIZED.update_priorities(state, indices, priorities)
+  np.testing.assert_array_equal(leaves_of(state), before)
+  assert float(state.max_priority) == 1.0
+  checked = CHECKED["prioritized"]
+  for value in values:
+    one = np.array([value], dtype) if host else jnp.asarray(np.array([value], dtype))
+    with pytest.raises(CHECK_FAILED, match="items held"):
+      checked.update_priorities(filled(checked), one, priorities[:1])
+  # In range, every width writes the slot it names.
+  state = PRIORITIZED.update_priorities(state, np.array([4], dtype),
+                                        np.array([9.0], np.float32))
+  assert leaves_of(state)[4] > before[4]
+
+
+@pytest.mark.usefixtures("x64_mode")
+@pytest.mark.parametrize("kind", ["uniform", "prioritized"])
+@pytest.mark.parametrize("checked", [False, True])
+def test_host_integers_that_do_not_fit_raise_naming_the_leaf(kind, checked):
+  buffer = CHECKED[kind] if checked else {"uniform": UNIFORM,
+                                          "prioritized": PRIORITIZED}[kind]
+  state = filled(buffer)
+  items = make_items(5, 2)
+  # In range: int64 NumPy data is accepted with x64 off (JAX reads it as
+  # int32, as it reads float64 as float32), and refused by dtype with x64 on.
+  items["action"] = np.array([7, -7], np.int64)
+  if jax.config.jax_enable_x64:
+    assert_raises_leaving_state_intact(lambda b, s: b.add(s, items), buffer,
+                                       state, TypeError, ["['action']", "int64"])
+  else:
+    stored = buffer.add(filled(buffer), items)
+    np.testing.assert_array_equal(np.asarray(stored.storage["action"])[5:7], [7, -7])
+  for bad in (2**40, 2**31, -(2**31) - 1):
+    items["action"] = np.array([1, bad], np.int64)
+    words = ["['action']"] + ([] if jax.config.jax_enable_x64 else [str(bad), "int32"])
+    error = TypeError if jax.config.jax_enable_x64 else ValueError
+    assert_raises_leaving_state_intact(lambda b, s: b.add(s, items), buffer,
+                                       state, error, words)
+
+
+@pytest.mark.parametrize("beta", [math.nan, math.inf, -0.5])
+def test_a_beta_schedule_value_that_is_not_usable(beta):
+  """Checked mode raises; unchecked, weights use beta = 1 (stay finite)."""
+  schedule = lambda step: jnp.float32(beta) + 0.0 * step
+  checked = jaxbuf.prioritized_replay(CAPACITY, beta=schedule, checked=True)
+  state = filled(checked)
+  state = checked.update_priorities(state, jnp.arange(5),
+                                    jnp.arange(1.0, 6.0, dtype=jnp.float32))
+  with pytest.raises(CHECK_FAILED, match="beta schedule returned"):
+    checked.sample(state, jax.random.key(0), 16)
+  default = jaxbuf.prioritized_replay(CAPACITY, beta=schedule)
+  full = jaxbuf.prioritized_replay(CAPACITY, beta=1.0)
+  state = default.update_priorities(filled(default), jnp.arange(5),
+                                    jnp.arange(1.0, 6.0, dtype=jnp.float32))
+  ours = default.sample(state, jax.random.key(1), 16)
+  reference = full.sample(state, jax.random.key(1), 16)
+  assert np.all(np.isfinite(ours.weights))
+  np.testing.assert_array_equal(ours.weights, reference.weights)
+
+
+KIND_CALLS = {
+    "add": lambda b, s: b.add(s, make_items(0, 2)),
+    "sample": lambda b, s: b.sample(s, jax.random.key(0), 2),
+    "update_priorities": lambda b, s: b.update_priorities(
+        s, jnp.array([0]), jnp.array([1.0])),
+    "clear": lambda b, s: b.clear(s),
+}
+
+
+@pytest.mark.parametrize("call", sorted(KIND_CALLS))
+@pytest.mark.parametrize("owner, other", [("uniform", "prioritized"),
+                                          ("prioritized", "uniform")])
+def test_a_state_of_another_kind_is_a_type_error_naming_both(owner, other, call):
+  buffers = {"uniform": UNIFORM, "prioritized": PRIORITIZED}
+  state = filled(buffers[other])
+  names = {"uniform": "ReplayState", "prioritized": "PrioritizedReplayState"}
+  assert_raises_leaving_state_intact(
+      KIND_CALLS[call], buffers[owner], state, TypeError,
+      [call, f"expected a {names[owner]}", f"given a {names[other]}"])
+
+
+@pytest.mark.parametrize("kind", ["uniform", "prioritized"])
+@pytest.mark.parametrize("checked", [False, True])
+def test_an_empty_batch_of_priority_updates_changes_nothing(kind, checked):
+  buffer = CHECKED[kind] if checked else {"uniform": UNIFORM,
+                                          "prioritized": PRIORITIZED}[kind]
+  state = filled(buffer)
+  before = snapshot(state)
+  state = buffer.update_priorities(state, jnp.zeros(0, jnp.int32),
+                                   jnp.zeros(0, jnp.float32),
+                                   jnp.zeros(0, jnp.uint32))
+  changed = [leaf for leaf, (was, now) in enumerate(zip(
+      jax.tree.leaves(before), jax.tree.leaves(snapshot(state))))
+      if not np.array_equal(was, now)]
+  if kind == "prioritized":  # only beta_step counts the (empty) update
+    assert int(state.beta_step) == 1
+    assert len(changed) == 1
+  else:
+    assert not changed

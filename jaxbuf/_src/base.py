@@ -4,6 +4,8 @@
 Shape key: S sample size.
 """
 
+import functools
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
@@ -54,6 +56,62 @@ class Buffer(NamedTuple):
   clear: Callable[[Any], Any]
 
 
+def documented(function: Callable) -> Callable:
+  """`function`, or for a `functools.partial` a plain function calling it,
+  named, documented and signed as the function it binds.
+
+  `help(buffer.sample)` then shows the real docstring, with its Args and
+  shapes, and the signature without the bound settings, rather than
+  `functools.partial`'s docstring; `jax.jit` copies these onto what it returns.
+  """
+  if not isinstance(function, functools.partial):
+    return function
+
+  def bound(*args, **kwargs):
+    return function(*args, **kwargs)
+
+  functools.update_wrapper(bound, function.func)
+  bound.__signature__ = inspect.signature(function)
+  return bound
+
+
+def _explained(what: str, jitted: Callable, *,
+               batch_size_position: int | None = None) -> Callable:
+  """`jitted`, where JAX's error for a common mistake becomes jaxbuf's.
+
+  The mistakes are recognised only after the call failed, so the usual call
+  costs one Python frame: a state whose arrays were donated to an earlier
+  call (JAX: "Array has been deleted"), and a `batch_size` that is an array
+  or traced (JAX: "Non-hashable static arguments").
+  """
+  # Imported here: validation imports this module for `PyTree`.
+  from jaxbuf._src import validation  # pylint: disable=import-outside-toplevel
+
+  def explanation(args, kwargs) -> Exception | None:
+    try:
+      if args:
+        validation.check_not_donated(args[0], what=what)
+      if batch_size_position is not None:
+        validation.check_batch_size(
+            args[batch_size_position] if len(args) > batch_size_position
+            else kwargs.get("batch_size"), what=what)
+    except (TypeError, ValueError) as ours:
+      return ours
+    return None
+
+  @functools.wraps(jitted)
+  def call(*args, **kwargs):
+    try:
+      return jitted(*args, **kwargs)
+    except Exception:  # pylint: disable=broad-exception-caught
+      ours = explanation(args, kwargs)
+      if ours is None:
+        raise
+    # Outside the handler, so that JAX's message is not printed above ours.
+    raise ours
+  return call
+
+
 def bind(init: Callable, add: Callable, sample: Callable,
          update_priorities: Callable, can_sample: Callable, clear: Callable, *,
          checked: bool, jit_update_priorities: bool = True) -> Buffer:
@@ -70,14 +128,37 @@ def bind(init: Callable, add: Callable, sample: Callable,
   Checked mode keeps the functions unjitted: called eagerly, a failed check
   raises at once; staged inside a jit, it needs `checkify.checkify`.
   """
+  init, add, sample, update_priorities, can_sample, clear = map(
+      documented, (init, add, sample, update_priorities, can_sample, clear))
   if checked:
     return Buffer(init, add, sample, update_priorities, can_sample, clear)
+  # Imported here: validation imports this module for `PyTree`.
+  from jaxbuf._src import validation  # pylint: disable=import-outside-toplevel
+  jitted_add = jax.jit(add, donate_argnums=0)
+  jitted_update = (jax.jit(update_priorities, donate_argnums=0)
+                   if jit_update_priorities else update_priorities)
+
+  # A jit converts host int64 data to int32 by wrapping before any check
+  # inside can see it, so host integers are checked on the way in.
+  @functools.wraps(add)
+  def add_from_host(state, items, *args, **kwargs):
+    validation.check_host_integers(items, what="add")
+    return jitted_add(state, items, *args, **kwargs)
+
+  @functools.wraps(update_priorities)
+  def update_priorities_from_host(state, indices, *args, **kwargs):
+    return jitted_update(state, validation.host_indices(indices), *args,
+                         **kwargs)
+
   return Buffer(
       init=init,
-      add=jax.jit(add, donate_argnums=0),
-      sample=jax.jit(sample, static_argnames="batch_size"),
-      update_priorities=(jax.jit(update_priorities, donate_argnums=0)
-                         if jit_update_priorities else update_priorities),
-      can_sample=jax.jit(can_sample, static_argnames="batch_size"),
-      clear=jax.jit(clear, donate_argnums=0),
+      add=_explained("add", add_from_host),
+      sample=_explained("sample", jax.jit(sample, static_argnames="batch_size"),
+                        batch_size_position=2),
+      update_priorities=_explained("update_priorities",
+                                   update_priorities_from_host),
+      can_sample=_explained("can_sample",
+                            jax.jit(can_sample, static_argnames="batch_size"),
+                            batch_size_position=1),
+      clear=_explained("clear", jax.jit(clear, donate_argnums=0)),
   )

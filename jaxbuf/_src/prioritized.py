@@ -15,6 +15,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 from jaxbuf._src import random
 from jaxbuf._src import sum_tree
@@ -61,6 +62,7 @@ def capped_leaf_values(priorities: jax.Array, alpha: float,
 def add(state: PrioritizedReplayState, items: PyTree, *,
         alpha: float) -> PrioritizedReplayState:
   """Adds `items [B, ...]` in ring order at the running maximum priority."""
+  validation.check_state_kind(state, PrioritizedReplayState, what="add")
   state, slots = ring.add_to_ring(state, items)
   new_leaves = jnp.full(
       slots.shape, capped_leaf_values(state.max_priority, alpha, state.sum_tree),
@@ -70,8 +72,21 @@ def add(state: PrioritizedReplayState, items: PyTree, *,
                                    unique_indices=True))
 
 
-def beta_at(beta: float | Schedule, step: jax.Array) -> jax.Array:
-  return jnp.asarray(beta(step) if callable(beta) else beta, jnp.float32)
+def beta_at(beta: float | Schedule, step: jax.Array, *,
+            checked: bool = False) -> jax.Array:
+  """`beta`, or the schedule's value at `step`: float32 `()`.
+
+  A schedule value that is NaN, infinite or negative would make every
+  importance weight NaN or meaningless; it is replaced by 1 (full correction),
+  and in checked mode it raises.
+  """
+  value = jnp.asarray(beta(step) if callable(beta) else beta, jnp.float32)
+  usable = jnp.isfinite(value) & (value >= 0)
+  if checked:
+    checkify.check(usable, "sample: the beta schedule returned {beta} at "
+                   "step {step}; beta must be finite and non-negative.",
+                   beta=value, step=step)
+  return jnp.where(usable, value, 1.0)
 
 
 def sample(state: PrioritizedReplayState, key: jax.Array, batch_size: int, *,
@@ -80,8 +95,9 @@ def sample(state: PrioritizedReplayState, key: jax.Array, batch_size: int, *,
   """Draws `batch_size` items in proportion to `priority ** alpha`.
 
   With `stratified`, `[0, total)` is cut into S equal strata and one target is
-  drawn in each: the same marginal probabilities, less variance, and the
-  indices come out in slot order. Should every priority underflow to zero,
+  drawn in each: the same marginal probabilities, less variance. The strata
+  come in a random rotation, so every position of the batch (and any prefix)
+  is distributed as the whole batch is. Should every priority underflow to zero,
   sampling falls back to uniform over the items held with weights 1; on an
   empty buffer it returns slot 0 with weight 0 (checked mode raises).
 
@@ -89,6 +105,7 @@ def sample(state: PrioritizedReplayState, key: jax.Array, batch_size: int, *,
     A `ReplaySample`: items `[S, ...]`, indices int32 `[S]`, weights float32
     `[S]` (largest 1), item_ids uint32 `[S]`.
   """
+  validation.check_state_kind(state, PrioritizedReplayState, what="sample")
   validation.check_sample_args(state.size, key, batch_size, checked=checked)
   total = sum_tree.total(state.sum_tree)
   # One key serves the descent and the uniform fallback without a split: the
@@ -102,7 +119,7 @@ def sample(state: PrioritizedReplayState, key: jax.Array, batch_size: int, *,
       has_mass, lambda: found,
       lambda: random.uniform_indices(key, state.size, batch_size))
   probabilities = leaf_values / total
-  log_weights = -beta_at(beta, state.beta_step) * jnp.log(
+  log_weights = -beta_at(beta, state.beta_step, checked=checked) * jnp.log(
       state.size.astype(jnp.float32) * probabilities)
   weights = jnp.exp(log_weights - jnp.max(log_weights))
   weights = jnp.where(has_mass, weights, (state.size > 0).astype(jnp.float32))
@@ -115,31 +132,39 @@ def update_priorities(state: PrioritizedReplayState, indices: jax.Array,
                       priorities: jax.Array, item_ids: jax.Array | None = None,
                       *, alpha: float, eps: float,
                       checked: bool = False) -> PrioritizedReplayState:
-  """Sets the priorities of slots `indices [S]` to `priorities [S] + eps`.
+  """Sets the priorities of slots `indices [S]` to `|priorities [S]| + eps`.
 
+  The magnitude is what proportional prioritization ranks by, so signed TD
+  errors may be passed as they are: -2 and 2 give the same priority.
   Duplicate indices: the last valid occurrence wins. Updates whose index is
-  not an item held, whose priority is NaN, infinite or negative, or (given
-  `item_ids`, e.g. `sample.item_ids`) whose slot was overwritten since it was
-  sampled, are skipped and leave that slot as it was; checked mode raises on
-  the first two. Leaf values are capped (`capped_leaf_values`) so that the
-  total stays finite. Cost O(S log C).
+  not an item held, whose priority is NaN or infinite, or (given `item_ids`,
+  e.g. `sample.item_ids`) whose slot was overwritten since it was sampled,
+  are skipped and leave that slot as it was; checked mode raises on the
+  first two, and on a negative priority. Leaf values are capped
+  (`capped_leaf_values`) so that the total stays finite. Cost O(S log C).
   """
-  indices = jnp.asarray(indices)
+  validation.check_state_kind(state, PrioritizedReplayState,
+                              what="update_priorities")
+  indices = jnp.asarray(validation.host_indices(indices))
   priorities = jnp.asarray(priorities)
   valid = ring.valid_priority_updates(state, indices, priorities, item_ids,
                                  checked=checked)
   indices = indices.astype(jnp.int32)
-  new_priorities = jnp.where(valid, priorities.astype(jnp.float32) + eps, 0.0)
+  new_priorities = jnp.where(
+      valid, jnp.abs(priorities.astype(jnp.float32)) + eps, 0.0)
   return state.replace(
       sum_tree=sum_tree.set_leaves(
           state.sum_tree, indices,
           capped_leaf_values(new_priorities, alpha, state.sum_tree), valid),
-      max_priority=jnp.maximum(state.max_priority, jnp.max(new_priorities)),
+      # `initial`: an empty update leaves the maximum as it is.
+      max_priority=jnp.maximum(state.max_priority,
+                               jnp.max(new_priorities, initial=0.0)),
       beta_step=jnp.minimum(state.beta_step, _INT32_MAX - 1) + 1)
 
 
 def clear(state: PrioritizedReplayState) -> PrioritizedReplayState:
   """Empties the buffer without reallocating; priorities reset, beta_step kept."""
+  validation.check_state_kind(state, PrioritizedReplayState, what="clear")
   return state.replace(
       insert_position=jnp.zeros_like(state.insert_position),
       size=jnp.zeros_like(state.size),
@@ -178,12 +203,10 @@ def prioritized_replay(capacity: int, *, alpha: float = 0.6,
   1.0
   """
   validation.check_capacity(capacity)
-  if not alpha >= 0:
-    raise ValueError(f"alpha must be non-negative, given {alpha}.")
-  if not eps > 0:
-    raise ValueError(f"eps must be positive, given {eps}.")
-  if not callable(beta) and not beta >= 0:
-    raise ValueError(f"beta must be non-negative or a schedule, given {beta}.")
+  validation.check_hyperparameter(alpha, "alpha")
+  validation.check_hyperparameter(eps, "eps", positive=True)
+  if not callable(beta):
+    validation.check_hyperparameter(beta, "beta (or a schedule)")
   return bind(
       init=functools.partial(init, capacity=capacity),
       add=functools.partial(add, alpha=alpha),

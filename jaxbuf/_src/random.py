@@ -1,20 +1,34 @@
 """Random numbers for sampling: `jax.random`'s bits, drawn faster on CPU.
 
-On CPU, JAX lowers its Threefry-2x32 hash to a `while` loop of five rounds
-(to keep compile times short), and each round runs as a dozen small kernels:
-about 4 us per call, measured alone. The same 20 rounds written out here
-fuse into one elementwise kernel (about 0.5 us). On GPU and TPU, JAX unrolls
-them too, so nothing changes there. Being elementwise, the hash can also be
-fused into whatever consumes the bits and recomputed per consumer element;
-`computed_once` keeps sample indices from that.
+Why this module exists beside `jax.random`, trick by trick:
+
+- The Threefry copy (`threefry_2x32`, `random_bits`). On CPU, JAX lowers its
+  Threefry-2x32 hash to a `while` loop of five rounds (to keep compile times
+  short), and each round runs as a dozen small kernels: about 4 us per call,
+  measured alone. The same 20 rounds written out here fuse into one
+  elementwise kernel (about 0.5 us). On GPU and TPU, JAX unrolls them too, so
+  there it buys nothing and costs nothing: the bits are the same.
+- `computed_once` (CPU only). Being elementwise, the hash can be fused into
+  whatever consumes the bits and recomputed per consumer element; on CPU a
+  sample's gather redid it for every element of every row (40 us instead of
+  30 at C = 1M). On other platforms it runs the computation plainly.
+- Exact index arithmetic (`scale_to_span`, `permutation`), on every platform:
+  64 random bits per uniform index, where `jax.random.randint` reduces 32
+  bits modulo the size and is biased past 2**16 items.
 
 Keys of the default Threefry implementation (typed or legacy uint32[2]) get
 exactly the bits `jax.random.bits` gives, under JAX's default partitionable
 Threefry counters; other key kinds (`rbg`, say) and the legacy counter layout
 go to `jax.random` unchanged.
+
+The off switch: with the environment variable `JAXBUF_PLAIN_RANDOM=1`, read
+while tracing, the bits come from `jax.random.bits` and `computed_once` runs
+its computation plainly. Results are identical (the same bits); only speed
+changes. It is there to rule this module out when something looks wrong.
 """
 
 import math
+import os
 from typing import Callable
 
 import jax
@@ -55,9 +69,14 @@ def threefry_2x32(key_words: tuple[jax.Array, jax.Array],
   return x0, x1
 
 
+def plain_random() -> bool:
+  """Whether `JAXBUF_PLAIN_RANDOM=1` turns the tricks off (read at trace time)."""
+  return os.environ.get("JAXBUF_PLAIN_RANDOM", "0") not in ("", "0")
+
+
 def _threefry_key_words(key: jax.Array) -> tuple[jax.Array, jax.Array] | None:
   """The two key words, or None where `jax.random` must draw the bits."""
-  if not jax.config.jax_threefry_partitionable:
+  if not jax.config.jax_threefry_partitionable or plain_random():
     return None
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     if key.shape != () or str(jax.random.key_impl(key)) != "threefry2x32":
@@ -104,8 +123,11 @@ def computed_once(compute: Callable[[], jax.Array],
   before fusion on CPU; a `while` loop whose trip count XLA cannot know (1 at
   run time, since `never_negative >= 0`) is not. Other platforms run
   `compute()` plainly: there a data-dependent loop would cost a device-to-
-  host copy of its predicate.
+  host copy of its predicate. So does `JAXBUF_PLAIN_RANDOM=1`.
   """
+  if plain_random():
+    return compute()
+
   def in_a_loop():
     trips = 1 + (never_negative < 0).astype(jnp.int32)  # 1, but not to XLA
     # Zeros typed like the result (under shard_map, varying like it too), so
@@ -194,3 +216,26 @@ def permutation(key: jax.Array, num_items: int) -> jax.Array:
   high_bits, low_bits = random_bits(key, (2, num_items))
   return lax.sort((high_bits, low_bits, lax.iota(jnp.int32, num_items)),
                   num_keys=2)[2]
+
+
+def permutation_of_first(key: jax.Array, num_slots: int,
+                         count: jax.Array) -> jax.Array:
+  """Slots `0..count-1` in a uniformly random order, then the rest.
+
+  `count` may be traced (the items held); the shape is `num_slots`, static.
+  One sort by (slot not counted, 64 random bits), as `permutation`.
+
+  Returns:
+    int32 `[num_slots]`: a permutation of `range(num_slots)` whose first
+    `count` entries are a uniformly random order of `range(count)`.
+
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxbuf._src import random
+  >>> order = random.permutation_of_first(jax.random.key(0), 6, jnp.int32(4))
+  >>> sorted(order[:4].tolist()), sorted(order[4:].tolist())
+  ([0, 1, 2, 3], [4, 5])
+  """
+  high_bits, low_bits = random_bits(key, (2, num_slots))
+  slots = lax.iota(jnp.int32, num_slots)
+  not_counted = (slots >= count).astype(jnp.uint32)
+  return lax.sort((not_counted, high_bits, low_bits, slots), num_keys=3)[3]

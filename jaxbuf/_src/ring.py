@@ -97,6 +97,7 @@ def add_to_ring(state: ReplayState, items: PyTree) -> tuple[ReplayState, jax.Arr
   """
   (batch_size,) = validation.check_batched_leaves(
       item_spec(state.storage), items, what="add")
+  validation.check_host_integers(items, what="add")
   items = jax.tree.map(jnp.asarray, items)
   capacity = capacity_of(state.storage)
   storage, slots = write(state.storage, items, state.insert_position,
@@ -120,31 +121,51 @@ def current_item_ids(state: ReplayState, indices: jax.Array) -> jax.Array:
   return state.add_count - jnp.uint32(1) - writes_since.astype(jnp.uint32)
 
 
+def indices_in_range(indices: jax.Array, size: jax.Array) -> jax.Array:
+  """`0 <= indices < size` without wrapping, for every integer dtype: bool `[S]`.
+
+  Compared in a dtype that holds both: a cast of int64 2**32 + 3 (or uint32
+  2**32 - 1) to int32 first would make it 3 (or -1) and let it pass.
+  `size` is below 2**30, so it fits every unsigned dtype of 32 bits or more.
+  """
+  dtype = indices.dtype
+  if dtype.itemsize < 4 or (dtype.itemsize == 4 and dtype.kind == "i"):
+    indices = indices.astype(jnp.int32)  # int8..int32, uint8, uint16: exact
+  else:
+    size = size.astype(dtype)
+  in_range = indices < size
+  if dtype.kind == "i":
+    in_range &= indices >= 0
+  return in_range
+
+
 def valid_priority_updates(state: ReplayState, indices: jax.Array,
                            priorities: jax.Array, item_ids: jax.Array | None,
                            *, checked: bool) -> jax.Array:
   """Which updates apply: bool `[S]`. Validates shapes while tracing.
 
   An update applies when its index points at an item held, its priority is
-  finite and non-negative, and (given `item_ids`) the slot still holds the item
-  that was sampled. In checked mode the first two raise instead.
+  finite, and (given `item_ids`) the slot still holds the item that was
+  sampled. A negative priority applies too: its magnitude is used (a signed
+  TD error, passed as it is, means `|TD error|`; skipping it would leave the
+  item at the maximum priority and sample it far more often). Checked mode
+  raises on an index outside the items held, and on a priority that is not
+  finite or is negative.
   """
   validation.check_priority_update_args(indices, priorities, item_ids)
-  # Cast first: `uint32 >= 0` always holds and, without x64, `uint32 < int32`
-  # converts both to int32, so 2**32 - 1 became -1 and passed as in range.
-  indices = indices.astype(jnp.int32)
-  in_range = (indices >= 0) & (indices < state.size)
-  finite = jnp.isfinite(priorities) & (priorities >= 0)
+  in_range = indices_in_range(indices, state.size)
+  finite = jnp.isfinite(priorities)
   if checked:
     checkify.check(jnp.all(in_range), "update_priorities: indices must point at "
                    "items held, in [0, size={size}); given {indices}",
                    size=state.size, indices=indices)
-    checkify.check(jnp.all(finite), "update_priorities: priorities must be "
-                   "finite and non-negative; given {priorities}",
-                   priorities=priorities)
+    checkify.check(jnp.all(finite & (priorities >= 0)), "update_priorities: "
+                   "priorities must be finite and non-negative (pass "
+                   "|TD error|); given {priorities}", priorities=priorities)
   valid = in_range & finite
   if item_ids is not None:
-    valid &= current_item_ids(state, indices) == item_ids
+    # Only in-range indices are used, so the cast cannot matter.
+    valid &= current_item_ids(state, indices.astype(jnp.int32)) == item_ids
   return valid
 
 

@@ -188,22 +188,33 @@ def sample_leaves(tree: SumTree, key: jax.Array, batch_size: int, *,
     tree: the tree; its total should be positive (an empty tree gives leaf 0).
     key: a PRNG key.
     batch_size: S.
-    stratified: one target in each of S equal strata of `[0, total)`, in
-      stratum order; otherwise S independent targets.
+    stratified: one target in each of S equal strata of `[0, total)`,
+      the strata rotated by a random offset; otherwise S independent
+      targets.
 
   Returns:
     int32 `[S]` leaf indices and float32 `[S]` their leaf values.
   """
-  # One call to the generator for the targets and every redraw; its first
-  # row is `random_uniform(key, (S,))`, so small trees sample as before.
-  uniforms = random.random_uniform(key, (1 + num_redraws(tree), batch_size))
+  redraws = num_redraws(tree)
+  # One call to the generator for the targets, every redraw and (stratified)
+  # the rotation; its first row is `random_uniform(key, (S,))`.
+  uniforms = random.random_uniform(
+      key, (1 + redraws + int(stratified), batch_size))
   total_mass = total(tree)
   if stratified:
-    targets = (jnp.arange(batch_size, dtype=jnp.float32) + uniforms[0]) * (
+    # In stratum order, position j of every batch would come from stratum j:
+    # a prefix of the batch would hold only the low slots, and with few
+    # items the batch would hardly depend on the key. Rotated by a uniform
+    # offset, each position is a draw from the whole distribution, at the
+    # cost of one remainder per target (a permutation would need a sort).
+    offset = jnp.minimum(
+        (uniforms[-1, 0] * batch_size).astype(jnp.int32), batch_size - 1)
+    strata = (jnp.arange(batch_size, dtype=jnp.int32) + offset) % batch_size
+    targets = (strata.astype(jnp.float32) + uniforms[0]) * (
         total_mass / batch_size)
   else:
     targets = uniforms[0] * total_mass
-  return find_prefix_sums_and_leaves(tree, targets, uniforms[1:])
+  return find_prefix_sums_and_leaves(tree, targets, uniforms[1:1 + redraws])
 
 
 def find_prefix_sums(tree: SumTree, targets: jax.Array,

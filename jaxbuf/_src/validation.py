@@ -5,6 +5,7 @@ tracing and cost nothing in the compiled program. Every message names the leaf
 path (as `jax.tree_util.keystr` writes it), the expected and the given value.
 """
 
+import math
 from typing import Any
 
 import jax
@@ -20,17 +21,43 @@ def _paths(tree: PyTree) -> list[str]:
           jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _listed(paths: list[str], limit: int = 5) -> str:
+  """At most `limit` paths, then how many more: one line, however many."""
+  shown = ", ".join(paths[:limit])
+  more = len(paths) - limit
+  return shown + (f", ... and {more} more" if more > 0 else "")
+
+
+def _check_no_python_sequences(expected: PyTree, given: PyTree, *,
+                               what: str) -> None:
+  """Raises `TypeError` naming a leaf given as a Python list or tuple.
+
+  JAX takes a list for a subtree of many leaves, so `[[1, 2], [3, 4]]` where
+  an array belongs would otherwise be reported leaf by leaf.
+  """
+  try:
+    subtrees = jax.tree_util.tree_structure(expected).flatten_up_to(given)
+  except (ValueError, TypeError):
+    return  # differs above the leaves: the structure message says how
+  for path, subtree in zip(_paths(expected), subtrees):
+    if isinstance(subtree, (list, tuple)):
+      raise TypeError(f"{what}: leaf {path or '<root>'} is "
+                      f"{describe(subtree)}; pass an array "
+                      f"(np.asarray(...)) of the leaf's dtype.")
+
+
 def check_same_structure(expected: PyTree, given: PyTree, *, what: str) -> None:
   """Raises `TypeError` naming the missing and unexpected leaves of `given`."""
   expected_def = jax.tree_util.tree_structure(expected)
   given_def = jax.tree_util.tree_structure(given)
   if expected_def == given_def:
     return
+  _check_no_python_sequences(expected, given, what=what)
   expected_paths, given_paths = _paths(expected), _paths(given)
   missing = [p for p in expected_paths if p not in given_paths]
   unexpected = [p for p in given_paths if p not in expected_paths]
-  detail = (f"missing leaves {missing}, unexpected leaves {unexpected}"
-            if missing or unexpected else
+  detail = (f"missing leaves {_listed(missing)}, unexpected leaves "
+            f"{_listed(unexpected)}" if missing or unexpected else
             f"expected {expected_def}, given {given_def}")
   raise TypeError(f"{what}: tree structure differs from the buffer's item: "
                   f"{detail}.")
@@ -75,29 +102,76 @@ def check_batched_leaves(
   flat_given = jax.tree_util.tree_flatten_with_path(given)[0]
   if batch_shape is not None:
     num_batch_axes = len(batch_shape)
+  leading_shapes = {}
   for (path, leaf), reference in zip(flat_given, flat_expected):
     name = jax.tree_util.keystr(path) or "<root>"
     shape = tuple(np.shape(leaf))
     item_shape = tuple(reference.shape)
-    leading = shape[:len(shape) - len(item_shape)] if item_shape else shape
-    if (len(shape) != num_batch_axes + len(item_shape)
-        or shape[num_batch_axes:] != item_shape
-        or (batch_shape is not None and leading != tuple(batch_shape))):
-      if batch_shape is not None:
-        wanted = str(tuple(batch_shape) + item_shape)
-      else:
-        wanted = "(" + ", ".join(["B"] * num_batch_axes + list(map(str, item_shape))) + ")"
+    if num_batch_axes and shape == item_shape:
       raise ValueError(
-          f"{what}: leaf {name} has shape {shape}, expected {wanted}: "
+          f"{what}: items have no batch axis: leaf {name} has shape {shape}, "
+          f"the item shape; add a leading axis, e.g. items[None] "
+          f"(jax.tree.map(lambda x: x[None], items) for a pytree).")
+    if (len(shape) != num_batch_axes + len(item_shape)
+        or shape[num_batch_axes:] != item_shape):
+      raise ValueError(
+          f"{what}: leaf {name} has shape {shape}, expected "
+          f"{_wanted(batch_shape, num_batch_axes, item_shape)}: "
           f"{num_batch_axes} batch axes, then the item shape {item_shape}.")
-    if batch_shape is None:
-      batch_shape = leading
+    leading_shapes[name] = (shape[:num_batch_axes], shape, item_shape)
+  _check_batch_shapes_agree(leading_shapes, batch_shape, what=what)
+  for (path, leaf), reference in zip(flat_given, flat_expected):
     dtype = canonical_dtype(leaf)
     if dtype != reference.dtype:
+      name = jax.tree_util.keystr(path) or "<root>"
       raise TypeError(
           f"{what}: leaf {name} has dtype {dtype}, expected {reference.dtype}; "
           f"cast it explicitly if that is intended.")
-  return tuple(batch_shape) if batch_shape is not None else ()
+  if batch_shape is not None:
+    return tuple(batch_shape)
+  return next(iter(leading_shapes.values()))[0] if leading_shapes else ()
+
+
+def _wanted(batch_shape: tuple[int, ...] | None, num_batch_axes: int,
+            item_shape: tuple[int, ...]) -> str:
+  if batch_shape is not None:
+    return str(tuple(batch_shape) + item_shape)
+  return "(" + ", ".join(["B"] * num_batch_axes + list(map(str, item_shape))) + ")"
+
+
+def _check_batch_shapes_agree(leading_shapes: dict[str, tuple],
+                              batch_shape: tuple[int, ...] | None, *,
+                              what: str) -> None:
+  """Raises `ValueError` naming the leaf whose batch shape is the odd one.
+
+  With `batch_shape` given, any leaf without it. Otherwise the batch shape of
+  most leaves is taken as meant and the others are blamed; with no majority
+  every group is named, since none is more likely the mistake.
+  """
+  groups = {}
+  for name, (leading, _, _) in leading_shapes.items():
+    groups.setdefault(leading, []).append(name)
+  if batch_shape is not None:
+    majority = tuple(batch_shape)
+  elif len(groups) <= 1:
+    return
+  else:
+    counts = sorted((len(names) for names in groups.values()), reverse=True)
+    if counts[0] == counts[1]:
+      described = "; ".join(f"{_listed(names)} {leading}"
+                            for leading, names in groups.items())
+      raise ValueError(f"{what}: leaves disagree on the batch shape: "
+                       f"{described}. Every leaf needs the same leading "
+                       f"axes.")
+    majority = max(groups, key=lambda leading: len(groups[leading]))
+  for name, (leading, shape, item_shape) in leading_shapes.items():
+    if leading != majority:
+      others = ("" if batch_shape is not None else
+                f" like the other leaves {_listed(groups[majority])}")
+      raise ValueError(
+          f"{what}: leaf {name} has shape {shape}, expected "
+          f"{majority + item_shape}: batch shape {majority}{others}, then the "
+          f"item shape {item_shape}.")
 
 
 def check_index_batch(indices: Any, values: Any, *, what: str,
@@ -127,9 +201,27 @@ def check_key(key: Any, *, what: str) -> None:
     return
   if dtype == jnp.uint32 and np.shape(key) == (2,):
     return
+  # No repr: a tracer's names JAX internals (and a jitted `sample` sees
+  # every key as one).
+  given = (f"an array of dtype {dtype} and shape {np.shape(key)}"
+           if isinstance(key, (jax.Array, np.ndarray))
+           else f"{type(key).__name__} with dtype {dtype} and shape "
+           f"{np.shape(key)}")
   raise TypeError(f"{what}: key must be jax.random.key(...) or "
-                  f"jax.random.PRNGKey(...), given {type(key).__name__} with "
-                  f"dtype {dtype} and shape {np.shape(key)}.")
+                  f"jax.random.PRNGKey(...), given {given}.")
+
+
+def describe(value: Any) -> str:
+  """What `value` is, in a few words and without its repr (a tracer's repr
+  is long and names JAX internals)."""
+  if isinstance(value, jax.core.Tracer):
+    return (f"a traced {value.dtype} of shape {value.shape} (an array "
+            f"computed inside jit, vmap or scan)")
+  if isinstance(value, (jax.Array, np.ndarray)):
+    return f"an array of dtype {value.dtype} and shape {value.shape}"
+  if isinstance(value, (list, tuple)):
+    return f"a Python {type(value).__name__} of length {len(value)}"
+  return type(value).__name__
 
 
 def check_python_int(value: Any, name: str, *, prefix: str = "",
@@ -140,8 +232,27 @@ def check_python_int(value: Any, name: str, *, prefix: str = "",
   float or a bool here is a mistake, not something to convert.
   """
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    hint = ""
+    if isinstance(value, (jax.Array, np.ndarray)):
+      hint = (" A size sets array shapes, so it must be known while tracing: "
+              "pass a Python int (a constant, or `int(x)` outside jit).")
     raise TypeError(f"{prefix}{name} must be a Python int{reason}, given "
-                    f"{type(value).__name__}.")
+                    f"{describe(value)}.{hint}")
+
+
+def check_not_donated(state: Any, *, what: str) -> None:
+  """Raises `ValueError` if an array of `state` was donated to an earlier call.
+
+  Only concrete arrays can be deleted; tracers and other leaves pass.
+  """
+  for leaf in jax.tree_util.tree_leaves(state):
+    if (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+        and leaf.is_deleted()):
+      raise ValueError(
+          f"{what}: the state passed in was donated to an earlier call, which "
+          f"consumed its arrays (add, update_priorities and clear update the "
+          f"storage in place). Use the state that call returned: "
+          f"`state = buffer.add(state, items)`.")
 
 
 def check_positive_int(value: Any, name: str, *, prefix: str = "",
@@ -185,6 +296,98 @@ def check_priority_update_args(indices: Any, priorities: Any,
       raise TypeError("update_priorities: item_ids must be uint32, as "
                       "ReplaySample.item_ids; given "
                       f"{canonical_dtype(item_ids)}.")
+
+
+# --- Integers from the host: JAX would narrow them silently ------------------
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def _narrowed_host_integers(leaf: Any) -> tuple[np.ndarray, np.dtype] | None:
+  """A host integer array JAX would store narrower (int64 as int32 with x64
+  off), and that narrower dtype; None for anything else."""
+  if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) or isinstance(
+      leaf, bool):
+    return None
+  array = np.asarray(leaf)
+  if array.dtype.kind not in "iu":
+    return None
+  narrow = jax.dtypes.canonicalize_dtype(array.dtype)
+  return None if narrow == array.dtype else (array, narrow)
+
+
+def check_host_integers(items: PyTree, *, what: str) -> None:
+  """Raises `ValueError` for a host integer value its JAX dtype cannot hold.
+
+  With 64-bit mode off JAX converts NumPy int64 data to int32 (uint64 to
+  uint32) by wrapping: 2**40 would be stored as 0. Such data is accepted
+  when every value fits, and refused, naming the leaf, when one does not.
+  JAX arrays and tracers already have their final dtype and pass.
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(items)[0]:
+    narrowed = _narrowed_host_integers(leaf)
+    if narrowed is None or narrowed[0].size == 0:
+      continue
+    array, narrow = narrowed
+    limits = np.iinfo(narrow)
+    low, high = array.min(), array.max()
+    if low < limits.min or high > limits.max:
+      bad = low if low < limits.min else high
+      name = jax.tree_util.keystr(path) or "<root>"
+      raise ValueError(
+          f"{what}: leaf {name} holds {bad}, which does not fit {narrow}: with "
+          f"64-bit mode off JAX stores {array.dtype} data as {narrow}, and the "
+          f"value would wrap. Keep the values in range (or turn on "
+          f"jax_enable_x64 and store {array.dtype}).")
+
+
+def host_indices(indices: Any) -> Any:
+  """Indices safe to hand to JAX: host int64/uint64 beyond int32 become -1.
+
+  Indices that JAX would narrow (NumPy int64 or uint64 with x64 off) and
+  that lie outside `[0, 2**31)` point at no slot of any accepted capacity;
+  wrapped to 32 bits they could point at a real one. Marking them -1 keeps
+  them out of range, so they are skipped (checked mode: raise) like any
+  other index outside the items held. Anything else is returned as given.
+  """
+  narrowed = _narrowed_host_integers(indices)
+  if narrowed is None:
+    return indices
+  array, _ = narrowed
+  in_int32 = array <= _INT32_MAX
+  if array.dtype.kind == "i":
+    in_int32 &= array >= 0
+  safe = np.full(array.shape, -1, np.int32)
+  safe[in_int32] = array[in_int32]
+  return safe
+
+
+def check_state_kind(state: Any, expected: type, *, what: str,
+                     exact: bool = False) -> None:
+  """Raises `TypeError` naming both kinds when `state` is another buffer's.
+
+  `exact` refuses subclasses too: a prioritized state is a `ReplayState`
+  with priorities, and uniform `add` would fill its slots without them.
+  """
+  kind = type(state)
+  if kind is expected or (not exact and isinstance(state, expected)):
+    return
+  raise TypeError(f"{what}: expected a {expected.__name__}, given a "
+                  f"{kind.__name__}; pass each buffer's state to its own "
+                  f"functions (uniform_replay's state to uniform_replay's).")
+
+
+def check_hyperparameter(value: Any, name: str, *, positive: bool = False) -> None:
+  """Raises `ValueError` unless `value` is a finite real, >= 0 (or > 0)."""
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"{name} must be a real number, given "
+                    f"{type(value).__name__}.") from None
+  if isinstance(value, bool) or not math.isfinite(number) or number < 0 or (
+      positive and number == 0):
+    wanted = "positive" if positive else "non-negative"
+    raise ValueError(f"{name} must be finite and {wanted}, given {value}.")
 
 
 # --- Arrays of an estimator or a minibatch helper: one message per mistake ---
