@@ -4,6 +4,7 @@ Every stored step carries its absolute id (`env * 1000 + step`), so each
 sampled window's contiguity and origin are checked exactly.
 """
 
+import functools
 import pathlib
 import re
 
@@ -23,6 +24,15 @@ NUM_ENVS, CAPACITY, LENGTH = 3, 15, 3
 PER_ENV = CAPACITY // NUM_ENVS
 ALPHA, BETA, EPS = 0.7, 0.5, 1e-6
 STEP = {"id": jnp.int32(0), "obs": jnp.zeros(2, jnp.float32)}
+
+
+@functools.cache
+def make_buffer(prioritized, *args, **settings):
+  """One buffer per setting for the whole file: its jitted functions compile
+  once per shape, however many tests use it."""
+  if prioritized:
+    return jaxbuf.prioritized_sequence_replay(*args, **settings)
+  return jaxbuf.sequence_replay(*args, **settings)
 
 
 class ReferenceStreams:
@@ -141,11 +151,11 @@ CONFIGS = {
     "prioritized-cross-period4": (True, 4, "cross"),
 }
 BUFFERS = {
-    name: (jaxbuf.prioritized_sequence_replay(
-        NUM_ENVS, CAPACITY, LENGTH, period=period, alpha=ALPHA, beta=BETA,
-        eps=EPS, episodes=episodes) if prioritized else
-        jaxbuf.sequence_replay(NUM_ENVS, CAPACITY, LENGTH, period=period,
-                               episodes=episodes))
+    name: (make_buffer(True, NUM_ENVS, CAPACITY, LENGTH, period=period,
+                       alpha=ALPHA, beta=BETA, eps=EPS, episodes=episodes)
+           if prioritized else
+           make_buffer(False, NUM_ENVS, CAPACITY, LENGTH, period=period,
+                       episodes=episodes))
     for name, (prioritized, period, episodes) in CONFIGS.items()}
 
 OPERATION = st.one_of(
@@ -313,9 +323,7 @@ def test_prioritized_frequencies_follow_priority_to_the_alpha():
 
 
 def _episode_buffer(kind):
-  if kind == "uniform":
-    return jaxbuf.sequence_replay(1, 8, 3, episodes="within")
-  return jaxbuf.prioritized_sequence_replay(1, 8, 3, episodes="within")
+  return make_buffer(kind == "prioritized", 1, 8, 3, episodes="within")
 
 
 def _add_ids(buffer, state, ids, ends):
@@ -336,8 +344,8 @@ def test_within_an_episode_shorter_than_the_window_is_never_sampled(kind):
   state = _add_ids(buffer, buffer.init(STEP), range(7),
                    [0, 1, 0, 0, 1, 0, 1])
   assert _sampleable(state) == {2}
-  sample = buffer.sample(state, jax.random.key(0), 32)
-  np.testing.assert_array_equal(sample.items["id"], [[2, 3, 4]] * 32)
+  sample = buffer.sample(state, jax.random.key(0), 64)
+  np.testing.assert_array_equal(sample.items["id"], [[2, 3, 4]] * 64)
 
 
 @pytest.mark.parametrize("kind", ["uniform", "prioritized"])
@@ -384,7 +392,7 @@ def test_cross_episodes_mask_marks_the_first_episode():
 
 
 def test_a_window_enters_at_max_priority_and_leaves_when_its_first_step_goes():
-  buffer = jaxbuf.prioritized_sequence_replay(1, 4, 2, alpha=1.0)
+  buffer = make_buffer(True, 1, 4, 2, alpha=1.0)
   state = _add_ids(buffer, buffer.init(STEP), range(3), [0, 0, 0])
   state = buffer.update_priorities(state, np.array([0]), np.array([5.0], np.float32))
   leaves = np.asarray(state.window_tree.levels[0])[:4]
@@ -396,13 +404,14 @@ def test_a_window_enters_at_max_priority_and_leaves_when_its_first_step_goes():
 
 
 def test_stale_and_invalid_priority_updates_are_skipped():
-  buffer = jaxbuf.prioritized_sequence_replay(1, 4, 2, alpha=1.0)
+  buffer = make_buffer(True, 1, 4, 2, alpha=1.0)
   state = _add_ids(buffer, buffer.init(STEP), range(3), [0, 0, 0])
-  sample = buffer.sample(state, jax.random.key(0), 8)
+  sample = buffer.sample(state, jax.random.key(0), 16)
   state = _add_ids(buffer, state, range(3, 7), [0, 0, 0, 0])  # all overwritten
   before = np.asarray(state.window_tree.levels[0]).copy()
   state = buffer.update_priorities(state, sample.indices,
-                                   np.full(8, 7.0, np.float32), sample.item_ids)
+                                   np.full(16, 7.0, np.float32),
+                                   sample.item_ids)
   np.testing.assert_array_equal(state.window_tree.levels[0], before)
   # Without ids the update lands on the window there now, if it is held:
   # steps 3..6 sit in slots 3, 0, 1, 2, so slot 2 (step 6, the newest)
@@ -414,7 +423,7 @@ def test_stale_and_invalid_priority_updates_are_skipped():
 
 
 def test_item_ids_wrap_with_the_uint32_step_counts():
-  buffer = jaxbuf.prioritized_sequence_replay(1, 4, 2, alpha=1.0)
+  buffer = make_buffer(True, 1, 4, 2, alpha=1.0)
   state = buffer.init(STEP)
   state = state.replace(step_counts=jnp.array([2**32 - 2], jnp.uint32))
   state = _add_ids(buffer, state, range(4), [0] * 4)
@@ -549,7 +558,8 @@ def assert_raises_leaving_state_intact(call, state, error, words):
     np.testing.assert_array_equal(got, want)
 
 
-SEQUENCE = jaxbuf.sequence_replay(NUM_ENVS, CAPACITY, LENGTH)
+SEQUENCE = make_buffer(False, NUM_ENVS, CAPACITY, LENGTH, period=1,
+                       episodes="cross")
 PRIORITIZED = jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH)
 
 
