@@ -647,6 +647,9 @@ def test_help_shows_each_functions_own_docstring_and_signature(kind, checked):
   assert list(parameters)[:3] == ["state", "key", "batch_size"]
   assert parameters["checked"].default is checked
   assert "Returns:" in buffer.sample.__doc__ and "[S]" in buffer.sample.__doc__
+  if not checked:  # the jitted function's own tools stay reachable
+    state = buffer.add(buffer.init(example_item()), make_items(0, 3))
+    assert "gather" in buffer.sample.lower(state, jax.random.key(0), 4).as_text()
 
 
 def test_signed_priorities_sample_like_their_magnitudes():
@@ -697,6 +700,9 @@ EPOCH_BUFFERS = {(kind, capacity): (
                  for kind in KINDS for capacity in (1, 5)}
 
 
+EPOCH_BATCHES = jax.jit(jaxbuf.epoch_batches, static_argnames="batch_size")
+
+
 def _epoch_case(kind, capacity, added):
   buffer = EPOCH_BUFFERS.get((kind, capacity), KINDS[kind])
   state = buffer.init(example_item())
@@ -705,14 +711,14 @@ def _epoch_case(kind, capacity, added):
   return buffer, state
 
 
-@hypothesis.settings(max_examples=15, deadline=None)
+@hypothesis.settings(max_examples=10, deadline=None)
 @hypothesis.given(capacity=st.sampled_from([1, 5, CAPACITY]),
-                  added=st.integers(0, 12), batch_size=st.integers(1, 9),
+                  added=st.integers(0, 12), batch_size=st.sampled_from([1, 3, 9]),
                   seed=st.integers(0, 2**16), kind=st.sampled_from(sorted(KINDS)))
 def test_an_epoch_holds_every_item_exactly_once(capacity, added, batch_size,
                                                 seed, kind):
   buffer, state = _epoch_case(kind, capacity, added)
-  epoch = jaxbuf.epoch_batches(state, jax.random.key(seed), batch_size)
+  epoch = EPOCH_BATCHES(state, jax.random.key(seed), batch_size)
   num_batches = -(-capacity // batch_size)
   assert epoch.indices.shape == epoch.weights.shape == (num_batches, batch_size)
   assert epoch.items.obs.shape == (num_batches, batch_size, 3, 2)

@@ -109,6 +109,11 @@ def _explained(what: str, jitted: Callable, *,
         raise
     # Outside the handler, so that JAX's message is not printed above ours.
     raise ours
+
+  # A jitted function's own tools (`buffer.sample.lower(...)`) stay reachable.
+  for name in ("lower", "trace", "eval_shape", "clear_cache"):
+    if hasattr(jitted, name):
+      setattr(call, name, getattr(jitted, name))
   return call
 
 
