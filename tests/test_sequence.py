@@ -88,11 +88,12 @@ class ReferenceStreams:
     windows = self.windows()
     for index, priority, item_id in zip(indices, priorities, item_ids):
       key = windows.get(int(index))
-      if key is None or not (np.isfinite(priority) and priority >= 0):
+      if key is None or not np.isfinite(priority):
         continue
       if item_id is not None and key[1] % 2**32 != item_id:
         continue
-      self.priorities[key] = float(np.float32(priority) + np.float32(EPS))
+      # A signed priority counts by its magnitude, as in item replay.
+      self.priorities[key] = float(np.float32(abs(priority)) + np.float32(EPS))
       self.max_priority = max(self.max_priority, self.priorities[key])
     self.updates += 1
 
@@ -207,7 +208,7 @@ def test_random_operation_sequences_match_the_numpy_model(name, operations):
     elif operation[0] == "update" and last_sample is not None:
       _, seed, with_ids = operation
       rng = np.random.default_rng(seed)
-      priorities = rng.uniform(0, 3, 6).astype(np.float32)
+      priorities = rng.uniform(-3, 3, 6).astype(np.float32)
       priorities[rng.random(6) < 0.2] = np.nan
       indices = np.asarray(last_sample.indices).copy()
       indices[rng.random(6) < 0.2] = CAPACITY + 1
@@ -593,6 +594,9 @@ SEQUENCE_RAISES = {
         s, jax.random.key(0), 0), ValueError, ["batch_size", "positive"]),
     "seq-update-float-indices": (lambda b, s: b.update_priorities(
         s, np.array([0.0]), np.array([1.0])), TypeError, ["indices", "integers"]),
+    "seq-state-of-another-kind": (lambda b, s: (
+        PRIORITIZED if b is SEQUENCE else SEQUENCE).sample(
+            s, jax.random.key(0), 2), TypeError, ["sample", "expected a"]),
     "seq-update-item-ids-wrong-dtype": (lambda b, s: b.update_priorities(
         s, np.array([0]), np.array([1.0], np.float32),
         np.array([0], np.int32)), TypeError, ["item_ids", "uint32"]),
@@ -621,6 +625,10 @@ SETTINGS = {
                         ValueError, ["period", "positive"]),
     "seq-period-float": (lambda: jaxbuf.sequence_replay(2, 8, 2, period=1.5),
                          TypeError, ["period", "int"]),
+    "seq-alpha-inf": (lambda: jaxbuf.prioritized_sequence_replay(
+        2, 8, 2, alpha=float("inf")), ValueError, ["alpha", "finite"]),
+    "seq-eps-nan": (lambda: jaxbuf.prioritized_sequence_replay(
+        2, 8, 2, eps=float("nan")), ValueError, ["eps", "finite"]),
     "seq-episodes-unknown": (lambda: jaxbuf.sequence_replay(
         2, 8, 2, episodes="none"), ValueError, ["episodes", "within"]),
 }
@@ -641,10 +649,14 @@ def test_empty_sample_and_bad_priorities_default_and_checked():
   np.testing.assert_array_equal(empty.weights, 0.0)
   state = PRIORITIZED.add(PRIORITIZED.init(STEP), _chunk(length=4))
   before = np.asarray(state.window_tree.levels[0]).copy()
+  # NaN, ids outside [0, C) at any integer width (2**32 + 1 must not wrap to
+  # window 1) are skipped; a negative priority applies by its magnitude.
   state = PRIORITIZED.update_priorities(
-      state, np.array([0, 1, CAPACITY, -1]),
-      np.array([np.nan, -1.0, 1.0, 1.0], np.float32))
-  np.testing.assert_array_equal(state.window_tree.levels[0], before)
+      state, np.array([0, 1, CAPACITY, -1, 2**32 + 1], np.int64),
+      np.array([np.nan, -2.0, 1.0, 1.0, 9.0], np.float32))
+  expected = before.copy()
+  expected[1] = (2.0 + 1e-6) ** 0.6
+  np.testing.assert_allclose(state.window_tree.levels[0], expected, rtol=1e-6)
   # Checked mode, staged under jit with checkify (eager checked calls run op
   # by op and cost seconds each).
   checked = jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH,

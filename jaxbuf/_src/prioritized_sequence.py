@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jaxbuf._src import prioritized
 from jaxbuf._src import sequence
 from jaxbuf._src import sum_tree
+from jaxbuf._src import validation
 from jaxbuf._src.base import Buffer, PyTree, Schedule, bind
 from jaxbuf._src.sequence import SequenceReplayState, SequenceSample
 
@@ -56,6 +57,7 @@ def add(state: PrioritizedSequenceReplayState, steps: PyTree,
         *, sequence_length: int, period: int, within: bool,
         alpha: float) -> PrioritizedSequenceReplayState:
   """`sequence.add`; windows completed enter at the running maximum priority."""
+  validation.check_state_kind(state, PrioritizedSequenceReplayState, what="add")
   return sequence.add_steps(
       state, steps, mask, episode_end, sequence_length=sequence_length,
       period=period, within=within,
@@ -68,8 +70,8 @@ def sample(state: PrioritizedSequenceReplayState, key: jax.Array,
            stratified: bool = True, checked: bool = False) -> SequenceSample:
   """Draws `batch_size` windows in proportion to `(priority + eps) ** alpha`.
 
-  With `stratified`, one target in each of S equal strata of the total (the
-  window ids come out in order). With no complete window held, or should
+  With `stratified`, one target in each of S equal strata of the total, the
+  strata in a random rotation (any prefix of the batch is a fair sample). With no complete window held, or should
   every leaf underflow to zero, it returns window 0 with weight 0; checked
   mode raises when no window is held.
 
@@ -78,6 +80,8 @@ def sample(state: PrioritizedSequenceReplayState, key: jax.Array,
     ids), weights float32 `[S]` (largest 1), item_ids uint32 `[S]`, mask
     bool `[S, L]`.
   """
+  validation.check_state_kind(
+      state, PrioritizedSequenceReplayState, what="sample")
   num_windows = sequence.check_sample(state, key, batch_size, checked=checked)
   found, leaf_values = sum_tree.sample_leaves(state.window_tree, key,
                                               batch_size, stratified=stratified)
@@ -105,17 +109,21 @@ def update_priorities(state: PrioritizedSequenceReplayState,
 
   Duplicate ids: the last valid occurrence wins. Entries are skipped (the
   window keeps its priority) when the id names no window that can be sampled
-  now, the priority is NaN, infinite or negative, or (given `item_ids`, e.g.
+  now, the priority is NaN or infinite, or (given `item_ids`, e.g.
   `sample.item_ids`) the window's first step was overwritten since it was
-  sampled; checked mode raises on ids outside `[0, C)` and bad priorities.
+  sampled; a negative priority applies by its magnitude (a signed TD error
+  means |TD error|). Checked mode raises on ids outside `[0, C)` and on
+  priorities that are not finite or are negative.
   Cost O(S log C).
   """
+  validation.check_state_kind(
+      state, PrioritizedSequenceReplayState, what="update_priorities")
   valid = sequence.valid_priority_updates(
       state, indices, priorities, item_ids, sequence_length=sequence_length,
       period=period, within=within, checked=checked)
   indices = jnp.asarray(indices).astype(jnp.int32)
   new_priorities = jnp.where(
-      valid, jnp.asarray(priorities).astype(jnp.float32) + eps, 0.0)
+      valid, jnp.abs(jnp.asarray(priorities).astype(jnp.float32)) + eps, 0.0)
   return state.replace(
       window_tree=sum_tree.set_leaves(
           state.window_tree, jnp.where(valid, indices, 0),
@@ -128,6 +136,8 @@ def update_priorities(state: PrioritizedSequenceReplayState,
 def clear(state: PrioritizedSequenceReplayState
           ) -> PrioritizedSequenceReplayState:
   """Empties the buffer; priorities reset, beta_step and step counts kept."""
+  validation.check_state_kind(
+      state, PrioritizedSequenceReplayState, what="clear")
   return sequence.clear(state).replace(
       max_priority=jnp.ones_like(state.max_priority))
 
@@ -165,12 +175,10 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
   ((4, 3, 4), 1.0)
   """
   sequence.check_sizes(num_envs, capacity, sequence_length, period, episodes)
-  if not alpha >= 0:
-    raise ValueError(f"alpha must be non-negative, given {alpha}.")
-  if not eps > 0:
-    raise ValueError(f"eps must be positive, given {eps}.")
-  if not callable(beta) and not beta >= 0:
-    raise ValueError(f"beta must be non-negative or a schedule, given {beta}.")
+  validation.check_hyperparameter(alpha, "alpha")
+  validation.check_hyperparameter(eps, "eps", positive=True)
+  if not callable(beta):
+    validation.check_hyperparameter(beta, "beta")
   settings = dict(sequence_length=sequence_length, period=period,
                   within=episodes == "within")
   return bind(

@@ -49,6 +49,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from jaxbuf._src import random
+from jaxbuf._src import ring
 from jaxbuf._src import sum_tree
 from jaxbuf._src import validation
 from jaxbuf._src.base import Buffer, BufferState, PyTree, ReplaySample, bind
@@ -435,6 +436,8 @@ def sample(state: SequenceReplayState, key: jax.Array, batch_size: int, *,
     ids), weights float32 `[S]` (1, or 0 when empty), item_ids uint32 `[S]`,
     mask bool `[S, L]`.
   """
+  validation.check_state_kind(
+      state, SequenceReplayState, what="sample", exact=True)
   total = check_sample(state, key, batch_size, checked=checked)
   window_ids = uniform_window_ids(state, key, batch_size, total,
                                   sequence_length=sequence_length,
@@ -454,27 +457,26 @@ def valid_priority_updates(state: SequenceReplayState, indices: jax.Array,
   """Which updates apply: bool `[S]`. Validates shapes while tracing.
 
   An update applies when its window id is in `[0, C)` and names a window that
-  can be sampled now, its priority is finite and non-negative, and (given
-  `item_ids`) the window still starts at the step that was sampled. Checked
-  mode raises on ids outside `[0, C)` and on bad priorities; a window that is
-  no longer held is skipped in both modes (it is what a stale update is).
+  can be sampled now, its priority is finite, and (given `item_ids`) the
+  window still starts at the step that was sampled. A negative priority
+  applies by its magnitude, as in item replay (`ring.valid_priority_updates`).
+  Checked mode raises on ids outside `[0, C)` and on priorities that are not
+  finite or are negative; a window that is no longer held is skipped in both
+  modes (it is what a stale update is).
   """
   validation.check_priority_update_args(indices, priorities, item_ids)
   num_windows = num_envs_of(state) * steps_per_env(state)
-  indices = jnp.asarray(indices)
+  indices = jnp.asarray(validation.host_indices(indices))
   priorities = jnp.asarray(priorities)
-  # Cast first: without x64, `uint32 < int32` converts both to int32.
-  in_range = ((indices.astype(jnp.int32) >= 0)
-              & (indices.astype(jnp.int32) < num_windows)
-              & (indices.astype(jnp.uint32) < np.uint32(num_windows)))
-  finite = jnp.isfinite(priorities) & (priorities >= 0)
+  in_range = ring.indices_in_range(indices, jnp.int32(num_windows))
+  finite = jnp.isfinite(priorities)
   if checked:
     checkify.check(jnp.all(in_range), "update_priorities: indices must be "
                    "window ids, in [0, capacity={capacity}); given {indices}",
                    capacity=jnp.int32(num_windows), indices=indices)
-    checkify.check(jnp.all(finite), "update_priorities: priorities must be "
-                   "finite and non-negative; given {priorities}",
-                   priorities=priorities)
+    checkify.check(jnp.all(finite & (priorities >= 0)), "update_priorities: "
+                   "priorities must be finite and non-negative (pass "
+                   "|TD error|); given {priorities}", priorities=priorities)
   valid = in_range & finite & window_ids_valid(
       state, indices.astype(jnp.int32), sequence_length=sequence_length,
       period=period, within=within)
@@ -493,6 +495,8 @@ def update_priorities(state: SequenceReplayState, indices: jax.Array,
   Arguments are validated as for prioritized sequence replay (shapes while
   tracing; values in checked mode), so switching kinds surfaces no new errors.
   """
+  validation.check_state_kind(
+      state, SequenceReplayState, what="update_priorities", exact=True)
   if checked:
     valid_priority_updates(state, indices, priorities, item_ids,
                            sequence_length=sequence_length, period=period,
@@ -519,6 +523,8 @@ def add(state: SequenceReplayState, steps: PyTree,
       episode; None for none.
     sequence_length, period, within: the buffer's settings.
   """
+  validation.check_state_kind(
+      state, SequenceReplayState, what="add", exact=True)
   return add_steps(state, steps, mask, episode_end,
                    sequence_length=sequence_length, period=period,
                    within=within, new_leaf_value=jnp.float32(1.0))
@@ -537,6 +543,7 @@ def clear(state: SequenceReplayState) -> SequenceReplayState:
   The step counts go on (and with them `item_ids` and the period phases), so
   a priority update sampled before the clear is recognised as stale.
   """
+  validation.check_state_kind(state, SequenceReplayState, what="clear")
   cleared = state.replace(steps_held=jnp.zeros_like(state.steps_held),
                           window_counts=jnp.zeros_like(state.window_counts))
   if state.window_tree is not None:
