@@ -49,14 +49,8 @@ def init(example_item: PyTree, *, capacity: int) -> PrioritizedReplayState:
 
 def capped_leaf_values(priorities: jax.Array, alpha: float,
                        tree: sum_tree.SumTree) -> jax.Array:
-  """`priorities ** alpha`, capped at `float32 max / (2 * leaves)`.
-
-  Finite priorities can still overflow the total (two leaves of 3e38 sum to
-  inf, and every weight becomes NaN); under the cap no sum of leaves can. The
-  cap is also below `sum_tree.LEAF_VALUE_LIMIT`.
-  """
-  cap = jnp.finfo(jnp.float32).max / (2 * sum_tree.leaves(tree).shape[0])
-  return jnp.minimum(priorities ** alpha, cap)
+  """`priorities ** alpha` as leaf values the tree can hold (`sum_tree.capped`)."""
+  return sum_tree.capped(priorities ** alpha, tree)
 
 
 def add(state: PrioritizedReplayState, items: PyTree, *,

@@ -75,9 +75,20 @@ DENSE_LEVEL_MAX = 2 ** 12  # children summed whole; measured best at K = 8
 # where a [B, B] comparison or a sort of the batch measured 10 to 50 times
 # slower on CPU. It needs every leaf, written or already there, below the
 # limit and not NaN: such a leaf would win the scatter-max and keep later
-# writes to its slot out. (`prioritized.capped_leaf_values` keeps them so.)
+# writes to its slot out. (`capped` keeps them so.)
 LEAF_VALUE_LIMIT = 2.0 ** 127
 MARKED_BATCH_MAX = 2 ** 23
+
+
+def capped(values: jax.Array, tree: SumTree) -> jax.Array:
+  """`values` capped at `float32 max / (2 * leaves)`, the tree's leaf invariant.
+
+  Finite leaves can still overflow the total (two leaves of 3e38 sum to inf,
+  and every importance weight becomes NaN); under the cap no sum of leaves
+  can. The cap is also below `LEAF_VALUE_LIMIT`, which `set_leaves` needs.
+  """
+  cap = jnp.finfo(jnp.float32).max / (2 * leaves(tree).shape[0])
+  return jnp.minimum(values, cap)
 
 
 def claim_last_writes(leaf_level: jax.Array, indices: jax.Array,
