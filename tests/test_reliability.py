@@ -683,7 +683,7 @@ ROLLOUT_RAISES = {
     "rollout-wrong-num-envs": (lambda r, s: r.add(s, jnp.ones((2, 2))), ValueError,
                                ["(2, 2)", "(3, 2)"]),
     "rollout-wrong-dtype": (lambda r, s: r.add(s, jnp.ones((3, 2), jnp.int32)),
-                            TypeError, ["int32", "float32"]),
+                            TypeError, ["int32", "expected float"]),
     "rollout-mask-wrong-shape": (lambda r, s: r.add(s, jnp.ones((3, 2)),
                                                     mask=jnp.ones(2, bool)),
                                  ValueError, ["mask", "(3,)"]),
