@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple
 
 import gymnax
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tqdm
 
@@ -30,13 +31,33 @@ class Trainer(NamedTuple):
 
 
 class VectorEnv(NamedTuple):
-  """N copies of a gymnax environment; reset and step split their key N ways."""
+  """N copies of a gymnax environment; reset and step split their key N ways.
+
+  Floating-point observations, rewards and `info` leaves come out float32
+  whatever JAX's default dtypes (see `as_float32`); the env state keeps
+  gymnax's own dtypes, since only gymnax reads it.
+  """
   num_actions: int
-  # key -> (obs [N, *obs_shape], env_state with leaves [N, ...])
+  # key -> (obs [N, *obs_shape] float32, env_state with leaves [N, ...])
   reset: Callable[[jax.Array], tuple[jax.Array, Any]]
-  # (key, env_state, actions [N]) -> (obs, env_state, reward [N],
+  # (key, env_state, actions [N]) -> (obs, env_state, reward [N] float32,
   # terminated [N], truncated [N], info), gymnax's step with auto-reset.
   step: Callable[[jax.Array, Any, jax.Array], tuple[Any, ...]]
+
+
+def as_float32(tree: Any) -> Any:
+  """`tree` with its floating-point leaves cast to float32, others kept.
+
+  gymnax computes in JAX's default float dtype, float64 once
+  `JAX_ENABLE_X64` is set. The examples' networks, buffers and `lax.cond`
+  branches hold float32, and jaxbuf refuses a float64 leaf for float32
+  storage rather than cast it silently, so values are cast where they leave
+  the environment. Under 32-bit defaults this is a no-op.
+  """
+  return jax.tree.map(
+      lambda leaf: (leaf.astype(jnp.float32)
+                    if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf),
+      tree)
 
 
 def make_vector_env(env_name: str, time_limit: int,
@@ -58,12 +79,15 @@ def make_vector_env(env_name: str, time_limit: int,
   vmapped_step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
 
   def reset(key: jax.Array) -> tuple[jax.Array, Any]:
-    return vmapped_reset(jax.random.split(key, num_envs), env_params)
+    obs, env_state = vmapped_reset(jax.random.split(key, num_envs), env_params)
+    return as_float32(obs), env_state
 
   def step(key: jax.Array, env_state: Any,
            actions: jax.Array) -> tuple[Any, ...]:
-    return vmapped_step(jax.random.split(key, num_envs), env_state, actions,
-                        env_params)
+    obs, env_state, reward, terminated, truncated, info = vmapped_step(
+        jax.random.split(key, num_envs), env_state, actions, env_params)
+    return (as_float32(obs), env_state, as_float32(reward), terminated,
+            truncated, as_float32(info))
 
   return VectorEnv(num_actions=env.action_space(env_params).n, reset=reset,
                    step=step)

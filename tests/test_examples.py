@@ -2,8 +2,12 @@
 
 Fast tests compile one training step of each example, check its lowered
 program holds no host callback, run it under `jax.transfer_guard("disallow")`,
-and smoke-run each script end to end. The learning bars on CartPole-v1 are
-`@pytest.mark.slow` (run them with `pytest -m slow tests/test_examples.py`).
+and smoke-run each script end to end. Each runs twice, with 32-bit defaults
+and with x64 on (the `x64_mode` fixture): an x64 user copying an example gets
+float64 from gymnax and from unannotated constants, which jaxbuf's float32
+storage and the examples' `lax.cond` branches refuse unless cast. The
+learning bars on CartPole-v1 are `@pytest.mark.slow` (run them with
+`pytest -m slow tests/test_examples.py`).
 """
 
 import dataclasses
@@ -130,6 +134,7 @@ def _params_changed(before, after) -> bool:
              zip(jax.tree.leaves(before), jax.tree.leaves(after)))
 
 
+@pytest.mark.usefixtures("x64_mode")
 @pytest.mark.parametrize("case", STEP_CASES)
 def test_training_step_is_one_program_without_host_transfers(case):
   module, config, check_data = STEP_CASES[case]
@@ -149,9 +154,13 @@ def test_training_step_is_one_program_without_host_transfers(case):
   losses = np.asarray(jax.device_get(losses))
   assert np.all(np.isfinite(losses)) and losses[-1] != 0.0
   assert _params_changed(params_before, jax.device_get(state.params))
+  # float32 networks in both modes: x64 must not widen them silently.
+  assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {
+      np.dtype(np.float32)}
   check_data(state, config)
 
 
+@pytest.mark.usefixtures("x64_mode")
 @pytest.mark.parametrize("module,flags", [
     (dqn, ["--replay", "prioritized", "--no-double-q", "--num-seeds", "2"]),
     (ppo, ["--num-seeds", "2"]),
@@ -219,6 +228,7 @@ def test_ppo_reaches_450_on_cartpole_within_5e5_steps():
   assert result["final_mean_return"] >= 450, result["final_returns"]
 
 
+@pytest.mark.usefixtures("x64_mode")
 def test_dqn_data_parallel_over_two_devices():
   """`--devices 2`: the buffer and the envs split over 2 devices, learning."""
   config = dataclasses.replace(TINY_DQN, devices=2, replay="prioritized")
