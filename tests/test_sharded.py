@@ -1,5 +1,7 @@
 """`jaxbuf.sharded`: one replay buffer split over the 4 fake CPU devices."""
 
+import functools
+
 import chex
 import hypothesis
 import hypothesis.strategies as st
@@ -408,7 +410,8 @@ def test_bad_settings_raise():
     jaxbuf.sharded(jaxbuf.uniform_replay(32, checked=True), MESH)
   with pytest.raises(TypeError, match="must be a jaxbuf.Buffer, given Rollout"):
     jaxbuf.sharded(jaxbuf.rollout_buffer(num_steps=4, num_envs=4), MESH)
-  with pytest.raises(TypeError, match="wraps uniform_replay and prioritized"):
+  with pytest.raises(TypeError, match="wraps uniform_replay, prioritized_replay, "
+                     "sequence_replay and prioritized_sequence_replay"):
     jaxbuf.sharded(jaxbuf.Buffer(*[example_item] * 6), MESH)
 
 
@@ -467,3 +470,374 @@ def test_save_and_load_keep_the_split_bit_exact(tmp_path):
   key = jax.random.key(6)
   chex.assert_trees_all_equal(jax.device_get(buffer.sample(restored, key, 8)),
                               jax.device_get(buffer.sample(state, key, 8)))
+
+
+# --- Sequence replay, sharded over envs ---------------------------------------------
+#
+# 8 envs of 6 steps, 2 envs (12 window ids) per device. Every stored step
+# carries its absolute id `env * 1000 + step`, so a window's contiguity and
+# origin are read off its values.
+
+SEQ_ENVS, SEQ_PER_ENV, SEQ_LENGTH = 8, 6, 3
+SEQ_CAPACITY = SEQ_ENVS * SEQ_PER_ENV
+SEQ_WINDOWS = SEQ_ENVS // D * SEQ_PER_ENV   # window ids per device
+SEQ_KINDS = [(prioritized, episodes) for prioritized in (False, True)
+             for episodes in ("cross", "within")]
+SEQ_IDS = [f"{'prioritized' if p else 'uniform'}-{e}" for p, e in SEQ_KINDS]
+
+
+def example_step():
+  return {"id": jnp.int32(0), "obs": jnp.zeros(2, jnp.float32)}
+
+
+@functools.cache
+def sequence_buffer(prioritized, episodes, period=1):
+  """The unsharded buffer; one per setting, so each compiles once."""
+  settings = dict(period=period, episodes=episodes)
+  if prioritized:
+    return jaxbuf.prioritized_sequence_replay(
+        SEQ_ENVS, SEQ_CAPACITY, SEQ_LENGTH, alpha=ALPHA, beta=BETA, eps=EPS,
+        **settings)
+  return jaxbuf.sequence_replay(SEQ_ENVS, SEQ_CAPACITY, SEQ_LENGTH, **settings)
+
+
+@functools.cache
+def sharded_sequence(prioritized, episodes, sampling="global", batch="sharded",
+                     mesh=MESH, period=1):
+  return jaxbuf.sharded(sequence_buffer(prioritized, episodes, period), mesh,
+                        sampling=sampling, batch=batch)
+
+
+class StepIds:
+  """Per-env step counters: the values an env's next steps carry."""
+
+  def __init__(self):
+    self.counts = np.zeros(SEQ_ENVS, np.int64)
+
+  def steps(self, mask, length=None):
+    chunk = 1 if length is None else length
+    ids = (np.arange(SEQ_ENVS)[:, None] * 1000 + self.counts[:, None]
+           + np.arange(chunk)[None, :])
+    self.counts += chunk * np.asarray(mask)
+    ids = ids[:, 0] if length is None else ids
+    return {"id": ids.astype(np.int32),
+            "obs": np.repeat(ids[..., None], 2, axis=-1).astype(np.float32)}
+
+
+def ragged_adds(seed=0, rounds=6, rates=(0.7, 0.15, 0.5, 1.0)):
+  """Adds of single steps and chunks; per-device step rates differ (by
+  default device 1 steps rarely, device 3 always) and episodes end at
+  random."""
+  rng = np.random.default_rng(seed)
+  rates = np.repeat(rates, SEQ_ENVS // D)
+  ids, adds = StepIds(), []
+  for round_ in range(rounds):
+    mask = rng.random(SEQ_ENVS) < rates
+    length = None if round_ % 2 else 2
+    shape = (SEQ_ENVS,) if length is None else (SEQ_ENVS, length)
+    adds.append((ids.steps(mask, length), mask, rng.random(shape) < 0.15))
+  return adds
+
+
+def fill(buffer, adds, state=None):
+  state = buffer.init(example_step()) if state is None else state
+  for steps, mask, episode_end in adds:
+    state = buffer.add(state, steps, mask, episode_end)
+  return state
+
+
+def as_unsharded(state):
+  """A sharded sequence state's per-env arrays, devices joined: `[N, ...]`."""
+  join = lambda x: np.asarray(x).reshape(-1, *np.shape(x)[2:])
+  return {"storage": jax.tree.map(join, state.storage),
+          **{name: join(getattr(state, name)) for name in (
+              "episode_ends", "write_heads", "steps_held", "step_counts",
+              "period_phases", "window_counts")}}
+
+
+def tree_leaves(state):
+  """Window masses `[N * R]`: the unsharded tree's, or the devices' joined."""
+  leaves = np.asarray(state.window_tree.levels[0])
+  if leaves.ndim == 1:
+    return leaves[:SEQ_CAPACITY]
+  return leaves[:, :SEQ_WINDOWS].reshape(-1)
+
+
+def set_random_priorities(buffers_and_states, seed):
+  """The same priority update, from the host, applied to every buffer."""
+  rng = np.random.default_rng(seed)
+  indices = rng.permutation(SEQ_CAPACITY).astype(np.int32)
+  priorities = rng.gamma(0.5, 2.0, SEQ_CAPACITY).astype(np.float32)
+  return [buffer.update_priorities(state, indices, priorities)
+          for buffer, state in buffers_and_states]
+
+
+@pytest.mark.parametrize("prioritized, episodes", SEQ_KINDS, ids=SEQ_IDS)
+def test_sequence_state_is_the_unsharded_buffer_split_over_envs(prioritized,
+                                                                 episodes):
+  buffer = sharded_sequence(prioritized, episodes)
+  state = fill(buffer, ragged_adds())
+  assert state.storage["obs"].shape == (D, SEQ_ENVS // D, SEQ_PER_ENV, 2)
+  for leaf in jax.tree.leaves(state):
+    assert leaf.sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(MESH, P("data")), leaf.ndim)
+  whole = fill(sequence_buffer(prioritized, episodes), ragged_adds())
+  chex.assert_trees_all_equal(as_unsharded(state), as_unsharded(
+      jax.tree.map(lambda x: x[None], whole)))
+  window_counts = np.asarray(state.window_counts).sum(axis=1)
+  assert window_counts[1] < window_counts[3]  # uneven fills, as meant
+  if prioritized or episodes == "within":
+    np.testing.assert_array_equal(tree_leaves(state), tree_leaves(whole))
+
+
+@pytest.mark.parametrize("mesh", [MESH, AUTO_MESH], ids=["explicit", "auto"])
+@pytest.mark.parametrize("prioritized, episodes", [(False, "cross"),
+                                                   (True, "within")],
+                         ids=["uniform-cross", "prioritized-within"])
+def test_sequence_add_moves_nothing_between_devices(prioritized, episodes,
+                                                    mesh):
+  buffer = jaxbuf.sharded(sequence_buffer(prioritized, episodes), mesh)
+  state = buffer.init(example_step())
+  ids = StepIds()
+  mask = np.ones(SEQ_ENVS, bool)
+  for length, ends in ((None, np.zeros(SEQ_ENVS, bool)),
+                       (4, np.zeros((SEQ_ENVS, 4), bool))):
+    hlo = jax.jit(buffer.add).lower(
+        state, ids.steps(mask, length), mask, ends).compile().as_text()
+    for name in COLLECTIVES:
+      assert name not in hlo, name
+  # Steps already split over the axis: each device's envs are its block.
+  placed = jax.device_put(StepIds().steps(mask),
+                          jax.sharding.NamedSharding(mesh, P("data")))
+  state = buffer.add(state, placed)
+  np.testing.assert_array_equal(np.asarray(state.storage["id"])[:, :, 0],
+                                (np.arange(SEQ_ENVS) * 1000).reshape(D, -1))
+
+
+@pytest.mark.parametrize("prioritized, episodes", SEQ_KINDS, ids=SEQ_IDS)
+def test_sequence_global_sampling_matches_one_unsharded_buffer(prioritized,
+                                                               episodes):
+  """Chi-square of window frequencies against the unsharded buffer's P(window)
+  over uneven per-device fills (and priorities); p > 1e-3, fixed seeds."""
+  buffer = sharded_sequence(prioritized, episodes)
+  whole_buffer = sequence_buffer(prioritized, episodes)
+  state, whole = fill(buffer, ragged_adds()), fill(whole_buffer, ragged_adds())
+  if prioritized:
+    state, whole = set_random_priorities([(buffer, state),
+                                          (whole_buffer, whole)], seed=1)
+  settings = dict(sequence_length=SEQ_LENGTH, period=1,
+                  within=episodes == "within")
+  window_ids = jnp.arange(SEQ_CAPACITY)
+  valid = np.asarray(jaxbuf.sequence.window_ids_valid(whole, window_ids,
+                                                      **settings))
+  masses = tree_leaves(whole).astype(np.float64) if prioritized else valid
+  probabilities = masses / masses.sum()
+  samples = draw_many(buffer, state, jax.random.key(3), 32, 400)
+  indices = np.asarray(samples.indices)
+  counts = np.bincount(indices.reshape(-1), minlength=SEQ_CAPACITY)
+  assert not counts[~valid].any(), "a window that cannot be sampled was drawn"
+  assert chi_square_p(counts, probabilities) > 1e-3
+  # Rows, masks and item ids are those of the windows drawn, read from the
+  # unsharded buffer; windows are contiguous steps of the env their id names.
+  flat = indices.reshape(-1)
+  items, mask = jaxbuf.sequence.gather_windows(whole, jnp.asarray(flat),
+                                               sequence_length=SEQ_LENGTH)
+  step_ids = np.asarray(samples.items["id"]).reshape(-1, SEQ_LENGTH)
+  np.testing.assert_array_equal(step_ids, np.asarray(items["id"]))
+  np.testing.assert_array_equal(
+      np.asarray(samples.items["obs"]).reshape(-1, SEQ_LENGTH, 2),
+      np.asarray(items["obs"]))
+  np.testing.assert_array_equal(
+      np.asarray(samples.mask).reshape(-1, SEQ_LENGTH), np.asarray(mask))
+  np.testing.assert_array_equal(np.diff(step_ids, axis=1), 1)
+  np.testing.assert_array_equal(step_ids[:, 0] // 1000, flat // SEQ_PER_ENV)
+  np.testing.assert_array_equal(np.asarray(samples.item_ids).reshape(-1),
+                                step_ids[:, 0] % 1000)
+  if prioritized:
+    held = valid.sum()
+    weights = (held * probabilities[indices]) ** -BETA
+    weights /= weights.max(axis=1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(samples.weights), weights, rtol=1e-5)
+  else:
+    np.testing.assert_array_equal(np.asarray(samples.weights), 1)
+  if episodes == "cross" and not prioritized:
+    # Ranked env by env as the unsharded buffer ranks them: the same windows.
+    key = jax.random.key(9)
+    np.testing.assert_array_equal(
+        np.asarray(buffer.sample(state, key, 32).indices),
+        np.asarray(whole_buffer.sample(whole, key, 32).indices))
+
+
+@pytest.mark.parametrize("prioritized, episodes", [(False, "within"),
+                                                   (True, "cross")],
+                         ids=["uniform-within", "prioritized-cross"])
+def test_sequence_batch_layouts_and_local_sampling(prioritized, episodes):
+  state = fill(sharded_sequence(prioritized, episodes), ragged_adds())
+  key = jax.random.key(4)
+  split = sharded_sequence(prioritized, episodes).sample(state, key, 8)
+  whole = sharded_sequence(prioritized, episodes, batch="replicated").sample(
+      state, key, 8)
+  chex.assert_trees_all_equal(jax.device_get(split), jax.device_get(whole))
+  assert isinstance(split, jaxbuf.SequenceSample)
+  assert split.items["obs"].shape == (8, SEQ_LENGTH, 2)
+  assert split.mask.sharding.is_equivalent_to(
+      jax.sharding.NamedSharding(MESH, P("data")), 2)
+  assert whole.mask.sharding.is_fully_replicated
+  # Local: block d (2 windows) from device d's own envs, each window valid;
+  # it needs a window on every device.
+  local = sharded_sequence(prioritized, episodes, sampling="local")
+  assert np.asarray(state.window_counts).sum(axis=1).min() == 0
+  assert not local.can_sample(state, 8)
+  state = fill(local, ragged_adds(rates=(0.7, 0.5, 0.5, 1.0)))
+  assert np.asarray(state.window_counts).sum(axis=1).min() > 0
+  assert local.can_sample(state, 8)
+  samples = draw_many(local, state, jax.random.key(5), 8, 50)
+  owners = np.asarray(samples.indices) // SEQ_WINDOWS
+  np.testing.assert_array_equal(owners, np.broadcast_to(
+      np.repeat(np.arange(D), 2), owners.shape))
+  step_ids = np.asarray(samples.items["id"])
+  np.testing.assert_array_equal(np.diff(step_ids, axis=-1), 1)
+  np.testing.assert_array_equal(step_ids[..., 0] // 1000,
+                                np.asarray(samples.indices) // SEQ_PER_ENV)
+  empty = local.init(example_step())
+  assert not local.can_sample(empty, 8)
+  assert not sharded_sequence(prioritized, episodes).can_sample(empty, 8)
+
+
+@pytest.mark.usefixtures("x64_mode")
+@pytest.mark.parametrize("episodes", ["cross", "within"])
+def test_sequence_updates_reach_their_owner_as_in_the_unsharded_buffer(episodes):
+  """Host updates with ids out of range, NaN, inf, negative priorities and
+  stale item ids, interleaved with ragged adds: the same leaves, maximum and
+  beta step as one unsharded buffer given the same calls."""
+  buffer, whole_buffer = (sharded_sequence(True, episodes),
+                          sequence_buffer(True, episodes))
+  state = whole = None
+  rng = np.random.default_rng(2)
+  adds = ragged_adds(seed=3, rounds=8)
+  for round_ in range(4):
+    adds_now = adds[2 * round_:2 * round_ + 2]
+    state = fill(buffer, adds_now, state)
+    whole = fill(whole_buffer, adds_now, whole)
+    indices = rng.integers(-2, SEQ_CAPACITY + 2, 12)
+    priorities = rng.choice([0.0, 0.5, 2.0, 7.0 + round_, np.nan, -3.0, np.inf],
+                            12)
+    item_ids = np.asarray(jaxbuf.sequence.window_item_ids(
+        whole, jnp.asarray(np.clip(indices, 0, SEQ_CAPACITY - 1), jnp.int32)))
+    item_ids = item_ids + (rng.random(12) < 0.3).astype(np.uint32)  # stale
+    state = buffer.update_priorities(state, indices, priorities, item_ids)
+    whole = whole_buffer.update_priorities(whole, indices, priorities,
+                                           item_ids)
+  np.testing.assert_array_equal(tree_leaves(state), tree_leaves(whole))
+  np.testing.assert_array_equal(np.asarray(state.max_priority),
+                                np.asarray(whole.max_priority))
+  np.testing.assert_array_equal(np.asarray(state.beta_step),
+                                np.asarray(whole.beta_step))
+  totals = np.asarray(state.window_tree.levels[-1])[:, 0]
+  np.testing.assert_allclose(
+      totals, tree_leaves(state).reshape(D, -1).sum(axis=1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("prioritized, episodes, batch, mesh", [
+    (False, "within", "sharded", MESH), (True, "cross", "replicated", AUTO_MESH)],
+    ids=["uniform-within-sharded-explicit", "prioritized-cross-replicated-auto"])
+def test_sequence_inside_a_jitted_scan_with_donation_and_no_retrace(
+    prioritized, episodes, batch, mesh):
+  buffer = sharded_sequence(prioritized, episodes, batch=batch, mesh=mesh)
+  chex.clear_trace_counter()
+
+  @chex.assert_max_traces(n=1)
+  def steps(state, chunks, key):
+    def step(state, inputs):
+      chunk, key = inputs
+      state = buffer.add(state, chunk)
+      sample = buffer.sample(state, key, 8)
+      state = jax.lax.cond(
+          buffer.can_sample(state, 8),
+          lambda s: buffer.update_priorities(s, sample.indices,
+                                             sample.weights + 1,
+                                             sample.item_ids),
+          lambda s: s, state)
+      return state, (sample.indices, sample.items["id"])
+    return jax.lax.scan(step, state, (chunks, jax.random.split(key, 3)))
+
+  donated = jax.jit(steps, donate_argnums=0)
+  ids = StepIds()
+  chunks = [ids.steps(np.ones(SEQ_ENVS, bool), 2) for _ in range(6)]
+  stack = lambda part: jax.tree.map(lambda *xs: np.stack(xs), *part)
+  state = buffer.init(example_step())
+  state, _ = donated(state, stack(chunks[:3]), jax.random.key(0))
+  state, (indices, step_ids) = donated(state, stack(chunks[3:]),
+                                       jax.random.key(1))
+  assert indices.shape == (3, 8)
+  np.testing.assert_array_equal(np.asarray(state.steps_held), SEQ_PER_ENV)
+  np.testing.assert_array_equal(np.diff(np.asarray(step_ids), axis=-1), 1)
+  np.testing.assert_array_equal(np.asarray(step_ids)[..., 0] // 1000,
+                                np.asarray(indices) // SEQ_PER_ENV)
+
+
+def test_sequence_save_and_load_keep_the_split_bit_exact(tmp_path):
+  buffer = sharded_sequence(True, "within")
+  state = fill(buffer, ragged_adds())
+  state, = set_random_priorities([(buffer, state)], seed=4)
+  jaxbuf.save(tmp_path / "sequence", state)
+  restored = jaxbuf.load(tmp_path / "sequence",
+                         like=buffer.init(example_step()))
+  assert type(restored) is type(state)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                  np.asarray(want).view(np.uint8))
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+  key = jax.random.key(6)
+  chex.assert_trees_all_equal(jax.device_get(buffer.sample(restored, key, 8)),
+                              jax.device_get(buffer.sample(state, key, 8)))
+
+
+def test_sequence_num_envs_must_divide_by_the_devices():
+  with pytest.raises(ValueError, match=r"num_envs 6 does not divide by the 4 "
+                     r"devices.*nearest valid num_envs: 4 or 8, with "
+                     r"capacity num_envs \* 5"):
+    jaxbuf.sharded(jaxbuf.sequence_replay(6, 30, 3), MESH)
+  with pytest.raises(ValueError, match="nearest valid num_envs: 4,"):
+    jaxbuf.sharded(jaxbuf.prioritized_sequence_replay(2, 8, 2), MESH)
+  with pytest.raises(ValueError, match="checked buffers"):
+    jaxbuf.sharded(jaxbuf.sequence_replay(8, 48, 3, checked=True), MESH)
+
+
+@pytest.mark.usefixtures("x64_mode")
+@pytest.mark.parametrize("call, error, words", [
+    (lambda b, s: b.add(s, {"id": np.zeros(6, np.int32),
+                            "obs": np.zeros((6, 2), np.float32)}),
+     ValueError, ["['id']", "(6,)", f"expected ({SEQ_ENVS},)"]),
+    (lambda b, s: b.add(s, {"id": np.zeros(SEQ_ENVS, np.int32),
+                            "obs": np.zeros((SEQ_ENVS, 3), np.float32)}),
+     ValueError, ["['obs']"]),
+    (lambda b, s: b.add(s, StepIds().steps(np.ones(SEQ_ENVS, bool)),
+                        np.ones(4, bool)), ValueError,
+     ["mask", f"({SEQ_ENVS},)"]),
+    (lambda b, s: b.add(s, StepIds().steps(np.ones(SEQ_ENVS, bool), 2),
+                        None, np.zeros((SEQ_ENVS, 2), np.int32)), TypeError,
+     ["episode_end", "bool"]),
+    (lambda b, s: b.sample(s, jax.random.key(0), 6), ValueError,
+     ["batch_size 6"]),
+    (lambda b, s: b.sample(sequence_buffer(True, "cross").init(example_step()),
+                           jax.random.key(0), 8), ValueError,
+     ["expected a sharded state"]),
+    (lambda b, s: b.sample(BUFFERS[("prioritized", "global", "sharded")].init(
+        example_item()), jax.random.key(0), 8), TypeError,
+     ["PrioritizedSequenceReplayState"]),
+    (lambda b, s: b.update_priorities(s, np.zeros(4, np.int32),
+                                      np.zeros(5, np.float32)), ValueError,
+     ["update_priorities"]),
+], ids=["add-num-envs", "add-leaf", "add-mask", "add-episode-end",
+        "sample-batch", "unsharded", "item-state", "update-shapes"])
+def test_sequence_bad_arguments_raise_and_leave_the_state_intact(call, error,
+                                                                 words):
+  buffer = sharded_sequence(True, "cross")
+  state = fill(buffer, ragged_adds(rounds=2))
+  before = snapshot(state)
+  with pytest.raises(error) as raised:
+    call(buffer, state)
+  for word in words:
+    assert word in str(raised.value), str(raised.value)
+  chex.assert_trees_all_equal(snapshot(state), before)

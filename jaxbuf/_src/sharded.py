@@ -1,26 +1,37 @@
 """One replay buffer split over the devices of a mesh axis, sampled exactly.
 
 Shape key: B add batch, S sample size, C capacity (global), D devices on the
-mesh axis, L = C / D slots per device.
+mesh axis; item replay: L = C / D slots per device; sequence replay: N envs,
+R = C / N steps per env, T steps per env in one add, W = N / D * R window
+ids per device.
 
 Layout. A sharded state is the stack of the D devices' local states: every
 leaf of the wrapped buffer's state gets a leading axis of length D, split
 over the mesh axis (`NamedSharding(mesh, P(axis))`), so device d holds
 `jax.tree.map(lambda x: x[d], state)`, an ordinary state of the wrapped kind
-with capacity L and its own ring counters and sum tree. Global slot `g` is
-local slot `g % L` of device `g // L`. Being a stack of local states, the
-state saves, loads and can be inspected like any vmapped state.
+with capacity C / D and its own counters and sum tree. Item replay: global
+slot `g` is local slot `g % L` of device `g // L`. Sequence replay is
+sharded over envs: device d holds envs `[d N/D, (d+1) N/D)` whole (their
+rings, episode ends and windows), so a window never spans devices, and its
+global id `g` (the unsharded buffer's `n * R + j`) is local window id
+`g % W` of device `g // W`. Being a stack of local states, the state saves,
+loads and can be inspected like any vmapped state.
 
-Adds are local: items `[B, ...]` split over the axis in contiguous blocks of
-B / D rows, and device d writes its block into its own part, with no
-cross-device traffic. Each device therefore holds every D-th block of the
-stream; with equal blocks the fills stay equal, but sampling does not rely
-on it.
+Adds are local. Items `[B, ...]` split over the axis in contiguous blocks of
+B / D rows, and device d writes its block into its own part; steps `[N, ...]`
+or `[N, T, ...]`, with `mask` and `episode_end`, split over envs, and device
+d writes its envs' steps. No cross-device traffic either way. Item replay's
+devices each hold every D-th block of the stream; with equal blocks the
+fills stay equal, but sampling does not rely on it (nor on envs stepping
+evenly).
 
-Global sampling is exact. Every device gathers the D local totals
-(prioritized) or sizes (uniform), draws the same targets over the global
-total from the replicated key, and descends its own tree (or picks its own
-slot) for the targets it owns; rows are combined with a masked sum, exact
+Global sampling is exact, by the same steps for every kind. Every device
+gathers the D local totals: sum-tree totals where the kind draws by mass
+(prioritized replay, and uniform sequence replay within episodes, whose
+tree has leaf 1 per window), counts of what can be sampled otherwise. Every
+device draws the same targets over the global total from the replicated key
+and, for the targets it owns, descends its own tree (or finds the rank-th
+item or window it holds); rows are combined with a masked sum, exact
 because each row has exactly one non-zero contributor (rows travel bit-cast
 to unsigned integers, so -0.0 and NaN payloads survive). A replicated batch
 is an all-reduce of the `[S, ...]` rows (about 2x the batch's bytes through
@@ -29,18 +40,22 @@ batch's bytes, (D - 1) / D of them). A target picks its device by the
 float32 prefix sums of the D totals and keeps its offset within the owner,
 so the device choice is one more level in the first stretch of the tree's
 descent before a redraw (`sum_tree.LEVELS_PER_TARGET`), with the float32
-rounding of the global total that the unsharded tree's root has too.
+rounding of the global total that the unsharded tree's root has too. Counts
+are drawn exactly, by 64-bit ranks (`random.uniform_indices`); for uniform
+sequence replay across episodes the global rank order is the unsharded
+buffer's (env by env), so the same key draws the same windows.
 
 Local sampling (the per-device buffers of Stoix and Brax) draws S / D items
-from each device's own part with no communication; each item's probability
-is then its share of its own device's total, times 1 / D, which equals the
-global one only when the devices' totals are equal, and the importance
-weights are normalised per device.
+or windows from each device's own part with no communication; each one's
+probability is then its share of its own device's total, times 1 / D, which
+equals the global one only when the devices' totals (items held, windows
+that can be sampled, or priority mass) are equal, and the importance weights
+are normalised per device, with the device's own N.
 """
 
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,17 +63,19 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxbuf._src import prioritized
+from jaxbuf._src import prioritized_sequence
 from jaxbuf._src import random
 from jaxbuf._src import ring
+from jaxbuf._src import sequence
 from jaxbuf._src import sum_tree
 from jaxbuf._src import uniform
 from jaxbuf._src import validation
 from jaxbuf._src.base import Buffer, PyTree, ReplaySample, Schedule, bind
 from jaxbuf._src.prioritized import PrioritizedReplayState
+from jaxbuf._src.prioritized_sequence import PrioritizedSequenceReplayState
 from jaxbuf._src.ring import ReplayState
+from jaxbuf._src.sequence import SequenceReplayState, SequenceSample
 
-# The wrapped kinds, by the module function their buffer's `init` binds.
-_KINDS = {uniform.init: uniform, prioritized.init: prioritized}
 SAMPLING_MODES = ("global", "local")
 BATCH_LAYOUTS = ("sharded", "replicated")
 
@@ -95,6 +112,161 @@ def _num_devices(mesh: jax.sharding.Mesh, axis: str) -> int:
   return mesh.shape[axis]
 
 
+class _Kind(NamedTuple):
+  """A wrapped buffer kind as the sharded functions use it on one device.
+
+  The functions are the wrapped buffer's own module functions with its
+  settings bound and its sizes divided by D; the rest says how to draw from
+  one device's part. `state` below is a local state or a stack of them.
+  """
+  state_type: type        # the local state's class
+  exact_type: bool        # whether subclasses of state_type are refused
+  local_counter: Callable  # state -> an int array, shape [*stack, *counter_shape]
+  counter_shape: tuple[int, ...]  # that array's shape on one device
+  ids_per_device: Callable  # stacked state -> int (static): L, or W windows
+  init: Callable          # example -> local state
+  add: Callable           # local state, items / steps, ... -> local state
+  sample: Callable        # local state, key, S -> the kind's sample (local mode)
+  update_priorities: Callable | None  # None: the identity (uniform kinds)
+  clear: Callable         # local state -> local state
+  held: Callable          # state -> int32 [*stack]: items or windows sampleable
+  enough: Callable        # held, S -> bool: the kind's can_sample
+  masses: Callable | None  # local state -> SumTree, a leaf per id; None: draw
+                           # uniformly by rank
+  at_rank: Callable       # local state, int32 [S] ranks -> int32 [S] local ids
+  rows: Callable          # local state, ids [S] -> the rows to send, a pytree
+  item_ids: Callable      # local state, ids [S] -> uint32 [S]
+  as_sample: Callable     # rows, indices, weights, item_ids -> the sample
+  beta: float | Schedule | None  # None: weights 1 (uniform kinds)
+  stratified: bool        # one target per equal stratum of the global total
+  uniform_when_massless: bool  # all leaves 0: uniform over items held
+                               # (item replay) or id 0 with weight 0
+
+
+def _rebound(buffer_function: Callable, module_function: Callable,
+             **overrides) -> Callable:
+  """`module_function` with the settings `buffer_function` was bound with."""
+  return functools.partial(module_function,
+                           **{**_bound_settings(buffer_function), **overrides})
+
+
+def _item_kind(buffer: Buffer, module, num_devices: int) -> _Kind:
+  """Uniform or prioritized item replay: capacity split in blocks of L."""
+  is_prioritized = module is prioritized
+  capacity = _bound_settings(buffer.init)["capacity"]
+  _check_divides(capacity, num_devices, "capacity", "sharded")
+  sample_settings = _bound_settings(buffer.sample)
+  return _Kind(
+      state_type=PrioritizedReplayState if is_prioritized else ReplayState,
+      exact_type=not is_prioritized,
+      local_counter=lambda state: state.size,
+      counter_shape=(),
+      ids_per_device=lambda state: jax.tree_util.tree_leaves(
+          state.storage)[0].shape[1],
+      init=functools.partial(module.init, capacity=capacity // num_devices),
+      add=_rebound(buffer.add, module.add),
+      sample=_rebound(buffer.sample, module.sample),
+      update_priorities=(_rebound(buffer.update_priorities,
+                                  module.update_priorities)
+                         if is_prioritized else None),
+      clear=module.clear,
+      held=lambda state: state.size,
+      enough=lambda held, batch_size: held >= batch_size,
+      masses=(lambda local: local.sum_tree) if is_prioritized else None,
+      # Items fill slots 0..size-1: the rank-th item held is slot rank.
+      at_rank=lambda local, ranks: ranks,
+      rows=lambda local, slots: ring.gather(local.storage, slots),
+      item_ids=ring.current_item_ids,
+      as_sample=lambda rows, indices, weights, item_ids: ReplaySample(
+          items=rows, indices=indices, weights=weights, item_ids=item_ids),
+      beta=sample_settings.get("beta"),
+      stratified=sample_settings.get("stratified", False),
+      uniform_when_massless=True)
+
+
+def _window_ids_at_ranks(state: SequenceReplayState, ranks: jax.Array, *,
+                         sequence_length: int, period: int) -> jax.Array:
+  """The `ranks [S]`-th sampleable windows of a cross-episode buffer: int32 `[S]`.
+
+  Ranked env by env, newest first within an env, the order of
+  `sequence.uniform_window_ids`: every `period`-th start from
+  `sequence.first_window_offsets`. Ranks past the windows held give some
+  window id in range.
+  """
+  per_env = sequence.steps_per_env(state)
+  ends = jnp.cumsum(state.window_counts, dtype=jnp.int32)
+  envs = jnp.minimum(
+      jnp.sum(ends[None, :] <= ranks[:, None], axis=1, dtype=jnp.int32),
+      sequence.num_envs_of(state) - 1)
+  within_env = ranks - (ends[envs] - state.window_counts[envs])
+  ago = (sequence.first_window_offsets(
+      state, sequence_length=sequence_length, period=period)[envs]
+         + within_env * period)
+  return envs * per_env + (state.write_heads[envs] - 1 - ago) % per_env
+
+
+def _sequence_kind(buffer: Buffer, module, num_devices: int) -> _Kind:
+  """Uniform or prioritized sequence replay: envs split in blocks of N / D."""
+  is_prioritized = module is prioritized_sequence
+  sizes = _bound_settings(buffer.init)
+  num_envs = sizes["num_envs"]
+  if num_envs % num_devices:
+    below = num_envs - num_envs % num_devices
+    nearest = " or ".join(str(n) for n in (below, below + num_devices) if n)
+    raise ValueError(
+        f"sharded: num_envs {num_envs} does not divide by the {num_devices} "
+        f"devices of the mesh axis (each device holds num_envs / "
+        f"{num_devices} whole envs); nearest valid num_envs: {nearest}, "
+        f"with capacity num_envs * {sizes['capacity'] // num_envs} to keep "
+        f"the steps per env.")
+  add_settings = _bound_settings(buffer.add)
+  sequence_length = add_settings["sequence_length"]
+  sample_settings = _bound_settings(buffer.sample)
+  rows = lambda local, window_ids: sequence.gather_windows(
+      local, window_ids, sequence_length=sequence_length)
+  with_tree = is_prioritized or add_settings["within"]
+  return _Kind(
+      state_type=(PrioritizedSequenceReplayState if is_prioritized
+                  else SequenceReplayState),
+      exact_type=not is_prioritized,
+      local_counter=lambda state: state.write_heads,
+      counter_shape=(num_envs // num_devices,),
+      ids_per_device=lambda state: (state.episode_ends.shape[-2]
+                                    * state.episode_ends.shape[-1]),
+      init=_rebound(buffer.init, module.init,
+                    num_envs=num_envs // num_devices,
+                    capacity=sizes["capacity"] // num_devices),
+      add=_rebound(buffer.add, module.add),
+      sample=_rebound(buffer.sample, module.sample),
+      update_priorities=(_rebound(buffer.update_priorities,
+                                  module.update_priorities)
+                         if is_prioritized else None),
+      clear=module.clear,
+      held=lambda state: jnp.sum(state.window_counts, axis=-1,
+                                 dtype=jnp.int32),
+      # Sampling is with replacement: one window serves any batch size.
+      enough=lambda held, batch_size: held > 0,
+      masses=(lambda local: local.window_tree) if with_tree else None,
+      at_rank=functools.partial(_window_ids_at_ranks,
+                                sequence_length=sequence_length,
+                                period=add_settings["period"]),
+      rows=rows,
+      item_ids=sequence.window_item_ids,
+      as_sample=lambda rows, indices, weights, item_ids: SequenceSample(
+          items=rows[0], indices=indices, weights=weights, item_ids=item_ids,
+          mask=rows[1]),
+      beta=sample_settings.get("beta") if is_prioritized else None,
+      stratified=sample_settings.get("stratified", False),
+      uniform_when_massless=False)
+
+
+# The wrapped kinds, by the module function their buffer's `init` binds.
+_KINDS = {uniform.init: (_item_kind, uniform),
+          prioritized.init: (_item_kind, prioritized),
+          sequence.init: (_sequence_kind, sequence),
+          prioritized_sequence.init: (_sequence_kind, prioritized_sequence)}
+
+
 def _check_divides(count: int, num_devices: int, name: str, what: str) -> None:
   if count % num_devices:
     raise ValueError(
@@ -102,42 +274,50 @@ def _check_divides(count: int, num_devices: int, name: str, what: str) -> None:
         f"of the mesh axis; use a multiple of {num_devices}.")
 
 
-def _check_sharded_state(state: Any, kind, what: str, num_devices: int) -> None:
-  expected = PrioritizedReplayState if kind is prioritized else ReplayState
-  validation.check_state_kind(state, expected, what=what,
-                              exact=kind is uniform)
-  if np.shape(state.size) != (num_devices,):
+def _check_sharded_state(state: Any, kind: _Kind, what: str,
+                         num_devices: int) -> None:
+  validation.check_state_kind(state, kind.state_type, what=what,
+                              exact=kind.exact_type)
+  expected = (num_devices, *kind.counter_shape)
+  given = np.shape(kind.local_counter(state))
+  if given != expected:
     raise ValueError(
         f"{what}: expected a sharded state, its counters of shape "
-        f"({num_devices},) (one per device), given shape "
-        f"{np.shape(state.size)}; make it with the sharded buffer's init.")
+        f"{expected} (one per device), given shape {given}; make it with "
+        f"the sharded buffer's init.")
 
 
-def _local_capacity(state: ReplayState) -> int:
-  return jax.tree_util.tree_leaves(state.storage)[0].shape[1]
-
-
-def init(example_item: PyTree, *, kind, capacity: int,
-         mesh: jax.sharding.Mesh, axis: str) -> ReplayState:
+def init(example_item: PyTree, *, kind: _Kind, mesh: jax.sharding.Mesh,
+         axis: str) -> Any:
   """An empty sharded buffer: each device's part made in place on it.
 
   Returns:
     The wrapped kind's state with every leaf `[D, ...]` split over `axis`;
-    storage leaves `[D, L, *leaf.shape]`.
+    storage leaves `[D, L, *leaf.shape]` (items) or `[D, N / D, R,
+    *leaf.shape]` (sequences).
   """
   num_devices = _num_devices(mesh, axis)
-  _check_divides(capacity, num_devices, "capacity", "sharded")
-  local_capacity = capacity // num_devices
   items = jax.tree.map(
       lambda leaf: jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf)),
       example_item)
-  make = lambda: jax.vmap(lambda _: kind.init(items, capacity=local_capacity))(
-      jnp.arange(num_devices))
+  make = lambda: jax.vmap(lambda _: kind.init(items))(jnp.arange(num_devices))
   # Made by a jit with output shardings, so no device ever holds the whole.
   return jax.jit(make, out_shardings=NamedSharding(mesh, _spec(axis)))()
 
 
-def add(state: ReplayState, items: PyTree, *, kind, alpha: float | None,
+def _add_locally(state: Any, arguments: tuple, *, kind: _Kind,
+                 mesh: jax.sharding.Mesh, axis: str) -> Any:
+  """Each device adds its blocks of `arguments` (all split on axis 0)."""
+  def add_block(sharded_state, arguments):
+    return _stacked(kind.add(_local(sharded_state), *arguments))
+
+  return jax.shard_map(add_block, mesh=mesh, in_specs=_spec(axis),
+                       out_specs=_spec(axis))(
+                           *_placed((state, arguments), mesh, axis,
+                                    _spec(axis)))
+
+
+def add(state: ReplayState, items: PyTree, *, kind: _Kind,
         mesh: jax.sharding.Mesh, axis: str) -> ReplayState:
   """Adds `items [B, ...]`: device d writes rows `[d B/D, (d+1) B/D)`.
 
@@ -151,15 +331,36 @@ def add(state: ReplayState, items: PyTree, *, kind, alpha: float | None,
   (batch_size,) = validation.check_batched_leaves(spec, items, what="add")
   validation.check_host_integers(items, what="add")
   _check_divides(batch_size, num_devices, "the add batch B", "add")
-  add_local = (kind.add if alpha is None
-               else functools.partial(kind.add, alpha=alpha))
+  return _add_locally(state, (items,), kind=kind, mesh=mesh, axis=axis)
 
-  def add_block(sharded_state, block):
-    return _stacked(add_local(_local(sharded_state), block))
 
-  return jax.shard_map(add_block, mesh=mesh, in_specs=_spec(axis),
-                       out_specs=_spec(axis))(
-                           *_placed((state, items), mesh, axis, _spec(axis)))
+def _unplaced(leaf: Any) -> jax.ShapeDtypeStruct:
+  """`leaf`'s shape and dtype with no sharding, to check as on one device."""
+  aval = jax.typeof(jnp.asarray(leaf))
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def add_steps(state: SequenceReplayState, steps: PyTree,
+              mask: jax.Array | None = None,
+              episode_end: jax.Array | None = None, *, kind: _Kind,
+              global_sizes: dict[str, int], mesh: jax.sharding.Mesh,
+              axis: str) -> SequenceReplayState:
+  """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`).
+
+  Device d writes envs `[d N/D, (d+1) N/D)`: its rows of `steps`, `mask`
+  (bool `[N]`) and `episode_end` (bool `[N]` or `[N, T]`); no collective
+  runs. Everything is checked first as the unsharded buffer checks it, with
+  its messages and the global N.
+  """
+  _check_sharded_state(state, kind, "add", _num_devices(mesh, axis))
+  step_spec = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape[3:], x.dtype), state.storage)
+  unsharded = jax.eval_shape(functools.partial(kind.init, **global_sizes),
+                             step_spec)
+  jax.eval_shape(kind.add, unsharded,
+                 *jax.tree.map(_unplaced, (steps, mask, episode_end)))
+  return _add_locally(state, (steps, mask, episode_end), kind=kind,
+                      mesh=mesh, axis=axis)
 
 
 def _as_bits(leaf: jax.Array) -> jax.Array:
@@ -238,42 +439,41 @@ def _owner(inclusive: jax.Array, masses: jax.Array,
   return jnp.where(score < num_devices, score, 2 * num_devices - 1 - score)
 
 
-def _global_sample(state: ReplayState, key: jax.Array, batch_size: int, *,
-                   kind, beta, stratified: bool, axis: str,
-                   batch: str) -> ReplaySample:
+def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
+                   kind: _Kind, axis: str, batch: str) -> ReplaySample:
   """One device's part of an exact global sample (runs inside shard_map)."""
   local = _local(state)
   device = jax.lax.axis_index(axis)
-  local_capacity = ring.capacity_of(local.storage)
-  sizes = _from_every_device(local.size, axis)
+  ids_per_device = kind.ids_per_device(state)
+  sizes = _from_every_device(kind.held(local), axis)
   total_size = jnp.sum(sizes)
   size_prefix = jnp.cumsum(sizes) - sizes
 
   def uniform_choice():
-    """(owner, local slot) uniform over every item held anywhere."""
+    """(owner, rank within it) uniform over everything sampleable anywhere."""
     drawn = random.uniform_indices(key, total_size, batch_size)
-    # The first device whose items reach past `drawn`: it holds some. An
-    # empty buffer draws 0 and gives device 0, slot 0.
+    # The first device whose counts reach past `drawn`: it holds some. An
+    # empty buffer draws 0 and gives device 0, rank 0.
     owner = jnp.sum(jnp.cumsum(sizes)[None, :] <= drawn[:, None], axis=1,
                     dtype=jnp.int32)
     owner = jnp.where(total_size > 0, owner, 0)
     return owner, drawn - size_prefix[owner]
 
-  if kind is uniform:
-    owner, slots = uniform_choice()
+  if kind.masses is None:
+    owner, ranks = uniform_choice()
     own = owner == device
-    slots = jnp.where(own, slots, 0)
-    item_ids = jnp.where(own, ring.current_item_ids(local, slots), 0)
-    small = jax.lax.psum(item_ids, axis)
+    ids = jnp.where(own, kind.at_rank(local, ranks), 0)
+    item_ids = jnp.where(own, kind.item_ids(local, ids), 0)
+    global_ids = jax.lax.psum(item_ids, axis)
     weights = jnp.full((batch_size,), total_size > 0, jnp.float32)
-    global_ids = small
   else:
-    totals = _from_every_device(sum_tree.total(local.sum_tree), axis)
+    tree = kind.masses(local)
+    totals = _from_every_device(sum_tree.total(tree), axis)
     total = jnp.sum(totals)
     inclusive = jnp.cumsum(totals)
     uniforms = random.random_uniform(
-        key, (1 + sum_tree.num_redraws(local.sum_tree), batch_size))
-    if stratified:
+        key, (1 + sum_tree.num_redraws(tree), batch_size))
+    if kind.stratified:
       targets = (jnp.arange(batch_size, dtype=jnp.float32) + uniforms[0]) * (
           total / batch_size)
     else:
@@ -282,77 +482,85 @@ def _global_sample(state: ReplayState, key: jax.Array, batch_size: int, *,
     local_targets = jnp.clip(targets - (inclusive - totals)[owner], 0.0,
                              totals[owner])
     found, leaf_values = sum_tree.find_prefix_sums_and_leaves(
-        local.sum_tree, local_targets, uniforms[1:])
+        tree, local_targets, uniforms[1:])
     has_mass = total > 0
-    # All priorities underflowed to zero: uniform over the items held.
-    fallback_owner, fallback_slots = uniform_choice()
-    owner = jnp.where(has_mass, owner, fallback_owner)
+    if kind.uniform_when_massless:
+      # All priorities underflowed to zero: uniform over the items held.
+      fallback_owner, fallback_ranks = uniform_choice()
+      owner = jnp.where(has_mass, owner, fallback_owner)
+      found = jnp.where(has_mass, found, kind.at_rank(local, fallback_ranks))
+      massless_weight = (total_size > 0).astype(jnp.float32)
+    else:
+      # As the unsharded sequence replays: id 0, weight 0.
+      owner = jnp.where(has_mass, owner, 0)
+      found = jnp.where(has_mass, found, 0)
+      massless_weight = jnp.float32(0)
     own = owner == device
-    slots = jnp.where(own, jnp.where(has_mass, found, fallback_slots), 0)
-    item_ids = jnp.where(own, ring.current_item_ids(local, slots), 0)
-    leaf_bits = jnp.where(own, jax.lax.bitcast_convert_type(
-        leaf_values, jnp.uint32), 0)
-    small = jax.lax.psum(jnp.stack([item_ids, leaf_bits]), axis)
-    global_ids = small[0]
-    leaf_values = jax.lax.bitcast_convert_type(small[1], jnp.float32)
-    log_weights = -prioritized.beta_at(beta, local.beta_step) * jnp.log(
-        total_size.astype(jnp.float32) * (leaf_values / total))
-    weights = jnp.exp(log_weights - jnp.max(log_weights))
-    weights = jnp.where(has_mass, weights,
-                        (total_size > 0).astype(jnp.float32))
+    ids = jnp.where(own, found, 0)
+    item_ids = jnp.where(own, kind.item_ids(local, ids), 0)
+    if kind.beta is None:
+      global_ids = jax.lax.psum(item_ids, axis)
+      weights = jnp.ones((batch_size,), jnp.float32)
+    else:
+      leaf_bits = jnp.where(own, jax.lax.bitcast_convert_type(
+          leaf_values, jnp.uint32), 0)
+      small = jax.lax.psum(jnp.stack([item_ids, leaf_bits]), axis)
+      global_ids = small[0]
+      leaf_values = jax.lax.bitcast_convert_type(small[1], jnp.float32)
+      log_weights = -prioritized.beta_at(kind.beta, local.beta_step) * jnp.log(
+          total_size.astype(jnp.float32) * (leaf_values / total))
+      weights = jnp.exp(log_weights - jnp.max(log_weights))
+    weights = jnp.where(has_mass, weights, massless_weight)
 
-  indices = owner * local_capacity + slots
-  # `slots` is only meaningful at the owner; the owner is known everywhere.
+  indices = owner * ids_per_device + ids
+  # `ids` is only meaningful at the owner; the owner is known everywhere.
   indices = jax.lax.psum(jnp.where(own, indices, 0), axis)
-  items = _combine_rows(ring.gather(local.storage, slots), own, axis, batch)
+  rows = _combine_rows(kind.rows(local, ids), own, axis, batch)
   if batch == "sharded":
     block = batch_size // jax.lax.axis_size(axis)
     start = device * block
     cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, block)
     indices, weights, global_ids = map(cut, (indices, weights, global_ids))
-  return ReplaySample(items=items, indices=indices, weights=weights,
-                      item_ids=global_ids)
+  return kind.as_sample(rows, indices, weights, global_ids)
 
 
-def _local_sample(state: ReplayState, key: jax.Array, batch_size: int, *,
-                  kind, beta, stratified: bool, axis: str,
-                  batch: str) -> ReplaySample:
-  """S / D items from this device's own part, with no communication."""
+def _local_sample(state: Any, key: jax.Array, batch_size: int, *,
+                  kind: _Kind, axis: str, batch: str) -> ReplaySample:
+  """S / D items or windows from this device's own part, no communication."""
   local = _local(state)
   device = jax.lax.axis_index(axis)
   block = batch_size // jax.lax.axis_size(axis)
-  device_key = jax.random.fold_in(key, device)
-  if kind is uniform:
-    drawn = uniform.sample(local, device_key, block)
-  else:
-    drawn = prioritized.sample(local, device_key, block, beta=beta,
-                               stratified=stratified)
+  drawn = kind.sample(local, jax.random.fold_in(key, device), block)
   drawn = drawn.replace(
-      indices=drawn.indices + device * ring.capacity_of(local.storage))
+      indices=drawn.indices + device * kind.ids_per_device(state))
   if batch == "replicated":
     drawn = _joined_blocks(drawn, axis)
   return drawn
 
 
-def sample(state: ReplayState, key: jax.Array, batch_size: int, *, kind,
-           beta: float | Schedule | None, stratified: bool,
+def sample(state: Any, key: jax.Array, batch_size: int, *, kind: _Kind,
            mesh: jax.sharding.Mesh, axis: str, sampling: str,
            batch: str) -> ReplaySample:
-  """Draws `batch_size` items over all devices' parts.
+  """Draws `batch_size` items (or windows) over all devices' parts.
 
   Returns:
-    A `ReplaySample` whose indices are global slots (device `g // L`, local
-    slot `g % L`): items `[S, ...]`, indices int32 `[S]`, weights float32
-    `[S]`, item_ids uint32 `[S]`; split over `axis` in blocks of S / D
-    (`batch="sharded"`) or whole on every device (`"replicated"`).
+    The wrapped kind's sample (a `ReplaySample`, or a `SequenceSample` with
+    `mask [S, L]`) whose indices are global: slot `g` of item replay is
+    local slot `g % L` of device `g // L`, window id `g` of sequence replay
+    (the unsharded buffer's numbering) local window `g % W` of device
+    `g // W`. Items `[S, ...]` (`[S, L, ...]` windows), indices int32
+    `[S]`, weights float32 `[S]`, item_ids uint32 `[S]`; split over `axis`
+    in blocks of S / D (`batch="sharded"`) or whole on every device
+    (`"replicated"`).
   """
   num_devices = _num_devices(mesh, axis)
   _check_sharded_state(state, kind, "sample", num_devices)
-  validation.check_sample_args(state.size, key, batch_size, checked=False)
+  validation.check_key(key, what="sample")
+  validation.check_batch_size(batch_size, what="sample")
   _check_divides(batch_size, num_devices, "batch_size", "sample")
   draw = _global_sample if sampling == "global" else _local_sample
-  draw = functools.partial(draw, batch_size=batch_size, kind=kind, beta=beta,
-                           stratified=stratified, axis=axis, batch=batch)
+  draw = functools.partial(draw, batch_size=batch_size, kind=kind, axis=axis,
+                           batch=batch)
   out = _spec(axis) if batch == "sharded" else PartitionSpec()
   return jax.shard_map(lambda s, k: draw(s, k), mesh=mesh,
                        in_specs=(_spec(axis), PartitionSpec()),
@@ -360,40 +568,39 @@ def sample(state: ReplayState, key: jax.Array, batch_size: int, *, kind,
                                       _placed(key, mesh, axis, PartitionSpec()))
 
 
-def update_priorities(state: ReplayState, indices: jax.Array,
-                      priorities: jax.Array, item_ids: jax.Array | None = None,
-                      *, kind, alpha: float | None, eps: float | None,
-                      mesh: jax.sharding.Mesh, axis: str) -> ReplayState:
-  """Routes each update of global slot `indices [S]` to the device owning it.
+def update_priorities(state: Any, indices: jax.Array, priorities: jax.Array,
+                      item_ids: jax.Array | None = None, *, kind: _Kind,
+                      mesh: jax.sharding.Mesh, axis: str) -> Any:
+  """Routes each update of global id `indices [S]` to the device owning it.
 
   Every device sees the whole update (an all-gather of 12 S bytes when the
   arguments come split over the axis) and applies, in order, the entries it
-  owns; skips are as for the wrapped kind (index not held, priority not
-  finite or negative, item overwritten since sampled). The running maximum
-  priority is then taken over all devices, so new items enter at the same
-  priority everywhere.
+  owns; skips are as for the wrapped kind (an index not held or a window not
+  sampleable now, a priority not finite, an item or window overwritten since
+  it was sampled). The running maximum priority is then taken over all
+  devices, so new items and windows enter at the same priority everywhere.
   """
   num_devices = _num_devices(mesh, axis)
   _check_sharded_state(state, kind, "update_priorities", num_devices)
   indices = validation.host_indices(indices)
   validation.check_priority_update_args(indices, priorities, item_ids)
-  if kind is uniform:
+  if kind.update_priorities is None:
     return state
   indices = jnp.asarray(indices)
   priorities = jnp.asarray(priorities)
-  local_capacity = _local_capacity(state)
-  capacity = num_devices * local_capacity
+  ids_per_device = kind.ids_per_device(state)
+  num_ids = num_devices * ids_per_device
 
   def update_owned(sharded_state, indices, priorities, item_ids):
     local = _local(sharded_state)
     device = jax.lax.axis_index(axis)
-    in_range = ring.indices_in_range(indices, jnp.int32(capacity))
-    slots = jnp.where(in_range, indices, 0).astype(jnp.int32)
-    owned = in_range & (slots // local_capacity == device)
-    # Slot L is past every local item, so the local update skips it.
-    slots = jnp.where(owned, slots % local_capacity, local_capacity)
-    local = kind.update_priorities(local, slots, priorities, item_ids,
-                                   alpha=alpha, eps=eps)
+    in_range = ring.indices_in_range(indices, jnp.int32(num_ids))
+    ids = jnp.where(in_range, indices, 0).astype(jnp.int32)
+    owned = in_range & (ids // ids_per_device == device)
+    # Id `ids_per_device` is past every local one, so the local update
+    # skips it.
+    ids = jnp.where(owned, ids % ids_per_device, ids_per_device)
+    local = kind.update_priorities(local, ids, priorities, item_ids)
     local = local.replace(max_priority=jax.lax.pmax(local.max_priority, axis))
     return _stacked(local)
 
@@ -406,22 +613,24 @@ def update_priorities(state: ReplayState, indices: jax.Array,
           *_placed((indices, priorities, item_ids), mesh, axis, replicated))
 
 
-def can_sample(state: ReplayState, batch_size: int, *, sampling: str,
+def can_sample(state: Any, batch_size: int, *, kind: _Kind, sampling: str,
                num_devices: int) -> jax.Array:
-  """Whether a sample of `batch_size` is backed by items: bool `()`.
+  """Whether a sample of `batch_size` is backed by data: bool `()`.
 
-  Global: all devices together hold at least `batch_size` items. Local:
-  every device holds at least `batch_size / D`.
+  Global: all devices together pass the wrapped kind's test (item replay:
+  at least `batch_size` items; sequence replay: a complete window). Local:
+  every device passes it for `batch_size / D`.
   """
   validation.check_batch_size(batch_size, what="can_sample")
   _check_divides(batch_size, num_devices, "batch_size", "can_sample")
+  held = kind.held(state)
   if sampling == "global":
-    return jnp.sum(state.size) >= batch_size
-  return jnp.min(state.size) >= batch_size // num_devices
+    return kind.enough(jnp.sum(held), batch_size)
+  return jnp.all(kind.enough(held, batch_size // num_devices))
 
 
-def clear(state: ReplayState, *, kind, mesh: jax.sharding.Mesh,
-          axis: str) -> ReplayState:
+def clear(state: Any, *, kind: _Kind, mesh: jax.sharding.Mesh,
+          axis: str) -> Any:
   """Empties every device's part without reallocating."""
   _check_sharded_state(state, kind, "clear", _num_devices(mesh, axis))
   return jax.shard_map(lambda s: _stacked(kind.clear(_local(s))), mesh=mesh,
@@ -438,27 +647,34 @@ def _bound_settings(function: Callable) -> dict[str, Any]:
 
 def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
             sampling: str = "global", batch: str = "sharded") -> Buffer:
-  """`buffer` with its capacity split over the devices of `mesh`'s `axis`.
+  """`buffer` split over the devices of `mesh`'s `axis`.
 
   Args:
-    buffer: a `uniform_replay` or `prioritized_replay` buffer (not checked
-      mode); its capacity C is the global one and must divide by D.
+    buffer: a `uniform_replay` or `prioritized_replay` buffer, whose
+      capacity C (the global one) is split over the devices and must divide
+      by D; or a `sequence_replay` or `prioritized_sequence_replay` buffer
+      (either `episodes` mode), sharded over envs: num_envs N must divide by
+      D, and each device holds N / D whole envs. Not checked mode.
     mesh: a `jax.sharding.Mesh`, e.g. `jax.make_mesh((D,), ("data",))`;
       Explicit and Auto axes both work. Other axes hold copies.
-    axis: the mesh axis the capacity, add batches and samples are split on.
-    sampling: `"global"`, exact over all devices' items (the same
-      distribution as the unsharded buffer); or `"local"`, S / D items from
-      each device's own part, with no communication (see the module notes
-      for what that approximates).
+    axis: the mesh axis the buffer, add batches and samples are split on.
+    sampling: `"global"`, exact over all devices' items or windows (the same
+      distribution as the unsharded buffer); or `"local"`, S / D from each
+      device's own part, with no communication (see the module notes for
+      what that approximates).
     batch: `"sharded"`, the sample split over `axis` in blocks of S / D
       rows (about the batch's bytes moved per device); or `"replicated"`,
       the whole sample on every device (about twice that).
 
   Returns:
     A `Buffer` with the same functions. The state is the stack of the D
-    local states (every leaf `[D, ...]`, split over `axis`); indices are
-    global slots, device `g // (C / D)`, local slot `g % (C / D)`. Batch
-    sizes, for `add` and `sample`, must divide by D.
+    local states (every leaf `[D, ...]`, split over `axis`). Item replay:
+    `add` takes items `[B, ...]`, B a multiple of D, device d writing rows
+    `[d B/D, (d+1) B/D)`; indices are global slots, device `g // (C / D)`,
+    local slot `g % (C / D)`. Sequence replay: `add(state, steps, mask,
+    episode_end)` takes `[N, ...]` or `[N, T, ...]`, device d writing envs
+    `[d N/D, (d+1) N/D)`; indices are the unsharded buffer's window ids
+    `n * R + j`, device `g // (N / D * R)`. Sample sizes must divide by D.
 
   >>> import jax, jax.numpy as jnp, jaxbuf
   >>> mesh = jax.make_mesh((4,), ("data",))
@@ -470,16 +686,28 @@ def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
   >>> batch = buffer.sample(state, jax.random.key(0), 4)
   >>> int(state.size.sum()), batch.items["obs"].shape
   (8, (4, 3))
+
+  Sequence replay, 8 envs over 4 devices, 2 envs each:
+
+  >>> windows = jaxbuf.sharded(jaxbuf.sequence_replay(
+  ...     num_envs=8, capacity=128, sequence_length=3), mesh)
+  >>> state = windows.init({"obs": jnp.zeros(3)})
+  >>> state.storage["obs"].shape
+  (4, 2, 16, 3)
+  >>> state = windows.add(state, {"obs": jnp.ones((8, 5, 3))})  # 5 steps
+  >>> windows.sample(state, jax.random.key(0), 4).items["obs"].shape
+  (4, 3, 3)
   """
   if not isinstance(buffer, Buffer):
     raise TypeError(f"sharded: buffer must be a jaxbuf.Buffer, given "
                     f"{type(buffer).__name__}.")
-  kind = _KINDS.get(inspect.unwrap(buffer.init))
-  if kind is None:
+  make_kind, module = _KINDS.get(inspect.unwrap(buffer.init), (None, None))
+  if make_kind is None:
     raise TypeError(
-        "sharded: wraps uniform_replay and prioritized_replay buffers; given "
-        f"a buffer whose init is {inspect.unwrap(buffer.init).__qualname__} "
-        f"from {inspect.unwrap(buffer.init).__module__}.")
+        "sharded: wraps uniform_replay, prioritized_replay, sequence_replay "
+        "and prioritized_sequence_replay buffers; given a buffer whose init "
+        f"is {inspect.unwrap(buffer.init).__qualname__} from "
+        f"{inspect.unwrap(buffer.init).__module__}.")
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"sharded: mesh must be a jax.sharding.Mesh, given "
                     f"{type(mesh).__name__}.")
@@ -492,29 +720,28 @@ def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
   if batch not in BATCH_LAYOUTS:
     raise ValueError(f"sharded: batch must be one of {BATCH_LAYOUTS}, given "
                      f"{batch!r}.")
-  sample_settings = _bound_settings(buffer.sample)
-  if sample_settings.get("checked"):
+  if _bound_settings(buffer.sample).get("checked"):
     raise ValueError(
         "sharded: checked buffers are not supported; wrap the unchecked "
         "buffer (its skips of bad updates and empty samples are the same).")
-  capacity = _bound_settings(buffer.init)["capacity"]
   num_devices = _num_devices(mesh, axis)
-  _check_divides(capacity, num_devices, "capacity", "sharded")
-  update_settings = _bound_settings(buffer.update_priorities)
-  where = dict(mesh=mesh, axis=axis)
+  kind = make_kind(buffer, module, num_devices)
+  where = dict(kind=kind, mesh=mesh, axis=axis)
+  if make_kind is _sequence_kind:
+    add_function = functools.partial(
+        add_steps, global_sizes={name: size for name, size
+                                 in _bound_settings(buffer.init).items()
+                                 if name in ("num_envs", "capacity")},
+        **where)
+  else:
+    add_function = functools.partial(add, **where)
   return bind(
-      init=functools.partial(init, kind=kind, capacity=capacity, **where),
-      add=functools.partial(add, kind=kind,
-                            alpha=_bound_settings(buffer.add).get("alpha"),
-                            **where),
-      sample=functools.partial(
-          sample, kind=kind, beta=sample_settings.get("beta"),
-          stratified=sample_settings.get("stratified", False),
-          sampling=sampling, batch=batch, **where),
-      update_priorities=functools.partial(
-          update_priorities, kind=kind, alpha=update_settings.get("alpha"),
-          eps=update_settings.get("eps"), **where),
-      can_sample=functools.partial(can_sample, sampling=sampling,
+      init=functools.partial(init, **where),
+      add=add_function,
+      sample=functools.partial(sample, sampling=sampling, batch=batch,
+                               **where),
+      update_priorities=functools.partial(update_priorities, **where),
+      can_sample=functools.partial(can_sample, kind=kind, sampling=sampling,
                                    num_devices=num_devices),
-      clear=functools.partial(clear, kind=kind, **where),
+      clear=functools.partial(clear, **where),
       checked=False)
