@@ -17,11 +17,18 @@ The goal is at most the batch's own bytes (S rows) moved per device; a
 replicated psum of the whole batch costs about twice that, the ideal
 exchange of only the rows each device receives about 1 / D of it.
 
+Sequence replay (sharded over envs) is measured the same way for S = 64
+windows of L = 40 steps with an 84-float32 observation (336 bytes a step,
+plus the 1-byte first-episode mask that comes back with each step), 16 envs
+of 1024 steps, across episodes, uniform and prioritized; `add` of one step
+per env is read too.
+
 Per-step times on fake CPU devices are not given: the D "devices" share one
 process and the host's cores, so a time per step says nothing of how the
 sampling scales across real devices.
 
 Run: python benchmarks/bench_sharded.py [--devices 2 4 8]
+                                         [--cases items sequences]
 """
 
 import argparse
@@ -45,6 +52,9 @@ from benchmarks import harness  # noqa: E402
 BATCH = 256
 OBS = 84
 CAPACITY = 2 ** 14
+WINDOWS = 64
+SEQUENCE_LENGTH = 40
+NUM_ENVS = 16
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
                "collective-permute", "ragged-all-to-all")
 # `%name = <result shape> <op>(<operands>)`; async pairs appear as -start.
@@ -91,6 +101,14 @@ def collective_bytes(hlo: str, num_devices: int) -> tuple[dict[str, int], int, f
   return counts, operand_total, moved
 
 
+def _sharded_spec(tree, mesh):
+  """Shapes of a sharded state, laid out over the mesh axis as `init` makes it."""
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+              mesh, jax.sharding.PartitionSpec("data"))), tree)
+
+
 def measure(num_devices: int, kind: str, sampling: str, batch: str):
   mesh = jax.make_mesh((num_devices,), ("data",),
                        devices=jax.devices()[:num_devices])
@@ -98,11 +116,7 @@ def measure(num_devices: int, kind: str, sampling: str, batch: str):
            else jaxbuf.prioritized_replay(CAPACITY))
   buffer = jaxbuf.sharded(inner, mesh, sampling=sampling, batch=batch)
   item = {"obs": jnp.zeros(OBS, jnp.float32), "action": jnp.int32(0)}
-  state = jax.eval_shape(buffer.init, item)
-  state = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(
-          x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
-              mesh, jax.sharding.PartitionSpec("data"))), state)
+  state = _sharded_spec(jax.eval_shape(buffer.init, item), mesh)
   key = jax.random.key(0)
   sample_hlo = jax.jit(lambda s, k: buffer.sample(s, k, BATCH)).lower(
       state, key).compile().as_text()
@@ -117,37 +131,73 @@ def measure(num_devices: int, kind: str, sampling: str, batch: str):
           collective_bytes(add_hlo, num_devices))
 
 
+def measure_sequence(num_devices: int, kind: str, sampling: str, batch: str):
+  """As `measure`, for sequence replay: S = 64 windows of L = 40 steps."""
+  mesh = jax.make_mesh((num_devices,), ("data",),
+                       devices=jax.devices()[:num_devices])
+  make = (jaxbuf.sequence_replay if kind == "uniform"
+          else jaxbuf.prioritized_sequence_replay)
+  inner = make(NUM_ENVS, NUM_ENVS * 1024, SEQUENCE_LENGTH)
+  buffer = jaxbuf.sharded(inner, mesh, sampling=sampling, batch=batch)
+  step = {"obs": jnp.zeros(OBS, jnp.float32)}
+  state = _sharded_spec(jax.eval_shape(buffer.init, step), mesh)
+  key = jax.random.key(0)
+  draw = lambda s, k: buffer.sample(s, k, WINDOWS)
+  sample_hlo = jax.jit(draw).lower(state, key).compile().as_text()
+  sample = jax.eval_shape(draw, state, key)
+  update_hlo = jax.jit(buffer.update_priorities).lower(
+      state, sample.indices, sample.weights, sample.item_ids).compile().as_text()
+  add_hlo = jax.jit(buffer.add).lower(
+      state, {"obs": jnp.zeros((NUM_ENVS, OBS))}).compile().as_text()
+  return (collective_bytes(sample_hlo, num_devices),
+          collective_bytes(update_hlo, num_devices),
+          collective_bytes(add_hlo, num_devices))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--devices", type=int, nargs="+", default=[2, 4, 8])
+  parser.add_argument("--cases", nargs="+", default=["items", "sequences"],
+                      choices=["items", "sequences"])
   args = parser.parse_args()
   harness.print_machine()
-  row_bytes = OBS * 4 + 4
-  batch_bytes = BATCH * row_bytes
-  print(f"\nS = {BATCH}, a row {row_bytes} bytes: the batch is {batch_bytes} "
-        f"bytes; capacity {CAPACITY}.\n")
-  rows = []
   verdicts = harness.Verdicts()
-  for num_devices in args.devices:
-    for kind in ("uniform", "prioritized"):
-      for sampling in ("global", "local"):
-        for batch in ("sharded", "replicated"):
-          (ops, operand, moved), (_, _, update_moved), (add_ops, _, _) = measure(
-              num_devices, kind, sampling, batch)
-          rows.append((num_devices, kind, sampling, batch,
-                       " ".join(f"{op}x{n}" for op, n in sorted(ops.items()))
-                       or "none", operand, round(moved),
-                       f"{moved / batch_bytes:.2f}", round(update_moved),
-                       "none" if not add_ops else str(add_ops)))
-          if sampling == "global" and batch == "sharded":
-            verdicts.judge(f"D={num_devices} {kind} global sharded: moved per "
-                           "device / batch bytes", moved / batch_bytes, 1.0,
-                           higher_is_better=False)
-  harness.print_table(
-      [("D", 2), ("kind", -11), ("sampling", -8), ("batch", -10),
-       ("sample collectives", -30), ("operand B", 10), ("moved/dev B", 11),
-       ("/batch", 6), ("update moved/dev B", 18), ("add collectives", -15)],
-      rows)
+  cases = []
+  if "items" in args.cases:
+    row_bytes = OBS * 4 + 4
+    cases.append(("items", measure, BATCH * row_bytes,
+                  f"S = {BATCH}, a row {row_bytes} bytes: the batch is "
+                  f"{BATCH * row_bytes} bytes; capacity {CAPACITY}."))
+  if "sequences" in args.cases:
+    window_bytes = SEQUENCE_LENGTH * (OBS * 4 + 1)
+    cases.append(("sequences", measure_sequence, WINDOWS * window_bytes,
+                  f"S = {WINDOWS} windows of L = {SEQUENCE_LENGTH} steps, a "
+                  f"window {window_bytes} bytes (mask included): the batch "
+                  f"is {WINDOWS * window_bytes} bytes; {NUM_ENVS} envs of "
+                  "1024 steps."))
+  for case, measure_case, batch_bytes, title in cases:
+    print(f"\n{case}: {title}\n")
+    rows = []
+    for num_devices in args.devices:
+      for kind in ("uniform", "prioritized"):
+        for sampling in ("global", "local"):
+          for batch in ("sharded", "replicated"):
+            ((ops, operand, moved), (_, _, update_moved),
+             (add_ops, _, _)) = measure_case(num_devices, kind, sampling, batch)
+            rows.append((num_devices, kind, sampling, batch,
+                         " ".join(f"{op}x{n}" for op, n in sorted(ops.items()))
+                         or "none", operand, round(moved),
+                         f"{moved / batch_bytes:.2f}", round(update_moved),
+                         "none" if not add_ops else str(add_ops)))
+            if sampling == "global" and batch == "sharded":
+              verdicts.judge(f"{case} D={num_devices} {kind} global sharded: "
+                             "moved per device / batch bytes",
+                             moved / batch_bytes, 1.0, higher_is_better=False)
+    harness.print_table(
+        [("D", 2), ("kind", -11), ("sampling", -8), ("batch", -10),
+         ("sample collectives", -30), ("operand B", 10), ("moved/dev B", 11),
+         ("/batch", 6), ("update moved/dev B", 18), ("add collectives", -15)],
+        rows)
   verdicts.info("per-step times on fake CPU devices are not a scaling figure "
                 "and are not reported")
   verdicts.print("Verdicts")
