@@ -102,7 +102,7 @@ def collective_bytes(hlo: str, num_devices: int) -> tuple[dict[str, int], int, f
 
 
 def _sharded_spec(tree, mesh):
-  """Shapes of a sharded state, laid out over the mesh axis as `init` makes it."""
+  """A sharded state's shapes, laid out over the mesh axis as `init` does."""
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(
           x.shape, x.dtype, sharding=jax.sharding.NamedSharding(

@@ -776,6 +776,31 @@ def test_sequence_inside_a_jitted_scan_with_donation_and_no_retrace(
                                 np.asarray(indices) // SEQ_PER_ENV)
 
 
+def test_sequence_vmap_over_many_sharded_states_matches_one_at_a_time():
+  buffer = sharded_sequence(True, "cross")
+  keys = jax.random.split(jax.random.key(7), 3)
+  ids = StepIds()
+  chunks = [ids.steps(np.ones(SEQ_ENVS, bool), 4) for _ in range(3)]
+  chunks = jax.tree.map(lambda *xs: np.stack(xs), *chunks)
+
+  def step(state, chunk, key):
+    state = buffer.add(state, chunk)
+    sample = buffer.sample(state, key, 8)
+    return buffer.update_priorities(state, sample.indices,
+                                    sample.indices.astype(jnp.float32),
+                                    sample.item_ids), sample
+
+  states = jax.vmap(lambda _: buffer.init(example_step()))(jnp.arange(3))
+  states, samples = jax.jit(jax.vmap(step))(states, chunks, keys)
+  assert states.storage["obs"].shape == (3, D, SEQ_ENVS // D, SEQ_PER_ENV, 2)
+  for v in range(3):
+    state, sample = jax.jit(step)(buffer.init(example_step()),
+                                  jax.tree.map(lambda x: x[v], chunks), keys[v])
+    chex.assert_trees_all_equal(
+        jax.device_get(jax.tree.map(lambda x: x[v], (states, samples))),
+        jax.device_get((state, sample)))
+
+
 def test_sequence_save_and_load_keep_the_split_bit_exact(tmp_path):
   buffer = sharded_sequence(True, "within")
   state = fill(buffer, ragged_adds())

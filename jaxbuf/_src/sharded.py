@@ -121,12 +121,12 @@ class _Kind(NamedTuple):
   """
   state_type: type        # the local state's class
   exact_type: bool        # whether subclasses of state_type are refused
-  local_counter: Callable  # state -> an int array, shape [*stack, *counter_shape]
+  local_counter: Callable  # state -> an int array [*stack, *counter_shape]
   counter_shape: tuple[int, ...]  # that array's shape on one device
   ids_per_device: Callable  # stacked state -> int (static): L, or W windows
   init: Callable          # example -> local state
   add: Callable           # local state, items / steps, ... -> local state
-  sample: Callable        # local state, key, S -> the kind's sample (local mode)
+  sample: Callable        # local state, key, S -> its sample (local mode)
   update_priorities: Callable | None  # None: the identity (uniform kinds)
   clear: Callable         # local state -> local state
   held: Callable          # state -> int32 [*stack]: items or windows sampleable
@@ -186,7 +186,7 @@ def _item_kind(buffer: Buffer, module, num_devices: int) -> _Kind:
 
 def _window_ids_at_ranks(state: SequenceReplayState, ranks: jax.Array, *,
                          sequence_length: int, period: int) -> jax.Array:
-  """The `ranks [S]`-th sampleable windows of a cross-episode buffer: int32 `[S]`.
+  """The `ranks [S]`-th sampleable windows, across episodes: int32 `[S]`.
 
   Ranked env by env, newest first within an env, the order of
   `sequence.uniform_window_ids`: every `period`-th start from
