@@ -18,6 +18,10 @@ ALPHA = 0.7
 ROUNDS = 3          # adds of 4 rows per device (12 rows per process)
 BATCH = 16
 DRAWS = 300         # batches for the distribution
+# Floats per observation: a device's rows (8 x 64 x 4 bytes) are too large for
+# the checkpoint's index to hold inline, so each process's rows land in data
+# files of its own, as real observations would.
+OBS = 64
 
 
 def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
@@ -38,7 +42,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
   buffers = {batch: jaxbuf.sharded(inner, mesh, batch=batch)
              for batch in ("replicated", "sharded")}
   buffer = buffers["replicated"]
-  state = buffer.init({"obs": jnp.zeros(2, jnp.float32),
+  state = buffer.init({"obs": jnp.zeros(OBS, jnp.float32),
                        "serial": jnp.int32(0)})
 
   per_process = 4 * local_devices  # rows this process adds per round
@@ -46,7 +50,8 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
     # Serial numbers say which process and round wrote a row.
     serial = (1000 * process_id + 100 * round_index
               + np.arange(per_process, dtype=np.int32))
-    local = {"obs": np.stack([serial, -serial], 1).astype(np.float32),
+    obs = np.sin(serial[:, None] * np.arange(1.0, OBS))
+    local = {"obs": np.concatenate([serial[:, None], obs], 1).astype(np.float32),
              "serial": serial}
     items = jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(rows, x), local)
@@ -73,13 +78,76 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
                                              tiled=True)
   storage = multihost_utils.process_allgather(state.storage["serial"],
                                               tiled=True)
+  checkpoint = checkpoint_round_trip(
+      buffer, state, jax.random.key(1), os.path.join(out_dir, "checkpoint"),
+      process_id)
   np.savez(os.path.join(out_dir, f"process_{process_id}.npz"),
            indices=indices, serials=serials, weights=weights,
            split_serials=np.asarray(split_serials),
+           whole_indices=np.asarray(whole.indices.addressable_data(0)),
            whole_serials=np.asarray(whole.items["serial"].addressable_data(0)),
+           whole_weights=np.asarray(whole.weights.addressable_data(0)),
            leaves=np.asarray(leaves), storage=np.asarray(storage),
-           num_devices=num_devices, local_devices=local_devices)
+           num_devices=num_devices, local_devices=local_devices, **checkpoint)
   jax.distributed.shutdown()
+
+
+def outcome(call) -> str:
+  """`call()`'s exception as "Type: message", or "" if it returned."""
+  try:
+    call()
+  except Exception as error:  # pylint: disable=broad-except
+    return f"{type(error).__name__}: {error}"
+  return ""
+
+
+def checkpoint_round_trip(buffer, state, key, path: str, process_id: int
+                          ) -> dict[str, np.ndarray]:
+  """Saves, loads into a fresh state, samples; then a bit flipped in one shard.
+
+  Every outcome is recorded rather than asserted, so that a failure in one
+  process never leaves the other waiting: the parent compares.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  import jaxbuf  # pylint: disable=import-outside-toplevel
+
+  def fresh():
+    return buffer.init({"obs": jnp.zeros(OBS, jnp.float32), "serial": jnp.int32(0)})
+
+  jaxbuf.save(path, state)
+  restored = jaxbuf.load(path, like=fresh())
+  # Every shard this process holds: same device, same slice, same bytes.
+  same = all(
+      got.sharding.is_equivalent_to(want.sharding, got.ndim)
+      and all(g.device == w.device and g.index == w.index
+              and np.asarray(g.data).tobytes() == np.asarray(w.data).tobytes()
+              for g, w in zip(got.addressable_shards, want.addressable_shards))
+      for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
+  again = buffer.sample(restored, key, 16)
+  # The processes pass different paths: one clear error in both.
+  disagree = outcome(lambda: jaxbuf.save(f"{path}-{process_id}", state))
+  # Process 1 flips one bit in the largest file of its own shards.
+  multihost_utils.sync_global_devices("checkpoint: loaded")
+  if process_id == 1:
+    own = os.path.join(path, "state", "ocdbt.process_1", "d")
+    victim = max((os.path.join(own, name) for name in os.listdir(own)),
+                 key=os.path.getsize)
+    with open(victim, "r+b") as file:
+      file.seek(os.path.getsize(victim) // 2)
+      byte = file.read(1)[0]
+      file.seek(-1, os.SEEK_CUR)
+      file.write(bytes([byte ^ 0x10]))
+  multihost_utils.sync_global_devices("checkpoint: corrupted")
+  corrupted = outcome(lambda: jaxbuf.load(path, like=fresh()))
+  return {"restored_same": same,
+          "loaded_indices": np.asarray(again.indices.addressable_data(0)),
+          "loaded_serials": np.asarray(again.items["serial"].addressable_data(0)),
+          "loaded_weights": np.asarray(again.weights.addressable_data(0)),
+          "disagree_error": disagree, "corrupted_error": corrupted,
+          "leftovers": sorted(name for name in os.listdir(os.path.dirname(path))
+                              if name.startswith("checkpoint"))}
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -441,10 +442,104 @@ def test_corrupted_array_is_named_by_its_checksum(tmp_path):
   jaxbuf.save(path, state)
   # Stand for corruption the compressed format cannot see: a recorded CRC off by one bit.
   layout = json.loads((path / "layout.json").read_text())
-  layout["leaves"][".storage['obs']"]["crc32"][0] ^= 1
+  layout["leaves"][".storage['obs']"]["pieces"][0]["crc32"][0] ^= 1
   (path / "layout.json").write_text(json.dumps(layout))
   with pytest.raises(ValueError, match=r"checksum mismatch at leaf \.storage\['obs'\]"):
     jaxbuf.load(path, like=buffer.init(example_item()))
+
+
+def _sharded_state(devices):
+  """The small prioritized state with its storage split over `devices` devices."""
+  buffer, state = _small_state()
+  rows = jax.sharding.NamedSharding(jax.make_mesh((devices,), ("slots",)),
+                                    jax.sharding.PartitionSpec("slots"))
+  return buffer, state.replace(storage=jax.device_put(state.storage, rows)), rows
+
+
+def test_each_shard_is_checksummed_and_a_corrupted_one_is_named(tmp_path):
+  buffer, state, rows = _sharded_state(4)
+  path = tmp_path / "ckpt"
+  jaxbuf.save(path, state)
+  layout = json.loads((path / "layout.json").read_text())
+  pieces = layout["leaves"][".storage['obs']"]["pieces"]
+  assert [piece["index"] for piece in pieces] == [[[4 * d, 4 * d + 4], [0, 5]]
+                                                  for d in range(4)]
+  obs = np.asarray(state.storage["obs"])
+  assert [piece["crc32"] for piece in pieces] == [
+      [zlib.crc32(obs[4 * d:4 * d + 4].tobytes())] for d in range(4)]
+  assert layout["leaves"][".size"]["pieces"] == [
+      {"index": [], "crc32": [zlib.crc32(np.asarray(state.size).tobytes())]}]
+  pieces[2]["crc32"][0] ^= 1
+  (path / "layout.json").write_text(json.dumps(layout))
+  like = buffer.init(example_item())
+  sharded_like = like.replace(storage=jax.device_put(like.storage, rows))
+  # Loaded as saved, onto one device, or over 2 devices: the bad piece is named.
+  for target in (sharded_like, like, _sharded_state(2)[1]):
+    with pytest.raises(ValueError, match=r"checksum mismatch at leaf \.storage\['obs'\], "
+                       r"piece \[8:12, 0:5\] \(restored on "):
+      jaxbuf.load(path, like=target)
+
+
+def test_a_state_saved_on_one_device_verifies_when_loaded_split(tmp_path):
+  """Saved whole, loaded over 4 devices: the one piece is checked on the host."""
+  buffer, state = _small_state()
+  path = tmp_path / "ckpt"
+  jaxbuf.save(path, state)
+  _, sharded, rows = _sharded_state(4)
+  like = buffer.init(example_item())
+  like = like.replace(storage=jax.device_put(like.storage, rows))
+  restored = jaxbuf.load(path, like=like)
+  assert_bit_equal(restored, state)
+  assert restored.storage["obs"].sharding.is_equivalent_to(rows, 2)
+  layout = json.loads((path / "layout.json").read_text())
+  layout["leaves"][".storage['obs']"]["pieces"][0]["crc32"][0] ^= 1
+  (path / "layout.json").write_text(json.dumps(layout))
+  with pytest.raises(ValueError, match=r"checksum mismatch at leaf \.storage\['obs'\], "
+                     r"piece \[0:16, 0:5\] \(restored on the host\)"):
+    jaxbuf.load(path, like=like)
+
+
+@pytest.mark.parametrize("boxes, shape, covers", [
+    ([[[0, 2], [0, 3]], [[2, 4], [0, 3]]], [4, 3], True),
+    ([[[0, 2], [0, 1]], [[0, 2], [1, 3]], [[2, 4], [0, 1]], [[2, 4], [1, 3]]], [4, 3], True),
+    ([[[0, 2], [0, 3]]], [4, 3], False),                            # a gap
+    ([[[0, 3], [0, 3]], [[2, 4], [0, 3]]], [4, 3], False),          # an overlap
+    ([[[0, 4], [0, 3]], [[0, 4], [0, 3]]], [4, 3], False),          # twice
+    ([[[0, 2], [0, 2]], [[2, 4], [1, 3]]], [4, 3], False),          # not a grid
+    ([[]], [], True), ([], [], False), ([[]] * 2, [], False),       # scalars
+    ([], [0, 3], True), ([[[0, 0], [0, 3]]], [0, 3], False),        # zero size
+])
+def test_pieces_must_tile_the_leaf_exactly_once(boxes, shape, covers):
+  assert checkpoint._covers_exactly(boxes, shape) is covers
+
+
+def test_gather_round_trips_a_payload_in_one_process():
+  payload = {"path": "/runs/lr[1]/ünï", "pieces": [[[[0, 4]], [2**32 - 1]]]}
+  assert checkpoint._gather(payload) == [payload]
+  assert checkpoint._gather("x" * 1000) == ["x" * 1000]
+
+
+def test_processes_that_disagree_get_one_clear_error():
+  layout = checkpoint._layout(BUFFERS["uniform"].init(example_item()))
+  other = checkpoint._layout(BUFFERS["uniform"].init({**example_item(), "obs": jnp.zeros(4)}))
+  agreeing = [{"path": "/a", "layout": layout}] * 2
+  checkpoint._check_processes_agree("save", agreeing)
+  with pytest.raises(ValueError, match="save: the processes disagree on the path: "
+                     "process 0 has /a, process 1 has /b"):
+    checkpoint._check_processes_agree("save", [agreeing[0], {"path": "/b", "layout": layout}])
+  with pytest.raises(ValueError, match=r"load: the processes disagree on the state: process 0 "
+                     r"and process 2 have leaf \.storage\['obs'\] .*\[16, 5\].*\[16, 4\]"):
+    checkpoint._check_processes_agree(
+        "load", agreeing + [{"path": "/a", "layout": other}])
+
+
+def test_a_multi_process_save_refuses_leaves_of_one_process(monkeypatch):
+  named = checkpoint._named_leaves(BUFFERS["uniform"].init(example_item()))
+  checkpoint._check_global(named)  # one process: any leaf
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match=r"leaf \.storage\['action'\] is a ArrayImpl held by "
+                     "this process alone; in a multi-process save every leaf must be a global"):
+    checkpoint._check_global(named)
 
 
 def _edit_layout(edit):
@@ -463,8 +558,15 @@ def _edit_layout(edit):
         dtype="float128")), ["unknown dtype 'float128'"]),
     ("bool as size", _edit_layout(lambda l: l["leaves"][".size"].update(shape=[True])),
      ["not a list of sizes"]),
-    ("short checksums", _edit_layout(lambda l: l["leaves"][".storage['obs']"].update(
-        crc32=[])), ["crc32 []"]),
+    ("short checksums", _edit_layout(lambda l: l["leaves"][".storage['obs']"]["pieces"][0]
+                                     .update(crc32=[])), ["crc32 []"]),
+    ("no pieces", _edit_layout(lambda l: l["leaves"][".storage['obs']"].update(pieces=[])),
+     ["pieces []", "do not cover its shape [16, 5] exactly once"]),
+    ("piece out of bounds", _edit_layout(
+        lambda l: l["leaves"][".storage['obs']"]["pieces"][0].update(index=[[0, 17], [0, 5]])),
+     ["index [[0, 17], [0, 5]], not a nonempty box inside its shape [16, 5]"]),
+    ("overlapping pieces", _edit_layout(lambda l: l["leaves"][".storage['obs']"].update(
+        pieces=2 * l["leaves"][".storage['obs']"]["pieces"])), ["exactly once"]),
     ("newer version", _edit_layout(lambda l: l.update(version=99)), ["version 99"]),
 ])
 def test_a_malformed_or_edited_layout_is_a_clear_error(tmp_path, case, tamper, words):
@@ -493,7 +595,8 @@ def test_an_edited_dtype_or_shape_is_never_a_silent_cast(tmp_path):
   with pytest.raises(ValueError, match=r"leaf \.storage\['x'\] is stored with shape "
                      r"\(4, 2\) and dtype float32, but the layout says.*int32"):
     jaxbuf.load(path, like=buffer.init({"x": jnp.zeros(2, jnp.int32)}))
-  layout["leaves"][".storage['x']"].update(dtype="float32", shape=[4, 3])
+  layout["leaves"][".storage['x']"].update(
+      dtype="float32", shape=[4, 3], pieces=[{"index": [[0, 4], [0, 3]], "crc32": [0]}])
   layout_file.write_text(json.dumps(layout))
   with pytest.raises(ValueError, match=r"is stored with shape \(4, 2\)"):
     jaxbuf.load(path, like=buffer.init({"x": jnp.zeros(3, jnp.float32)}))

@@ -7,7 +7,9 @@ A checkpoint at `<path>` is a directory that jaxbuf alone writes:
   state/                 every array of nonzero size, in orbax's standard format;
   layout.json            the state's type and sizes, and for every leaf its path,
                          shape, dtype (and PRNG implementation for typed keys)
-                         and the CRC-32 of its bytes;
+                         and its pieces: the boxes of the shards written (one
+                         per shard with replica_id 0; together they tile the
+                         leaf exactly once) with the CRC-32s of their bytes;
   jaxbuf-checkpoint.json the marker, written last: format name, a random token
                          also stored in the layout, and the list of every file
                          and folder written.
@@ -17,9 +19,10 @@ this format and carries the layout's token; `save` replaces it only if it holds
 nothing beyond the entries its marker lists, so a directory that merely looks
 like a checkpoint, or one a user has added files to, raises `FileExistsError`.
 
-`load` treats the layout as untrusted data: it checks every field and type,
-compares the layout with `like` before reading an array, compares each
-restored array's shape and dtype with the layout, and recomputes every CRC-32.
+`load` treats the layout as untrusted data: it checks every field and type
+(and that the pieces tile each leaf), compares the layout with `like` before
+reading an array, compares each restored array's shape and dtype with the
+layout, and recomputes the CRC-32 of every piece in every restored shard.
 orbax stores arrays compressed, so a flipped bit can decode to other values
 without any error of its own; the CRC-32 (which catches every single-bit and
 every burst error up to 32 bits) turns that into an error naming the leaf.
@@ -44,8 +47,34 @@ never blocks the next). A second writer meanwhile gets `BlockingIOError` before
 touching anything. A reader opens the checkpoint directory, takes a shared
 `flock` on that directory and reads through its descriptor, so a writer
 renaming it away does not disturb the read; the writer takes an exclusive lock
-on a directory before deleting it, so it waits for readers to finish. One
-process saves and loads; multi-process (multi-host) states are refused.
+on a directory before deleting it, so it waits for readers to finish.
+
+Several processes (`jax.distributed`, one state of global arrays sharded over
+the devices of every process). Every process calls `save` (or `load`) with the
+same path, on a filesystem every process sees. Process 0 alone does the
+directory protocol above (lock, `<path>.jaxbuf-new`, layout, marker, swap,
+deletion); every process writes the shards it holds with replica_id 0 through
+orbax (each into its own `state/ocdbt.process_<i>`, merged by process 0) and
+checksums them; process 0 writes the CRC-32s of all processes into the one
+layout, and the marker only once every process has written. `load` runs in
+every process: each reads the shards its devices hold and verifies each one
+against the layout. The processes agree after each step (an all-gather over
+their devices): on the path and the state's layout first (a difference is a
+`ValueError` naming both paths, or the first leaf that differs), then on
+the outcome of each step. A step that fails in one process, say a checksum
+mismatch in one of its shards, raises in every process (the same exception
+type, naming the failing process and its message), so no process returns a
+half-verified state, and none waits for a process that has given up: every
+process reaches every agreement, failed or not. orbax is used without its own
+barriers (`StandardCheckpointHandler` directly), so an orbax error stays a step
+error. A process that dies instead of raising is left to `jax.distributed`, which
+terminates the others when its heartbeat times out (after about 100 s with
+jax 0.10.2's defaults, as measured on CPU); the path still holds one complete
+checkpoint, since the marker is written only after every process has written.
+A leaf of `like` without a sharding is replicated over every device, and a
+`like` sharded so that one device's shard cuts a saved piece is refused (its
+checksum could not be verified); with one process such a piece is checked on
+the host.
 """
 
 import concurrent.futures
@@ -55,20 +84,23 @@ import json
 import math
 import os
 import pathlib
+import re
 import secrets
 import shutil
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
 
 from jaxbuf._src.base import BufferState, PyTree
 
 _FORMAT = "jaxbuf-checkpoint"
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3
 _MARKER = "jaxbuf-checkpoint.json"
 _LAYOUT = "layout.json"
 _STATE = "state"
@@ -193,13 +225,61 @@ def _validate_layout(stored: Any, where: str) -> None:
       data_dtype, data_shape = _DTYPES[dtype], shape
     else:
       raise _fail(where, f"{context} has unknown dtype {dtype!r}")
-    crcs = _require(where, leaf, "crc32", list, context)
-    nbytes = math.prod(data_shape) * data_dtype.itemsize
-    if len(crcs) != -(-nbytes // chunk) or not all(
-        isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32
-        for c in crcs):
-      raise _fail(where, f"{context} has crc32 {crcs!r}, not one 32-bit value "
-                         f"per {chunk}-byte chunk of its {nbytes} bytes")
+    pieces = _require(where, leaf, "pieces", list, context)
+    for piece in pieces:
+      _validate_piece(where, piece, context, data_shape, data_dtype.itemsize, chunk)
+    if not _covers_exactly([piece["index"] for piece in pieces], data_shape):
+      raise _fail(where, f"{context} has pieces {[p['index'] for p in pieces]}, "
+                         f"which do not cover its shape {data_shape} exactly once")
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_piece(where: str, piece: Any, context: str, data_shape: list[int],
+                    itemsize: int, chunk: int) -> None:
+  """Raises unless `piece` is a box inside `data_shape` with one CRC-32 per chunk."""
+  index = _require(where, piece, "index", list, f"{context} piece")
+  if len(index) != len(data_shape) or not all(
+      isinstance(bounds, list) and len(bounds) == 2 and all(map(_is_int, bounds))
+      and 0 <= bounds[0] < bounds[1] <= size
+      for bounds, size in zip(index, data_shape)):
+    raise _fail(where, f"{context} has a piece with index {index!r}, not a "
+                       f"nonempty box inside its shape {data_shape}")
+  crcs = _require(where, piece, "crc32", list, f"{context} piece")
+  nbytes = math.prod(stop - start for start, stop in index) * itemsize
+  if len(crcs) != -(-nbytes // chunk) or not all(
+      _is_int(c) and 0 <= c < 2**32 for c in crcs):
+    raise _fail(where, f"{context} piece {_show_box(index)} has crc32 {crcs!r}, "
+                       f"not one 32-bit value per {chunk}-byte chunk of its "
+                       f"{nbytes} bytes")
+
+
+def _covers_exactly(boxes: list[list[list[int]]], shape: list[int]) -> bool:
+  """Whether the boxes (each [[start, stop], ...] per axis) tile `shape` exactly.
+
+  The boxes' edges cut every axis into intervals; the grid of those cells must
+  have no more cells than boxes (true of every jax sharding, whose shards form
+  a grid), and each cell must lie in exactly one box.
+  """
+  if math.prod(shape) == 0:
+    return not boxes
+  edges = [sorted({0, size, *(box[axis][0] for box in boxes),
+                   *(box[axis][1] for box in boxes)})
+           for axis, size in enumerate(shape)]
+  cells = [len(axis_edges) - 1 for axis_edges in edges]
+  if math.prod(cells) > len(boxes):
+    return False
+  counts = np.zeros(cells, np.int64)
+  for box in boxes:
+    counts[tuple(slice(axis_edges.index(start), axis_edges.index(stop))
+                 for axis_edges, (start, stop) in zip(edges, box))] += 1
+  return bool(np.all(counts == 1))
+
+
+def _show_box(box: list[list[int]]) -> str:
+  return "[" + ", ".join(f"{start}:{stop}" for start, stop in box) + "]"
 
 
 def _check_layout(stored: dict[str, Any], expected: dict[str, Any],
@@ -255,6 +335,183 @@ def _results(futures: list[concurrent.futures.Future]) -> list[int]:
 def _stored_form(leaf: Any) -> Any:
   """What is written for a leaf: typed keys as their raw key data."""
   return jax.random.key_data(leaf) if _is_key(leaf) else leaf
+
+
+def _box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
+  """A shard's `index` (one slice per axis) as [[start, stop], ...]."""
+  return [list(bound.indices(size)[:2]) for bound, size in zip(index, shape)]
+
+
+def _written_pieces(stored: Any, pool: concurrent.futures.Executor
+                    ) -> list[tuple[list[list[int]], list[concurrent.futures.Future]]]:
+  """The pieces of a leaf that this process writes, each with its CRC-32s started.
+
+  A piece is an addressable shard with replica_id 0, so that over all
+  processes the pieces tile the leaf once; a host (NumPy) leaf is one piece.
+  """
+  shape = tuple(np.shape(stored))
+  if math.prod(shape) == 0:
+    return []
+  if not isinstance(stored, jax.Array):
+    return [([[0, size] for size in shape], _crc32s(_host_bytes(stored), pool))]
+  return [(_box_of(shard.index, shape), _crc32s(_host_bytes(shard.data), pool))
+          for shard in stored.addressable_shards if shard.replica_id == 0]
+
+
+def _verify_leaf(where: str, name: str, array: jax.Array,
+                 pieces: list[dict[str, Any]],
+                 pool: concurrent.futures.Executor) -> None:
+  """Checks every restored shard this process holds against the recorded pieces.
+
+  Each addressable shard (every replica: each was read from disk on its own)
+  is cut into the recorded pieces it contains, and each one's CRC-32 compared.
+  A shard that cuts a recorded piece (`like` sharded otherwise than the saved
+  state) is checked through the whole array where this process holds all of
+  it; in a multi-process load it is an error, since nothing here holds the
+  whole piece.
+
+  Raises:
+    ValueError: a CRC-32 differs (naming the leaf, the piece and the device),
+      or a piece cannot be checked.
+  """
+  if not pieces:
+    return
+  starts = np.array([[start for start, _ in piece["index"]] for piece in pieces],
+                    np.int64).reshape(len(pieces), array.ndim)
+  stops = np.array([[stop for _, stop in piece["index"]] for piece in pieces],
+                   np.int64).reshape(len(pieces), array.ndim)
+  checks, cut = [], False
+  for shard in array.addressable_shards:
+    box = np.array(_box_of(shard.index, array.shape), np.int64).reshape(array.ndim, 2)
+    low, high = box[:, 0], box[:, 1]
+    overlaps = np.all((starts < high) & (stops > low), axis=1)
+    inside = np.all((starts >= low) & (stops <= high), axis=1)
+    cut |= bool(np.any(overlaps & ~inside))
+    host = np.asarray(shard.data)
+    for i in np.flatnonzero(overlaps & inside):
+      local = tuple(slice(int(a - l), int(b - l))
+                    for a, b, l in zip(starts[i], stops[i], low))
+      checks.append((i, f"device {shard.device}", _crc32s(_host_bytes(host[local]), pool)))
+  if cut:
+    if not array.is_fully_addressable:
+      raise ValueError(
+          f"{where}: leaf {name} was saved in pieces "
+          f"{[_show_box(piece['index']) for piece in pieces]} that the sharding "
+          "of `like` cuts across processes, so their checksums cannot be "
+          "verified; load it with the sharding it was saved with.")
+    whole = np.asarray(array)
+    for i, piece in enumerate(pieces):
+      part = whole[tuple(slice(start, stop) for start, stop in piece["index"])]
+      checks.append((i, "the host", _crc32s(_host_bytes(part), pool)))
+  for i, held, futures in checks:
+    if _results(futures) != pieces[i]["crc32"]:
+      raise ValueError(
+          f"{where}: checksum mismatch at leaf {name}, piece "
+          f"{_show_box(pieces[i]['index'])} (restored on {held}): the stored "
+          "data is corrupted (its CRC-32 differs from the one recorded at save).")
+
+
+# --- Agreement between processes ----------------------------------------------------
+#
+# Every step of a multi-process save or load that can fail in some processes
+# only ends in an agreement: each process reports how its step went, and if
+# any failed, every process raises. So no process ever waits in a collective
+# that another, having raised, will never reach. With one process these are
+# no-ops.
+
+_ERROR_TYPES = {error.__name__: error for error in (
+    ValueError, TypeError, FileExistsError, FileNotFoundError, NotADirectoryError,
+    PermissionError, BlockingIOError, OSError)}
+
+
+def _gather(payload: Any) -> list[Any]:
+  """Every process's JSON-serialisable `payload`, in process order (a collective)."""
+  data = np.frombuffer(json.dumps(payload).encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(
+      np.array([data.size], np.int32))).reshape(-1)
+  # A power-of-two width, so that only a few shapes are ever compiled.
+  width = 1 << max(8, int(sizes.max() - 1).bit_length())
+  padded = np.zeros(width, np.uint8)
+  padded[:data.size] = data
+  rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), width)
+  return [json.loads(bytes(row[:size])) for row, size in zip(rows, sizes)]
+
+
+def _agree(caller: str, error: Exception | None, payload: Any) -> list[Any]:
+  """Every process's `payload`, or an error in every process if any step failed.
+
+  The failing process raises its own exception; the others raise the same type
+  naming the failing process and its message.
+  """
+  if jax.process_count() == 1:
+    if error is not None:
+      raise error
+    return [payload]
+  mine = None if error is None else [type(error).__name__, str(error)]
+  outcomes = _gather({"error": mine, "payload": payload})
+  if error is not None:
+    raise error
+  for process, outcome in enumerate(outcomes):
+    if outcome["error"] is not None:
+      kind, message = outcome["error"]
+      raise _ERROR_TYPES.get(kind, RuntimeError)(
+          f"{caller}: process {process} failed ({kind}), so every process "
+          f"stops: {message}")
+  return [outcome["payload"] for outcome in outcomes]
+
+
+def _in_every_process(caller: str, step: Callable[[], Any],
+                      share: Callable[[Any], Any] = lambda _: None
+                      ) -> tuple[Any, list[Any]]:
+  """Runs `step` here, then agrees: its result and every process's `share(result)`."""
+  try:
+    result, error = step(), None
+  except Exception as caught:  # pylint: disable=broad-except
+    # Reported to every process by `_agree`, which re-raises it here.
+    result, error = None, caught
+  return result, _agree(caller, error, None if error is not None else share(result))
+
+
+def _layout_difference(first: dict[str, Any], other: dict[str, Any]) -> str:
+  """The first field or leaf in which two layouts differ, with both values."""
+  for field in ("state_type", "buffer_dims"):
+    if first[field] != other[field]:
+      return f"{field} {first[field]!r} and {other[field]!r}"
+  if list(first["leaves"]) != list(other["leaves"]):
+    return f"leaves {list(first['leaves'])} and {list(other['leaves'])}"
+  for name, leaf in first["leaves"].items():
+    if other["leaves"][name] != leaf:
+      return f"leaf {name} {leaf} and {other['leaves'][name]}"
+  return "different layouts"
+
+
+def _check_processes_agree(caller: str, shared: list[dict[str, Any]]) -> None:
+  """Raises (in every process alike) unless all passed the same path and tree."""
+  first = shared[0]
+  for process, other in enumerate(shared[1:], 1):
+    if other["path"] != first["path"]:
+      raise ValueError(
+          f"{caller}: the processes disagree on the path: process 0 has "
+          f"{first['path']}, process {process} has {other['path']}; every "
+          "process must pass the same path, on a filesystem all of them see.")
+    if other["layout"] != first["layout"]:
+      raise ValueError(
+          f"{caller}: the processes disagree on the state: process 0 and "
+          f"process {process} have {_layout_difference(first['layout'], other['layout'])}.")
+
+
+def _check_global(named: list[tuple[str, Any]]) -> None:
+  """In a multi-process save, every leaf must be one array over all processes."""
+  if jax.process_count() == 1:
+    return
+  for name, leaf in named:
+    if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+      raise ValueError(
+          f"save: leaf {name} is a {type(leaf).__name__} held by this process "
+          "alone; in a multi-process save every leaf must be a global "
+          "jax.Array spanning the processes (e.g. made with "
+          "jax.make_array_from_process_local_data, or placed with a "
+          "NamedSharding over a mesh of jax.devices()).")
 
 
 # --- Files and directories ----------------------------------------------------------
@@ -433,12 +690,6 @@ def _resolve(path: str | os.PathLike) -> pathlib.Path:
   return pathlib.Path(os.path.realpath(os.fspath(path)))
 
 
-def _check_single_process(caller: str) -> None:
-  if jax.process_count() > 1:
-    raise ValueError(f"{caller}: multi-process states are not supported "
-                     f"(jax.process_count() is {jax.process_count()}).")
-
-
 # --- save and load ------------------------------------------------------------------
 
 def save(path: str | os.PathLike, state: PyTree) -> None:
@@ -451,6 +702,10 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
   process killed mid-save leaves either the previous checkpoint or the new one,
   complete, never a mix and never nothing (see the module docstring for how).
 
+  With several processes (`jax.distributed`), every process calls `save` with
+  the same path, on a filesystem all of them see, and the same state of global
+  arrays; each writes the shards it holds (see the module docstring).
+
   Args:
     path: a directory; any name, links followed. Created, or replaced if it is
       a jaxbuf checkpoint holding only what jaxbuf wrote. Its parent must exist.
@@ -462,6 +717,9 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
       entries jaxbuf did not write; nothing is written.
     BlockingIOError: another save to `path` is running; nothing is written.
     TypeError: a leaf is not an array or has a dtype checkpoints do not store.
+    ValueError: (several processes) they pass different paths or states, or a
+      leaf is held by one process alone. An error in any process is raised in
+      every process.
 
   >>> import tempfile, jax.numpy as jnp, jaxbuf
   >>> buffer = jaxbuf.uniform_replay(100)
@@ -473,56 +731,116 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
   >>> int(restored.size), restored.storage["obs"].shape
   (5, (100, 3))
   """
-  _check_single_process("save")
-  path = _resolve(path)
-  _check_path_is_usable(path, "save")
-  if not path.parent.is_dir():
-    raise FileNotFoundError(f"save: the parent directory of {path} does not exist.")
-  layout = _layout(state)
-  named = [(name, _stored_form(leaf)) for name, leaf in _named_leaves(state)]
-  lock = _lock_writer(path)
+  primary = jax.process_index() == 0
+
+  def prepare() -> tuple[pathlib.Path, dict[str, Any], list[tuple[str, Any]]]:
+    resolved = _resolve(path)
+    _check_path_is_usable(resolved, "save")
+    if not resolved.parent.is_dir():
+      raise FileNotFoundError(
+          f"save: the parent directory of {resolved} does not exist.")
+    named = [(name, _stored_form(leaf)) for name, leaf in _named_leaves(state)]
+    _check_global(named)
+    return resolved, _layout(state), named
+
+  (path, layout, named), shared = _in_every_process(
+      "save", prepare, lambda r: {"path": str(r[0]), "layout": r[1]})
+  _check_processes_agree("save", shared)
+  new, old = _sibling(path, _NEW_SUFFIX), _sibling(path, _OLD_SUFFIX)
+  lock = new_fd = None
   try:
-    _settle(path)
-    _check_replaceable(path, "save")
-    new, old = _sibling(path, _NEW_SUFFIX), _sibling(path, _OLD_SUFFIX)
-    os.mkdir(new)
-    new_fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-      _write_checkpoint(new_fd, new, state, layout, named)
-    finally:
-      os.close(new_fd)
-    _sync_directory(path.parent)
-    if path.exists():
-      os.replace(path, old)
-    os.replace(new, path)
-    _sync_directory(path.parent)
-    _delete(old)
+    def start() -> None:
+      nonlocal lock
+      if primary:
+        lock = _lock_writer(path)
+        _settle(path)
+        _check_replaceable(path, "save")
+        os.mkdir(new)
+        os.mkdir(new / _STATE)
+
+    _in_every_process("save", start)
+
+    def write() -> dict[str, list[Any]]:
+      nonlocal new_fd
+      try:
+        new_fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY)
+      except FileNotFoundError:
+        raise FileNotFoundError(
+            f"save: process {jax.process_index()} does not see {new}, which "
+            "process 0 created: the path must be on a filesystem every process "
+            "sees.") from None
+      return _write_arrays(new_fd, new, named)
+
+    _, pieces = _in_every_process("save", write, lambda mine: mine)
+
+    def commit() -> None:
+      if primary:
+        _commit(new_fd, new, state, layout, named, pieces)
+        _sync_directory(path.parent)
+        if path.exists():
+          os.replace(path, old)
+        os.replace(new, path)
+        _sync_directory(path.parent)
+        _delete(old)
+
+    _in_every_process("save", commit)
   finally:
-    os.close(lock)
+    for handle in (new_fd, lock):
+      if handle is not None:
+        os.close(handle)
 
 
-def _write_checkpoint(directory_fd: int, directory: pathlib.Path, state: PyTree,
-                      layout: dict[str, Any],
-                      named: list[tuple[str, Any]]) -> None:
-  """Writes arrays, layout and (last) the marker into an empty directory."""
-  token = secrets.token_hex(16)
+def _write_arrays(directory_fd: int, directory: pathlib.Path,
+                  named: list[tuple[str, Any]]) -> dict[str, list[Any]]:
+  """Writes this process's shards into `<directory>/state`; returns their CRC-32s.
+
+  Returns:
+    For each leaf name, the pieces this process wrote: `[box, crc32s]`.
+  """
   to_write = {f"leaf_{i}": leaf for i, (_, leaf) in enumerate(named)
               if math.prod(np.shape(leaf)) > 0}
   with concurrent.futures.ThreadPoolExecutor(_CHECKSUM_THREADS) as pool:
     # The checksums run in threads while orbax writes (zlib releases the GIL).
-    host = [_host_bytes(leaf) for _, leaf in named]
-    crcs = [_crc32s(data, pool) for data in host]
+    started = [(name, _written_pieces(leaf, pool)) for name, leaf in named]
     if to_write:
-      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-        checkpointer.save(_orbax_path(directory_fd, directory), to_write)
-    for (name, original), (_, leaf), crc in zip(_named_leaves(state), named, crcs):
-      entry = layout["leaves"][name]
-      entry["crc32"] = _results(crc)
-      if _is_key(original):
-        entry["key_impl"] = str(jax.random.key_impl(original))
-        entry["key_data_shape"] = [int(d) for d in np.shape(leaf)]
+      handler = ocp.StandardCheckpointHandler()
+      try:
+        handler.save(epath.Path(_orbax_path(directory_fd, directory)),
+                     args=ocp.args.StandardSave(to_write))
+      finally:
+        handler.close()
+    return {name: [[box, _results(futures)] for box, futures in pieces]
+            for name, pieces in started}
+
+
+def _commit(directory_fd: int, directory: pathlib.Path, state: PyTree,
+            layout: dict[str, Any], named: list[tuple[str, Any]],
+            pieces: list[dict[str, list[Any]]]) -> None:
+  """Completes the checkpoint in `directory`: orbax's index, layout, marker last.
+
+  Args:
+    pieces: every process's `_write_arrays` result, in process order.
+  """
+  if any(math.prod(np.shape(leaf)) > 0 for _, leaf in named):
+    # orbax merges the processes' indexes of their written shards.
+    handler = ocp.StandardCheckpointHandler()
+    try:
+      handler.finalize(epath.Path(_orbax_path(directory_fd, directory)))
+    finally:
+      handler.close()
+  for (name, original), (_, leaf) in zip(_named_leaves(state), named):
+    entry = layout["leaves"][name]
+    boxes = sorted((box, crcs) for process in pieces for box, crcs in process[name])
+    entry["pieces"] = [{"index": box, "crc32": crcs} for box, crcs in boxes]
+    if _is_key(original):
+      entry["key_impl"] = str(jax.random.key_impl(original))
+      entry["key_data_shape"] = [int(d) for d in np.shape(leaf)]
+  token = secrets.token_hex(16)
   layout.update(token=token, chunk_bytes=_CHUNK_BYTES)
-  _write_file(directory_fd, _LAYOUT, json.dumps(layout, indent=1).encode())
+  encoded = json.dumps(layout, indent=1).encode()
+  # What the processes reported must tile every leaf, as `load` will demand.
+  _validate_layout(json.loads(encoded), f"save: the checkpoint written at {directory}")
+  _write_file(directory_fd, _LAYOUT, encoded)
   entries = sorted(_entries(directory))
   marker = {"format": _FORMAT, "version": _FORMAT_VERSION, "token": token,
             "entries": entries}
@@ -554,16 +872,27 @@ def _open_committed(path: pathlib.Path) -> tuple[int, pathlib.Path]:
 
 
 def _restore_target(leaf: Any, shape: list[int], dtype: Any) -> jax.ShapeDtypeStruct:
-  """Shape, dtype and sharding to restore a stored leaf with (`like`'s sharding)."""
+  """Shape, dtype and sharding to restore a stored leaf with (`like`'s sharding).
+
+  A leaf of `like` without a sharding goes to the first device with one
+  process, and is replicated over every device with several.
+  """
   sharding = (leaf.sharding if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
               else None)
-  if sharding is None:
+  if sharding is None and jax.process_count() > 1:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  elif sharding is None:
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
 def load(path: str | os.PathLike, *, like: PyTree) -> PyTree:
   """Reads the state saved at `path`, bit for bit, shaped and placed like `like`.
+
+  With several processes (`jax.distributed`), every process calls `load` with
+  the same path and `like`; each reads and verifies the shards it holds, and
+  none returns unless every process verified its own.
 
   Args:
     path: the directory given to `save` (links followed). If a save there was
@@ -573,7 +902,8 @@ def load(path: str | os.PathLike, *, like: PyTree) -> PyTree:
       dtypes: e.g. `buffer.init(example_item)`, or an abstract one from
       `jax.eval_shape(buffer.init, example_item)`. Only its structure, shapes,
       dtypes and shardings are read: each array is restored with the sharding
-      of the matching leaf of `like` (one device if it has none).
+      of the matching leaf of `like` (one device if it has none; replicated
+      over every device with several processes).
 
   Returns:
     The saved state, of the same type as `like`.
@@ -585,68 +915,116 @@ def load(path: str | os.PathLike, *, like: PyTree) -> PyTree:
       names the leaf path and both values.
     ValueError: another capacity (or num_steps / num_envs), or a leaf of
       another shape; a malformed or edited layout; stored data whose shape,
-      dtype or CRC-32 differs from the layout (corruption), naming the leaf.
+      dtype or CRC-32 differs from the layout (corruption), naming the leaf
+      and the piece; several processes passing different paths or `like`s.
+      An error in any process is raised in every process.
   """
-  _check_single_process("load")
-  path = _resolve(path)
-  _check_path_is_usable(path, "load")
-  expected = _layout(like)
-  handle, found = _open_committed(path)
+  def prepare() -> tuple[pathlib.Path, dict[str, Any]]:
+    resolved = _resolve(path)
+    _check_path_is_usable(resolved, "load")
+    return resolved, _layout(like)
+
+  (path, expected), shared = _in_every_process(
+      "load", prepare, lambda r: {"path": str(r[0]), "layout": r[1]})
+  _check_processes_agree("load", shared)
   where = f"load: the checkpoint at {path}"
+  handle = None
   try:
-    stored = _read_json(handle, _LAYOUT, where)
-    _validate_layout(stored, where)
-    _check_layout(stored, expected, where)
-    like_leaves = [leaf for _, leaf in _named_leaves(like)]
-    entries = list(stored["leaves"].items())
-    targets = {}
-    for i, ((name, entry), leaf) in enumerate(zip(entries, like_leaves)):
-      shape = entry.get("key_data_shape", entry["shape"])
-      dtype = np.dtype(np.uint32) if _is_key(leaf) else _DTYPES[entry["dtype"]]
-      targets[f"leaf_{i}"] = _restore_target(leaf, shape, dtype)
-    to_read = {key: t for key, t in targets.items() if math.prod(t.shape) > 0}
-    restored = {}
-    if to_read:
-      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-        try:
-          # orbax casts to the requested dtype: compare what it stored first.
-          stored_arrays = checkpointer.metadata(
-              _orbax_path(handle, found)).item_metadata.tree
-          for key, target in to_read.items():
-            meta = stored_arrays.get(key) if isinstance(stored_arrays, dict) else None
-            if (meta is None or tuple(meta.shape) != target.shape
-                or np.dtype(meta.dtype) != target.dtype):
-              name = entries[int(key.split("_")[1])][0]
-              found_as = ("nothing" if meta is None else
-                          f"shape {tuple(meta.shape)} and dtype {meta.dtype}")
-              raise ValueError(f"{where}: leaf {name} is stored with {found_as}, "
-                               f"but the layout says shape {target.shape} and "
-                               f"dtype {target.dtype}.")
-          restored = checkpointer.restore(_orbax_path(handle, found), to_read)
-        except (OSError, KeyError) as error:
-          raise ValueError(f"{where}: the stored arrays cannot be read "
-                           f"(corrupted or edited): {error}") from error
-    leaves = []
-    with concurrent.futures.ThreadPoolExecutor(_CHECKSUM_THREADS) as pool:
-      for i, ((name, entry), leaf) in enumerate(zip(entries, like_leaves)):
-        target = targets[f"leaf_{i}"]
-        array = restored.get(f"leaf_{i}")
-        if array is None:
-          array = jax.device_put(np.zeros(target.shape, target.dtype), target.sharding)
-        if tuple(array.shape) != target.shape or array.dtype != target.dtype:
-          raise ValueError(f"{where}: leaf {name} was restored with shape "
-                           f"{tuple(array.shape)} and dtype {array.dtype}, but the "
-                           f"layout says {target.shape} and {target.dtype}.")
-        if _results(_crc32s(_host_bytes(array), pool)) != entry["crc32"]:
-          raise ValueError(f"{where}: checksum mismatch at leaf {name}: the stored "
-                           "data is corrupted (its CRC-32 differs from the one "
-                           "recorded at save).")
-        if _is_key(leaf):
-          array = jax.random.wrap_key_data(array, impl=entry["key_impl"])
-          if str(array.dtype) != entry["dtype"]:
-            raise ValueError(f"{where}: leaf {name} has PRNG implementation "
-                             f"{entry['key_impl']}, which is not {entry['dtype']}.")
-        leaves.append(array)
+    def open_and_check() -> tuple[int, pathlib.Path, dict[str, Any]]:
+      opened, found = _open_committed(path)
+      try:
+        stored = _read_json(opened, _LAYOUT, where)
+        _validate_layout(stored, where)
+        _check_layout(stored, expected, where)
+      except Exception:
+        os.close(opened)
+        raise
+      return opened, found, stored
+
+    for _ in range(_OPEN_ATTEMPTS):
+      (handle, found, stored), tokens = _in_every_process(
+          "load", open_and_check, lambda r: r[2]["token"])
+      # A save replacing the checkpoint between the processes' opens: retry.
+      if len(set(tokens)) == 1:
+        break
+      os.close(handle)
+      handle = None
+    else:
+      raise ValueError(f"{where}: the processes kept opening different "
+                       "checkpoints (saves kept replacing it); nothing was read.")
+    leaves, _ = _in_every_process(
+        "load", lambda: _read_arrays(handle, found, stored, like, where))
   finally:
-    os.close(handle)
+    if handle is not None:
+      os.close(handle)
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
+
+
+def _unreadable(where: str, entries: list[tuple[str, Any]],
+                error: Exception) -> ValueError:
+  """orbax's error reading the arrays, naming the leaves it names by their keys."""
+  keys = sorted({int(i) for i in re.findall(r"\bleaf_(\d+)\b", str(error))
+                 if int(i) < len(entries)})
+  named = f" of leaf {', '.join(entries[i][0] for i in keys)}" if keys else ""
+  return ValueError(f"{where}: the stored arrays{named} cannot be read "
+                    f"(corrupted or edited): {error}")
+
+
+def _read_arrays(handle: int, found: pathlib.Path, stored: dict[str, Any],
+                 like: PyTree, where: str) -> list[Any]:
+  """Restores and verifies every leaf of a checked layout, placed like `like`."""
+  like_leaves = [leaf for _, leaf in _named_leaves(like)]
+  entries = list(stored["leaves"].items())
+  targets = {}
+  for i, ((name, entry), leaf) in enumerate(zip(entries, like_leaves)):
+    shape = entry.get("key_data_shape", entry["shape"])
+    dtype = np.dtype(np.uint32) if _is_key(leaf) else _DTYPES[entry["dtype"]]
+    targets[f"leaf_{i}"] = _restore_target(leaf, shape, dtype)
+  to_read = {key: t for key, t in targets.items() if math.prod(t.shape) > 0}
+  restored = {}
+  if to_read:
+    handler = ocp.StandardCheckpointHandler()
+    state_path = epath.Path(_orbax_path(handle, found))
+    try:
+      try:
+        stored_arrays = handler.metadata(state_path).tree
+      except (OSError, KeyError, ValueError) as error:
+        raise _unreadable(where, entries, error) from error
+      # orbax casts to the requested dtype: compare what it stored first.
+      for key, target in to_read.items():
+        meta = stored_arrays.get(key) if isinstance(stored_arrays, dict) else None
+        if (meta is None or tuple(meta.shape) != target.shape
+            or np.dtype(meta.dtype) != target.dtype):
+          name = entries[int(key.split("_")[1])][0]
+          found_as = ("nothing" if meta is None else
+                      f"shape {tuple(meta.shape)} and dtype {meta.dtype}")
+          raise ValueError(f"{where}: leaf {name} is stored with {found_as}, "
+                           f"but the layout says shape {target.shape} and "
+                           f"dtype {target.dtype}.")
+      try:
+        restored = handler.restore(state_path, args=ocp.args.StandardRestore(to_read))
+      except (OSError, KeyError, ValueError) as error:
+        raise _unreadable(where, entries, error) from error
+    finally:
+      handler.close()
+  leaves = []
+  with concurrent.futures.ThreadPoolExecutor(_CHECKSUM_THREADS) as pool:
+    for i, ((name, entry), leaf) in enumerate(zip(entries, like_leaves)):
+      target = targets[f"leaf_{i}"]
+      array = restored.get(f"leaf_{i}")
+      if array is None:
+        array = jax.make_array_from_callback(
+            target.shape, target.sharding,
+            lambda index, t=target: np.zeros(t.shape, t.dtype)[index])
+      if tuple(array.shape) != target.shape or array.dtype != target.dtype:
+        raise ValueError(f"{where}: leaf {name} was restored with shape "
+                         f"{tuple(array.shape)} and dtype {array.dtype}, but the "
+                         f"layout says {target.shape} and {target.dtype}.")
+      _verify_leaf(where, name, array, entry["pieces"], pool)
+      if _is_key(leaf):
+        array = jax.random.wrap_key_data(array, impl=entry["key_impl"])
+        if str(array.dtype) != entry["dtype"]:
+          raise ValueError(f"{where}: leaf {name} has PRNG implementation "
+                           f"{entry['key_impl']}, which is not {entry['dtype']}.")
+      leaves.append(array)
+  return leaves
