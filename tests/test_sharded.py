@@ -173,6 +173,24 @@ def test_global_sampling_matches_one_unsharded_buffer(kind, stratified):
     np.testing.assert_allclose(np.asarray(samples.weights), weights, rtol=1e-5)
 
 
+def test_each_devices_block_of_a_stratified_batch_is_a_fair_sample():
+  """Rotated strata: device d's rows are drawn from the whole distribution.
+
+  In stratum order, block d of a sharded batch would always come from the
+  d-th quarter of the global total, mostly device d's own items.
+  """
+  buffer = jaxbuf.sharded(base("prioritized", stratified=True), MESH)
+  state = uneven_state("prioritized")
+  probabilities = expected_probabilities("prioritized", state)
+  samples = draw_many(buffer, state, jax.random.key(5), 32, 2000)
+  blocks = np.asarray(samples.indices).reshape(2000, D, 32 // D)
+  for d in range(D):
+    # One row per batch: the rows of one batch come from neighbouring
+    # strata, so they are not independent draws, but batches are.
+    counts = np.bincount(blocks[:, d, 0], minlength=CAPACITY)
+    assert chi_square_p(counts, probabilities) > 1e-3, d
+
+
 @pytest.mark.parametrize("kind", ["uniform", "prioritized"])
 def test_sharded_and_replicated_batches_are_the_same_batch(kind):
   state = uneven_state(kind)

@@ -398,7 +398,6 @@ def uniform_window_ids(state: SequenceReplayState, key: jax.Array,
   episodes the windows are irregular, and a sum tree with leaf 1 per window
   is descended instead (float32 counts are exact below 2**24 windows).
   """
-  per_env = steps_per_env(state)
   if within:
     found, _ = sum_tree.sample_leaves(state.window_tree, key, batch_size,
                                       stratified=False)
@@ -407,19 +406,33 @@ def uniform_window_ids(state: SequenceReplayState, key: jax.Array,
   def draw():
     higher_bits, lower_bits = random.random_bits(key, (2, batch_size))
     span = jnp.maximum(total, 1).astype(jnp.uint32)
-    rank = random.scale_to_span(higher_bits, lower_bits, span).astype(jnp.int32)
-    ends = jnp.cumsum(state.window_counts, dtype=jnp.int32)
-    # searchsorted(ends, rank, side="right") as one count over [S, N]: N is
-    # small, and a binary search is a loop of log N dependent steps.
-    envs = jnp.minimum(
-        jnp.sum(ends[None, :] <= rank[:, None], axis=1, dtype=jnp.int32),
-        num_envs_of(state) - 1)
-    within_env = rank - (ends[envs] - state.window_counts[envs])
-    ago = (first_window_offsets(state, sequence_length=sequence_length,
-                                period=period)[envs] + within_env * period)
-    slots = (state.write_heads[envs] - 1 - ago) % per_env
-    return jnp.where(total > 0, envs * per_env + slots, 0)
+    ranks = random.scale_to_span(higher_bits, lower_bits, span).astype(jnp.int32)
+    window_ids = window_ids_at_ranks(state, ranks,
+                                     sequence_length=sequence_length,
+                                     period=period)
+    return jnp.where(total > 0, window_ids, 0)
   return random.computed_once(draw, total)
+
+
+def window_ids_at_ranks(state: SequenceReplayState, ranks: jax.Array, *,
+                        sequence_length: int, period: int) -> jax.Array:
+  """The `ranks [S]`-th sampleable windows, across episodes: int32 `[S]`.
+
+  Windows are ranked env by env, newest first within an env: every
+  `period`-th start from `first_window_offsets`. A rank past the windows held
+  gives some window id in range.
+  """
+  per_env = steps_per_env(state)
+  ends = jnp.cumsum(state.window_counts, dtype=jnp.int32)
+  # searchsorted(ends, ranks, side="right") as one count over [S, N]: N is
+  # small, and a binary search is a loop of log N dependent steps.
+  envs = jnp.minimum(
+      jnp.sum(ends[None, :] <= ranks[:, None], axis=1, dtype=jnp.int32),
+      num_envs_of(state) - 1)
+  within_env = ranks - (ends[envs] - state.window_counts[envs])
+  ago = (first_window_offsets(state, sequence_length=sequence_length,
+                              period=period)[envs] + within_env * period)
+  return envs * per_env + (state.write_heads[envs] - 1 - ago) % per_env
 
 
 def sample(state: SequenceReplayState, key: jax.Array, batch_size: int, *,

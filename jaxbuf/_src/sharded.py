@@ -184,27 +184,6 @@ def _item_kind(buffer: Buffer, module, num_devices: int) -> _Kind:
       uniform_when_massless=True)
 
 
-def _window_ids_at_ranks(state: SequenceReplayState, ranks: jax.Array, *,
-                         sequence_length: int, period: int) -> jax.Array:
-  """The `ranks [S]`-th sampleable windows, across episodes: int32 `[S]`.
-
-  Ranked env by env, newest first within an env, the order of
-  `sequence.uniform_window_ids`: every `period`-th start from
-  `sequence.first_window_offsets`. Ranks past the windows held give some
-  window id in range.
-  """
-  per_env = sequence.steps_per_env(state)
-  ends = jnp.cumsum(state.window_counts, dtype=jnp.int32)
-  envs = jnp.minimum(
-      jnp.sum(ends[None, :] <= ranks[:, None], axis=1, dtype=jnp.int32),
-      sequence.num_envs_of(state) - 1)
-  within_env = ranks - (ends[envs] - state.window_counts[envs])
-  ago = (sequence.first_window_offsets(
-      state, sequence_length=sequence_length, period=period)[envs]
-         + within_env * period)
-  return envs * per_env + (state.write_heads[envs] - 1 - ago) % per_env
-
-
 def _sequence_kind(buffer: Buffer, module, num_devices: int) -> _Kind:
   """Uniform or prioritized sequence replay: envs split in blocks of N / D."""
   is_prioritized = module is prioritized_sequence
@@ -247,7 +226,7 @@ def _sequence_kind(buffer: Buffer, module, num_devices: int) -> _Kind:
       # Sampling is with replacement: one window serves any batch size.
       enough=lambda held, batch_size: held > 0,
       masses=(lambda local: local.window_tree) if with_tree else None,
-      at_rank=functools.partial(_window_ids_at_ranks,
+      at_rank=functools.partial(sequence.window_ids_at_ranks,
                                 sequence_length=sequence_length,
                                 period=add_settings["period"]),
       rows=rows,
@@ -471,10 +450,18 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
     totals = _from_every_device(sum_tree.total(tree), axis)
     total = jnp.sum(totals)
     inclusive = jnp.cumsum(totals)
+    redraws = sum_tree.num_redraws(tree)
     uniforms = random.random_uniform(
-        key, (1 + sum_tree.num_redraws(tree), batch_size))
+        key, (1 + redraws + int(kind.stratified), batch_size))
     if kind.stratified:
-      targets = (jnp.arange(batch_size, dtype=jnp.float32) + uniforms[0]) * (
+      # Strata in a random rotation, as `sum_tree.sample_leaves` draws them:
+      # in stratum order, device d's block of a sharded batch would always
+      # come from the same part of the global total (mostly device d's own
+      # items), a biased minibatch for each learner.
+      offset = jnp.minimum(
+          (uniforms[-1, 0] * batch_size).astype(jnp.int32), batch_size - 1)
+      strata = (jnp.arange(batch_size, dtype=jnp.int32) + offset) % batch_size
+      targets = (strata.astype(jnp.float32) + uniforms[0]) * (
           total / batch_size)
     else:
       targets = uniforms[0] * total
@@ -482,7 +469,7 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
     local_targets = jnp.clip(targets - (inclusive - totals)[owner], 0.0,
                              totals[owner])
     found, leaf_values = sum_tree.find_prefix_sums_and_leaves(
-        tree, local_targets, uniforms[1:])
+        tree, local_targets, uniforms[1:1 + redraws])
     has_mass = total > 0
     if kind.uniform_when_massless:
       # All priorities underflowed to zero: uniform over the items held.
