@@ -25,10 +25,14 @@ per env is read too.
 
 Per-step times on fake CPU devices are not given: the D "devices" share one
 process and the host's cores, so a time per step says nothing of how the
-sampling scales across real devices.
+sampling scales across real devices. What is timed (`--cases overhead`) is
+the sharded path's cost on one real device: `sharded(buffer, mesh of 1
+device)` against the plain buffer, a fused loop of K = 100 iterations (add
+256 items, sample 256, update their priorities) in one donated jit, median
+of interleaved repeats; the goal is at most 1.1x.
 
 Run: python benchmarks/bench_sharded.py [--devices 2 4 8]
-                                         [--cases items sequences]
+                                         [--cases items sequences overhead]
 """
 
 import argparse
@@ -154,14 +158,74 @@ def measure_sequence(num_devices: int, kind: str, sampling: str, batch: str):
           collective_bytes(add_hlo, num_devices))
 
 
+OVERHEAD_ITERATIONS = 100
+OVERHEAD_CAPACITY = 2 ** 17
+
+
+def single_device_overhead(kind: str) -> dict[str, float]:
+  """Seconds per fused iteration, plain buffer and sharded over 1 device."""
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  plain = (jaxbuf.uniform_replay(OVERHEAD_CAPACITY) if kind == "uniform"
+           else jaxbuf.prioritized_replay(OVERHEAD_CAPACITY))
+  buffers = {"plain": plain, "sharded": jaxbuf.sharded(plain, mesh)}
+  rows = {"obs": jax.random.normal(jax.random.key(1), (BATCH, OBS)),
+          "action": jnp.zeros(BATCH, jnp.int32)}
+
+  def loop_for(buffer):
+    def iteration(state, key):
+      state = buffer.add(state, rows)
+      batch = buffer.sample(state, key, BATCH)
+      state = buffer.update_priorities(
+          state, batch.indices, jnp.abs(batch.items["obs"][:, 0]) + 0.01,
+          batch.item_ids)
+      return state, jnp.sum(batch.items["obs"]) + jnp.sum(batch.weights)
+    return jax.jit(lambda state, key: jax.lax.scan(
+        iteration, state, jax.random.split(key, OVERHEAD_ITERATIONS)),
+                   donate_argnums=0)
+
+  states, loops = {}, {}
+  for name, buffer in buffers.items():
+    state = buffer.init({"obs": jnp.zeros(OBS, jnp.float32),
+                         "action": jnp.int32(0)})
+    for start in range(0, OVERHEAD_CAPACITY, 2 ** 14):   # full, wrapped
+      state = buffer.add(state, {
+          "obs": jnp.full((2 ** 14, OBS), start, jnp.float32),
+          "action": jnp.zeros(2 ** 14, jnp.int32)})
+    states[name], loops[name] = state, loop_for(buffer)
+
+  def call(name):
+    def run():
+      states[name], sums = loops[name](states[name], jax.random.key(0))
+      return sums
+    return run
+  seconds = harness.time_interleaved({name: call(name) for name in buffers},
+                                     repeats=7, warmup=2)
+  return {name: value / OVERHEAD_ITERATIONS for name, value in seconds.items()}
+
+
+def report_overhead(verdicts) -> None:
+  print(f"\noverhead on one device: capacity {OVERHEAD_CAPACITY}, add + sample "
+        f"+ update of {BATCH} items per iteration, us per iteration\n")
+  for kind in ("uniform", "prioritized"):
+    seconds = single_device_overhead(kind)
+    ratio = seconds["sharded"] / seconds["plain"]
+    print(f"  {kind:12s} plain {seconds['plain'] * 1e6:8.1f}  sharded (D=1) "
+          f"{seconds['sharded'] * 1e6:8.1f}  {ratio:.2f}x")
+    verdicts.judge(f"{kind} sharded over 1 device / plain buffer, "
+                   f"{jax.default_backend()}", ratio, 1.1,
+                   higher_is_better=False)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--devices", type=int, nargs="+", default=[2, 4, 8])
   parser.add_argument("--cases", nargs="+", default=["items", "sequences"],
-                      choices=["items", "sequences"])
+                      choices=["items", "sequences", "overhead"])
   args = parser.parse_args()
   harness.print_machine()
   verdicts = harness.Verdicts()
+  if "overhead" in args.cases:
+    report_overhead(verdicts)
   cases = []
   if "items" in args.cases:
     row_bytes = OBS * 4 + 4

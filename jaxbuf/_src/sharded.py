@@ -472,10 +472,15 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
         tree, local_targets, uniforms[1:1 + redraws])
     has_mass = total > 0
     if kind.uniform_when_massless:
-      # All priorities underflowed to zero: uniform over the items held.
-      fallback_owner, fallback_ranks = uniform_choice()
-      owner = jnp.where(has_mass, owner, fallback_owner)
-      found = jnp.where(has_mass, found, kind.at_rank(local, fallback_ranks))
+      # All priorities underflowed to zero: uniform over the items held. A
+      # cond, as in the unsharded buffer, not a where: the fallback's draw
+      # runs only when needed (`has_mass` is the same on every device).
+      def fallback():
+        fallback_owner, fallback_ranks = uniform_choice()
+        # `+ found * 0` types the ids as varying over the axis, as `found`
+        # is, which shard_map requires of both branches.
+        return fallback_owner, kind.at_rank(local, fallback_ranks) + found * 0
+      owner, found = jax.lax.cond(has_mass, lambda: (owner, found), fallback)
       massless_weight = (total_size > 0).astype(jnp.float32)
     else:
       # As the unsharded sequence replays: id 0, weight 0.
