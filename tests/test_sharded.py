@@ -884,3 +884,55 @@ def test_sequence_bad_arguments_raise_and_leave_the_state_intact(call, error,
   for word in words:
     assert word in str(raised.value), str(raised.value)
   chex.assert_trees_all_equal(snapshot(state), before)
+
+
+# --- One device ------------------------------------------------------------------
+
+ONE_DEVICE_MESH = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+
+
+def no_collectives(compiled_text):
+  return not any(f"{op}(" in compiled_text or f"{op}-start(" in compiled_text
+                 for op in COLLECTIVES)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "prioritized", "uniform-sequence",
+                                  "prioritized-sequence"])
+@pytest.mark.parametrize("batch", ["sharded", "replicated"])
+def test_one_device_gives_the_unsharded_buffers_batches(kind, batch):
+  """Over one device, sharded is the plain buffer: same state, same batch for
+  the same key, same updates; and no collective in `sample` (sharded batch)
+  or `update_priorities`, since XLA:CPU keeps collectives of one participant
+  (a rendezvous each)."""
+  if kind.endswith("sequence"):
+    plain = sequence_buffer(kind.startswith("prioritized"), "cross")
+    adds = ragged_adds()
+    fill_plain = lambda buffer: fill(buffer, adds)
+    batch_size = 8
+  else:
+    plain = base(kind)
+    fill_plain = lambda buffer: buffer.add(buffer.add(
+        buffer.init(example_item()), make_items(0, 20)), make_items(20, 17))
+    batch_size = 16
+  buffer = jaxbuf.sharded(plain, ONE_DEVICE_MESH, batch=batch)
+  state, expected = fill_plain(buffer), fill_plain(plain)
+  chex.assert_trees_all_equal(jax.device_get(jax.tree.map(lambda x: x[0], state)),
+                              jax.device_get(expected))
+  key = jax.random.key(7)
+  drawn, expected_draw = (buffer.sample(state, key, batch_size),
+                          plain.sample(expected, key, batch_size))
+  chex.assert_trees_all_equal(jax.device_get(drawn), jax.device_get(expected_draw))
+  priorities = jnp.arange(1, batch_size + 1, dtype=jnp.float32)
+  state = buffer.update_priorities(state, drawn.indices, priorities,
+                                   drawn.item_ids)
+  expected = plain.update_priorities(expected, expected_draw.indices,
+                                     priorities, expected_draw.item_ids)
+  chex.assert_trees_all_equal(jax.device_get(jax.tree.map(lambda x: x[0], state)),
+                              jax.device_get(expected))
+  update_text = jax.jit(buffer.update_priorities).lower(
+      state, drawn.indices, priorities, drawn.item_ids).compile().as_text()
+  assert no_collectives(update_text)
+  if batch == "sharded":
+    sample_text = jax.jit(lambda s, k: buffer.sample(s, k, batch_size)).lower(
+        state, key).compile().as_text()
+    assert no_collectives(sample_text)

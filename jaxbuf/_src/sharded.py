@@ -522,7 +522,9 @@ def _local_sample(state: Any, key: jax.Array, batch_size: int, *,
   local = _local(state)
   device = jax.lax.axis_index(axis)
   block = batch_size // jax.lax.axis_size(axis)
-  drawn = kind.sample(local, jax.random.fold_in(key, device), block)
+  if jax.lax.axis_size(axis) > 1:
+    key = jax.random.fold_in(key, device)
+  drawn = kind.sample(local, key, block)
   drawn = drawn.replace(
       indices=drawn.indices + device * kind.ids_per_device(state))
   if batch == "replicated":
@@ -550,6 +552,11 @@ def sample(state: Any, key: jax.Array, batch_size: int, *, kind: _Kind,
   validation.check_key(key, what="sample")
   validation.check_batch_size(batch_size, what="sample")
   _check_divides(batch_size, num_devices, "batch_size", "sample")
+  if num_devices == 1:
+    # One device holds everything, so its own sample is the global one: the
+    # unsharded buffer's batch for the same key, with no collective
+    # (XLA:CPU keeps collectives of one participant, each a rendezvous).
+    sampling = "local"
   draw = _global_sample if sampling == "global" else _local_sample
   draw = functools.partial(draw, batch_size=batch_size, kind=kind, axis=axis,
                            batch=batch)
@@ -593,7 +600,9 @@ def update_priorities(state: Any, indices: jax.Array, priorities: jax.Array,
     # skips it.
     ids = jnp.where(owned, ids % ids_per_device, ids_per_device)
     local = kind.update_priorities(local, ids, priorities, item_ids)
-    local = local.replace(max_priority=jax.lax.pmax(local.max_priority, axis))
+    if num_devices > 1:
+      local = local.replace(
+          max_priority=jax.lax.pmax(local.max_priority, axis))
     return _stacked(local)
 
   replicated = PartitionSpec()
