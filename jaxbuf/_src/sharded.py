@@ -51,6 +51,11 @@ probability is then its share of its own device's total, times 1 / D, which
 equals the global one only when the devices' totals (items held, windows
 that can be sampled, or priority mass) are equal, and the importance weights
 are normalised per device, with the device's own N.
+
+Over one device the two modes coincide: the device's own sample is the
+global one, drawn with no collective, and equals the unsharded buffer's
+batch for the same key, so code written for many devices costs nothing
+extra on one.
 """
 
 import functools
