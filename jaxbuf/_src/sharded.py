@@ -155,6 +155,18 @@ def _rebound(buffer_function: Callable, module_function: Callable,
                            **{**_bound_settings(buffer_function), **overrides})
 
 
+def _local_functions(buffer: Buffer, module, is_prioritized: bool
+                     ) -> dict[str, Callable | None]:
+  """The wrapped kind's add, sample, update and clear, with its settings."""
+  return dict(
+      add=_rebound(buffer.add, module.add),
+      sample=_rebound(buffer.sample, module.sample),
+      update_priorities=(_rebound(buffer.update_priorities,
+                                  module.update_priorities)
+                         if is_prioritized else None),
+      clear=module.clear)
+
+
 def _item_kind(buffer: Buffer, module, num_devices: int) -> _Kind:
   """Uniform or prioritized item replay: capacity split in blocks of L."""
   is_prioritized = module is prioritized
@@ -169,12 +181,7 @@ def _item_kind(buffer: Buffer, module, num_devices: int) -> _Kind:
       ids_per_device=lambda state: jax.tree_util.tree_leaves(
           state.storage)[0].shape[1],
       init=functools.partial(module.init, capacity=capacity // num_devices),
-      add=_rebound(buffer.add, module.add),
-      sample=_rebound(buffer.sample, module.sample),
-      update_priorities=(_rebound(buffer.update_priorities,
-                                  module.update_priorities)
-                         if is_prioritized else None),
-      clear=module.clear,
+      **_local_functions(buffer, module, is_prioritized),
       held=lambda state: state.size,
       enough=lambda held, batch_size: held >= batch_size,
       masses=(lambda local: local.sum_tree) if is_prioritized else None,
@@ -220,12 +227,7 @@ def _sequence_kind(buffer: Buffer, module, num_devices: int) -> _Kind:
       init=_rebound(buffer.init, module.init,
                     num_envs=num_envs // num_devices,
                     capacity=sizes["capacity"] // num_devices),
-      add=_rebound(buffer.add, module.add),
-      sample=_rebound(buffer.sample, module.sample),
-      update_priorities=(_rebound(buffer.update_priorities,
-                                  module.update_priorities)
-                         if is_prioritized else None),
-      clear=module.clear,
+      **_local_functions(buffer, module, is_prioritized),
       held=lambda state: jnp.sum(state.window_counts, axis=-1,
                                  dtype=jnp.int32),
       # Sampling is with replacement: one window serves any batch size.
