@@ -465,11 +465,8 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
       # in stratum order, device d's block of a sharded batch would always
       # come from the same part of the global total (mostly device d's own
       # items), a biased minibatch for each learner.
-      offset = jnp.minimum(
-          (uniforms[-1, 0] * batch_size).astype(jnp.int32), batch_size - 1)
-      strata = (jnp.arange(batch_size, dtype=jnp.int32) + offset) % batch_size
-      targets = (strata.astype(jnp.float32) + uniforms[0]) * (
-          total / batch_size)
+      targets = sum_tree.rotated_strata_targets(uniforms[0], uniforms[-1, 0],
+                                                total)
     else:
       targets = uniforms[0] * total
     owner = _owner(inclusive, totals, targets)

@@ -213,19 +213,35 @@ def sample_leaves(tree: SumTree, key: jax.Array, batch_size: int, *,
       key, (1 + redraws + int(stratified), batch_size))
   total_mass = total(tree)
   if stratified:
-    # In stratum order, position j of every batch would come from stratum j:
-    # a prefix of the batch would hold only the low slots, and with few
-    # items the batch would hardly depend on the key. Rotated by a uniform
-    # offset, each position is a draw from the whole distribution, at the
-    # cost of one remainder per target (a permutation would need a sort).
-    offset = jnp.minimum(
-        (uniforms[-1, 0] * batch_size).astype(jnp.int32), batch_size - 1)
-    strata = (jnp.arange(batch_size, dtype=jnp.int32) + offset) % batch_size
-    targets = (strata.astype(jnp.float32) + uniforms[0]) * (
-        total_mass / batch_size)
+    targets = rotated_strata_targets(uniforms[0], uniforms[-1, 0], total_mass)
   else:
     targets = uniforms[0] * total_mass
   return find_prefix_sums_and_leaves(tree, targets, uniforms[1:1 + redraws])
+
+
+def rotated_strata_targets(uniforms: jax.Array, rotation: jax.Array,
+                           total_mass: jax.Array) -> jax.Array:
+  """One target in each of S equal strata of `[0, total_mass)`, rotated.
+
+  In stratum order, position j of every batch would come from stratum j: a
+  prefix of the batch would hold only the low slots, and with few items the
+  batch would hardly depend on the key. Rotated by a uniform offset, each
+  position is a draw from the whole distribution, at the cost of one
+  remainder per target (a permutation would need a sort).
+
+  Args:
+    uniforms: float32 `[S]` in `[0, 1)`, the position within each stratum.
+    rotation: float32 `()` in `[0, 1)`, the offset.
+    total_mass: float32 `()`.
+
+  Returns:
+    float32 `[S]` targets.
+  """
+  batch_size = uniforms.shape[0]
+  offset = jnp.minimum((rotation * batch_size).astype(jnp.int32),
+                       batch_size - 1)
+  strata = (jnp.arange(batch_size, dtype=jnp.int32) + offset) % batch_size
+  return (strata.astype(jnp.float32) + uniforms) * (total_mass / batch_size)
 
 
 def find_prefix_sums(tree: SumTree, targets: jax.Array,
