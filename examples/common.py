@@ -21,7 +21,10 @@ import gymnax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import tqdm
+
+import jaxbuf
 
 
 class Trainer(NamedTuple):
@@ -58,6 +61,33 @@ def as_float32(tree: Any) -> Any:
       lambda leaf: (leaf.astype(jnp.float32)
                     if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf),
       tree)
+
+
+def learn_when(should_learn: jax.Array, learn: Callable, state: Any,
+               key: jax.Array, *, target_period: int) -> tuple[Any, jax.Array]:
+  """One learner step of a Q-learning example if `should_learn`: `(state, loss)`.
+
+  `learn(state, key)` returns `(params, opt_state, buffer_state, loss)`; it
+  may sample and update priorities but never adds. `state` has `params`,
+  `opt_state`, `buffer_state`, `target_params` and `iteration`. The gate is
+  `jaxbuf.cond_update`: vmapped over seeds whose predicates differ, a
+  `lax.cond` is a select over every output, and a select over the replay
+  storage would copy every seed's buffer at every step; the storage, which
+  both branches pass through, is left out of it. Then the target network is
+  copied every `target_period` iterations.
+  """
+  def skip(state, key):
+    del key
+    return (state.params, state.opt_state, state.buffer_state,
+            jnp.zeros((), jnp.float32))
+
+  params, opt_state, buffer_state, loss = jaxbuf.cond_update(
+      should_learn, learn, skip, state, key)
+  return state.replace(
+      params=params, opt_state=opt_state, buffer_state=buffer_state,
+      target_params=optax.periodic_update(params, state.target_params,
+                                          state.iteration, target_period)
+  ), loss
 
 
 def make_vector_env(env_name: str, time_limit: int,

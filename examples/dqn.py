@@ -5,9 +5,11 @@ Shape key: K seeds, N envs, S sample size, C capacity, A actions.
 Every part of the collect-and-train loop runs inside one `lax.scan`: stepping
 N environments (vmapped), adding the N transitions to a jaxbuf replay buffer,
 sampling, the TD loss, the optax update, the priority update and the target
-network copy. Learning is gated by `lax.cond` on `buffer.can_sample` and the
-warm-up length. K seeds train at once with `vmap`. The host only sees the
-program between chunks of iterations, to move the progress bar. The TD
+network copy. Learning is gated by `jaxbuf.cond_update` (a `lax.cond` that
+leaves the replay storage out of its select under vmap) on
+`buffer.can_sample` and the warm-up length. K seeds train at once with
+`vmap`. The host only sees the program between chunks of iterations, to move
+the progress bar. The TD
 target is Double DQN's by default (`--no-double-q` for the original max).
 
   python examples/dqn.py                       # the demo: 5e5 steps, one seed
@@ -219,10 +221,9 @@ def make_trainer(config: Config) -> common.Trainer:
     loss = jnp.mean(sample.weights * 0.5 * td_error ** 2)
     return loss, td_error
 
-  # Learning never writes the replay storage, so the lax.cond below returns
-  # the buffer state without it. This matters under vmap: a cond whose
-  # predicate differs per seed becomes a select over every output, and a
-  # select over the storage would copy the whole buffer at every step.
+  # Learning samples and updates priorities but never writes the replay
+  # storage, so `common.learn_when` keeps the storage out of the select that
+  # a vmapped cond becomes (a copy of every seed's buffer per step).
   def learn(state: RunnerState, key: jax.Array):
     sample = buffer.sample(state.buffer_state, key, config.batch_size)
     (loss, td_error), grads = jax.value_and_grad(td_loss, has_aux=True)(
@@ -231,13 +232,8 @@ def make_trainer(config: Config) -> common.Trainer:
     buffer_state = buffer.update_priorities(
         state.buffer_state, sample.indices, jnp.abs(td_error), sample.item_ids)
     return (optax.apply_updates(state.params, updates), opt_state,
-            buffer_state.replace(storage=None), loss)
+            buffer_state, loss)
 
-  def skip_learning(state: RunnerState, key: jax.Array):
-    del key
-    return (state.params, state.opt_state,
-            state.buffer_state.replace(storage=None),
-            jnp.zeros((), jnp.float32))
 
   def step(state: RunnerState) -> tuple[RunnerState, Metrics]:
     key, explore_key, action_key, env_key, learn_key = jax.random.split(
@@ -265,13 +261,8 @@ def make_trainer(config: Config) -> common.Trainer:
 
     should_learn = (buffer.can_sample(buffer_state, config.batch_size)
                     & (state.iteration >= learning_starts))
-    params, opt_state, learned_buffer_state, loss = jax.lax.cond(
-        should_learn, learn, skip_learning, state, learn_key)
-    state = state.replace(
-        params=params, opt_state=opt_state,
-        buffer_state=learned_buffer_state.replace(storage=buffer_state.storage),
-        target_params=optax.periodic_update(params, state.target_params,
-                                            state.iteration, target_period))
+    state, loss = common.learn_when(should_learn, learn, state, learn_key,
+                                    target_period=target_period)
     return state, Metrics(
         returns_sum=jnp.sum(jnp.where(episode_ended, episode_returns, 0.0)),
         episodes_ended=jnp.sum(episode_ended.astype(jnp.float32)),

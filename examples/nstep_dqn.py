@@ -19,7 +19,7 @@ final steps of the envs that ended, inside the same jitted step.
   python examples/nstep_dqn.py --num-seeds 4 --plot nstep_dqn.png
   python examples/nstep_dqn.py --replay prioritized   # prioritized windows
 
-The loop (learning gated by `lax.cond`, target copies, K seeds vmapped) is
+The loop (learning gated by `jaxbuf.cond_update`, target copies, K seeds vmapped) is
 that of examples/dqn.py; only the replay and the TD target differ.
 """
 
@@ -187,15 +187,9 @@ def make_trainer(config: Config) -> common.Trainer:
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     buffer_state = buffer.update_priorities(
         state.buffer_state, sample.indices, jnp.abs(td_error), sample.item_ids)
-    # The storage stays out of the cond (see examples/dqn.py).
     return (optax.apply_updates(state.params, updates), opt_state,
-            buffer_state.replace(storage=None), loss)
+            buffer_state, loss)
 
-  def skip_learning(state: RunnerState, key: jax.Array):
-    del key
-    return (state.params, state.opt_state,
-            state.buffer_state.replace(storage=None),
-            jnp.zeros((), jnp.float32))
 
   def step(state: RunnerState) -> tuple[RunnerState, Metrics]:
     key, explore_key, action_key, env_key, learn_key = jax.random.split(
@@ -227,13 +221,8 @@ def make_trainer(config: Config) -> common.Trainer:
 
     should_learn = (buffer.can_sample(buffer_state, config.batch_size)
                     & (state.iteration >= learning_starts))
-    params, opt_state, learned_buffer_state, loss = jax.lax.cond(
-        should_learn, learn, skip_learning, state, learn_key)
-    state = state.replace(
-        params=params, opt_state=opt_state,
-        buffer_state=learned_buffer_state.replace(storage=buffer_state.storage),
-        target_params=optax.periodic_update(params, state.target_params,
-                                            state.iteration, target_period))
+    state, loss = common.learn_when(should_learn, learn, state, learn_key,
+                                    target_period=target_period)
     return state, Metrics(
         returns_sum=jnp.sum(jnp.where(episode_ended, episode_returns, 0.0)),
         episodes_ended=jnp.sum(episode_ended.astype(jnp.float32)),

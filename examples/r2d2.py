@@ -222,13 +222,8 @@ def make_trainer(config: Config) -> common.Trainer:
     buffer_state = buffer.update_priorities(
         state.buffer_state, sample.indices, priorities, sample.item_ids)
     return (optax.apply_updates(state.params, updates), opt_state,
-            buffer_state.replace(storage=None), loss)
+            buffer_state, loss)
 
-  def skip_learning(state: RunnerState, key: jax.Array):
-    del key
-    return (state.params, state.opt_state,
-            state.buffer_state.replace(storage=None),
-            jnp.zeros((), jnp.float32))
 
   def step(state: RunnerState) -> tuple[RunnerState, Metrics]:
     key, explore_key, action_key, env_key, learn_key = jax.random.split(
@@ -263,13 +258,8 @@ def make_trainer(config: Config) -> common.Trainer:
 
     should_learn = (buffer.can_sample(buffer_state, config.batch_size)
                     & (state.iteration >= learning_starts))
-    params, opt_state, learned_buffer_state, loss = jax.lax.cond(
-        should_learn, learn, skip_learning, state, learn_key)
-    state = state.replace(
-        params=params, opt_state=opt_state,
-        buffer_state=learned_buffer_state.replace(storage=buffer_state.storage),
-        target_params=optax.periodic_update(params, state.target_params,
-                                            state.iteration, target_period))
+    state, loss = common.learn_when(should_learn, learn, state, learn_key,
+                                    target_period=target_period)
     return state, Metrics(
         returns_sum=jnp.sum(jnp.where(episode_ended, episode_returns, 0.0)),
         episodes_ended=jnp.sum(episode_ended.astype(jnp.float32)),

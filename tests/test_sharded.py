@@ -936,3 +936,33 @@ def test_one_device_gives_the_unsharded_buffers_batches(kind, batch):
     sample_text = jax.jit(lambda s, k: buffer.sample(s, k, batch_size)).lower(
         state, key).compile().as_text()
     assert no_collectives(sample_text)
+
+
+@pytest.mark.parametrize("kind", ["prioritized", "prioritized-sequence"])
+def test_updates_pass_the_storage_through_for_cond_update(kind):
+  """A learner step (sample + update) of a sharded buffer inside
+  `jaxbuf.cond_update`: the storage is recognised as passed through (no
+  ValueError), and the result is `lax.cond`'s."""
+  if kind == "prioritized":
+    buffer = BUFFERS[("prioritized", "global", "sharded")]
+    state = buffer.add(buffer.init(example_item()), make_items(0, 20))
+  else:
+    buffer = sharded_sequence(True, "cross")
+    state = fill(buffer, ragged_adds())
+
+  def learn(state, key):
+    batch = buffer.sample(state, key, 8)
+    return buffer.update_priorities(state, batch.indices,
+                                    jnp.arange(1.0, 9.0), batch.item_ids)
+
+  def skip(state, key):
+    del key
+    return state
+
+  key = jax.random.key(2)
+  for learning in (True, False):
+    chex.assert_trees_all_equal(
+        jax.device_get(jax.jit(lambda s, k: jaxbuf.cond_update(
+            learning, learn, skip, s, k))(state, key)),
+        jax.device_get(jax.jit(lambda s, k: jax.lax.cond(
+            learning, learn, skip, s, k))(state, key)))

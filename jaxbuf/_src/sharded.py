@@ -609,13 +609,22 @@ def update_priorities(state: Any, indices: jax.Array, priorities: jax.Array,
           max_priority=jax.lax.pmax(local.max_priority, axis))
     return _stacked(local)
 
+  # The storage stays outside the shard_map: updates never write it, and
+  # passed through as the same arrays it stays recognisably unchanged (for
+  # `jaxbuf.cond_update`, and for XLA, with no copy of it to alias away).
+  # Inside, zero-size stand-ins keep the shapes the update reads the
+  # capacity from.
+  storage = state.storage
+  stand_ins = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape + (0,), leaf.dtype),
+                           storage)
   replicated = PartitionSpec()
-  return jax.shard_map(
+  updated = jax.shard_map(
       update_owned, mesh=mesh,
       in_specs=(_spec(axis), replicated, replicated, replicated),
       out_specs=_spec(axis))(
-          _placed(state, mesh, axis, _spec(axis)),
+          _placed(state.replace(storage=stand_ins), mesh, axis, _spec(axis)),
           *_placed((indices, priorities, item_ids), mesh, axis, replicated))
+  return updated.replace(storage=storage)
 
 
 def can_sample(state: Any, batch_size: int, *, kind: _Kind, sampling: str,
