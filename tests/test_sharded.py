@@ -355,6 +355,19 @@ def test_update_from_a_sharded_sample_round_trips():
 
 # --- Composition: jit with donation, scan, cond, no retrace -------------------------
 
+def add_sample_update(buffer, state, items, key, batch_size=8):
+  """One collect-and-learn step: add, sample, and (behind a `lax.cond` on
+  `can_sample`) update the sampled priorities."""
+  state = buffer.add(state, items)
+  sample = buffer.sample(state, key, batch_size)
+  state = jax.lax.cond(
+      buffer.can_sample(state, batch_size),
+      lambda s: buffer.update_priorities(s, sample.indices, sample.weights + 1,
+                                         sample.item_ids),
+      lambda s: s, state)
+  return state, sample
+
+
 @pytest.mark.parametrize("kind, batch, mesh", [
     ("uniform", "sharded", MESH), ("uniform", "replicated", AUTO_MESH),
     ("prioritized", "replicated", MESH), ("prioritized", "sharded", AUTO_MESH)],
@@ -367,14 +380,7 @@ def test_inside_a_jitted_scan_with_donation_and_no_retrace(kind, batch, mesh):
   @chex.assert_max_traces(n=1)
   def steps(state, items, key):
     def step(state, inputs):
-      items, key = inputs
-      state = buffer.add(state, items)
-      sample = buffer.sample(state, key, 8)
-      state = jax.lax.cond(
-          buffer.can_sample(state, 8),
-          lambda s: buffer.update_priorities(s, sample.indices,
-                                             sample.weights + 1, sample.item_ids),
-          lambda s: s, state)
+      state, sample = add_sample_update(buffer, state, *inputs)
       return state, sample.indices
     return jax.lax.scan(step, state, (items, jax.random.split(key, 3)))
 
@@ -767,15 +773,7 @@ def test_sequence_inside_a_jitted_scan_with_donation_and_no_retrace(
   @chex.assert_max_traces(n=1)
   def steps(state, chunks, key):
     def step(state, inputs):
-      chunk, key = inputs
-      state = buffer.add(state, chunk)
-      sample = buffer.sample(state, key, 8)
-      state = jax.lax.cond(
-          buffer.can_sample(state, 8),
-          lambda s: buffer.update_priorities(s, sample.indices,
-                                             sample.weights + 1,
-                                             sample.item_ids),
-          lambda s: s, state)
+      state, sample = add_sample_update(buffer, state, *inputs)
       return state, (sample.indices, sample.items["id"])
     return jax.lax.scan(step, state, (chunks, jax.random.split(key, 3)))
 
