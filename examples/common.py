@@ -63,6 +63,56 @@ def as_float32(tree: Any) -> Any:
       tree)
 
 
+class QLearningMetrics(NamedTuple):
+  """Per-iteration statistics of the Q-learning examples; sums, so the host
+  can average over any window."""
+  returns_sum: jax.Array      # (), float32: summed returns of episodes ended now
+  episodes_ended: jax.Array   # (), float32
+  loss: jax.Array             # (), float32 (0 before learning starts)
+
+
+def episode_metrics(episode_ended: jax.Array, episode_returns: jax.Array,
+                    loss: jax.Array) -> QLearningMetrics:
+  """The metrics of one iteration from `episode_ended` and the returns `[N]`."""
+  return QLearningMetrics(
+      returns_sum=jnp.sum(jnp.where(episode_ended, episode_returns, 0.0)),
+      episodes_ended=jnp.sum(episode_ended.astype(jnp.float32)),
+      loss=loss)
+
+
+def epsilon_greedy(explore_key: jax.Array, action_key: jax.Array,
+                   q_values: jax.Array, epsilon: jax.Array) -> jax.Array:
+  """Actions int32 `[N]` from `q_values [N, A]`: uniform with probability
+  `epsilon`, else the greedy one."""
+  greedy = q_values.argmax(axis=-1)
+  random_actions = jax.random.randint(action_key, greedy.shape, 0,
+                                      q_values.shape[-1])
+  explore = jax.random.uniform(explore_key, greedy.shape) < epsilon
+  return jnp.where(explore, random_actions, greedy).astype(jnp.int32)
+
+
+def td_learner(buffer: jaxbuf.Buffer, optimizer: optax.GradientTransformation,
+               td_loss: Callable, batch_size: int,
+               priorities: Callable = jnp.abs) -> Callable:
+  """A Q-learning example's learner step, `learn(state, key)` for `learn_when`.
+
+  `td_loss(params, target_params, sample) -> (loss, aux)`; the sampled
+  items' new priorities are `priorities(aux)` (float32 `[S]`). Returns
+  `(params, opt_state, buffer_state, loss)`: one optimizer step on a sample
+  of `batch_size`, and its priorities updated.
+  """
+  def learn(state: Any, key: jax.Array):
+    sample = buffer.sample(state.buffer_state, key, batch_size)
+    (loss, aux), grads = jax.value_and_grad(td_loss, has_aux=True)(
+        state.params, state.target_params, sample)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    buffer_state = buffer.update_priorities(
+        state.buffer_state, sample.indices, priorities(aux), sample.item_ids)
+    return (optax.apply_updates(state.params, updates), opt_state,
+            buffer_state, loss)
+  return learn
+
+
 def learn_when(should_learn: jax.Array, learn: Callable, state: Any,
                key: jax.Array, *, target_period: int) -> tuple[Any, jax.Array]:
   """One learner step of a Q-learning example if `should_learn`: `(state, loss)`.

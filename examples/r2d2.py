@@ -125,11 +125,6 @@ class RunnerState:
   key: jax.Array
 
 
-class Metrics(NamedTuple):
-  returns_sum: jax.Array
-  episodes_ended: jax.Array
-  loss: jax.Array
-
 
 def make_trainer(config: Config) -> common.Trainer:
   """Builds `init(key) -> RunnerState` and `step(state) -> (state, metrics)`."""
@@ -213,29 +208,18 @@ def make_trainer(config: Config) -> common.Trainer:
             / jnp.maximum(jnp.sum(targets.valid), 1))
     return loss, (td_error, targets.valid)
 
-  def learn(state: RunnerState, key: jax.Array):
-    sample = buffer.sample(state.buffer_state, key, config.batch_size)
-    (loss, (td_error, valid)), grads = jax.value_and_grad(
-        td_loss, has_aux=True)(state.params, state.target_params, sample)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    priorities = jaxbuf.r2d2_priorities(td_error, valid, eta=config.eta)
-    buffer_state = buffer.update_priorities(
-        state.buffer_state, sample.indices, priorities, sample.item_ids)
-    return (optax.apply_updates(state.params, updates), opt_state,
-            buffer_state, loss)
+  learn = common.td_learner(
+      buffer, optimizer, td_loss, config.batch_size,
+      priorities=lambda aux: jaxbuf.r2d2_priorities(*aux, eta=config.eta))
 
-
-  def step(state: RunnerState) -> tuple[RunnerState, Metrics]:
+  def step(state: RunnerState
+           ) -> tuple[RunnerState, common.QLearningMetrics]:
     key, explore_key, action_key, env_key, learn_key = jax.random.split(
         state.key, 5)
     next_hidden, q_values = network.apply(state.params, state.hidden,
                                           state.obs)
-    greedy = q_values.argmax(axis=-1)
-    random_actions = jax.random.randint(action_key, greedy.shape, 0,
-                                        num_actions)
-    explore = (jax.random.uniform(explore_key, greedy.shape)
-               < epsilon_schedule(state.iteration))
-    actions = jnp.where(explore, random_actions, greedy).astype(jnp.int32)
+    actions = common.epsilon_greedy(explore_key, action_key, q_values,
+                                    epsilon_schedule(state.iteration))
     full_obs, env_state, rewards, terminated, truncated, info = envs.step(
         env_key, state.env_state, actions)
     rewards = rewards.astype(jnp.float32)
@@ -260,10 +244,8 @@ def make_trainer(config: Config) -> common.Trainer:
                     & (state.iteration >= learning_starts))
     state, loss = common.learn_when(should_learn, learn, state, learn_key,
                                     target_period=target_period)
-    return state, Metrics(
-        returns_sum=jnp.sum(jnp.where(episode_ended, episode_returns, 0.0)),
-        episodes_ended=jnp.sum(episode_ended.astype(jnp.float32)),
-        loss=loss)
+    return state, common.episode_metrics(episode_ended, episode_returns,
+                                         loss)
 
   return common.Trainer(init=init, step=step)
 
