@@ -984,3 +984,142 @@ def test_updates_pass_the_storage_through_for_cond_update(kind):
             learning, learn, skip, s, k))(state, key)),
         jax.device_get(jax.jit(lambda s, k: jax.lax.cond(
             learning, learn, skip, s, k))(state, key)))
+
+
+# --- Resharding on load (issue 23) -----------------------------------------------
+
+TWO_DEVICE_MESH = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+
+
+def held_items_and_leaves(state):
+  """{action: (obs row, leaf or None)} of every item an item state holds,
+  stacked or not: what must survive a regrouping exactly."""
+  size = np.asarray(state.size).reshape(-1)
+  obs = np.asarray(state.storage["obs"]).reshape(size.shape[0], -1, 3)
+  actions = np.asarray(state.storage["action"]).reshape(size.shape[0], -1)
+  leaves = None
+  if hasattr(state, "sum_tree"):
+    leaves = np.asarray(state.sum_tree.levels[0]).reshape(size.shape[0], -1)
+  held = {}
+  for device, count in enumerate(size):
+    for slot in range(count):
+      leaf = None if leaves is None else float(leaves[device, slot])
+      held[int(actions[device, slot])] = (obs[device, slot].tolist(), leaf)
+  return held
+
+
+def item_probabilities(held):
+  leaves = {action: leaf for action, (_, leaf) in held.items()}
+  if None in leaves.values():
+    return {action: 1 / len(leaves) for action in leaves}
+  total = sum(leaves.values())
+  return {action: leaf / total for action, leaf in leaves.items()}
+
+
+@pytest.mark.parametrize("kind", ["uniform", "prioritized"])
+def test_item_checkpoints_reshard_exactly_between_device_counts(kind, tmp_path):
+  four = BUFFERS[(kind, "global", "sharded")]
+  state = four.init(example_item())
+  for start in range(0, 44, 4):  # 44 items in a capacity of 32: wrapped
+    state = four.add(state, make_items(start, 4))
+    drawn = four.sample(state, jax.random.key(start), 4)
+    state = four.update_priorities(state, drawn.indices,
+                                   jnp.arange(1.0, 5.0) * (start + 1),
+                                   drawn.item_ids)
+  jaxbuf.save(tmp_path / "four", state)
+  held = held_items_and_leaves(state)
+  assert len(held) == CAPACITY
+
+  targets = {"unsharded": base(kind),
+             "two": jaxbuf.sharded(base(kind), TWO_DEVICE_MESH),
+             "one": jaxbuf.sharded(base(kind), ONE_DEVICE_MESH),
+             "four": four}
+  for name, buffer in targets.items():
+    like = buffer.init(example_item())
+    restored = jaxbuf.load(tmp_path / "four", like=like)
+    assert restored.settings == like.settings, name
+    assert held_items_and_leaves(restored) == held, name
+    if kind == "prioritized":
+      np.testing.assert_array_equal(np.max(restored.max_priority),
+                                    np.max(state.max_priority))
+      np.testing.assert_array_equal(np.ravel(restored.beta_step)[0],
+                                    np.ravel(state.beta_step)[0])
+    # It is a working state of its buffer: sample, update, add, and draw in
+    # proportion to the same leaves.
+    drawn = buffer.sample(restored, jax.random.key(1), 8)
+    assert set(np.asarray(drawn.items["action"]).tolist()) <= set(held)
+    restored = buffer.update_priorities(restored, drawn.indices,
+                                        jnp.ones(8), drawn.item_ids)
+    restored = buffer.add(restored, make_items(100, 4))
+    assert int(np.sum(restored.size)) == CAPACITY
+    # Saved again and loaded back over four devices: the same items.
+    jaxbuf.save(tmp_path / name, restored)
+    back = jaxbuf.load(tmp_path / name, like=four.init(example_item()))
+    assert held_items_and_leaves(back) == held_items_and_leaves(restored)
+
+
+def test_item_regrouping_keeps_the_sampling_distribution(tmp_path):
+  four = BUFFERS[("prioritized", "global", "sharded")]
+  state = uneven_priorities_state(four)
+  jaxbuf.save(tmp_path / "four", state)
+  plain = base("prioritized")
+  restored = jaxbuf.load(tmp_path / "four", like=plain.init(example_item()))
+  expected = item_probabilities(held_items_and_leaves(state))
+  assert item_probabilities(held_items_and_leaves(restored)) == pytest.approx(
+      expected, rel=1e-6)
+  counts = np.zeros(CAPACITY + 100)
+  batches = draw_many(plain, restored, jax.random.key(3), 64, 200)
+  np.add.at(counts, np.asarray(batches.items["action"]).reshape(-1), 1)
+  probabilities = np.zeros_like(counts)
+  for action, probability in expected.items():
+    probabilities[action] = probability
+  assert chi_square_p(counts, probabilities) > 1e-3
+
+
+def uneven_priorities_state(buffer):
+  state = buffer.add(buffer.init(example_item()), make_items(0, 24))
+  indices = jnp.arange(0, 32, dtype=jnp.int32)
+  return buffer.update_priorities(state, indices,
+                                  (jnp.arange(32.0) % 7) ** 2 + 0.5)
+
+
+def test_an_unsharded_ring_that_does_not_split_evenly_says_why(tmp_path):
+  plain = base("prioritized")
+  state = plain.add(plain.init(example_item()), make_items(0, 5))
+  jaxbuf.save(tmp_path / "five", state)
+  like = BUFFERS[("prioritized", "global", "sharded")].init(example_item())
+  with pytest.raises(ValueError, match="holds 5 items, which do not split "
+                     "evenly over 4 devices"):
+    jaxbuf.load(tmp_path / "five", like=like)
+  plain = base("prioritized")
+  state = plain.add(plain.init(example_item()), make_items(0, 8))
+  jaxbuf.save(tmp_path / "eight", state)
+  restored = jaxbuf.load(tmp_path / "eight", like=like)
+  assert held_items_and_leaves(restored) == held_items_and_leaves(state)
+
+
+@pytest.mark.parametrize("prioritized, episodes", SEQ_KINDS, ids=SEQ_IDS)
+def test_sequence_checkpoints_reshard_exactly(prioritized, episodes, tmp_path):
+  adds = ragged_adds()
+  four = sharded_sequence(prioritized, episodes)
+  state = fill(four, adds)
+  jaxbuf.save(tmp_path / "four", state)
+  # Sharded over envs, so the unsharded buffer fed the same adds is exactly
+  # the regrouped state, bit for bit, its sum tree included.
+  plain = sequence_buffer(prioritized, episodes)
+  expected = fill(plain, adds)
+  restored = jaxbuf.load(tmp_path / "four", like=plain.init(example_step()))
+  chex.assert_trees_all_equal(jax.device_get(contents(restored)),
+                              jax.device_get(contents(expected)))
+  two = jaxbuf.sharded(plain, TWO_DEVICE_MESH)
+  over_two = jaxbuf.load(tmp_path / "four", like=two.init(example_step()))
+  assert over_two.storage["obs"].shape[:2] == (2, SEQ_ENVS // 2)
+  # Each of the two devices holds the envs the unsharded buffer holds there.
+  chex.assert_trees_all_equal(as_unsharded(over_two), as_unsharded(
+      jax.tree.map(lambda x: x[None], jax.device_get(expected))))
+  weights = np.asarray(two.sample(over_two, jax.random.key(5), 8).weights)
+  assert weights.max() == 1
+  jaxbuf.save(tmp_path / "unsharded", expected)
+  back = jaxbuf.load(tmp_path / "unsharded", like=four.init(example_step()))
+  chex.assert_trees_all_equal(jax.device_get(contents(back)),
+                              jax.device_get(contents(state)))

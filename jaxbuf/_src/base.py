@@ -35,6 +35,36 @@ class BufferState:
     """
     return {}
 
+  def joined(self) -> "BufferState":
+    """The stack of D devices' local states (leaves `[D, ...]`) as the state
+    of one unsharded buffer holding the same items, priorities and counts.
+    Kinds that `jaxbuf.sharded` can split override it and `divided`."""
+    raise ValueError(f"{type(self).__name__} cannot be regrouped over another "
+                     f"number of devices.")
+
+  def divided(self, num_devices: int) -> "BufferState":
+    """This unsharded state as the stack of `num_devices` local states, the
+    inverse of `joined`; raises naming the reason where no exact split exists."""
+    raise ValueError(f"{type(self).__name__} cannot be regrouped over another "
+                     f"number of devices.")
+
+
+def regrouped(state: BufferState, devices: int | None) -> BufferState:
+  """`state` laid out for `devices` devices (None: one unsharded buffer).
+
+  Exact: every item, priority and counter is kept and sampling draws from
+  the same distribution; what keeps it exact for each kind is in its
+  `joined` and `divided`. Indices of samples drawn before are not
+  meaningful after (the slots or window ids are numbered anew).
+  """
+  settings = dict(state.settings)
+  whole = state.joined() if settings.pop("devices", None) else state
+  whole = whole.replace(settings=kind_protocol.settings_of(**settings))
+  if not devices:
+    return whole
+  return whole.divided(devices).replace(
+      settings=kind_protocol.settings_of(**settings, devices=devices))
+
 
 @flax.struct.dataclass
 class ReplaySample:

@@ -97,6 +97,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jaxbuf._src import base
 from jaxbuf._src import kind
 from jaxbuf._src.base import BufferState, PyTree
 
@@ -933,6 +934,15 @@ def load(path: str | os.PathLike, *, like: PyTree) -> PyTree:
   Returns:
     The saved state, of the same type as `like`.
 
+  Resharding: a checkpoint of a `jaxbuf.sharded` buffer loads into a `like`
+  of the same buffer sharded over another number of devices, or unsharded,
+  and an unsharded checkpoint into a sharded `like`. The state is regrouped
+  exactly (`BufferState.joined` / `divided`: every item, priority and
+  counter kept, sampling from the same distribution), passing whole through
+  one device on the way; where no exact regrouping exists (envs that do not
+  split over the devices, a ring whose items do not) the error says why.
+  One process only.
+
   Raises:
     FileNotFoundError: nothing was saved at `path`.
     TypeError: the checkpoint holds another kind of state, another tree
@@ -944,6 +954,50 @@ def load(path: str | os.PathLike, *, like: PyTree) -> PyTree:
       and the piece; several processes passing different paths or `like`s.
       An error in any process is raised in every process.
   """
+  devices = _devices_to_regroup(path, like)
+  if devices is None:
+    return _load_as(path, like)
+  stored_devices, wanted_devices = devices
+  # Shapes only: the stored layout is read onto one device and regrouped
+  # there, whatever mesh `like` lives on.
+  unplaced = jax.tree.map(
+      lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype), like)
+  stored_like = jax.eval_shape(
+      lambda state: base.regrouped(state, stored_devices), unplaced)
+  state = base.regrouped(_load_as(path, stored_like), wanted_devices)
+  return jax.tree.map(
+      lambda leaf, like_leaf: leaf if getattr(like_leaf, "sharding", None) is None
+      else jax.device_put(leaf, like_leaf.sharding), state, like)
+
+
+def _devices_to_regroup(path: str | os.PathLike, like: PyTree
+                        ) -> tuple[int | None, int | None] | None:
+  """(stored, wanted) device counts when the checkpoint differs from `like`
+  only in them; None otherwise (the exact load then reports any mismatch)."""
+  wanted = _settings(like)
+  if not wanted or jax.process_count() > 1:
+    return None
+  try:
+    handle, _ = _open_committed(_resolve(path))
+  except (OSError, ValueError):
+    return None
+  try:
+    stored = _read_json(handle, _LAYOUT, "load").get("settings") or {}
+  except (OSError, ValueError, AttributeError):
+    return None
+  finally:
+    os.close(handle)
+  stored_devices, wanted_devices = stored.get("devices"), wanted.get("devices")
+  without_devices = lambda settings: {name: value for name, value
+                                      in settings.items() if name != "devices"}
+  if (stored_devices == wanted_devices
+      or without_devices(stored) != without_devices(wanted)):
+    return None
+  return stored_devices, wanted_devices
+
+
+def _load_as(path: str | os.PathLike, like: PyTree) -> PyTree:
+  """`load` of a checkpoint whose layout must be `like`'s exactly."""
   def prepare() -> tuple[pathlib.Path, dict[str, Any]]:
     resolved = _resolve(path)
     _check_path_is_usable(resolved, "load")

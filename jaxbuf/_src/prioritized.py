@@ -37,6 +37,30 @@ class PrioritizedReplayState(ReplayState):
   beta_step: jax.Array        # shape=(), int32: update_priorities calls so far
                               # (saturating); the step fed to a beta schedule
 
+  def joined(self) -> "PrioritizedReplayState":
+    """`ReplayState.joined`, each leaf's priority moved with its item."""
+    num_devices, per_device = self.insert_position.shape[0], ring.capacity_of(
+        jax.tree.map(lambda leaf: leaf[0], self.storage))
+    ring.require_equal_on_every_device(self.beta_step, "beta_step")
+    leaves = sum_tree.leaves(self.sum_tree)[:, :per_device]
+    return super().joined().replace(
+        sum_tree=sum_tree.from_leaves(
+            jnp.swapaxes(leaves, 0, 1).reshape(num_devices * per_device)),
+        max_priority=jnp.max(self.max_priority),
+        beta_step=self.beta_step[0])
+
+  def divided(self, num_devices: int) -> "PrioritizedReplayState":
+    """`ReplayState.divided`, each leaf's priority moved with its item."""
+    capacity = ring.capacity_of(self.storage)
+    turn = jnp.where(self.size == capacity, self.insert_position, 0)
+    leaves = jnp.roll(sum_tree.leaves(self.sum_tree)[:capacity], -turn)
+    per_device = lambda value: jnp.full((num_devices,), value)
+    return super().divided(num_devices).replace(
+        sum_tree=jax.vmap(sum_tree.from_leaves)(jnp.swapaxes(
+            leaves.reshape(capacity // num_devices, num_devices), 0, 1)),
+        max_priority=per_device(self.max_priority),
+        beta_step=per_device(self.beta_step))
+
 
 def init(example_item: PyTree, *, capacity: int) -> PrioritizedReplayState:
   """An empty prioritized buffer for items shaped like `example_item`."""

@@ -41,6 +41,18 @@ class PrioritizedSequenceReplayState(SequenceReplayState):
   beta_step: jax.Array     # shape=(), int32: update_priorities calls so far
                            # (saturating); the step fed to a beta schedule
 
+  def joined(self) -> "PrioritizedSequenceReplayState":
+    """`SequenceReplayState.joined`, with the devices' shared counters."""
+    return super().joined().replace(max_priority=jnp.max(self.max_priority),
+                                    beta_step=jnp.max(self.beta_step))
+
+  def divided(self, num_devices: int) -> "PrioritizedSequenceReplayState":
+    """`SequenceReplayState.divided`, every device given the counters."""
+    per_device = lambda value: jnp.full((num_devices,), value)
+    return super().divided(num_devices).replace(
+        max_priority=per_device(self.max_priority),
+        beta_step=per_device(self.beta_step))
+
 
 def init(example_step: PyTree, *, num_envs: int,
          capacity: int) -> PrioritizedSequenceReplayState:

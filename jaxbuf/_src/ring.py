@@ -82,6 +82,62 @@ class ReplayState(BufferState):
     return {"vmapped buffers": list(batch_shape),
             "capacity": int(np.shape(storage)[len(batch_shape)])}
 
+  def joined(self) -> "ReplayState":
+    """D lockstep rings of L slots (every add splits evenly over the
+    devices, so their counters agree) as one ring of D * L: local slot j of
+    device d becomes slot j * D + d, oldest first as before."""
+    num_devices = self.insert_position.shape[0]
+    for name in ("insert_position", "size", "add_count"):
+      require_equal_on_every_device(getattr(self, name), name)
+    return self.replace(
+        storage=jax.tree.map(
+            lambda leaf: jnp.swapaxes(leaf, 0, 1).reshape(
+                (-1,) + leaf.shape[2:]), self.storage),
+        insert_position=self.insert_position[0] * num_devices,
+        size=self.size[0] * num_devices,
+        add_count=self.add_count[0] * jnp.uint32(num_devices))
+
+  def divided(self, num_devices: int) -> "ReplayState":
+    """The inverse of `joined`: slot s to local slot s // D of device s % D.
+
+    A full ring is first turned so its oldest item is slot 0; a ring not
+    full must hold a multiple of D items, so that the D rings stay lockstep.
+    """
+    capacity = capacity_of(self.storage)
+    validation.check_divides(capacity, num_devices, "capacity", "load")
+    full = self.size == capacity
+    if is_concrete(self.size) and not bool(full) and int(self.size) % num_devices:
+      raise ValueError(
+          f"load: the state holds {int(self.size)} items, which do not split "
+          f"evenly over {num_devices} devices (each device's ring must hold "
+          f"as many); add items up to a multiple of {num_devices}, or load "
+          f"it over a number of devices that divides {int(self.size)}.")
+    turn = jnp.where(full, self.insert_position, 0)
+    spread = lambda leaf: jnp.swapaxes(
+        jnp.roll(leaf, -turn, axis=0).reshape(
+            (capacity // num_devices, num_devices) + leaf.shape[1:]), 0, 1)
+    per_device = lambda value: jnp.full((num_devices,), value)
+    return self.replace(
+        storage=jax.tree.map(spread, self.storage),
+        insert_position=per_device(
+            jnp.where(full, 0, self.insert_position) // num_devices),
+        size=per_device(self.size // num_devices),
+        add_count=per_device(self.add_count // jnp.uint32(num_devices)))
+
+
+def is_concrete(value: Any) -> bool:
+  """Whether `value` holds data (not a tracer under jit or eval_shape)."""
+  return not isinstance(value, jax.core.Tracer)
+
+
+def require_equal_on_every_device(value: jax.Array, name: str) -> None:
+  """Raises unless a counter `[D]` is the same on every device."""
+  if is_concrete(value) and np.unique(np.asarray(value)).size > 1:
+    raise ValueError(
+        f"load: the devices' {name} differ ({np.asarray(value).tolist()}); "
+        f"a state made by a jaxbuf.sharded buffer keeps them equal, so this "
+        f"one cannot be regrouped exactly.")
+
 
 def init_ring(example_item: PyTree, capacity: int) -> dict[str, Any]:
   """The `ReplayState` fields of an empty buffer, as keyword arguments."""

@@ -86,6 +86,42 @@ class SequenceReplayState(BufferState):
     return {"vmapped buffers": list(batch_shape), "num_envs": num_envs,
             "capacity": num_envs * per_env}
 
+  def joined(self) -> "SequenceReplayState":
+    """D devices' blocks of N / D envs as one buffer of N envs: each env's
+    ring, counters and window masses move whole, so window `g` of the
+    result is window `g` of the sharded buffer's numbering."""
+    merge = lambda leaf: leaf.reshape((-1,) + leaf.shape[2:])
+    per_device = self.episode_ends.shape[1] * self.episode_ends.shape[2]
+    return self.replace(
+        **{name: merge(getattr(self, name)) for name in _PER_ENV_FIELDS},
+        storage=jax.tree.map(merge, self.storage),
+        window_tree=None if self.window_tree is None else sum_tree.from_leaves(
+            sum_tree.leaves(self.window_tree)[:, :per_device].reshape(-1)))
+
+  def divided(self, num_devices: int) -> "SequenceReplayState":
+    """The inverse of `joined`: envs in blocks of N / D."""
+    num_envs, per_env = self.episode_ends.shape
+    if num_envs % num_devices:
+      raise ValueError(
+          f"load: the state's {num_envs} envs do not split over "
+          f"{num_devices} devices (each device holds whole envs); load it "
+          f"over a number of devices that divides {num_envs}.")
+    split = lambda leaf: leaf.reshape(
+        (num_devices, num_envs // num_devices) + leaf.shape[1:])
+    window_tree = None
+    if self.window_tree is not None:
+      leaves = sum_tree.leaves(self.window_tree)[:num_envs * per_env]
+      window_tree = jax.vmap(sum_tree.from_leaves)(
+          leaves.reshape(num_devices, -1))
+    return self.replace(
+        **{name: split(getattr(self, name)) for name in _PER_ENV_FIELDS},
+        storage=jax.tree.map(split, self.storage), window_tree=window_tree)
+
+
+# The fields with one row per env, `[N, ...]`.
+_PER_ENV_FIELDS = ("episode_ends", "write_heads", "steps_held", "step_counts",
+                   "period_phases", "window_counts")
+
 
 def steps_per_env(state: SequenceReplayState) -> int:
   """R, read from the storage (a Python int, static under jit)."""

@@ -54,6 +54,21 @@ def init(num_leaves: int) -> SumTree:
                        for size in level_sizes(num_leaves)))
 
 
+def from_leaves(values: jax.Array) -> SumTree:
+  """The tree over leaves `values [C]` (float32, each below the limit).
+
+  Each parent is the sum of its K children, as `set_leaves` computes it, so
+  the tree is the one that writing every leaf would give.
+  """
+  sizes = level_sizes(values.shape[0])
+  levels = [jnp.zeros(sizes[0], jnp.float32).at[:values.shape[0]].set(
+      values.astype(jnp.float32))]
+  for size in sizes[1:]:
+    sums = levels[-1].reshape(-1, BRANCHING).sum(axis=1)
+    levels.append(jnp.zeros(size, jnp.float32).at[:sums.shape[0]].set(sums))
+  return SumTree(tuple(levels))
+
+
 def total(tree: SumTree) -> jax.Array:
   """The root: the sum of all leaves, float32 `()`."""
   return tree.levels[-1][0]
