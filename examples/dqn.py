@@ -39,6 +39,14 @@ import pathlib
 import sys
 from typing import Any, NamedTuple
 
+if __package__ in (None, ""):
+  # Run as a script: the repository root goes first on the path, before
+  # `import jaxbuf`, so `examples` imports as it does from the tests and
+  # `jaxbuf` is this checkout's package. Otherwise, run from the folder
+  # holding a clone named jaxbuf with that folder on the path (`PYTHONPATH=.`),
+  # the clone itself would import as an empty namespace package `jaxbuf`.
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
 if __name__ == "__main__" and "--devices" in sys.argv and "jax" not in sys.modules:
   # Fake CPU devices must be asked for before JAX starts its backends.
   _count = sys.argv[sys.argv.index("--devices") + 1]
@@ -53,10 +61,6 @@ import optax
 
 import jaxbuf
 
-if __package__ in (None, ""):
-  # Run as `python examples/dqn.py`: put the repository root on the path so
-  # `examples` imports the same way as from the tests and benchmarks.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from examples import common  # noqa: E402
 # The quickstart notebook plots with `dqn.learning_curve`.
 from examples.common import learning_curve  # noqa: E402, F401

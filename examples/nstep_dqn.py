@@ -28,6 +28,14 @@ import pathlib
 import sys
 from typing import Any, NamedTuple
 
+if __package__ in (None, ""):
+  # Run as a script: the repository root goes first on the path, before
+  # `import jaxbuf`, so `examples` imports as it does from the tests and
+  # `jaxbuf` is this checkout's package. Otherwise, run from the folder
+  # holding a clone named jaxbuf with that folder on the path (`PYTHONPATH=.`),
+  # the clone itself would import as an empty namespace package `jaxbuf`.
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -36,8 +44,6 @@ import optax
 
 import jaxbuf
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from examples import common  # noqa: E402
 from examples.dqn import QNetwork  # noqa: E402
 

@@ -11,6 +11,10 @@ learning bars on CartPole-v1 are `@pytest.mark.slow` (run them with
 """
 
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -182,6 +186,23 @@ def test_script_runs_end_to_end(module, flags, tmp_path, capsys):
   assert np.isfinite(float(lines[-1].split(": ")[1]))
   assert any(line.startswith("env steps per second: ") for line in lines)
   assert plot.stat().st_size > 0
+
+
+def test_script_runs_from_the_folder_holding_a_clone_named_jaxbuf(tmp_path):
+  """`cd parent && python jaxbuf/examples/dqn.py`, `parent` on the path.
+
+  There the clone is a folder `jaxbuf` without an `__init__.py`, which
+  Python imports as an empty namespace package `jaxbuf` rather than look
+  further; the script must import the checkout's own package instead.
+  """
+  repository = pathlib.Path(dqn.__file__).resolve().parent.parent
+  (tmp_path / "jaxbuf").symlink_to(repository, target_is_directory=True)
+  run = subprocess.run(
+      [sys.executable, os.path.join("jaxbuf", "examples", "dqn.py"), "--help"],
+      cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+      capture_output=True, text=True, check=False)
+  assert run.returncode == 0, run.stderr
+  assert "--plot" in run.stdout
 
 
 @pytest.mark.slow
