@@ -185,7 +185,7 @@ def test_script_runs_end_to_end(module, flags, tmp_path, capsys):
   assert lines[-1].startswith("final mean return: ")
   assert np.isfinite(float(lines[-1].split(": ")[1]))
   assert any(line.startswith("env steps per second: ") for line in lines)
-  assert plot.stat().st_size > 0
+  assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_script_runs_from_the_folder_holding_a_clone_named_jaxbuf(tmp_path):
