@@ -293,7 +293,8 @@ def plot_learning_curve(result: dict[str, Any], path: str, title: str,
   for curve in curves:
     axes.plot(env_steps, curve, color=color, alpha=0.3, linewidth=1)
   axes.plot(env_steps, mean_curve, color=color,
-            label=f"mean of {len(curves)} seeds")
+            label=(f"mean of {len(curves)} seeds" if len(curves) > 1
+                   else "1 seed"))
   axes.set(xlabel="env steps per seed", ylabel="episodic return", title=title)
   axes.legend()
   figure.tight_layout()
