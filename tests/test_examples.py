@@ -253,7 +253,8 @@ def test_nstep_dqn_on_sequence_replay_reaches_400_within_5e5_steps():
 @pytest.mark.slow
 def test_r2d2_gru_beats_a_feed_forward_dqn_without_velocities():
   # Measured once each at these settings (4 seeds, 1.5e5 steps per seed):
-  # GRU 312.2 (259.3 375.0 363.8 250.7), MLP 40.5; the bars leave margin.
+  # GRU 395.0 (412.3 410.4 339.0 418.2; 312.2 on another machine), MLP
+  # 40.5; the bars leave margin.
   results = {network: trained(r2d2, r2d2.Config(network=network, num_seeds=4,
                                                  total_steps=150_000),
                               f"R2D2-style, {network} Q-network")
