@@ -37,11 +37,8 @@ import sys
 from typing import Any, NamedTuple
 
 if __package__ in (None, ""):
-  # Run as a script: the repository root goes first on the path, before
-  # `import jaxbuf`, so `examples` imports as it does from the tests and
-  # `jaxbuf` is this checkout's package. Otherwise, run from the folder
-  # holding a clone named jaxbuf with that folder on the path (`PYTHONPATH=.`),
-  # the clone itself would import as an empty namespace package `jaxbuf`.
+  # Run as a script: the repository root first, before `import jaxbuf`
+  # (examples/dqn.py says why).
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import flax.linen as nn
