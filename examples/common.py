@@ -214,13 +214,6 @@ def train_in_chunks(trainer: Trainer, *, num_iterations: int,
   iterations_per_chunk = max(num_iterations // num_chunks, 1)
   run_chunk = make_chunk_runner(trainer.step, iterations_per_chunk)
 
-  seeds = jax.random.split(jax.random.key(seed), num_seeds)
-  state = jax.jit(jax.vmap(trainer.init))(seeds)
-  compile_start = time.perf_counter()
-  compiled = run_chunk.lower(state).compile()
-  compile_seconds = time.perf_counter() - compile_start
-
-  chunks = []
   env_steps_per_chunk = iterations_per_chunk * env_steps_per_iteration
   total_env_steps = num_chunks * env_steps_per_chunk * num_seeds
   # Counts the env steps of all seeds, like the steps per second printed.
@@ -228,6 +221,19 @@ def train_in_chunks(trainer: Trainer, *, num_iterations: int,
                        unit=" env steps", unit_scale=True,
                        disable=not show_progress,
                        desc=f"{description}, {num_seeds} seed(s)")
+  # Shown from the start: compiling the recurrent examples takes long enough
+  # that a silent terminal looks hung.
+  progress.set_postfix_str("compiling")
+  seeds = jax.random.split(jax.random.key(seed), num_seeds)
+  state = jax.jit(jax.vmap(trainer.init))(seeds)
+  compile_start = time.perf_counter()
+  compiled = run_chunk.lower(state).compile()
+  compile_seconds = time.perf_counter() - compile_start
+  # The bar's rate then counts training only, as the printed speed does.
+  progress.set_postfix_str("training", refresh=False)
+  progress.reset()
+
+  chunks = []
   loop_start = time.perf_counter()
   for _ in range(num_chunks):
     state, metrics = compiled(state)
@@ -287,7 +293,8 @@ def plot_learning_curve(result: dict[str, Any], path: str, title: str,
   for curve in curves:
     axes.plot(env_steps, curve, color=color, alpha=0.3, linewidth=1)
   axes.plot(env_steps, mean_curve, color=color,
-            label=f"mean of {len(curves)} seeds")
+            label=(f"mean of {len(curves)} seeds" if len(curves) > 1
+                   else "1 seed"))
   axes.set(xlabel="env steps per seed", ylabel="episodic return", title=title)
   axes.legend()
   figure.tight_layout()

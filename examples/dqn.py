@@ -13,9 +13,20 @@ the progress bar. The TD
 target is Double DQN's by default (`--no-double-q` for the original max).
 
   python examples/dqn.py                       # the demo: 5e5 steps, one seed
-  python examples/dqn.py --replay prioritized  # proportional PER, beta annealed
-  python examples/dqn.py --num-seeds 4 --plot dqn.png   # the learning bar
+  python examples/dqn.py --replay uniform      # uniform replay instead of PER
+  python examples/dqn.py --num-seeds 8 --plot dqn.png   # the learning bar
   python examples/dqn.py --devices 4 --num-envs 12   # data-parallel, 4 devices
+
+Replay is proportional prioritized (beta annealed from 0.4 to 1) by default.
+On CartPole-v1 uniform replay reaches returns of 500 too, but not every seed
+keeps them: once most episodes last 500 steps, the 10,000 items held (1,000
+steps per env) contain few terminations, each drawn with probability
+1 / 10,000 per row, and some seeds collapse late in training; prioritized
+replay keeps drawing the transitions with large TD errors.
+Measured over 8 seeds (`--num-seeds 8`): uniform final returns 256 to 500
+(mean 423), prioritized 469 to 500 (mean 490). For uniform replay a 50k or
+100k buffer, a learning rate annealed to 0, or a target network copied
+every 2,000 steps left the worst of 8 seeds at 369, 123, 161 and 102.
 
 Data-parallel (`--devices D`): one `jaxbuf.sharded` buffer spans a mesh of
 D devices (D fake CPU devices when run as a script on a machine without
@@ -39,6 +50,14 @@ import pathlib
 import sys
 from typing import Any, NamedTuple
 
+if __package__ in (None, ""):
+  # Run as a script: the repository root goes first on the path, before
+  # `import jaxbuf`, so `examples` imports as it does from the tests and
+  # `jaxbuf` is this checkout's package. Otherwise, run from the folder
+  # holding a clone named jaxbuf with that folder on the path (`PYTHONPATH=.`),
+  # the clone itself would import as an empty namespace package `jaxbuf`.
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
 if __name__ == "__main__" and "--devices" in sys.argv and "jax" not in sys.modules:
   # Fake CPU devices must be asked for before JAX starts its backends.
   _count = sys.argv[sys.argv.index("--devices") + 1]
@@ -53,10 +72,6 @@ import optax
 
 import jaxbuf
 
-if __package__ in (None, ""):
-  # Run as `python examples/dqn.py`: put the repository root on the path so
-  # `examples` imports the same way as from the tests and benchmarks.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from examples import common  # noqa: E402
 # The quickstart notebook plots with `dqn.learning_curve`.
 from examples.common import learning_curve  # noqa: E402, F401
@@ -69,7 +84,7 @@ class Config:
   """Hyperparameters; each field is also a command-line flag."""
   env_name: str = "CartPole-v1"
   time_limit: int = 0                 # episode step limit; 0 keeps the env's own
-  replay: str = "uniform"             # "uniform" or "prioritized"
+  replay: str = "prioritized"         # or "uniform": see the module docstring
   total_steps: int = 500_000          # env steps per seed
   num_seeds: int = 1                  # K seeds trained at once with vmap
   seed: int = 0
@@ -200,8 +215,9 @@ def make_trainer(config: Config) -> common.Trainer:
     next_q_values = network.apply(target_params, batch.next_obs)   # [S, A]
     if config.double_q:
       # The online network picks the next action, the target network values
-      # it: less overestimation. On CartPole-v1 with these settings, 4-seed
-      # runs with the plain max ended at a mean return of 362, with this 491.
+      # it: less overestimation. On CartPole-v1 with uniform replay, 4-seed
+      # runs with the plain max ended at a mean return of 362, with this 491
+      # (before the library's exact index draws changed the random stream).
       next_actions = network.apply(params, batch.next_obs).argmax(axis=-1)
       next_q = jnp.take_along_axis(next_q_values, next_actions[:, None],
                                    axis=-1)[:, 0]

@@ -27,6 +27,11 @@ import pathlib
 import sys
 from typing import Any, NamedTuple
 
+if __package__ in (None, ""):
+  # Run as a script: the repository root first, before `import jaxbuf`
+  # (examples/dqn.py says why).
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
 import flax.linen as nn
 import flax.struct
 import jax
@@ -35,10 +40,6 @@ import optax
 
 import jaxbuf
 
-if __package__ in (None, ""):
-  # Run as `python examples/ppo.py`: put the repository root on the path so
-  # `examples` imports the same way as from the tests and benchmarks.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from examples import common  # noqa: E402
 
 PyTree = Any

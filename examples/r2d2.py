@@ -36,6 +36,11 @@ import pathlib
 import sys
 from typing import Any, NamedTuple
 
+if __package__ in (None, ""):
+  # Run as a script: the repository root first, before `import jaxbuf`
+  # (examples/dqn.py says why).
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
 import flax.linen as nn
 import flax.struct
 import jax
@@ -44,8 +49,6 @@ import optax
 
 import jaxbuf
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from examples import common  # noqa: E402
 
 PyTree = Any
