@@ -58,16 +58,10 @@ def time_fused(states: dict, loops: dict, repeats: int, iterations: int
                ) -> dict[str, float]:
   """Seconds per iteration of each library's loop, interleaved."""
   key = jax.random.key(0)
-
-  def call(library):
-    def run():
-      states[library], acc = loops[library](states[library], key)
-      return acc
-    return run
-
-  seconds = harness.time_interleaved(
-      {library: call(library) for library in loops}, repeats=repeats,
-      warmup=2)
+  calls = {library: harness.carrying(
+               lambda state, loop=loop: loop(state, key), states[library])
+           for library, loop in loops.items()}
+  seconds = harness.time_interleaved(calls, repeats=repeats, warmup=2)
   return {library: value / iterations for library, value in seconds.items()}
 
 
@@ -85,13 +79,13 @@ def time_fused_add_only(capacity: int, kind: str, iterations: int,
                         jnp.arange(iterations, dtype=jnp.float32))[0]
 
   loop = jax.jit(loop, donate_argnums=0)
-  holder = {"state": adapter.init()}
 
-  def run():
-    holder["state"] = loop(holder["state"])
-    return holder["state"]
+  def run(state):
+    state = loop(state)
+    return state, state
 
-  return harness.time_call(run, repeats=repeats, warmup=2) / iterations
+  return harness.time_call(harness.carrying(run, adapter.init()),
+                           repeats=repeats, warmup=2) / iterations
 
 
 def run_benchmark(settings: Settings) -> dict:

@@ -39,7 +39,6 @@ import argparse
 import dataclasses
 import json
 import math
-import time
 from typing import Any, Callable
 
 import jax
@@ -86,16 +85,11 @@ def time_fused(settings: Settings, kind: str, period: int) -> dict[str, float]:
   loops = {library: sequence.make_fused_loop(adapter, settings.iterations)
            for library, adapter in adapters.items()}
   key = jax.random.key(0)
-
-  def call(library):
-    def run():
-      states[library], acc = loops[library](states[library], key)
-      return acc
-    return run
-
-  seconds = harness.time_interleaved(
-      {library: call(library) for library in loops},
-      repeats=settings.repeats, warmup=2)
+  calls = {library: harness.carrying(
+               lambda state, loop=loop: loop(state, key), states[library])
+           for library, loop in loops.items()}
+  seconds = harness.time_interleaved(calls, repeats=settings.repeats,
+                                     warmup=2)
   return {library: value / settings.iterations
           for library, value in seconds.items()}
 
@@ -109,13 +103,7 @@ def measure_memory(library: str, kind: str, steps_per_env: int,
   key = jax.random.key(0)
   loop = sequence.make_fused_loop(adapter, iterations).lower(
       jax.eval_shape(adapter.init), key).compile()
-  memory = harness.PeakMemory().start()
-  start = time.perf_counter()
-  state, acc = loop(adapter.init(), key)
-  harness.block(acc)
-  seconds = time.perf_counter() - start
-  memory.stop()
-  del state
+  memory, seconds = harness.measure_peak(lambda: loop(adapter.init(), key))
   storage_bytes = sequence.NUM_ENVS * steps_per_env * sequence.step_bytes()
   return dict(library=library, kind=kind, measured=memory.measured,
               baseline_bytes=memory.baseline, peak_bytes=memory.peak,

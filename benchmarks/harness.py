@@ -6,11 +6,13 @@ the machine, the library versions, the load and the command that produced it.
 * Timing: `time_interleaved` calls several thunks round-robin, one call each
   per repeat, so a change in the load of a shared machine hits every
   contender alike, and returns the median seconds per call of each after
-  warm-up calls (compilation). `time_call` is the one-thunk case.
+  warm-up calls (compilation). `time_call` is the one-thunk case;
+  `carrying` makes the thunk of a loop whose state is donated.
 * Memory: the peak of a block of work, measured where the data lives: the
   device allocator's counters on an accelerator, the process's resident set
   (with the kernel's peak counter reset where allowed) on CPU. Run it in a
-  fresh process (`run_child`) so earlier work does not hide the peak.
+  fresh process (`run_child`) so earlier work does not hide the peak;
+  `measure_peak` times one call under it.
 * Tables: fixed-width columns, `microseconds` and `ratio` formatting, and
   `Verdicts`, the PASS/FAIL/info lines that judge figures against targets.
 """
@@ -144,6 +146,23 @@ def time_call(call: Callable[[], Any], *, repeats: int, warmup: int = 1,
                           number=number)["call"]
 
 
+def carrying(step: Callable[[Any], tuple[Any, Any]], state: Any
+             ) -> Callable[[], Any]:
+  """A thunk for `time_interleaved` that runs `step` on a carried state.
+
+  `step(state) -> (state, result)` donates the state it is given, so each
+  call keeps the state returned for the next; the thunk returns `result`,
+  what the timer waits for.
+  """
+  holder = [state]
+
+  def call():
+    holder[0], result = step(holder[0])
+    return result
+
+  return call
+
+
 # ---------------------------------------------------------------- memory
 
 
@@ -215,6 +234,19 @@ class PeakMemory:
       return None
     stats = jax.devices()[0].memory_stats() or {}
     return stats if "peak_bytes_in_use" in stats else None
+
+
+def measure_peak(call: Callable[[], Any], *, host: bool = False
+                 ) -> tuple[PeakMemory, float]:
+  """Peak memory (`PeakMemory`) and seconds of one call, its result waited
+  for; the result is dropped only after the peak is read."""
+  memory = PeakMemory(host=host).start()
+  start = time.perf_counter()
+  result = block(call())
+  seconds = time.perf_counter() - start
+  memory.stop()
+  del result
+  return memory, seconds
 
 
 def run_child(script: str, arguments: Sequence[str], timeout: float = 1800

@@ -256,10 +256,10 @@ def time_add_only(library: str, kind: str, steps_per_env: int, period: int,
   """Seconds per add of one step per env, into a full buffer, in the scan."""
   adapter = ADAPTERS[library](kind, steps_per_env, period)
   loop = make_add_only_loop(adapter, iterations)
-  holder = {"state": fill(adapter, steps_per_env)}
 
-  def run():
-    holder["state"] = loop(holder["state"])
-    return holder["state"]
+  def run(state):
+    state = loop(state)
+    return state, state
 
-  return harness.time_call(run, repeats=repeats, warmup=2) / iterations
+  return harness.time_call(harness.carrying(run, fill(adapter, steps_per_env)),
+                           repeats=repeats, warmup=2) / iterations
