@@ -29,7 +29,6 @@ import dataclasses
 import json
 
 import jax
-import jax.numpy as jnp
 
 import harness
 import replay_adapters as replay
@@ -71,14 +70,8 @@ def time_fused_add_only(capacity: int, kind: str, iterations: int,
   adapter = replay.jaxbuf_adapter(kind, capacity)
   base_obs = jax.random.normal(jax.random.key(1),
                                (replay.ADD_BATCH, replay.OBS_SIZE))
-
-  def loop(state):
-    def iteration(state, step):
-      return adapter.add(state, base_obs + step), None
-    return jax.lax.scan(iteration, state,
-                        jnp.arange(iterations, dtype=jnp.float32))[0]
-
-  loop = jax.jit(loop, donate_argnums=0)
+  loop = harness.make_add_loop(adapter.add, iterations,
+                               lambda step: base_obs + step)
 
   def run(state):
     state = loop(state)

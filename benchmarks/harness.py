@@ -8,6 +8,8 @@ the machine, the library versions, the load and the command that produced it.
   contender alike, and returns the median seconds per call of each after
   warm-up calls (compilation). `time_call` is the one-thunk case;
   `carrying` makes the thunk of a loop whose state is donated.
+* Fused loops: `make_fused_loop` runs K iterations of a body (add, sample,
+  update) in one jitted, donated `lax.scan`; `make_add_loop` K adds alone.
 * Memory: the peak of a block of work, measured where the data lives: the
   device allocator's counters on an accelerator, the process's resident set
   (with the kernel's peak counter reset where allowed) on CPU. Run it in a
@@ -31,6 +33,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 PACKAGES = ("jax", "jaxlib", "numpy", "flax", "optax", "chex", "gymnax",
             "flashbax", "cpprb", "rlax", "orbax-checkpoint")
@@ -161,6 +164,49 @@ def carrying(step: Callable[[Any], tuple[Any, Any]], state: Any
     return result
 
   return call
+
+
+# ---------------------------------------------------------------- fused loops
+
+
+def make_fused_loop(body: Callable[[Any, Any, Any, jax.Array], Any],
+                    iterations: int, inputs: Callable[[jax.Array], Any]
+                    ) -> Callable:
+  """`(state, key) -> (state, checksum)`: K iterations in one donated jit.
+
+  Iteration `step` (float32, 0 to K - 1) calls `body(state, key, inputs(step),
+  checksum) -> (state, checksum)` with its own key; the checksum starts at
+  float32 zero and should sum everything sampled, so no work is dead code.
+  """
+  def loop(state, key):
+    def iteration(carry, step_and_key):
+      state, acc = carry
+      step, step_key = step_and_key
+      state, acc = body(state, step_key, inputs(step), acc)
+      return (state, acc), None
+    # Every iteration's key from one call before the loop: on CPU each call to
+    # the generator is a loop of small kernels, which would otherwise be timed
+    # as part of every library's iteration.
+    step_keys = jax.random.split(key, iterations)
+    (state, acc), _ = jax.lax.scan(
+        iteration, (state, jnp.zeros((), jnp.float32)),
+        (jnp.arange(iterations, dtype=jnp.float32), step_keys))
+    return state, acc
+
+  return jax.jit(loop, donate_argnums=0)
+
+
+def make_add_loop(add: Callable[[Any, Any], Any], iterations: int,
+                  inputs: Callable[[jax.Array], Any]) -> Callable:
+  """`state -> state`: K calls of `add(state, inputs(step))`, `step`
+  float32 0 to K - 1, in one donated jit: the add's device time alone."""
+  def loop(state):
+    def iteration(state, step):
+      return add(state, inputs(step)), None
+    return jax.lax.scan(iteration, state,
+                        jnp.arange(iterations, dtype=jnp.float32))[0]
+
+  return jax.jit(loop, donate_argnums=0)
 
 
 # ---------------------------------------------------------------- memory

@@ -219,36 +219,15 @@ def fill(adapter: Adapter, steps_per_env: int, chunk: int = 980) -> Any:
 def make_fused_loop(adapter: Adapter, iterations: int) -> Callable:
   """`(state, key) -> (state, checksum)`: K iterations in one donated jit."""
   base_obs = jax.random.normal(jax.random.key(1), (NUM_ENVS, OBS_SIZE))
-
-  def loop(state, key):
-    def iteration(carry, step_and_key):
-      state, acc = carry
-      step, step_key = step_and_key
-      state, acc = adapter.fused_body(state, step_key,
-                                      env_steps(base_obs, step), acc)
-      return (state, acc), None
-    # Every iteration's key from one call before the loop, so no library's
-    # iteration times the random number generator.
-    step_keys = jax.random.split(key, iterations)
-    (state, acc), _ = jax.lax.scan(
-        iteration, (state, jnp.zeros((), jnp.float32)),
-        (jnp.arange(iterations, dtype=jnp.float32), step_keys))
-    return state, acc
-
-  return jax.jit(loop, donate_argnums=0)
+  return harness.make_fused_loop(adapter.fused_body, iterations,
+                                 lambda step: env_steps(base_obs, step))
 
 
 def make_add_only_loop(adapter: Adapter, iterations: int) -> Callable:
   """`state -> state`: K adds of one step per env in one donated jit."""
   base_obs = jax.random.normal(jax.random.key(1), (NUM_ENVS, OBS_SIZE))
-
-  def loop(state):
-    def iteration(state, step):
-      return adapter.add_step(state, env_steps(base_obs, step)), None
-    return jax.lax.scan(iteration, state,
-                        jnp.arange(iterations, dtype=jnp.float32))[0]
-
-  return jax.jit(loop, donate_argnums=0)
+  return harness.make_add_loop(adapter.add_step, iterations,
+                               lambda step: env_steps(base_obs, step))
 
 
 def time_add_only(library: str, kind: str, steps_per_env: int, period: int,
