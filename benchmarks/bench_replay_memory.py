@@ -96,10 +96,8 @@ def main():
     else:
       verdicts.info(f"{name}: {memory['ratio']:.2f}x")
   verdicts.print("Memory:")
-  if args.json:
-    with open(args.json, "w") as output:
-      json.dump(dict(machine=machine, memory=results,
-                     verdicts=verdicts.lines), output, indent=1, default=str)
+  harness.write_json(args.json, dict(machine=machine, memory=results,
+                                     verdicts=verdicts.lines))
 
 
 if __name__ == "__main__":

@@ -154,17 +154,11 @@ def main():
     print(json.dumps(measure_memory(library, kind, int(steps_per_env),
                                     int(period))))
     return
-  settings = QUICK if args.quick else FULL
-  for name in ("libraries", "kinds", "periods"):
-    if getattr(args, name):
-      settings = dataclasses.replace(settings,
-                                     **{name: tuple(getattr(args, name))})
+  settings = harness.override(QUICK if args.quick else FULL, args,
+                              ("libraries", "kinds", "periods"))
   if args.no_memory:
     settings = dataclasses.replace(settings, memory=False)
-  results = run(settings)
-  if args.json:
-    with open(args.json, "w") as output:
-      json.dump(results, output, indent=1, default=str)
+  harness.write_json(args.json, run(settings))
 
 
 def run(settings: Settings) -> dict:
@@ -261,8 +255,7 @@ def run(settings: Settings) -> dict:
             MEMORY_RATIO, higher_is_better=False)
       else:
         verdicts.info(f"{name}: {memory['ratio']:.2f}x")
-  results["load_average_after"] = harness.load_average()
-  print(f"\nload average at the end: {results['load_average_after']}\n")
+  results["load_average_after"] = harness.print_load_average_after()
   harness.print_table(
       (("kind", -11), ("period", 6), ("jaxbuf us", 10), ("flashbax us", 11),
        ("floor us", 9), ("fbx/jaxbuf", 10)),

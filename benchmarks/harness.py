@@ -17,6 +17,8 @@ the machine, the library versions, the load and the command that produced it.
   `measure_peak` times one call under it.
 * Tables: fixed-width columns, `microseconds` and `ratio` formatting, and
   `Verdicts`, the PASS/FAIL/info lines that judge figures against targets.
+* Settings and results: `override` applies the command line's overrides to
+  a settings dataclass, `write_json` saves the results.
 """
 
 import dataclasses
@@ -74,6 +76,13 @@ def versions(packages: Sequence[str] = PACKAGES) -> dict[str, str]:
 
 def load_average() -> str:
   return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def print_load_average_after() -> str:
+  """Prints and returns the load average at the end of a run."""
+  load = load_average()
+  print(f"\nload average at the end: {load}\n")
+  return load
 
 
 def machine_description(packages: Sequence[str] = PACKAGES) -> dict[str, Any]:
@@ -363,3 +372,23 @@ class Verdicts:
     print(f"\n{title}")
     for line in self.lines:
       print("  " + line)
+
+
+# ---------------------------------------------------------------- settings
+
+
+def override(settings: Any, args: Any, names: Sequence[str]) -> Any:
+  """`settings` (a dataclass) with each of `names` the command line gave
+  (`args.<name>`, a list) replaced by it, as a tuple."""
+  for name in names:
+    if getattr(args, name):
+      settings = dataclasses.replace(settings,
+                                     **{name: tuple(getattr(args, name))})
+  return settings
+
+
+def write_json(path: str | None, results: Any) -> None:
+  """Writes `results` to `path` (the `--json` argument), if one was given."""
+  if path:
+    with open(path, "w") as output:
+      json.dump(results, output, indent=1, default=str)
