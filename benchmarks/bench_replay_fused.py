@@ -52,17 +52,6 @@ FULL = Settings(capacities=(10_000, 100_000, 1_000_000), iterations=200,
 QUICK = Settings(capacities=(10_000,), iterations=20, repeats=2)
 
 
-def time_fused(states: dict, loops: dict, repeats: int, iterations: int
-               ) -> dict[str, float]:
-  """Seconds per iteration of each library's loop, interleaved."""
-  key = jax.random.key(0)
-  calls = {library: harness.carrying(
-               lambda state, loop=loop: loop(state, key), states[library])
-           for library, loop in loops.items()}
-  seconds = harness.time_interleaved(calls, repeats=repeats, warmup=2)
-  return {library: value / iterations for library, value in seconds.items()}
-
-
 def time_fused_add_only(capacity: int, kind: str, iterations: int,
                         repeats: int) -> float:
   """jaxbuf add alone in a donated scan: its device time, no dispatch."""
@@ -71,13 +60,8 @@ def time_fused_add_only(capacity: int, kind: str, iterations: int,
                                (replay.ADD_BATCH, replay.OBS_SIZE))
   loop = harness.make_add_loop(adapter.add, iterations,
                                lambda step: base_obs + step)
-
-  def run(state):
-    state = loop(state)
-    return state, state
-
-  return harness.time_call(harness.carrying(run, adapter.init()),
-                           repeats=repeats, warmup=2) / iterations
+  return harness.time_add_loop(loop, adapter.init(), iterations=iterations,
+                               repeats=repeats)
 
 
 def run_benchmark(settings: Settings) -> dict:
@@ -91,7 +75,9 @@ def run_benchmark(settings: Settings) -> dict:
       print(f"C={capacity} {kind}: fused", flush=True)
       loops = {library: replay.make_loop(adapter, settings.iterations)
                for library, adapter in adapters.items()}
-      fused = time_fused(states, loops, settings.repeats, settings.iterations)
+      fused = harness.time_fused_loops(loops, states,
+                                       iterations=settings.iterations,
+                                       repeats=settings.repeats)
       results["rows"].append(dict(capacity=capacity, kind=kind, mode="fused",
                                   seconds=fused))
       del states, loops, adapters

@@ -84,14 +84,9 @@ def time_fused(settings: Settings, kind: str, period: int) -> dict[str, float]:
             for library, adapter in adapters.items()}
   loops = {library: sequence.make_fused_loop(adapter, settings.iterations)
            for library, adapter in adapters.items()}
-  key = jax.random.key(0)
-  calls = {library: harness.carrying(
-               lambda state, loop=loop: loop(state, key), states[library])
-           for library, loop in loops.items()}
-  seconds = harness.time_interleaved(calls, repeats=settings.repeats,
-                                     warmup=2)
-  return {library: value / settings.iterations
-          for library, value in seconds.items()}
+  return harness.time_fused_loops(loops, states,
+                                  iterations=settings.iterations,
+                                  repeats=settings.repeats)
 
 
 def measure_memory(library: str, kind: str, steps_per_env: int,

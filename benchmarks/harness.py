@@ -10,6 +10,7 @@ the machine, the library versions, the load and the command that produced it.
   `carrying` makes the thunk of a loop whose state is donated.
 * Fused loops: `make_fused_loop` runs K iterations of a body (add, sample,
   update) in one jitted, donated `lax.scan`; `make_add_loop` K adds alone.
+  `time_fused_loops` and `time_add_loop` time them per iteration.
 * Memory: the peak of a block of work, measured where the data lives: the
   device allocator's counters on an accelerator, the process's resident set
   (with the kernel's peak counter reset where allowed) on CPU. Run it in a
@@ -216,6 +217,31 @@ def make_add_loop(add: Callable[[Any, Any], Any], iterations: int,
                         jnp.arange(iterations, dtype=jnp.float32))[0]
 
   return jax.jit(loop, donate_argnums=0)
+
+
+def time_fused_loops(loops: dict[str, Callable], states: dict[str, Any], *,
+                     iterations: int, repeats: int, warmup: int = 2
+                     ) -> dict[str, float]:
+  """Median seconds per iteration of each `make_fused_loop` loop (or one
+  with its signature), interleaved, each on its own donated state."""
+  key = jax.random.key(0)
+  calls = {name: carrying(lambda state, loop=loop: loop(state, key),
+                          states[name])
+           for name, loop in loops.items()}
+  seconds = time_interleaved(calls, repeats=repeats, warmup=warmup)
+  return {name: value / iterations for name, value in seconds.items()}
+
+
+def time_add_loop(loop: Callable, state: Any, *, iterations: int,
+                  repeats: int, warmup: int = 2) -> float:
+  """Median seconds per iteration of a `make_add_loop` loop, the state
+  donated."""
+  def run(state):
+    state = loop(state)
+    return state, state
+
+  return time_call(carrying(run, state), repeats=repeats,
+                   warmup=warmup) / iterations
 
 
 # ---------------------------------------------------------------- memory

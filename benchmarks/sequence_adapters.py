@@ -234,11 +234,6 @@ def time_add_only(library: str, kind: str, steps_per_env: int, period: int,
                   iterations: int, repeats: int) -> float:
   """Seconds per add of one step per env, into a full buffer, in the scan."""
   adapter = ADAPTERS[library](kind, steps_per_env, period)
-  loop = make_add_only_loop(adapter, iterations)
-
-  def run(state):
-    state = loop(state)
-    return state, state
-
-  return harness.time_call(harness.carrying(run, fill(adapter, steps_per_env)),
-                           repeats=repeats, warmup=2) / iterations
+  return harness.time_add_loop(make_add_only_loop(adapter, iterations),
+                               fill(adapter, steps_per_env),
+                               iterations=iterations, repeats=repeats)
