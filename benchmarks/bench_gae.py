@@ -38,7 +38,6 @@ Usage:
 
 import argparse
 import functools
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -51,12 +50,6 @@ import jaxbuf
 GAMMA, GAE_LAMBDA = 0.99, 0.95
 OBS_SIZE = 4
 EPOCHS, MINIBATCHES = 4, 4
-
-
-def timed(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-  """Median seconds per call of each jitted thunk, after one warm-up call each,
-  the thunks interleaved (`harness.time_interleaved`)."""
-  return harness.time_interleaved(calls, repeats=repeats, warmup=1)
 
 
 def repeats_for(num_items: int, repeats: int) -> int:
@@ -136,7 +129,8 @@ def bench_gae(shapes, repeats):
     calls = {name: functools.partial(function, *inputs)
              for name, function in variants.items()}
     calls["jaxbuf full"] = functools.partial(full, *inputs, *extras)
-    times = timed(calls, repeats_for(num_steps * num_envs, repeats))
+    times = harness.time_interleaved(
+        calls, repeats=repeats_for(num_steps * num_envs, repeats))
     floor_mb = 5 * 4 * num_steps * num_envs / 1e6
     rows.append((num_steps, num_envs, floor_mb, times))
   return rows
@@ -248,19 +242,14 @@ def bench_ppo(shapes, repeats):
     for collect_only in (True, False):
       jaxbuf_update, state = make_jaxbuf_update(num_steps, num_envs,
                                                 collect_only=collect_only)
-      holder = [state]
-
-      def jaxbuf_call(update=jaxbuf_update, holder=holder):
-        # The state is donated: keep the one returned for the next call.
-        holder[0], total = update(holder[0], key)
-        return total
-
       baseline = make_purejaxrl_update(num_steps, num_envs,
                                        collect_only=collect_only)
       part = "collect" if collect_only else "update"
-      calls[f"jaxbuf {part}"] = jaxbuf_call
+      calls[f"jaxbuf {part}"] = harness.carrying(
+          lambda state, update=jaxbuf_update: update(state, key), state)
       calls[f"purejaxrl {part}"] = functools.partial(baseline, key)
-    rows.append((num_steps, num_envs, timed(calls, repeats)))
+    rows.append((num_steps, num_envs,
+                 harness.time_interleaved(calls, repeats=repeats)))
   return rows
 
 

@@ -25,7 +25,6 @@ Usage:
 
 import argparse
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -132,13 +131,12 @@ def run_benchmark(settings: Settings) -> dict:
             capacity=capacity, kind=kind, mode="per call: add, undonated",
             seconds={"jaxbuf": undonated}))
       del states, adapters
-  results["load_average_after"] = harness.load_average()
+  results["load_average_after"] = harness.print_load_average_after()
   results["verdicts"] = report(results, settings)
   return results
 
 
 def report(results: dict, settings: Settings) -> list[str]:
-  print(f"\nload average at the end: {results['load_average_after']}\n")
   harness.print_table(replay.REPLAY_COLUMNS,
                       [replay.replay_table_row(row) for row in results["rows"]])
   rows = {(row["capacity"], row["kind"], row["mode"]): row["seconds"]
@@ -183,15 +181,9 @@ def main():
   args = parser.parse_args()
   if args.sync_dispatch:
     jax.config.update("jax_cpu_enable_async_dispatch", False)
-  settings = QUICK if args.quick else FULL
-  for name in ("capacities", "libraries", "kinds"):
-    if getattr(args, name):
-      settings = dataclasses.replace(settings, **{name: tuple(getattr(args,
-                                                                      name))})
-  results = run_benchmark(settings)
-  if args.json:
-    with open(args.json, "w") as output:
-      json.dump(results, output, indent=1, default=str)
+  settings = harness.override(QUICK if args.quick else FULL, args,
+                              ("capacities", "libraries", "kinds"))
+  harness.write_json(args.json, run_benchmark(settings))
 
 
 if __name__ == "__main__":

@@ -26,10 +26,8 @@ Usage:
 
 import argparse
 import dataclasses
-import json
 
 import jax
-import jax.numpy as jnp
 
 import harness
 import replay_adapters as replay
@@ -54,44 +52,16 @@ FULL = Settings(capacities=(10_000, 100_000, 1_000_000), iterations=200,
 QUICK = Settings(capacities=(10_000,), iterations=20, repeats=2)
 
 
-def time_fused(states: dict, loops: dict, repeats: int, iterations: int
-               ) -> dict[str, float]:
-  """Seconds per iteration of each library's loop, interleaved."""
-  key = jax.random.key(0)
-
-  def call(library):
-    def run():
-      states[library], acc = loops[library](states[library], key)
-      return acc
-    return run
-
-  seconds = harness.time_interleaved(
-      {library: call(library) for library in loops}, repeats=repeats,
-      warmup=2)
-  return {library: value / iterations for library, value in seconds.items()}
-
-
 def time_fused_add_only(capacity: int, kind: str, iterations: int,
                         repeats: int) -> float:
   """jaxbuf add alone in a donated scan: its device time, no dispatch."""
   adapter = replay.jaxbuf_adapter(kind, capacity)
   base_obs = jax.random.normal(jax.random.key(1),
                                (replay.ADD_BATCH, replay.OBS_SIZE))
-
-  def loop(state):
-    def iteration(state, step):
-      return adapter.add(state, base_obs + step), None
-    return jax.lax.scan(iteration, state,
-                        jnp.arange(iterations, dtype=jnp.float32))[0]
-
-  loop = jax.jit(loop, donate_argnums=0)
-  holder = {"state": adapter.init()}
-
-  def run():
-    holder["state"] = loop(holder["state"])
-    return holder["state"]
-
-  return harness.time_call(run, repeats=repeats, warmup=2) / iterations
+  loop = harness.make_add_loop(adapter.add, iterations,
+                               lambda step: base_obs + step)
+  return harness.time_add_loop(loop, adapter.init(), iterations=iterations,
+                               repeats=repeats)
 
 
 def run_benchmark(settings: Settings) -> dict:
@@ -105,7 +75,9 @@ def run_benchmark(settings: Settings) -> dict:
       print(f"C={capacity} {kind}: fused", flush=True)
       loops = {library: replay.make_loop(adapter, settings.iterations)
                for library, adapter in adapters.items()}
-      fused = time_fused(states, loops, settings.repeats, settings.iterations)
+      fused = harness.time_fused_loops(loops, states,
+                                       iterations=settings.iterations,
+                                       repeats=settings.repeats)
       results["rows"].append(dict(capacity=capacity, kind=kind, mode="fused",
                                   seconds=fused))
       del states, loops, adapters
@@ -115,13 +87,12 @@ def run_benchmark(settings: Settings) -> dict:
         results["rows"].append(dict(capacity=capacity, kind=kind,
                                     mode="fused: add only",
                                     seconds={"jaxbuf": add_only}))
-  results["load_average_after"] = harness.load_average()
+  results["load_average_after"] = harness.print_load_average_after()
   results["verdicts"] = report(results, settings)
   return results
 
 
 def report(results: dict, settings: Settings) -> list[str]:
-  print(f"\nload average at the end: {results['load_average_after']}\n")
   harness.print_table(replay.REPLAY_COLUMNS,
                       [replay.replay_table_row(row) for row in results["rows"]])
   verdicts = harness.Verdicts()
@@ -161,15 +132,9 @@ def main():
                       help="small sizes and few repeats: a smoke test")
   replay.add_common_arguments(parser)
   args = parser.parse_args()
-  settings = QUICK if args.quick else FULL
-  for name in ("capacities", "libraries", "kinds"):
-    if getattr(args, name):
-      settings = dataclasses.replace(settings, **{name: tuple(getattr(args,
-                                                                      name))})
-  results = run_benchmark(settings)
-  if args.json:
-    with open(args.json, "w") as output:
-      json.dump(results, output, indent=1, default=str)
+  settings = harness.override(QUICK if args.quick else FULL, args,
+                              ("capacities", "libraries", "kinds"))
+  harness.write_json(args.json, run_benchmark(settings))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Usage:
 import argparse
 import json
 import math
-import time
 
 import jax
 
@@ -41,13 +40,8 @@ def measure_memory(library: str, kind: str, capacity: int) -> dict:
     loop = replay.make_fused_loop(adapter, iterations).lower(
         abstract_state, key).compile()
   # cpprb's storage is host memory whatever JAX's backend.
-  memory = harness.PeakMemory(host=library == "cpprb").start()
-  start = time.perf_counter()
-  state, acc = loop(adapter.init(), key)
-  harness.block(acc)
-  seconds = time.perf_counter() - start
-  memory.stop()
-  del state
+  memory, seconds = harness.measure_peak(lambda: loop(adapter.init(), key),
+                                         host=library == "cpprb")
   storage_bytes = capacity * replay.OBS_SIZE * 4
   return dict(library=library, kind=kind, capacity=capacity,
               measured=memory.measured, baseline_bytes=memory.baseline,
@@ -102,10 +96,8 @@ def main():
     else:
       verdicts.info(f"{name}: {memory['ratio']:.2f}x")
   verdicts.print("Memory:")
-  if args.json:
-    with open(args.json, "w") as output:
-      json.dump(dict(machine=machine, memory=results,
-                     verdicts=verdicts.lines), output, indent=1, default=str)
+  harness.write_json(args.json, dict(machine=machine, memory=results,
+                                     verdicts=verdicts.lines))
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ def single_device_overhead(kind: str) -> dict[str, float]:
         iteration, state, jax.random.split(key, OVERHEAD_ITERATIONS)),
                    donate_argnums=0)
 
-  states, loops = {}, {}
+  calls = {}
   for name, buffer in buffers.items():
     state = buffer.init({"obs": jnp.zeros(OBS, jnp.float32),
                          "action": jnp.int32(0)})
@@ -191,15 +191,10 @@ def single_device_overhead(kind: str) -> dict[str, float]:
       state = buffer.add(state, {
           "obs": jnp.full((2 ** 14, OBS), start, jnp.float32),
           "action": jnp.zeros(2 ** 14, jnp.int32)})
-    states[name], loops[name] = state, loop_for(buffer)
-
-  def call(name):
-    def run():
-      states[name], sums = loops[name](states[name], jax.random.key(0))
-      return sums
-    return run
-  seconds = harness.time_interleaved({name: call(name) for name in buffers},
-                                     repeats=7, warmup=2)
+    calls[name] = harness.carrying(
+        lambda state, loop=loop_for(buffer): loop(state, jax.random.key(0)),
+        state)
+  seconds = harness.time_interleaved(calls, repeats=7, warmup=2)
   return {name: value / OVERHEAD_ITERATIONS for name, value in seconds.items()}
 
 

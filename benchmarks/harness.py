@@ -6,13 +6,20 @@ the machine, the library versions, the load and the command that produced it.
 * Timing: `time_interleaved` calls several thunks round-robin, one call each
   per repeat, so a change in the load of a shared machine hits every
   contender alike, and returns the median seconds per call of each after
-  warm-up calls (compilation). `time_call` is the one-thunk case.
+  warm-up calls (compilation). `time_call` is the one-thunk case;
+  `carrying` makes the thunk of a loop whose state is donated.
+* Fused loops: `make_fused_loop` runs K iterations of a body (add, sample,
+  update) in one jitted, donated `lax.scan`; `make_add_loop` K adds alone.
+  `time_fused_loops` and `time_add_loop` time them per iteration.
 * Memory: the peak of a block of work, measured where the data lives: the
   device allocator's counters on an accelerator, the process's resident set
   (with the kernel's peak counter reset where allowed) on CPU. Run it in a
-  fresh process (`run_child`) so earlier work does not hide the peak.
+  fresh process (`run_child`) so earlier work does not hide the peak;
+  `measure_peak` times one call under it.
 * Tables: fixed-width columns, `microseconds` and `ratio` formatting, and
   `Verdicts`, the PASS/FAIL/info lines that judge figures against targets.
+* Settings and results: `override` applies the command line's overrides to
+  a settings dataclass, `write_json` saves the results.
 """
 
 import dataclasses
@@ -29,6 +36,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 PACKAGES = ("jax", "jaxlib", "numpy", "flax", "optax", "chex", "gymnax",
             "flashbax", "cpprb", "rlax", "orbax-checkpoint")
@@ -69,6 +77,13 @@ def versions(packages: Sequence[str] = PACKAGES) -> dict[str, str]:
 
 def load_average() -> str:
   return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def print_load_average_after() -> str:
+  """Prints and returns the load average at the end of a run."""
+  load = load_average()
+  print(f"\nload average at the end: {load}\n")
+  return load
 
 
 def machine_description(packages: Sequence[str] = PACKAGES) -> dict[str, Any]:
@@ -144,6 +159,91 @@ def time_call(call: Callable[[], Any], *, repeats: int, warmup: int = 1,
                           number=number)["call"]
 
 
+def carrying(step: Callable[[Any], tuple[Any, Any]], state: Any
+             ) -> Callable[[], Any]:
+  """A thunk for `time_interleaved` that runs `step` on a carried state.
+
+  `step(state) -> (state, result)` donates the state it is given, so each
+  call keeps the state returned for the next; the thunk returns `result`,
+  what the timer waits for.
+  """
+  holder = [state]
+
+  def call():
+    holder[0], result = step(holder[0])
+    return result
+
+  return call
+
+
+# ---------------------------------------------------------------- fused loops
+
+
+def make_fused_loop(body: Callable[[Any, Any, Any, jax.Array], Any],
+                    iterations: int, inputs: Callable[[jax.Array], Any]
+                    ) -> Callable:
+  """`(state, key) -> (state, checksum)`: K iterations in one donated jit.
+
+  Iteration `step` (float32, 0 to K - 1) calls `body(state, key, inputs(step),
+  checksum) -> (state, checksum)` with its own key; the checksum starts at
+  float32 zero and should sum everything sampled, so no work is dead code.
+  """
+  def loop(state, key):
+    def iteration(carry, step_and_key):
+      state, acc = carry
+      step, step_key = step_and_key
+      state, acc = body(state, step_key, inputs(step), acc)
+      return (state, acc), None
+    # Every iteration's key from one call before the loop: on CPU each call to
+    # the generator is a loop of small kernels, which would otherwise be timed
+    # as part of every library's iteration.
+    step_keys = jax.random.split(key, iterations)
+    (state, acc), _ = jax.lax.scan(
+        iteration, (state, jnp.zeros((), jnp.float32)),
+        (jnp.arange(iterations, dtype=jnp.float32), step_keys))
+    return state, acc
+
+  return jax.jit(loop, donate_argnums=0)
+
+
+def make_add_loop(add: Callable[[Any, Any], Any], iterations: int,
+                  inputs: Callable[[jax.Array], Any]) -> Callable:
+  """`state -> state`: K calls of `add(state, inputs(step))`, `step`
+  float32 0 to K - 1, in one donated jit: the add's device time alone."""
+  def loop(state):
+    def iteration(state, step):
+      return add(state, inputs(step)), None
+    return jax.lax.scan(iteration, state,
+                        jnp.arange(iterations, dtype=jnp.float32))[0]
+
+  return jax.jit(loop, donate_argnums=0)
+
+
+def time_fused_loops(loops: dict[str, Callable], states: dict[str, Any], *,
+                     iterations: int, repeats: int, warmup: int = 2
+                     ) -> dict[str, float]:
+  """Median seconds per iteration of each `make_fused_loop` loop (or one
+  with its signature), interleaved, each on its own donated state."""
+  key = jax.random.key(0)
+  calls = {name: carrying(lambda state, loop=loop: loop(state, key),
+                          states[name])
+           for name, loop in loops.items()}
+  seconds = time_interleaved(calls, repeats=repeats, warmup=warmup)
+  return {name: value / iterations for name, value in seconds.items()}
+
+
+def time_add_loop(loop: Callable, state: Any, *, iterations: int,
+                  repeats: int, warmup: int = 2) -> float:
+  """Median seconds per iteration of a `make_add_loop` loop, the state
+  donated."""
+  def run(state):
+    state = loop(state)
+    return state, state
+
+  return time_call(carrying(run, state), repeats=repeats,
+                   warmup=warmup) / iterations
+
+
 # ---------------------------------------------------------------- memory
 
 
@@ -217,6 +317,19 @@ class PeakMemory:
     return stats if "peak_bytes_in_use" in stats else None
 
 
+def measure_peak(call: Callable[[], Any], *, host: bool = False
+                 ) -> tuple[PeakMemory, float]:
+  """Peak memory (`PeakMemory`) and seconds of one call, its result waited
+  for; the result is dropped only after the peak is read."""
+  memory = PeakMemory(host=host).start()
+  start = time.perf_counter()
+  result = block(call())
+  seconds = time.perf_counter() - start
+  memory.stop()
+  del result
+  return memory, seconds
+
+
 def run_child(script: str, arguments: Sequence[str], timeout: float = 1800
               ) -> dict[str, Any]:
   """Runs `python script *arguments` in a fresh process; parses the JSON
@@ -285,3 +398,23 @@ class Verdicts:
     print(f"\n{title}")
     for line in self.lines:
       print("  " + line)
+
+
+# ---------------------------------------------------------------- settings
+
+
+def override(settings: Any, args: Any, names: Sequence[str]) -> Any:
+  """`settings` (a dataclass) with each of `names` the command line gave
+  (`args.<name>`, a list) replaced by it, as a tuple."""
+  for name in names:
+    if getattr(args, name):
+      settings = dataclasses.replace(settings,
+                                     **{name: tuple(getattr(args, name))})
+  return settings
+
+
+def write_json(path: str | None, results: Any) -> None:
+  """Writes `results` to `path` (the `--json` argument), if one was given."""
+  if path:
+    with open(path, "w") as output:
+      json.dump(results, output, indent=1, default=str)

@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import bench_sequence
 import harness
+import sequence_adapters as sequence
 from jaxbuf._src import random
 
-NUM_ENVS, OBS_SIZE, LENGTH, BATCH = 128, 84, 40, 64
+# bench_sequence's shapes: the probes explain its floor.
+NUM_ENVS, OBS_SIZE = sequence.NUM_ENVS, sequence.OBS_SIZE
+LENGTH, BATCH = sequence.SEQUENCE_LENGTH, sequence.SAMPLE_BATCH
 DRAWS = 200
 
 
@@ -109,15 +111,15 @@ def probe_gather(per_env: int) -> dict[str, float]:
 
 def main():
   harness.print_machine(("jax", "jaxlib", "numpy"))
-  for per_env in (bench_sequence.LARGE_STEPS_PER_ENV,
-                  bench_sequence.SMALL_STEPS_PER_ENV):
+  for per_env in (sequence.LARGE_STEPS_PER_ENV,
+                  sequence.SMALL_STEPS_PER_ENV):
     print(f"\ngather of {BATCH} x {LENGTH} x {OBS_SIZE} float32 from "
           f"{NUM_ENVS * per_env:,} steps, us per draw:")
     for name, seconds in probe_gather(per_env).items():
       print(f"  {name:24s}{seconds * 1e6:8.1f}")
   print("\nadd of one step per env, us (period 20):")
-  for per_env in (80, 800, bench_sequence.LARGE_STEPS_PER_ENV):
-    row = {(library, kind): bench_sequence.time_add_only(
+  for per_env in (80, 800, sequence.LARGE_STEPS_PER_ENV):
+    row = {(library, kind): sequence.time_add_only(
                library, kind, per_env, 20, iterations=200, repeats=5)
            for library, kind in (("floor", "uniform"), ("jaxbuf", "uniform"),
                                  ("jaxbuf", "prioritized"))}

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import harness
 import jaxbuf
 from harness import microseconds
 from harness import ratio
@@ -187,23 +188,8 @@ ADAPTERS = {"jaxbuf": jaxbuf_adapter, "flashbax": flashbax_adapter,
 def make_fused_loop(adapter: Adapter, iterations: int) -> Callable:
   """`(state, key) -> (state, checksum)`: K iterations in one donated jit."""
   base_obs = jax.random.normal(jax.random.key(1), (ADD_BATCH, OBS_SIZE))
-
-  def loop(state, key):
-    def iteration(carry, step_and_key):
-      state, acc = carry
-      step, step_key = step_and_key
-      state, acc = adapter.fused_body(state, step_key, base_obs + step, acc)
-      return (state, acc), None
-    # Every iteration's key from one call before the loop: on CPU each call to
-    # the generator is a loop of small kernels, which would otherwise be timed
-    # as part of every library's iteration.
-    step_keys = jax.random.split(key, iterations)
-    (state, acc), _ = jax.lax.scan(
-        iteration, (state, jnp.zeros((), jnp.float32)),
-        (jnp.arange(iterations, dtype=jnp.float32), step_keys))
-    return state, acc
-
-  return jax.jit(loop, donate_argnums=0)
+  return harness.make_fused_loop(adapter.fused_body, iterations,
+                                 lambda step: base_obs + step)
 
 
 def make_cpprb_loop(adapter: Adapter, iterations: int) -> Callable:
