@@ -10,6 +10,7 @@ from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
+import numpy as np
 
 PyTree = Any
 Schedule = Callable[[jax.Array], jax.Array]
@@ -63,16 +64,42 @@ def documented(function: Callable) -> Callable:
   `help(buffer.sample)` then shows the real docstring, with its Args and
   shapes, and the signature without the bound settings, rather than
   `functools.partial`'s docstring; `jax.jit` copies these onto what it returns.
+  Passing a bound setting again is a `TypeError` naming it.
   """
   if not isinstance(function, functools.partial):
     return function
+  settings = dict(function.keywords)
 
   def bound(*args, **kwargs):
+    # A setting passed again would be traced by the jitted functions (JAX's
+    # errors then speak of tracers), and a checked mode switched per call
+    # would stage checks that jit cannot run.
+    given = sorted(settings.keys() & kwargs.keys())
+    if given:
+      raise TypeError(
+          f"{function.func.__name__}: {', '.join(given)} "
+          f"{'is a setting' if len(given) == 1 else 'are settings'} of the "
+          f"buffer, bound when it was made; make another buffer to change "
+          f"{'it' if len(given) == 1 else 'them'}.")
     return function(*args, **kwargs)
 
   functools.update_wrapper(bound, function.func)
-  bound.__signature__ = inspect.signature(function)
+  signature = inspect.signature(function)
+  bound.__signature__ = signature.replace(parameters=[
+      parameter for name, parameter in signature.parameters.items()
+      if name not in settings])
+  # Read by `bound_settings` (e.g. `jaxbuf.sharded` rebinding a buffer's
+  # module functions with its settings).
+  bound.bound_settings = settings
   return bound
+
+
+def bound_settings(function: Callable) -> dict[str, Any]:
+  """The settings a buffer's function was bound with (`documented`), found
+  through the wrappers around it (jit, the error explanations)."""
+  carrier = inspect.unwrap(
+      function, stop=lambda f: "bound_settings" in getattr(f, "__dict__", {}))
+  return dict(getattr(carrier, "__dict__", {}).get("bound_settings", {}))
 
 
 def _explained(what: str, jitted: Callable, *,
@@ -117,6 +144,14 @@ def _explained(what: str, jitted: Callable, *,
   return call
 
 
+def _listed_array(value: Any) -> Any:
+  """A plain Python list or tuple as a NumPy array; anything else as given
+  (a NamedTuple is a pytree, not a list of numbers)."""
+  if type(value) in (list, tuple):  # pylint: disable=unidiomatic-typecheck
+    return np.asarray(value)
+  return value
+
+
 def bind(init: Callable, add: Callable, sample: Callable,
          update_priorities: Callable, can_sample: Callable, clear: Callable, *,
          checked: bool, jit_update_priorities: bool = True) -> Buffer:
@@ -144,16 +179,24 @@ def bind(init: Callable, add: Callable, sample: Callable,
                    if jit_update_priorities else update_priorities)
 
   # A jit converts host int64 data to int32 by wrapping before any check
-  # inside can see it, so host integers are checked on the way in.
+  # inside can see it, so host integers are checked on the way in. A Python
+  # list given for an array (a mask, priorities) would reach the jit as one
+  # leaf per entry: it becomes the array it stands for first.
   @functools.wraps(add)
   def add_from_host(state, items, *args, **kwargs):
     validation.check_host_integers(items, what="add")
-    return jitted_add(state, items, *args, **kwargs)
+    return jitted_add(state, items, *map(_listed_array, args),
+                      **{name: _listed_array(value)
+                         for name, value in kwargs.items()})
 
   @functools.wraps(update_priorities)
   def update_priorities_from_host(state, indices, *args, **kwargs):
-    return jitted_update(state, validation.host_indices(indices), *args,
-                         **kwargs)
+    validation.check_on_the_states_devices(
+        state, (indices, *args, *kwargs.values()), what="update_priorities")
+    return jitted_update(
+        state, validation.host_indices(_listed_array(indices)),
+        *map(_listed_array, args),
+        **{name: _listed_array(value) for name, value in kwargs.items()})
 
   return Buffer(
       init=init,

@@ -76,6 +76,7 @@ from jaxbuf._src import sum_tree
 from jaxbuf._src import uniform
 from jaxbuf._src import validation
 from jaxbuf._src.base import Buffer, PyTree, ReplaySample, Schedule, bind
+from jaxbuf._src.base import bound_settings, documented
 from jaxbuf._src.prioritized import PrioritizedReplayState
 from jaxbuf._src.prioritized_sequence import PrioritizedSequenceReplayState
 from jaxbuf._src.ring import ReplayState
@@ -141,7 +142,8 @@ class _Kind(NamedTuple):
   at_rank: Callable       # local state, int32 [S] ranks -> int32 [S] local ids
   rows: Callable          # local state, ids [S] -> the rows to send, a pytree
   item_ids: Callable      # local state, ids [S] -> uint32 [S]
-  as_sample: Callable     # rows, indices, weights, item_ids -> the sample
+  as_sample: Callable     # rows, indices, weights, item_ids, drawn -> the
+                          # sample; drawn: bool (), something could be drawn
   beta: float | Schedule | None  # None: weights 1 (uniform kinds)
   stratified: bool        # one target per equal stratum of the global total
   uniform_when_massless: bool  # all leaves 0: uniform over items held
@@ -189,7 +191,7 @@ def _item_kind(buffer: Buffer, module, num_devices: int) -> _Kind:
       at_rank=lambda local, ranks: ranks,
       rows=lambda local, slots: ring.gather(local.storage, slots),
       item_ids=ring.current_item_ids,
-      as_sample=lambda rows, indices, weights, item_ids: ReplaySample(
+      as_sample=lambda rows, indices, weights, item_ids, drawn: ReplaySample(
           items=rows, indices=indices, weights=weights, item_ids=item_ids),
       beta=sample_settings.get("beta"),
       stratified=sample_settings.get("stratified", False),
@@ -238,9 +240,10 @@ def _sequence_kind(buffer: Buffer, module, num_devices: int) -> _Kind:
                                 period=add_settings["period"]),
       rows=rows,
       item_ids=sequence.window_item_ids,
-      as_sample=lambda rows, indices, weights, item_ids: SequenceSample(
+      # Nothing drawn: mask all False, as the unsharded buffers give.
+      as_sample=lambda rows, indices, weights, item_ids, drawn: SequenceSample(
           items=rows[0], indices=indices, weights=weights, item_ids=item_ids,
-          mask=rows[1]),
+          mask=rows[1] & drawn),
       beta=sample_settings.get("beta") if is_prioritized else None,
       stratified=sample_settings.get("stratified", False),
       uniform_when_massless=False)
@@ -263,7 +266,7 @@ def _check_divides(count: int, num_devices: int, name: str, what: str) -> None:
 def _check_sharded_state(state: Any, kind: _Kind, what: str,
                          num_devices: int) -> None:
   validation.check_state_kind(state, kind.state_type, what=what,
-                              exact=kind.exact_type)
+                              exact=kind.exact_type, stacked=True)
   expected = (num_devices, *kind.counter_shape)
   given = np.shape(kind.local_counter(state))
   if given != expected:
@@ -328,25 +331,28 @@ def _unplaced(leaf: Any) -> jax.ShapeDtypeStruct:
 
 def add_steps(state: SequenceReplayState, steps: PyTree,
               mask: jax.Array | None = None,
-              episode_end: jax.Array | None = None, *, kind: _Kind,
+              episode_end: jax.Array | None = None,
+              final_steps: PyTree | None = None, *, kind: _Kind,
               global_sizes: dict[str, int], mesh: jax.sharding.Mesh,
               axis: str) -> SequenceReplayState:
   """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`).
 
   Device d writes envs `[d N/D, (d+1) N/D)`: its rows of `steps`, `mask`
-  (bool `[N]`) and `episode_end` (bool `[N]` or `[N, T]`); no collective
-  runs. Everything is checked first as the unsharded buffer checks it, with
-  its messages and the global N.
+  (bool `[N]`), `episode_end` (bool `[N]` or `[N, T]`) and `final_steps`
+  (`[N, ...]`); no collective runs. Episode ends and final observations
+  are read as the unsharded buffer reads them (the step's `last` leaf; see
+  `jaxbuf.sequence.add`). Everything is checked first as the unsharded
+  buffer checks it, with its messages and the global N.
   """
   _check_sharded_state(state, kind, "add", _num_devices(mesh, axis))
   step_spec = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape[3:], x.dtype), state.storage)
   unsharded = jax.eval_shape(functools.partial(kind.init, **global_sizes),
                              step_spec)
-  jax.eval_shape(kind.add, unsharded,
-                 *jax.tree.map(_unplaced, (steps, mask, episode_end)))
-  return _add_locally(state, (steps, mask, episode_end), kind=kind,
-                      mesh=mesh, axis=axis)
+  jax.eval_shape(kind.add, unsharded, *jax.tree.map(
+      _unplaced, (steps, mask, episode_end, final_steps)))
+  return _add_locally(state, (steps, mask, episode_end, final_steps),
+                      kind=kind, mesh=mesh, axis=axis)
 
 
 def _as_bits(leaf: jax.Array) -> jax.Array:
@@ -452,6 +458,7 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
     item_ids = jnp.where(own, kind.item_ids(local, ids), 0)
     global_ids = jax.lax.psum(item_ids, axis)
     weights = jnp.full((batch_size,), total_size > 0, jnp.float32)
+    drawn = total_size > 0
   else:
     tree = kind.masses(local)
     totals = _from_every_device(sum_tree.total(tree), axis)
@@ -461,11 +468,11 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
     uniforms = random.random_uniform(
         key, (1 + redraws + int(kind.stratified), batch_size))
     if kind.stratified:
-      # Strata in a random rotation, as `sum_tree.sample_leaves` draws them:
+      # Strata in a random order, as `sum_tree.sample_leaves` draws them:
       # in stratum order, device d's block of a sharded batch would always
       # come from the same part of the global total (mostly device d's own
       # items), a biased minibatch for each learner.
-      targets = sum_tree.rotated_strata_targets(uniforms[0], uniforms[-1, 0],
+      targets = sum_tree.rotated_strata_targets(uniforms[0], uniforms[-1],
                                                 total)
     else:
       targets = uniforms[0] * total
@@ -507,6 +514,7 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
           total_size.astype(jnp.float32) * (leaf_values / total))
       weights = jnp.exp(log_weights - jnp.max(log_weights))
     weights = jnp.where(has_mass, weights, massless_weight)
+    drawn = has_mass | (massless_weight > 0)
 
   indices = owner * ids_per_device + ids
   # `ids` is only meaningful at the owner; the owner is known everywhere.
@@ -517,7 +525,7 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
     start = device * block
     cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, block)
     indices, weights, global_ids = map(cut, (indices, weights, global_ids))
-  return kind.as_sample(rows, indices, weights, global_ids)
+  return kind.as_sample(rows, indices, weights, global_ids, drawn)
 
 
 def _local_sample(state: Any, key: jax.Array, batch_size: int, *,
@@ -585,6 +593,8 @@ def update_priorities(state: Any, indices: jax.Array, priorities: jax.Array,
   """
   num_devices = _num_devices(mesh, axis)
   _check_sharded_state(state, kind, "update_priorities", num_devices)
+  if issubclass(kind.state_type, SequenceReplayState):
+    sequence.check_window_priorities(indices, priorities)
   indices = validation.host_indices(indices)
   validation.check_priority_update_args(indices, priorities, item_ids)
   if kind.update_priorities is None:
@@ -653,10 +663,8 @@ def clear(state: Any, *, kind: _Kind, mesh: jax.sharding.Mesh,
 
 
 def _bound_settings(function: Callable) -> dict[str, Any]:
-  """The settings a buffer's function was bound with, from its signature."""
-  return {name: parameter.default
-          for name, parameter in inspect.signature(function).parameters.items()
-          if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
+  """The settings a buffer's function was bound with."""
+  return bound_settings(function)
 
 
 def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
@@ -689,6 +697,18 @@ def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
     episode_end)` takes `[N, ...]` or `[N, T, ...]`, device d writing envs
     `[d N/D, (d+1) N/D)`; indices are the unsharded buffer's window ids
     `n * R + j`, device `g // (N / D * R)`. Sample sizes must divide by D.
+    `init` is jitted with the state's output shardings, so
+    `jax.eval_shape(buffer.init, example)` keeps the split: the
+    no-allocation `like` of `jaxbuf.load`.
+
+    Cutting minibatches from a sample: under Explicit axes JAX refuses to
+    slice rows across the split of a `batch="sharded"` sample
+    (`ShardingTypeError`). Reshard it whole first,
+    `jax.sharding.reshard(batch, NamedSharding(mesh, PartitionSpec()))`
+    (eagerly, or inside a jit), or sample with `batch="replicated"`.
+    The indices of a sharded sample number this buffer's global slots or
+    windows: pass them to this buffer's `update_priorities` (one buffer's
+    update refuses them with a `TypeError`).
 
   >>> import jax, jax.numpy as jnp, jaxbuf
   >>> mesh = jax.make_mesh((4,), ("data",))
@@ -750,7 +770,11 @@ def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
   else:
     add_function = functools.partial(add, **where)
   return bind(
-      init=functools.partial(init, **where),
+      # A jit with output shardings, so that the abstract state of
+      # `jax.eval_shape(buffer.init, example)` (the `like` of a load that
+      # allocates nothing) carries the split too.
+      init=jax.jit(documented(functools.partial(init, **where)),
+                   out_shardings=NamedSharding(mesh, _spec(axis))),
       add=add_function,
       sample=functools.partial(sample, sampling=sampling, batch=batch,
                                **where),
