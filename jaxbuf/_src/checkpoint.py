@@ -765,7 +765,7 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
   _check_processes_agree("save", shared)
   new, old = _sibling(path, _NEW_SUFFIX), _sibling(path, _OLD_SUFFIX)
   lock = new_fd = None
-  created = committed = False
+  created = complete = False
   try:
     def start() -> None:
       nonlocal lock, created
@@ -793,14 +793,14 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
     _, pieces = _in_every_process("save", write, lambda mine: mine)
 
     def commit() -> None:
-      nonlocal committed
+      nonlocal complete
       if primary:
         _commit(new_fd, new, state, layout, named, pieces)
+        complete = True
         _sync_directory(path.parent)
         if path.exists():
           os.replace(path, old)
         os.replace(new, path)
-        committed = True
         _sync_directory(path.parent)
         _delete(old)
 
@@ -809,9 +809,11 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
     for handle in (new_fd, lock):
       if handle is not None:
         os.close(handle)
-    if created and not committed:
-      # A save that raised leaves no partial `<path>.jaxbuf-new` behind (a
-      # killed one does; the next save tidies it up).
+    if created and not complete:
+      # A save that raised before its marker leaves no partial
+      # `<path>.jaxbuf-new` behind (a killed one does; the next save tidies
+      # it up). A complete one may be the only checkpoint left: `load`
+      # reads it.
       shutil.rmtree(new, ignore_errors=True)
 
 
@@ -869,9 +871,10 @@ def _commit(directory_fd: int, directory: pathlib.Path, state: PyTree,
   entries = sorted(_entries(directory))
   # Each file's size, so that `load` names a truncated or deleted file
   # before orbax reads it (orbax's own error is kilobytes long).
+  # The layout is checked on its own, field by field.
   sizes = {entry: os.stat(entry, dir_fd=directory_fd).st_size
-           for entry in entries
-           if not os.path.isdir(os.path.join(directory, entry))}
+           for entry in entries if entry.startswith(_STATE + os.sep)
+           and not os.path.isdir(os.path.join(directory, entry))}
   marker = {"format": _FORMAT, "version": _FORMAT_VERSION, "token": token,
             "entries": entries, "sizes": sizes}
   _write_file(directory_fd, _MARKER, json.dumps(marker, indent=1).encode())
