@@ -800,9 +800,9 @@ def test_final_steps_under_jit_scan_and_masks():
 
 @pytest.mark.parametrize("kind", ["uniform", "within", "prioritized"])
 def test_a_sample_with_no_window_has_an_all_false_mask(kind):
-  buffer = (make_buffer(True, NUM_ENVS, CAPACITY, LENGTH) if kind == "prioritized"
-            else make_buffer(False, NUM_ENVS, CAPACITY, LENGTH, episodes="cross"
-                             if kind == "uniform" else "within"))
+  # Buffers other tests compile too.
+  buffer = {"uniform": SEQUENCE, "within": BUFFERS["uniform-within-period2"],
+            "prioritized": PRIORITIZED}[kind]
   state = buffer.add(buffer.init(STEP), _chunk(length=LENGTH - 1))
   empty = buffer.sample(state, jax.random.key(0), 4)
   np.testing.assert_array_equal(empty.weights, 0.0)
@@ -830,16 +830,21 @@ def test_prioritized_sequence_rows_come_in_random_order():
 def test_lists_and_numpy_arrays_work_as_arrays_do(checked):
   """A list `mask`, `episode_end` or priorities was a TracerArrayConversionError
   (checked mode: "Cannot determine dtype")."""
-  buffer = make_buffer(True, NUM_ENVS, CAPACITY, LENGTH)
-  under_test = (buffer if not checked else
-                jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH,
-                                                   checked=True))
+  buffer = PRIORITIZED
   as_arrays = buffer.add(buffer.init(STEP), _chunk(length=4),
                          np.array([True, False, True]),
                          np.array([[False, True, False, False]] * 3))
-  as_lists = under_test.add(under_test.init(STEP), _chunk(length=4),
-                            [True, False, True],
-                            [[False, True, False, False]] * 3)
+  if checked:  # an eager checked add runs op by op: only the update here
+    under_test = jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH,
+                                                    checked=True)
+    as_lists = jax.tree.map(jnp.copy, as_arrays)
+    with pytest.raises(TypeError, match="mask must be bool, given dtype int32"):
+      under_test.add(as_lists, _chunk(length=4), [1, 0, 1])
+  else:
+    under_test = buffer
+    as_lists = buffer.add(buffer.init(STEP), _chunk(length=4),
+                          [True, False, True],
+                          [[False, True, False, False]] * 3)
   for got, want in zip(jax.tree.leaves(as_lists), jax.tree.leaves(as_arrays)):
     np.testing.assert_array_equal(got, want)
   with_lists = under_test.update_priorities(as_lists, [0, 10], [0.5, 2.0])
@@ -852,12 +857,12 @@ def test_lists_and_numpy_arrays_work_as_arrays_do(checked):
 
 @pytest.mark.parametrize("checked", [False, True])
 def test_an_empty_update_of_window_priorities_changes_only_beta_step(checked):
-  buffer = (make_buffer(True, NUM_ENVS, CAPACITY, LENGTH) if not checked else
-            jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH,
-                                               checked=True))
   """Was "zero-size array to reduction operation max"; item replay's
   outcome: nothing changes but `beta_step`, which counts update calls."""
-  state = buffer.add(buffer.init(STEP), _chunk(length=4))
+  buffer = (PRIORITIZED if not checked else
+            jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH,
+                                               checked=True))
+  state = PRIORITIZED.add(PRIORITIZED.init(STEP), _chunk(length=4))
   before = snapshot(state.replace(beta_step=state.beta_step + 1))
   updated = buffer.update_priorities(state, np.zeros(0, np.int32),
                                      np.zeros(0, np.float32),
@@ -867,8 +872,7 @@ def test_an_empty_update_of_window_priorities_changes_only_beta_step(checked):
 
 
 def test_sample_signatures_show_only_what_a_caller_passes():
-  for buffer in (make_buffer(False, NUM_ENVS, CAPACITY, LENGTH),
-                 make_buffer(True, NUM_ENVS, CAPACITY, LENGTH)):
+  for buffer in (SEQUENCE, PRIORITIZED):
     assert list(inspect.signature(buffer.sample).parameters) == [
         "state", "key", "batch_size"]
     assert list(inspect.signature(buffer.add).parameters) == [
