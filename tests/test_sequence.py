@@ -838,7 +838,7 @@ def test_lists_and_numpy_arrays_work_as_arrays_do(checked):
     under_test = jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH,
                                                     checked=True)
     as_lists = jax.tree.map(jnp.copy, as_arrays)
-    with pytest.raises(TypeError, match="mask must be bool, given dtype int32"):
+    with pytest.raises(TypeError, match="mask must be bool, given dtype int"):
       under_test.add(as_lists, _chunk(length=4), [1, 0, 1])
   else:
     under_test = buffer
