@@ -12,8 +12,9 @@ gymnax's `info["final_observation"]`, flagged `last` (its action and reward
 are padding). A transition stops at a `last` step and bootstraps from it,
 the true final observation; SB3's `optimize_memory_usage` bootstraps from the
 reset observation there instead (SB3 #934). A termination stops it with
-discount 0. Each collect step is the ordinary add, then a masked add of the
-final steps of the envs that ended, inside the same jitted step.
+discount 0. Each collect step is one add: the step of every env, and as
+`final_steps` the final observations, written by the envs whose final step
+is flagged `last` (the buffer reads episode ends from that flag).
 
   python examples/nstep_dqn.py                        # n = 3, one seed
   python examples/nstep_dqn.py --num-seeds 4 --plot nstep_dqn.png
@@ -192,14 +193,12 @@ def make_trainer(config: Config) -> common.Trainer:
     rewards = rewards.astype(jnp.float32)
     episode_ended = terminated | truncated
     no = jnp.zeros(config.num_envs, bool)
+    # The final observation, once, as its own step of the envs that ended.
     buffer_state = buffer.add(state.buffer_state, Step(
         obs=state.obs, action=actions, reward=rewards, terminated=terminated,
-        last=no))
-    # The final observation, once, as its own step of the envs that ended.
-    buffer_state = buffer.add(buffer_state, Step(
-        obs=info["final_observation"], action=jnp.zeros_like(actions),
-        reward=jnp.zeros_like(rewards), terminated=no, last=~no),
-        mask=episode_ended, episode_end=~no)
+        last=no), final_steps=Step(
+            obs=info["final_observation"], action=jnp.zeros_like(actions),
+            reward=jnp.zeros_like(rewards), terminated=no, last=episode_ended))
     episode_returns = state.episode_returns + rewards
     state = state.replace(
         buffer_state=buffer_state, env_state=env_state, obs=next_obs,

@@ -230,11 +230,10 @@ def make_trainer(config: Config) -> common.Trainer:
     no = jnp.zeros(config.num_envs, bool)
     buffer_state = buffer.add(state.buffer_state, Step(
         obs=state.obs, action=actions, reward=rewards, terminated=terminated,
-        last=no, hidden=state.hidden))
-    buffer_state = buffer.add(buffer_state, Step(
-        obs=observe(info["final_observation"]), action=jnp.zeros_like(actions),
-        reward=jnp.zeros_like(rewards), terminated=no, last=~no,
-        hidden=next_hidden), mask=episode_ended, episode_end=~no)
+        last=no, hidden=state.hidden), final_steps=Step(
+            obs=observe(info["final_observation"]),
+            action=jnp.zeros_like(actions), reward=jnp.zeros_like(rewards),
+            terminated=no, last=episode_ended, hidden=next_hidden))
     episode_returns = state.episode_returns + rewards
     state = state.replace(
         buffer_state=buffer_state, env_state=env_state,

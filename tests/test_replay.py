@@ -642,10 +642,14 @@ def test_help_shows_each_functions_own_docstring_and_signature(kind, checked):
     assert inspect.unwrap(function) is raw
     text = pydoc.render_doc(function)
     assert raw.__doc__.splitlines()[0] in text and "partial" not in text, name
-  # Bound settings leave the signature; what the caller passes stays.
+  # Bound settings leave the signature, and passing one again (a jitted
+  # sample would trace it; checked=True there would stage checks jit cannot
+  # run) is a TypeError naming it; what the caller passes stays.
   parameters = inspect.signature(buffer.sample).parameters
-  assert list(parameters)[:3] == ["state", "key", "batch_size"]
-  assert parameters["checked"].default is checked
+  assert list(parameters) == ["state", "key", "batch_size"]
+  with pytest.raises(TypeError, match="checked is a setting of the buffer"):
+    buffer.sample(buffer.init(example_item()), jax.random.key(0), 4,
+                  checked=not checked)
   assert "Returns:" in buffer.sample.__doc__ and "[S]" in buffer.sample.__doc__
   if not checked:  # the jitted function's own tools stay reachable
     state = buffer.add(buffer.init(example_item()), make_items(0, 3))
@@ -692,6 +696,19 @@ def test_a_prefix_of_a_stratified_batch_is_distributed_like_the_whole():
     counts = np.bincount(prefix, minlength=capacity)
     assert scipy.stats.chisquare(counts, expected * counts.sum()).pvalue > 1e-3
   assert len({tuple(row) for row in indices[:50].tolist()}) > 10
+
+
+def test_stratified_rows_come_in_random_order():
+  """In stratum order, rotated or not, 256 draws over 32 items of equal
+  priority came in strips: rows 8k..8k+7 one item (224 equal neighbours),
+  so a minibatch cut from a sample held few items. In random order about
+  255 / 32 = 8."""
+  buffer = jaxbuf.prioritized_replay(32)
+  state = buffer.add(buffer.init(jnp.zeros(())), jnp.zeros(32))
+  rows = np.asarray(buffer.sample(state, jax.random.key(0), 256).indices)
+  assert len(set(rows.tolist())) == 32  # still one draw per stratum
+  assert np.sum(rows[1:] == rows[:-1]) < 25, rows[:16]
+  assert all(len(set(block.tolist())) > 20 for block in rows.reshape(4, 64))
 
 
 EPOCH_BUFFERS = {(kind, capacity): (

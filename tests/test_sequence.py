@@ -5,8 +5,10 @@ sampled window's contiguity and origin are checked exactly.
 """
 
 import functools
+import inspect
 import pathlib
 import re
+from typing import NamedTuple
 
 import chex
 import hypothesis
@@ -600,6 +602,16 @@ SEQUENCE_RAISES = {
     "seq-update-item-ids-wrong-dtype": (lambda b, s: b.update_priorities(
         s, np.array([0]), np.array([1.0], np.float32),
         np.array([0], np.int32)), TypeError, ["item_ids", "uint32"]),
+    "seq-update-per-step-priorities": (lambda b, s: b.update_priorities(
+        s, np.array([0, 1]), np.ones((2, LENGTH), np.float32)), ValueError,
+                                       ["(2, 3)", "one priority per window", "(2,)",
+                                        "jaxbuf.r2d2_priorities"]),
+    "seq-add-final-steps-without-last": (lambda b, s: b.add(
+        s, _chunk(), final_steps=_chunk(length=1)), TypeError,
+                                         ["final_steps", "`last`"]),
+    "seq-sample-bound-setting": (lambda b, s: b.sample(
+        s, jax.random.key(0), 2, sequence_length=LENGTH + 1), TypeError,
+                                 ["sequence_length", "setting of the buffer"]),
 }
 
 
@@ -687,3 +699,183 @@ def test_reliability_md_lists_every_sequence_row():
   section = text.split("## Sequence replay")[1].split("\n## ")[0]
   for test in set(re.findall(r"\b(test_\w+)(?!\.py)\b", section)):
     assert f"def {test}(" in source, test
+
+
+# --- Issue 18: one episode-end flag, safe defaults, clear errors -------------
+
+class LastStep(NamedTuple):
+  obs: jax.Array       # ()
+  terminated: jax.Array
+  last: jax.Array
+
+
+LAST_STEP = LastStep(jnp.int32(0), jnp.bool_(False), jnp.bool_(False))
+
+
+def _collect(buffer, num_steps, ended_at, *, final_steps=True):
+  """A vectorized-env loop of `num_steps` steps; `ended_at[t]` bool [N]: the
+  envs whose episode ended after step t. Step obs are `env * 1000 + t`, final
+  observations `env * 1000 + 500 + t`."""
+  num_envs = ended_at.shape[1]
+  state = buffer.init(LAST_STEP)
+  no = np.zeros(num_envs, bool)
+  envs = np.arange(num_envs) * 1000
+  for t in range(num_steps):
+    step = LastStep(jnp.asarray(envs + t, jnp.int32), jnp.asarray(no), jnp.asarray(no))
+    final = LastStep(jnp.asarray(envs + 500 + t, jnp.int32), jnp.asarray(no),
+                     jnp.asarray(ended_at[t]))
+    if final_steps:
+      state = buffer.add(state, step, final_steps=final)
+    else:  # the streams the two masked adds used to make, by hand
+      state = buffer.add(state, step)
+      state = buffer.add(state, final, mask=ended_at[t])
+  return state
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_the_steps_last_leaf_is_the_one_episode_end_flag(prioritized):
+  """`final_steps` writes a final step exactly where its own `last` is True,
+  and episode ends are read from `last`: the streams equal the correct
+  hand-masked ones, bit for bit; `episode_end` beside `last` is refused."""
+  buffer = make_buffer(prioritized, 4, 4 * 16, 3, episodes="within")
+  ended_at = np.random.default_rng(0).random((12, 4)) < 0.3
+  state = _collect(buffer, 12, ended_at)
+  reference = _collect(buffer, 12, ended_at, final_steps=False)
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(reference)):
+    np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(state.episode_ends, state.storage.last)
+  # Every env's stream: its steps in order, a final step right after each
+  # step whose episode ended, and nothing else.
+  for env in range(4):
+    expected = []
+    for t in range(12):
+      expected.append(env * 1000 + t)
+      if ended_at[t, env]:
+        expected.append(env * 1000 + 500 + t)
+    held = int(state.steps_held[env])
+    order = (int(state.write_heads[env]) - held + np.arange(held)) % 16
+    assert np.asarray(state.storage.obs)[env, order].tolist() == expected[-held:]
+  # Sampled windows never cross an episode end (episodes="within").
+  batch = buffer.sample(state, jax.random.key(1), 64)
+  obs = np.asarray(batch.items.obs)
+  assert np.all(batch.mask) and np.all(np.asarray(batch.items.last)[:, :-1] == 0)
+  assert np.all((obs // 1000) == (obs[:, :1] // 1000))
+  # Two flags could disagree: refused, the state intact; a chunk of final
+  # steps and a `last` that is not bool too.
+  no = jnp.zeros(4, bool)
+  step = LastStep(jnp.zeros(4, jnp.int32), no, no)
+  assert_raises_leaving_state_intact(
+      lambda s: buffer.add(s, step, episode_end=~no), state, TypeError,
+      ["`last`", "do not pass episode_end"])
+  chunk = jax.tree.map(lambda x: jnp.stack([x, x], axis=1), step)
+  assert_raises_leaving_state_intact(
+      lambda s: buffer.add(s, step, final_steps=chunk), state, ValueError,
+      ["final_steps", "one step per env"])
+  assert_raises_leaving_state_intact(
+      lambda s: buffer.add(s, step._replace(last=jnp.zeros(4, jnp.int32))),
+      state, TypeError, ["`last`", "bool", "int32"])
+
+
+def test_final_steps_under_jit_scan_and_masks():
+  """Inside a scan, with envs that did not step (`mask`): a final step is
+  written only by an env that stepped and whose final step is `last`."""
+  buffer = make_buffer(False, 3, 3 * 8, 2)
+  ended = jnp.array([True, True, False])
+  stepped = jnp.array([True, False, True])
+
+  @jax.jit
+  def run(state):
+    def body(state, t):
+      step = LastStep(jnp.full(3, t, jnp.int32), jnp.zeros(3, bool),
+                      jnp.zeros(3, bool))
+      final = LastStep(jnp.full(3, 100 + t, jnp.int32), jnp.zeros(3, bool), ended)
+      return buffer.add(state, step, stepped, final_steps=final), None
+    return jax.lax.scan(body, state, jnp.arange(3))[0]
+  state = run(buffer.init(LAST_STEP))
+  np.testing.assert_array_equal(state.steps_held, [6, 0, 3])
+  np.testing.assert_array_equal(state.storage.obs[0, :6], [0, 100, 1, 101, 2, 102])
+  np.testing.assert_array_equal(state.storage.last[0, :6], [0, 1] * 3)
+  np.testing.assert_array_equal(state.storage.obs[2, :3], [0, 1, 2])
+
+
+@pytest.mark.parametrize("kind", ["uniform", "within", "prioritized"])
+def test_a_sample_with_no_window_has_an_all_false_mask(kind):
+  # Buffers other tests compile too.
+  buffer = {"uniform": SEQUENCE, "within": BUFFERS["uniform-within-period2"],
+            "prioritized": PRIORITIZED}[kind]
+  state = buffer.add(buffer.init(STEP), _chunk(length=LENGTH - 1))
+  empty = buffer.sample(state, jax.random.key(0), 4)
+  np.testing.assert_array_equal(empty.weights, 0.0)
+  assert not np.any(empty.mask)
+  full = buffer.sample(buffer.add(state, _chunk(length=1)), jax.random.key(0), 4)
+  assert np.all(full.mask) and np.all(full.weights > 0)
+
+
+def _equal_neighbours(rows):
+  return int(np.sum(rows[1:] == rows[:-1]))
+
+
+def test_prioritized_sequence_rows_come_in_random_order():
+  """Stratified draws in stratum order came in strips: 32 windows of equal
+  priority, 256 draws, rows 8k..8k+7 one window (224 equal neighbours).
+  Random order: about 255 / 32 = 8 equal neighbours."""
+  buffer = make_buffer(True, 32, 32 * 4, 2)
+  state = buffer.add(buffer.init(STEP), _chunk(num_envs=32, length=2))
+  rows = np.asarray(buffer.sample(state, jax.random.key(0), 256).indices)
+  assert len(set(rows.tolist())) == 32  # still stratified: every window
+  assert _equal_neighbours(rows) < 25, rows[:16]
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_lists_and_numpy_arrays_work_as_arrays_do(checked):
+  """A list `mask`, `episode_end` or priorities was a TracerArrayConversionError
+  (checked mode: "Cannot determine dtype")."""
+  buffer = PRIORITIZED
+  as_arrays = buffer.add(buffer.init(STEP), _chunk(length=4),
+                         np.array([True, False, True]),
+                         np.array([[False, True, False, False]] * 3))
+  if checked:  # an eager checked add runs op by op: only the update here
+    under_test = jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH,
+                                                    checked=True)
+    as_lists = jax.tree.map(jnp.copy, as_arrays)
+    with pytest.raises(TypeError, match="mask must be bool, given dtype int"):
+      under_test.add(as_lists, _chunk(length=4), [1, 0, 1])
+  else:
+    under_test = buffer
+    as_lists = buffer.add(buffer.init(STEP), _chunk(length=4),
+                          [True, False, True],
+                          [[False, True, False, False]] * 3)
+  for got, want in zip(jax.tree.leaves(as_lists), jax.tree.leaves(as_arrays)):
+    np.testing.assert_array_equal(got, want)
+  with_lists = under_test.update_priorities(as_lists, [0, 10], [0.5, 2.0])
+  with_arrays = buffer.update_priorities(as_arrays, np.array([0, 10]),
+                                         np.array([0.5, 2.0], np.float32))
+  np.testing.assert_array_equal(with_lists.window_tree.levels[0],
+                                with_arrays.window_tree.levels[0])
+  assert float(with_lists.max_priority) == pytest.approx(2.0 + EPS)
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_an_empty_update_of_window_priorities_changes_only_beta_step(checked):
+  """Was "zero-size array to reduction operation max"; item replay's
+  outcome: nothing changes but `beta_step`, which counts update calls."""
+  buffer = (PRIORITIZED if not checked else
+            jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH,
+                                               checked=True))
+  state = PRIORITIZED.add(PRIORITIZED.init(STEP), _chunk(length=4))
+  before = snapshot(state.replace(beta_step=state.beta_step + 1))
+  updated = buffer.update_priorities(state, np.zeros(0, np.int32),
+                                     np.zeros(0, np.float32),
+                                     np.zeros(0, np.uint32))
+  for got, want in zip(snapshot(updated), before):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_sample_signatures_show_only_what_a_caller_passes():
+  for buffer in (SEQUENCE, PRIORITIZED):
+    assert list(inspect.signature(buffer.sample).parameters) == [
+        "state", "key", "batch_size"]
+    assert list(inspect.signature(buffer.add).parameters) == [
+        "state", "steps", "mask", "episode_end", "final_steps"]
+    assert "sequence_length" not in str(inspect.signature(
+        buffer.update_priorities))

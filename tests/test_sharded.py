@@ -1,6 +1,7 @@
 """`jaxbuf.sharded`: one replay buffer split over the 4 fake CPU devices."""
 
 import functools
+from typing import NamedTuple
 
 import chex
 import hypothesis
@@ -465,19 +466,22 @@ def snapshot(state):
     (lambda b, s: b.update_priorities(s, np.zeros(4, np.int32),
                                       np.zeros(5, np.float32)), ValueError,
      ["update_priorities"]),
-    # The other way round: JAX raised "cond_fun must return a boolean
-    # scalar" or a ShardingTypeError (issue 26).
-    (lambda b, s: jaxbuf.prioritized_replay(32).sample(
-        s, jax.random.key(0), 8), ValueError,
-     ["sample: this state is split over 4 devices", "jaxbuf.sharded"]),
-    (lambda b, s: jaxbuf.prioritized_replay(32).add(s, make_items(0, 8)),
-     ValueError, ["add: this state is split over 4 devices"]),
-    (lambda b, s: jaxbuf.prioritized_replay(32).update_priorities(
-        s, np.zeros(4, np.int32), np.ones(4, np.float32)), ValueError,
-     ["update_priorities: this state is split over 4 devices"]),
+    (lambda b, s: PLAIN.sample(s, jax.random.key(0), 8), TypeError,
+     ["sample", "stack of 4 states", "jaxbuf.sharded"]),
+    (lambda b, s: PLAIN.add(s, make_items(0, 4)), TypeError,
+     ["add", "stack of 4 states"]),
+    (lambda b, s: PLAIN.update_priorities(s, np.zeros(4, np.int32),
+                                          np.ones(4, np.float32)), TypeError,
+     ["update_priorities", "stack of 4 states"]),
+    (lambda b, s: PLAIN.update_priorities(
+        PLAIN.add(PLAIN.init(example_item()), make_items(0, 8)),
+        b.sample(s, jax.random.key(0), 8).indices, np.ones(8, np.float32)),
+     TypeError, ["update_priorities", "spread over 4 devices",
+                 "sharded buffer's sample"]),
 ], ids=["add-batch", "add-leaf", "sample-batch", "can-sample", "unsharded",
-        "update-shapes", "sharded-to-plain-sample", "sharded-to-plain-add",
-        "sharded-to-plain-update"])
+        "update-shapes", "plain-sample-of-sharded-state",
+        "plain-add-of-sharded-state", "plain-update-of-sharded-state",
+        "sharded-indices-to-plain-update"])
 def test_bad_arguments_raise_and_leave_the_state_intact(call, error, words):
   buffer = BUFFERS[("prioritized", "global", "sharded")]
   state = buffer.add(buffer.init(example_item()), make_items(0, 8))
@@ -487,6 +491,69 @@ def test_bad_arguments_raise_and_leave_the_state_intact(call, error, words):
   for word in words:
     assert word in str(raised.value)
   chex.assert_trees_all_equal(snapshot(state), before)
+
+
+PLAIN = base("prioritized")
+
+
+@pytest.mark.parametrize("mesh", [MESH, AUTO_MESH], ids=["explicit", "auto"])
+def test_an_abstract_like_keeps_the_split(tmp_path, mesh):
+  """`like=jax.eval_shape(buffer.init, ...)` (no allocation) kept no
+  sharding: the state came back on device 0 and the next sample failed
+  ("incompatible devices")."""
+  buffer = jaxbuf.sharded(base("prioritized"), mesh)
+  state = buffer.add(buffer.init(example_item()), make_items(0, 8))
+  jaxbuf.save(tmp_path / "abstract", state)
+  like = jax.eval_shape(buffer.init, example_item())
+  assert all(leaf.sharding.is_equivalent_to(
+      jax.sharding.NamedSharding(mesh, P("data")), leaf.ndim)
+             for leaf in jax.tree.leaves(like))
+  restored = jaxbuf.load(tmp_path / "abstract", like=like)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+  key = jax.random.key(3)
+  chex.assert_trees_all_equal(jax.device_get(buffer.sample(restored, key, 8)),
+                              jax.device_get(buffer.sample(state, key, 8)))
+
+
+def test_minibatches_cut_from_a_sample_under_explicit_axes():
+  """Slicing rows of a split batch is a ShardingTypeError under Explicit
+  axes; the documented way (reshard whole, or `batch="replicated"`) cuts
+  the same rows."""
+  buffer = BUFFERS[("prioritized", "global", "sharded")]
+  state = buffer.add(buffer.init(example_item()), make_items(0, 8))
+  batch = buffer.sample(state, jax.random.key(0), 8)
+  with pytest.raises(Exception) as raised:
+    batch.indices[:3]  # pylint: disable=pointless-statement
+  assert type(raised.value).__name__ == "ShardingTypeError"
+  whole = jax.sharding.reshard(batch, jax.sharding.NamedSharding(MESH, P()))
+  minibatch = jax.tree.map(lambda x: x[:3], whole)
+  np.testing.assert_array_equal(minibatch.indices,
+                                np.asarray(batch.indices)[:3])
+  in_jit = jax.jit(lambda b: jax.tree.map(lambda x: x[:3], jax.sharding.reshard(
+      b, jax.sharding.NamedSharding(MESH, P()))))(batch)
+  chex.assert_trees_all_equal(jax.device_get(in_jit), jax.device_get(minibatch))
+  replicated = BUFFERS[("prioritized", "global", "replicated")].sample(
+      state, jax.random.key(0), 8)
+  np.testing.assert_array_equal(replicated.indices[:3], minibatch.indices)
+
+
+def _equal_neighbours(rows):
+  return int(np.sum(rows[1:] == rows[:-1]))
+
+
+def test_global_stratified_rows_come_in_random_order():
+  """32 ids of equal mass, 256 draws: in stratum order (rotated or not)
+  rows came in strips of 8 of one id (224 equal neighbours), so each
+  device's block held 8 ids; in random order about 8. (Items and windows
+  share the global draw.)"""
+  buffer = jaxbuf.sharded(jaxbuf.prioritized_replay(32), MESH)
+  state = buffer.add(buffer.init(example_item()), make_items(0, 32))
+  rows = np.asarray(buffer.sample(state, jax.random.key(0), 256).indices)
+  assert len(set(rows.tolist())) == 32
+  assert _equal_neighbours(rows) < 25, rows[:16]
+  for block in rows.reshape(D, -1):
+    assert len(set(block.tolist())) > 20
 
 
 def test_clear_empties_every_device():
@@ -888,8 +955,11 @@ def test_sequence_num_envs_must_divide_by_the_devices():
     (lambda b, s: b.update_priorities(s, np.zeros(4, np.int32),
                                       np.zeros(5, np.float32)), ValueError,
      ["update_priorities"]),
+    (lambda b, s: sequence_buffer(True, "cross").sample(
+        s, jax.random.key(0), 8), TypeError, ["stack of 4 states"]),
 ], ids=["add-num-envs", "add-leaf", "add-mask", "add-episode-end",
-        "sample-batch", "unsharded", "item-state", "update-shapes"])
+        "sample-batch", "unsharded", "item-state", "update-shapes",
+        "plain-sample-of-sharded-state"])
 def test_sequence_bad_arguments_raise_and_leave_the_state_intact(call, error,
                                                                  words):
   buffer = sharded_sequence(True, "cross")
@@ -1123,3 +1193,45 @@ def test_sequence_checkpoints_reshard_exactly(prioritized, episodes, tmp_path):
   back = jaxbuf.load(tmp_path / "unsharded", like=four.init(example_step()))
   chex.assert_trees_all_equal(jax.device_get(contents(back)),
                               jax.device_get(contents(state)))
+
+
+def test_sequence_final_steps_empty_masks_and_empty_updates():
+  """The sharded buffer reads episode ends and final steps as the unsharded
+  one does; a sample with no window has an all-False mask; an update with
+  zero entries changes nothing but `beta_step` (was "zero-size array to
+  reduction operation max")."""
+  class Step(NamedTuple):
+    id: jax.Array
+    last: jax.Array
+  plain = jaxbuf.prioritized_sequence_replay(SEQ_ENVS, SEQ_CAPACITY,
+                                             SEQ_LENGTH)
+  buffer = jaxbuf.sharded(plain, MESH)
+  example = Step(jnp.int32(0), jnp.bool_(False))
+  ended = np.arange(SEQ_ENVS) % 3 == 0
+  no = np.zeros(SEQ_ENVS, bool)
+  states = []
+  for each in (buffer, plain):
+    state = each.init(example)
+    empty = each.sample(state, jax.random.key(0), 8)
+    assert not np.any(empty.mask) and not np.any(empty.weights)
+    for t in range(3):
+      state = each.add(state, Step(np.full(SEQ_ENVS, t, np.int32), no),
+                       final_steps=Step(np.full(SEQ_ENVS, 100 + t, np.int32),
+                                        ended & (t == 1)))
+    states.append(contents(state).replace(max_priority=None, beta_step=None,
+                                          window_tree=None))
+  chex.assert_trees_all_equal(
+      jax.device_get(jax.tree.map(
+          lambda x: x.reshape((SEQ_ENVS,) + x.shape[2:]), states[0])),
+      jax.device_get(states[1]))
+  state = buffer.add(buffer.init(example), Step(np.zeros((SEQ_ENVS, 4), np.int32),
+                                                np.zeros((SEQ_ENVS, 4), bool)))
+  before = snapshot(state)
+  with pytest.raises(ValueError, match="one priority per window.*r2d2_priorities"):
+    buffer.update_priorities(state, np.zeros(4, np.int32),
+                             np.ones((4, SEQ_LENGTH), np.float32))
+  chex.assert_trees_all_equal(snapshot(state), before)
+  expected = snapshot(state.replace(beta_step=state.beta_step + 1))
+  updated = buffer.update_priorities(state, np.zeros(0, np.int32),
+                                     np.zeros(0, np.float32))
+  chex.assert_trees_all_equal(snapshot(updated), expected)

@@ -10,43 +10,12 @@ from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
+import numpy as np
 
 from jaxbuf._src import kind as kind_protocol
 from jaxbuf._src import validation
+from jaxbuf._src.kind import BufferState  # pylint: disable=unused-import
 from jaxbuf._src.pytypes import PyTree, Schedule  # pylint: disable=unused-import
-
-
-@flax.struct.dataclass
-class BufferState:
-  """The base of every buffer state: a frozen pytree of arrays.
-
-  A state knows the sizes its buffer was made with, read from its array
-  shapes, so that `jaxbuf.load` can name a mismatch (a capacity, a number of
-  envs) without a switch over buffer kinds; and, in its static `settings`,
-  the bound settings its bookkeeping depends on (`jaxbuf._src.kind`).
-  """
-  settings: kind_protocol.Settings = flax.struct.field(
-      pytree_node=False, default=kind_protocol.NO_SETTINGS, kw_only=True)
-
-  def buffer_dims(self) -> dict[str, Any]:
-    """The sizes the buffer was made with: `{"capacity": C, ...}`.
-
-    A state vmapped over many buffers reports them as `"vmapped buffers"`.
-    """
-    return {}
-
-  def joined(self) -> "BufferState":
-    """The stack of D devices' local states (leaves `[D, ...]`) as the state
-    of one unsharded buffer holding the same items, priorities and counts.
-    Kinds that `jaxbuf.sharded` can split override it and `divided`."""
-    raise ValueError(f"{type(self).__name__} cannot be regrouped over another "
-                     f"number of devices.")
-
-  def divided(self, num_devices: int) -> "BufferState":
-    """This unsharded state as the stack of `num_devices` local states, the
-    inverse of `joined`; raises naming the reason where no exact split exists."""
-    raise ValueError(f"{type(self).__name__} cannot be regrouped over another "
-                     f"number of devices.")
 
 
 def regrouped(state: BufferState, devices: int | None) -> BufferState:
@@ -99,16 +68,42 @@ def documented(function: Callable) -> Callable:
   `help(buffer.sample)` then shows the real docstring, with its Args and
   shapes, and the signature without the bound settings, rather than
   `functools.partial`'s docstring; `jax.jit` copies these onto what it returns.
+  Passing a bound setting again is a `TypeError` naming it.
   """
   if not isinstance(function, functools.partial):
     return function
+  settings = dict(function.keywords)
 
   def bound(*args, **kwargs):
+    # A setting passed again would be traced by the jitted functions (JAX's
+    # errors then speak of tracers), and a checked mode switched per call
+    # would stage checks that jit cannot run.
+    given = sorted(settings.keys() & kwargs.keys())
+    if given:
+      raise TypeError(
+          f"{function.func.__name__}: {', '.join(given)} "
+          f"{'is a setting' if len(given) == 1 else 'are settings'} of the "
+          f"buffer, bound when it was made; make another buffer to change "
+          f"{'it' if len(given) == 1 else 'them'}.")
     return function(*args, **kwargs)
 
   functools.update_wrapper(bound, function.func)
-  bound.__signature__ = inspect.signature(function)
+  signature = inspect.signature(function)
+  bound.__signature__ = signature.replace(parameters=[
+      parameter for name, parameter in signature.parameters.items()
+      if name not in settings])
+  # Read by `bound_settings` (e.g. `jaxbuf.sharded` rebinding a buffer's
+  # module functions with its settings).
+  bound.bound_settings = settings
   return bound
+
+
+def bound_settings(function: Callable) -> dict[str, Any]:
+  """The settings a buffer's function was bound with (`documented`), found
+  through the wrappers around it (jit, the error explanations)."""
+  carrier = inspect.unwrap(
+      function, stop=lambda f: "bound_settings" in getattr(f, "__dict__", {}))
+  return dict(getattr(carrier, "__dict__", {}).get("bound_settings", {}))
 
 
 def _explained(what: str, jitted: Callable, *,
@@ -168,10 +163,19 @@ def _checking_settings(function: Callable, kind: kind_protocol.Kind,
   return checking
 
 
+def _listed_array(value: Any) -> Any:
+  """A plain Python list or tuple as a NumPy array; anything else as given
+  (a NamedTuple is a pytree, not a list of numbers)."""
+  if type(value) in (list, tuple):  # pylint: disable=unidiomatic-typecheck
+    return np.asarray(value)
+  return value
+
+
 def bind(init: Callable, add: Callable, sample: Callable,
          update_priorities: Callable, can_sample: Callable, clear: Callable, *,
          kind: kind_protocol.Kind, checked: bool,
-         jit_update_priorities: bool = True) -> Buffer:
+         jit_update_priorities: bool = True,
+         init_shardings: Any = None) -> Buffer:
   """Makes a `Buffer` whose default functions are jitted with donated state.
 
   `kind` describes the buffer (`jaxbuf._src.kind`): `init` records its
@@ -179,7 +183,9 @@ def bind(init: Callable, add: Callable, sample: Callable,
   state that records other settings.
 
   `jit_update_priorities=False` leaves `update_priorities` as given, for an
-  update that computes nothing (uniform replay's identity).
+  update that computes nothing (uniform replay's identity). `init_shardings`
+  jits `init` with these output shardings (`jaxbuf.sharded`'s), so that
+  `jax.eval_shape(buffer.init, example)` carries them too.
 
   Donation is what lets a notebook user call `buffer.add` in a plain Python
   loop without paying a copy of the whole storage per call: the state passed
@@ -193,6 +199,8 @@ def bind(init: Callable, add: Callable, sample: Callable,
       documented, (init, add, sample, update_priorities, can_sample, clear))
   kind = kind._replace(checked=checked)
   init = _recording_settings(init, kind)
+  if init_shardings is not None:
+    init = jax.jit(init, out_shardings=init_shardings)
   add, sample, update_priorities, can_sample, clear = (
       _checking_settings(function, kind, what) for function, what in (
           (add, "add"), (sample, "sample"),
@@ -206,16 +214,24 @@ def bind(init: Callable, add: Callable, sample: Callable,
                    if jit_update_priorities else update_priorities)
 
   # A jit converts host int64 data to int32 by wrapping before any check
-  # inside can see it, so host integers are checked on the way in.
+  # inside can see it, so host integers are checked on the way in. A Python
+  # list given for an array (a mask, priorities) would reach the jit as one
+  # leaf per entry: it becomes the array it stands for first.
   @functools.wraps(add)
   def add_from_host(state, items, *args, **kwargs):
     validation.check_host_integers(items, what="add")
-    return jitted_add(state, items, *args, **kwargs)
+    return jitted_add(state, items, *map(_listed_array, args),
+                      **{name: _listed_array(value)
+                         for name, value in kwargs.items()})
 
   @functools.wraps(update_priorities)
   def update_priorities_from_host(state, indices, *args, **kwargs):
-    return jitted_update(state, validation.host_indices(indices), *args,
-                         **kwargs)
+    validation.check_on_the_states_devices(
+        state, (indices, *args, *kwargs.values()), what="update_priorities")
+    return jitted_update(
+        state, validation.host_indices(_listed_array(indices)),
+        *map(_listed_array, args),
+        **{name: _listed_array(value) for name, value in kwargs.items()})
 
   return Buffer(
       init=init,

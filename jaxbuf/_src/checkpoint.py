@@ -99,6 +99,7 @@ from jax.experimental import multihost_utils
 
 from jaxbuf._src import base
 from jaxbuf._src import kind
+from jaxbuf._src import validation
 from jaxbuf._src.base import BufferState, PyTree
 
 _FORMAT = "jaxbuf-checkpoint"
@@ -172,6 +173,13 @@ def _layout(state: PyTree) -> dict[str, Any]:
           "settings": _settings(state),
           "leaves": {name: _leaf_layout(name, leaf)
                      for name, leaf in _named_leaves(state)}}
+
+
+def _stack_words(stack: Any) -> str:
+  """A stack of states (leading axes), as `_check_layout` names it."""
+  if not stack:
+    return "one state (no leading axes)"
+  return f"a stack of states with leading axes {tuple(stack)}"
 
 
 def _fail(where: str, problem: str) -> ValueError:
@@ -309,6 +317,13 @@ def _check_layout(stored: dict[str, Any], expected: dict[str, Any],
     if stored_size != (list(size) if isinstance(size, tuple) else size):
       shown = [tuple(value) if isinstance(value, (list, tuple)) else value
                for value in (stored_size, size)]
+      if name == "vmapped buffers":
+        raise ValueError(
+            f"{where}: stacked states mismatch: the checkpoint holds "
+            f"{_stack_words(shown[0])}, `like` {_stack_words(shown[1])}. A "
+            f"jaxbuf.sharded state is a stack of one state per device, as is "
+            f"a state made under jax.vmap: make `like` with the buffer that "
+            f"saved it (e.g. the sharded buffer's init, on as many devices).")
       raise ValueError(f"{where}: {name} mismatch: the checkpoint has {name} "
                        f"{shown[0]}, `like` has {name} {shown[1]}.")
   stored_settings = stored.get("settings", {})
@@ -762,6 +777,8 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
   def prepare() -> tuple[pathlib.Path, dict[str, Any], list[tuple[str, Any]]]:
     resolved = _resolve(path)
     _check_path_is_usable(resolved, "save")
+    # JAX would fail half-way through writing, on the first deleted array.
+    validation.check_not_donated(state, what="save")
     if not resolved.parent.is_dir():
       raise FileNotFoundError(
           f"save: the parent directory of {resolved} does not exist.")
@@ -774,14 +791,16 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
   _check_processes_agree("save", shared)
   new, old = _sibling(path, _NEW_SUFFIX), _sibling(path, _OLD_SUFFIX)
   lock = new_fd = None
+  created = complete = False
   try:
     def start() -> None:
-      nonlocal lock
+      nonlocal lock, created
       if primary:
         lock = _lock_writer(path)
         _settle(path)
         _check_replaceable(path, "save")
         os.mkdir(new)
+        created = True
         os.mkdir(new / _STATE)
 
     _in_every_process("save", start)
@@ -800,8 +819,10 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
     _, pieces = _in_every_process("save", write, lambda mine: mine)
 
     def commit() -> None:
+      nonlocal complete
       if primary:
         _commit(new_fd, new, state, layout, named, pieces)
+        complete = True
         _sync_directory(path.parent)
         if path.exists():
           os.replace(path, old)
@@ -814,6 +835,12 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
     for handle in (new_fd, lock):
       if handle is not None:
         os.close(handle)
+    if created and not complete:
+      # A save that raised before its marker leaves no partial
+      # `<path>.jaxbuf-new` behind (a killed one does; the next save tidies
+      # it up). A complete one may be the only checkpoint left: `load`
+      # reads it.
+      shutil.rmtree(new, ignore_errors=True)
 
 
 def _write_arrays(directory_fd: int, directory: pathlib.Path,
@@ -868,8 +895,14 @@ def _commit(directory_fd: int, directory: pathlib.Path, state: PyTree,
   _validate_layout(json.loads(encoded), f"save: the checkpoint written at {directory}")
   _write_file(directory_fd, _LAYOUT, encoded)
   entries = sorted(_entries(directory))
+  # Each file's size, so that `load` names a truncated or deleted file
+  # before orbax reads it (orbax's own error is kilobytes long).
+  # The layout is checked on its own, field by field.
+  sizes = {entry: os.stat(entry, dir_fd=directory_fd).st_size
+           for entry in entries if entry.startswith(_STATE + os.sep)
+           and not os.path.isdir(os.path.join(directory, entry))}
   marker = {"format": _FORMAT, "version": _FORMAT_VERSION, "token": token,
-            "entries": entries}
+            "entries": entries, "sizes": sizes}
   _write_file(directory_fd, _MARKER, json.dumps(marker, indent=1).encode())
   _sync_directory(directory_fd)
 
@@ -1012,6 +1045,7 @@ def _load_as(path: str | os.PathLike, like: PyTree) -> PyTree:
     def open_and_check() -> tuple[int, pathlib.Path, dict[str, Any]]:
       opened, found = _open_committed(path)
       try:
+        _check_file_sizes(opened, _read_json(opened, _MARKER, where), where)
         stored = _read_json(opened, _LAYOUT, where)
         _validate_layout(stored, where)
         _check_layout(stored, expected, where)
@@ -1039,14 +1073,49 @@ def _load_as(path: str | os.PathLike, like: PyTree) -> PyTree:
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
 
 
+def _check_file_sizes(directory_fd: int, marker: Any, where: str) -> None:
+  """Raises `ValueError` naming a file the marker lists that is missing or
+  has another size than when it was saved (nothing is read then).
+
+  Markers written before sizes were recorded have none, and pass.
+  """
+  sizes = marker.get("sizes", {}) if isinstance(marker, dict) else {}
+  if not isinstance(sizes, dict):
+    raise _fail(where, f"the marker's sizes are {type(sizes).__name__}, not "
+                       "an object")
+  for name, size in sizes.items():
+    if not _is_int(size) or os.path.isabs(name) or ".." in name.split("/"):
+      raise _fail(where, f"the marker records size {size!r} for {name!r}")
+    try:
+      found = os.stat(name, dir_fd=directory_fd).st_size
+    except FileNotFoundError:
+      raise ValueError(f"{where}: the file {name} is missing (deleted after "
+                       "the save); nothing was read.") from None
+    if found != size:
+      raise ValueError(f"{where}: the file {name} has {found} bytes, but "
+                       f"{size} were saved (truncated or overwritten); nothing "
+                       "was read.")
+
+
 def _unreadable(where: str, entries: list[tuple[str, Any]],
-                error: Exception) -> ValueError:
-  """orbax's error reading the arrays, naming the leaves it names by their keys."""
-  keys = sorted({int(i) for i in re.findall(r"\bleaf_(\d+)\b", str(error))
+                error: Exception, files: str = "") -> ValueError:
+  """orbax's error reading the arrays in one line, naming the leaves it
+  names by their keys and the file it names last."""
+  text = str(error)
+  keys = sorted({int(i) for i in re.findall(r"\bleaf_(\d+)\b", text)
                  if int(i) < len(entries)})
   named = f" of leaf {', '.join(entries[i][0] for i in keys)}" if keys else ""
-  return ValueError(f"{where}: the stored arrays{named} cannot be read "
-                    f"(corrupted or edited): {error}")
+  named_files = re.findall(r"/state/([^\s\"']+)", text)
+  in_file = (f" (file {_STATE}/{named_files[-1]})" if named_files else
+             f" ({files})" if files else "")
+  # orbax appends the whole tensorstore spec, kilobytes of it.
+  reason = re.split(r"\s*\[tensorstore_spec=", text)[0].splitlines()
+  reason = reason[0] if reason else type(error).__name__
+  if len(reason) > 300:
+    reason = reason[:300] + " ..."
+  return ValueError(f"{where}: the stored arrays{named} cannot be read"
+                    f"{in_file}, corrupted or edited: {type(error).__name__}: "
+                    f"{reason}")
 
 
 def _read_arrays(handle: int, found: pathlib.Path, stored: dict[str, Any],
@@ -1067,8 +1136,12 @@ def _read_arrays(handle: int, found: pathlib.Path, stored: dict[str, Any],
     try:
       try:
         stored_arrays = handler.metadata(state_path).tree
-      except (OSError, KeyError, ValueError) as error:
-        raise _unreadable(where, entries, error) from error
+      # Whatever orbax raises on a damaged file (a flipped bit in
+      # `state/_sharding` is a NotImplementedError) is a damaged checkpoint.
+      except Exception as error:  # pylint: disable=broad-except
+        raise _unreadable(where, entries, error,
+                          f"orbax's index, {_STATE}/_METADATA or "
+                          f"{_STATE}/_sharding") from None
       # orbax casts to the requested dtype: compare what it stored first.
       for key, target in to_read.items():
         meta = stored_arrays.get(key) if isinstance(stored_arrays, dict) else None
@@ -1082,8 +1155,8 @@ def _read_arrays(handle: int, found: pathlib.Path, stored: dict[str, Any],
                            f"dtype {target.dtype}.")
       try:
         restored = handler.restore(state_path, args=ocp.args.StandardRestore(to_read))
-      except (OSError, KeyError, ValueError) as error:
-        raise _unreadable(where, entries, error) from error
+      except Exception as error:  # pylint: disable=broad-except
+        raise _unreadable(where, entries, error) from None
     finally:
       handler.close()
   leaves = []

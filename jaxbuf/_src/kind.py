@@ -36,6 +36,8 @@ module changes.
 
 from typing import Any, Callable, NamedTuple
 
+import flax.struct
+
 Settings = tuple[tuple[str, Any], ...]
 NO_SETTINGS: Settings = ()
 
@@ -43,6 +45,39 @@ NO_SETTINGS: Settings = ()
 def settings_of(**settings: Any) -> Settings:
   """`settings` as the sorted pairs a `Kind` and a state record."""
   return tuple(sorted(settings.items()))
+
+
+@flax.struct.dataclass
+class BufferState:
+  """The base of every buffer state: a frozen pytree of arrays.
+
+  A state knows the sizes its buffer was made with, read from its array
+  shapes, so that `jaxbuf.load` can name a mismatch (a capacity, a number of
+  envs) without a switch over buffer kinds; and, in its static `settings`,
+  the bound settings its bookkeeping depends on (this module).
+  """
+  settings: Settings = flax.struct.field(
+      pytree_node=False, default=NO_SETTINGS, kw_only=True)
+
+  def buffer_dims(self) -> dict[str, Any]:
+    """The sizes the buffer was made with: `{"capacity": C, ...}`.
+
+    A state vmapped over many buffers reports them as `"vmapped buffers"`.
+    """
+    return {}
+
+  def joined(self) -> "BufferState":
+    """The stack of D devices' local states (leaves `[D, ...]`) as the state
+    of one unsharded buffer holding the same items, priorities and counts.
+    Kinds that `jaxbuf.sharded` can split override it and `divided`."""
+    raise ValueError(f"{type(self).__name__} cannot be regrouped over another "
+                     f"number of devices.")
+
+  def divided(self, num_devices: int) -> "BufferState":
+    """This unsharded state as the stack of `num_devices` local states, the
+    inverse of `joined`; raises naming the reason where no exact split exists."""
+    raise ValueError(f"{type(self).__name__} cannot be regrouped over another "
+                     f"number of devices.")
 
 
 class Split(NamedTuple):
@@ -72,7 +107,10 @@ class Split(NamedTuple):
   at_rank: Callable       # local state, int32 [S] ranks -> int32 [S] ids
   rows: Callable          # local state, ids [S] -> the rows to send, a pytree
   item_ids: Callable      # local state, ids [S] -> uint32 [S]
-  as_sample: Callable     # rows, indices, weights, item_ids -> the sample
+  as_sample: Callable     # rows, indices, weights, item_ids, drawn -> the
+                          # sample; drawn: bool (), something could be drawn
+  check_update: Callable | None  # indices, priorities -> None, raising as
+                                 # the unsharded update would; None: nothing
   beta: Any               # float or schedule; None: weights 1 (uniform kinds)
   stratified: bool        # one target per equal stratum of the global total
   uniform_when_massless: bool  # all leaves 0: uniform over items held
@@ -120,12 +158,10 @@ def check_settings(state: Any, kind: Kind, *, what: str) -> None:
     return
   state_devices = dict(recorded).get("devices")
   buffer_devices = dict(kind.settings).get("devices")
-  if state_devices != buffer_devices and buffer_devices is None:
-    raise ValueError(
-        f"{what}: this state is split over {state_devices} devices (made by "
-        f"a jaxbuf.sharded buffer), and this {kind.name} buffer is not; "
-        f"pass it to the sharded buffer's functions, or save it and load it "
-        f"where it is needed.")
+  if buffer_devices is None and state_devices is not None:
+    # A stack of states: the function's own check names it
+    # (`validation.check_state_kind`), as for a stack made under vmap.
+    return
   if state_devices != buffer_devices and state_devices is None:
     raise ValueError(
         f"{what}: expected a sharded state, split over {buffer_devices} "

@@ -115,8 +115,8 @@ def sample(state: PrioritizedReplayState, key: jax.Array, batch_size: int, *,
 
   With `stratified`, `[0, total)` is cut into S equal strata and one target is
   drawn in each: the same marginal probabilities, less variance. The strata
-  come in a random rotation, so every position of the batch (and any prefix)
-  is distributed as the whole batch is. Should every priority underflow to zero,
+  come in a random order, so every position of the batch (and any prefix or
+  block of rows) is distributed as the whole batch is. Should every priority underflow to zero,
   sampling falls back to uniform over the items held with weights 1; on an
   empty buffer it returns slot 0 with weight 0 (checked mode raises).
 

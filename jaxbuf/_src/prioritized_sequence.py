@@ -67,13 +67,20 @@ def init(example_step: PyTree, *, num_envs: int,
 
 def add(state: PrioritizedSequenceReplayState, steps: PyTree,
         mask: jax.Array | None = None, episode_end: jax.Array | None = None,
-        *, sequence_length: int, period: int, within: bool,
+        final_steps: PyTree | None = None, *, sequence_length: int,
+        period: int, within: bool,
         alpha: float) -> PrioritizedSequenceReplayState:
-  """`sequence.add`; windows completed enter at the running maximum priority."""
+  """`sequence.add`; windows completed enter at the running maximum priority.
+
+  Episode ends: the step's own bool `last` leaf when it has one (then
+  `episode_end` must not be given), else `episode_end`; final observations
+  go in the same add as `final_steps`, written where their `last` is True.
+  See `jaxbuf.sequence.add` for the stream convention and an example.
+  """
   validation.check_state_kind(state, PrioritizedSequenceReplayState, what="add")
-  return sequence.add_steps(
-      state, steps, mask, episode_end, sequence_length=sequence_length,
-      period=period, within=within,
+  return sequence.add_stream(
+      state, steps, mask, episode_end, final_steps,
+      sequence_length=sequence_length, period=period, within=within,
       new_leaf_value=prioritized.capped_leaf_values(
           state.max_priority, alpha, state.window_tree))
 
@@ -84,9 +91,10 @@ def sample(state: PrioritizedSequenceReplayState, key: jax.Array,
   """Draws `batch_size` windows in proportion to `(priority + eps) ** alpha`.
 
   With `stratified`, one target in each of S equal strata of the total, the
-  strata in a random rotation (any prefix of the batch is a fair sample). With no complete window held, or should
-  every leaf underflow to zero, it returns window 0 with weight 0; checked
-  mode raises when no window is held.
+  strata in a random order (any prefix or block of rows is a fair sample).
+  With no complete window held, or should every leaf underflow to zero, it
+  returns window 0 with weight 0 and `mask` all False; checked mode raises
+  when no window is held.
 
   Returns:
     A `SequenceSample`: items `[S, L, ...]`, indices int32 `[S]` (window
@@ -109,7 +117,7 @@ def sample(state: PrioritizedSequenceReplayState, key: jax.Array,
                                         sequence_length=sequence_length)
   return SequenceSample(items=items, indices=window_ids, weights=weights,
                         item_ids=sequence.window_item_ids(state, window_ids),
-                        mask=mask)
+                        mask=mask & has_mass)
 
 
 def update_priorities(state: PrioritizedSequenceReplayState,
@@ -142,7 +150,9 @@ def update_priorities(state: PrioritizedSequenceReplayState,
           state.window_tree, jnp.where(valid, indices, 0),
           prioritized.capped_leaf_values(new_priorities, alpha,
                                          state.window_tree), valid),
-      max_priority=jnp.maximum(state.max_priority, jnp.max(new_priorities)),
+      # `initial`: an empty update leaves the maximum as it is.
+      max_priority=jnp.maximum(state.max_priority,
+                               jnp.max(new_priorities, initial=0.0)),
       beta_step=jnp.minimum(state.beta_step, _INT32_MAX - 1) + 1)
 
 
@@ -166,7 +176,10 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
 
   Args:
     num_envs, capacity, sequence_length, period, episodes: as for
-      `sequence_replay`.
+      `sequence_replay`, which also describes the stream: the step's `last`
+      leaf marks episode ends (the step holding an episode's final
+      observation, added as `add(..., final_steps=...)`; `terminated` sits
+      on the step whose action ended the episode).
     alpha, beta, eps, stratified: as for `prioritized_replay`; N in the
       importance weights is the number of windows that can be sampled.
     checked: as for `uniform_replay`.

@@ -272,8 +272,9 @@ def split_over_devices(num_devices: int, *, capacity: int, init: Callable, add: 
       at_rank=lambda local, ranks: ranks,
       rows=lambda local, slots: gather(local.storage, slots),
       item_ids=current_item_ids,
-      as_sample=lambda rows, indices, weights, item_ids: ReplaySample(
+      as_sample=lambda rows, indices, weights, item_ids, drawn: ReplaySample(
           items=rows, indices=indices, weights=weights, item_ids=item_ids),
+      check_update=None,
       beta=beta,
       stratified=stratified,
       uniform_when_massless=True)

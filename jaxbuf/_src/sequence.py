@@ -14,9 +14,11 @@ for env n and slot j. `item_ids` are the absolute step id of the first step,
 modulo 2**32, so a priority update for a window whose first step has since
 been overwritten is recognised as stale.
 
-Episodes. `add(..., episode_end=...)` flags the last step of an episode (bool
-`[N]` or `[N, T]`; with a dm_env-style stream, the step holding the final
-observation). With `episodes="cross"` (the default) windows may run across an
+Episodes. One flag marks the last step of an episode: the step's own bool
+`last` leaf when the step has one (a dm_env-style stream, where it flags the
+step holding the final observation; final observations are added with
+`add(..., final_steps=...)`), else `add(..., episode_end=...)` (bool `[N]`
+or `[N, T]`). With `episodes="cross"` (the default) windows may run across an
 episode end, and `SequenceSample.mask` `[S, L]` marks the steps that belong to
 the window's first episode. With `episodes="within"` a window with an episode
 end before its last step is never sampled (probability 0, prioritized too):
@@ -62,7 +64,8 @@ EPISODE_MODES = ("cross", "within")
 class SequenceSample(ReplaySample):
   """A batch of windows: a `ReplaySample` with a mask of each first episode."""
   mask: jax.Array  # bool [S, L]: True up to and including the first episode
-                   # end in the window (all True under episodes="within")
+                   # end in the window (all True under episodes="within");
+                   # all False when no window was held (weight 0)
 
 
 @flax.struct.dataclass
@@ -272,6 +275,57 @@ def _chunk_length(state: SequenceReplayState, steps: PyTree) -> int | None:
   return None if extra == 1 else batch_shape[1]
 
 
+def last_flags(steps: PyTree) -> Any:
+  """The steps' own `last` leaf (a top-level field or key named `last`), or
+  None when the step has none. Raises `TypeError` unless it is bool."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(steps)[0]:
+    key = path[0] if len(path) == 1 else None
+    if ((isinstance(key, jax.tree_util.GetAttrKey) and key.name == "last")
+        or (isinstance(key, jax.tree_util.DictKey) and key.key == "last")):
+      if validation.canonical_dtype(leaf) != jnp.bool_:
+        raise TypeError(
+            f"add: the step's `last` leaf marks episode ends and must be bool, "
+            f"given dtype {validation.canonical_dtype(leaf)}.")
+      return leaf
+  return None
+
+
+def add_stream(state: SequenceReplayState, steps: PyTree,
+               mask: jax.Array | None, episode_end: jax.Array | None,
+               final_steps: PyTree | None, **settings) -> SequenceReplayState:
+  """`add_steps` with episode ends read from the steps' `last` leaf, then
+  the final observations of the envs whose `final_steps` are `last`.
+
+  The step's `last` leaf, when it has one, is the only episode-end flag:
+  `episode_end` given as well is a `TypeError` (two flags could disagree),
+  and a final observation is written exactly where its own flag says so.
+  """
+  last = last_flags(steps)
+  if last is not None and episode_end is not None:
+    raise TypeError(
+        "add: the steps carry a `last` leaf, which marks episode ends; "
+        "episode_end is read from it, so do not pass episode_end too.")
+  state = add_steps(state, steps, mask,
+                    episode_end if last is None else jnp.asarray(last),
+                    **settings)
+  if final_steps is None:
+    return state
+  if last is None:
+    raise TypeError(
+        "add: final_steps need a `last` leaf in the step (a bool field named "
+        "`last`): it says which envs' episode ended, and only those write "
+        "their final observation.")
+  if _chunk_length(state, final_steps) is not None:
+    raise ValueError(
+        "add: final_steps hold one step per env, [N, ...]: the final "
+        "observation of each env whose episode ended after its last step in "
+        "`steps`; given a chunk [N, T, ...].")
+  ended = jnp.asarray(last_flags(final_steps))
+  if mask is not None:
+    ended &= jnp.asarray(mask)
+  return add_steps(state, final_steps, ended, ended, **settings)
+
+
 def add_steps(state: SequenceReplayState, steps: PyTree,
               mask: jax.Array | None, episode_end: jax.Array | None, *,
               sequence_length: int, period: int, within: bool,
@@ -479,7 +533,8 @@ def sample(state: SequenceReplayState, key: jax.Array, batch_size: int, *,
 
   Every sampleable window (env, start) is equally likely, whatever the envs'
   step counts. With no complete window held it returns window 0 (whatever
-  its slots hold) with weight 0; checked mode raises instead.
+  its slots hold) with weight 0 and `mask` all False, so a loss weighted
+  by either reads nothing; checked mode raises instead.
 
   Returns:
     A `SequenceSample`: items `[S, L, ...]`, indices int32 `[S]` (window
@@ -497,7 +552,21 @@ def sample(state: SequenceReplayState, key: jax.Array, batch_size: int, *,
   return SequenceSample(
       items=items, indices=window_ids,
       weights=jnp.full((batch_size,), total > 0, jnp.float32),
-      item_ids=window_item_ids(state, window_ids), mask=mask)
+      item_ids=window_item_ids(state, window_ids), mask=mask & (total > 0))
+
+
+def check_window_priorities(indices: Any, priorities: Any) -> None:
+  """Raises `ValueError` for per-step priorities `[S, L]`, naming the helper
+  that reduces them to the one priority per window `[S]` a buffer takes."""
+  index_shape, priority_shape = np.shape(indices), np.shape(priorities)
+  if (len(index_shape) == 1 and len(priority_shape) == 2
+      and priority_shape[0] == index_shape[0]):
+    raise ValueError(
+        f"update_priorities: priorities have shape {priority_shape}, one per "
+        f"step of each window; a sequence buffer takes one priority per "
+        f"window, shape {index_shape}. Reduce them first, e.g. "
+        f"jaxbuf.r2d2_priorities(td_errors, sample.mask) (R2D2's "
+        f"eta * max + (1 - eta) * mean of |TD error| over the valid steps).")
 
 
 def valid_priority_updates(state: SequenceReplayState, indices: jax.Array,
@@ -514,6 +583,7 @@ def valid_priority_updates(state: SequenceReplayState, indices: jax.Array,
   finite or are negative; a window that is no longer held is skipped in both
   modes (it is what a stale update is).
   """
+  check_window_priorities(indices, priorities)
   validation.check_priority_update_args(indices, priorities, item_ids)
   num_windows = num_envs_of(state) * steps_per_env(state)
   indices = jnp.asarray(validation.host_indices(indices))
@@ -547,6 +617,7 @@ def update_priorities(state: SequenceReplayState, indices: jax.Array,
   """
   validation.check_state_kind(
       state, SequenceReplayState, what="update_priorities", exact=True)
+  check_window_priorities(indices, priorities)
   if checked:
     valid_priority_updates(state, indices, priorities, item_ids,
                            sequence_length=sequence_length, period=period,
@@ -558,26 +629,52 @@ def update_priorities(state: SequenceReplayState, indices: jax.Array,
 
 def add(state: SequenceReplayState, steps: PyTree,
         mask: jax.Array | None = None, episode_end: jax.Array | None = None,
-        *, sequence_length: int, period: int,
-        within: bool) -> SequenceReplayState:
+        final_steps: PyTree | None = None, *, sequence_length: int,
+        period: int, within: bool) -> SequenceReplayState:
   """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`).
+
+  Episode ends have one flag. A step with a bool field (or dict key) named
+  `last` carries its own: `last` True marks a step that holds an episode's
+  final observation (the dm_env / RLDS stream of `jaxbuf.n_step_transitions`:
+  step i holds `obs[i]`, `action[i]`, the `reward[i]` that followed and
+  `terminated[i]`, True when that action ended the episode; an episode that
+  ended, terminated or truncated, gets one more step holding its final
+  observation, flagged `last`, whose action, reward and `terminated` are
+  padding). The buffer reads episode ends from that leaf, and `episode_end`
+  must not be given too. Steps without a `last` leaf mark ends with
+  `episode_end`.
+
+  The final observations of a vectorized env (gymnax's
+  `info["final_observation"]`) go in the same add, as `final_steps`; env n
+  writes its final step after its step exactly when the final step's own
+  `last` is True, so no mask can be forgotten:
+
+      state = buffer.add(state, Step(obs, action, reward, terminated,
+                                     last=no_env),
+                         final_steps=Step(info["final_observation"],
+                                          padding_action, 0.0, no_env,
+                                          last=terminated | truncated))
 
   Args:
     state: the buffer.
     steps: leaves `[N, *step_shape]` or `[N, T, *step_shape]`; T may exceed
       R (the newest R steps are kept). Shapes, dtypes and structure are
       checked while tracing; no value is cast.
-    mask: bool `[N]`, the envs that stepped (the others write nothing and
-      keep their counts); None for all.
+    mask: bool `[N]` (a list or NumPy array works too), the envs that
+      stepped (the others write nothing, final steps included, and keep
+      their counts); None for all.
     episode_end: bool `[N]` or `[N, T]`, True on the last step of an
-      episode; None for none.
+      episode, for steps without a `last` leaf; None for none.
+    final_steps: steps like `steps` with one step per env, `[N, ...]`, and a
+      `last` leaf: each env whose `last` is True writes its final step after
+      its steps; None for none.
     sequence_length, period, within: the buffer's settings.
   """
   validation.check_state_kind(
       state, SequenceReplayState, what="add", exact=True)
-  return add_steps(state, steps, mask, episode_end,
-                   sequence_length=sequence_length, period=period,
-                   within=within, new_leaf_value=jnp.float32(1.0))
+  return add_stream(state, steps, mask, episode_end, final_steps,
+                    sequence_length=sequence_length, period=period,
+                    within=within, new_leaf_value=jnp.float32(1.0))
 
 
 def can_sample(state: SequenceReplayState, batch_size: int) -> jax.Array:
@@ -616,12 +713,28 @@ def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
       multiples of `period`; 1 allows every start.
     episodes: "cross" (windows may span episode ends; `sample(...).mask`
       marks the first episode's steps) or "within" (never sampled across an
-      end). Episode ends are given to `add(..., episode_end=...)`.
+      end). Episode ends come from one flag: the step's own bool `last`
+      leaf when it has one, else `add(..., episode_end=...)`.
+
+  The stream for n-step and recurrent agents (`jaxbuf.n_step_transitions`):
+  step i holds `obs[i]`, the action taken there, the reward that followed
+  and `terminated[i]` (that action truly ended the episode); an episode that
+  ended (terminated or truncated) gets one more step holding its final
+  observation, flagged `last`, its other fields padding. Add it in the same
+  call as `final_steps`; each env writes its final step exactly where that
+  step's `last` is True:
+
+      state = buffer.add(state, Step(obs, action, reward, terminated,
+                                     last=no_env),
+                         final_steps=Step(final_obs, action, reward,
+                                          no_env, last=ended))
     checked: as for `uniform_replay`.
 
   Returns:
-    A `Buffer`; `add(state, steps, mask=None, episode_end=None)`,
-    `sample` returns a `SequenceSample` (a `ReplaySample` with `mask`).
+    A `Buffer`; `add(state, steps, mask=None, episode_end=None,
+    final_steps=None)` (see `jaxbuf.sequence.add`), `sample` returns a
+    `SequenceSample` (a `ReplaySample` with `mask`, all False when no
+    window was held).
 
   >>> import jax, jax.numpy as jnp, jaxbuf
   >>> buffer = jaxbuf.sequence_replay(num_envs=2, capacity=16,
@@ -718,8 +831,8 @@ def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
       init=functools.partial(init, num_envs=num_envs // num_devices,
                              capacity=capacity // num_devices),
       add=add,
-      add_arguments=lambda steps, mask=None, episode_end=None: (
-          steps, mask, episode_end),
+      add_arguments=lambda steps, mask=None, episode_end=None, \
+          final_steps=None: (steps, mask, episode_end, final_steps),
       check_add=functools.partial(_check_steps_to_split, init=init, add=add,
                                   num_envs=num_envs, capacity=capacity),
       sample=sample,
@@ -739,9 +852,11 @@ def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
                                 period=period),
       rows=functools.partial(gather_windows, sequence_length=sequence_length),
       item_ids=window_item_ids,
-      as_sample=lambda rows, indices, weights, item_ids: SequenceSample(
+      # Nothing drawn: mask all False, as the unsharded buffers give.
+      as_sample=lambda rows, indices, weights, item_ids, drawn: SequenceSample(
           items=rows[0], indices=indices, weights=weights, item_ids=item_ids,
-          mask=rows[1]),
+          mask=rows[1] & drawn),
+      check_update=check_window_priorities,
       beta=beta,
       stratified=stratified,
       uniform_when_massless=False)

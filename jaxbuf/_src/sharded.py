@@ -116,7 +116,7 @@ def _check_sharded_state(state: Any, kind: Split,
                          wrapped: kind_protocol.Kind, what: str,
                          num_devices: int) -> None:
   validation.check_state_kind(state, wrapped.state_type, what=what,
-                              exact=wrapped.exact_type)
+                              exact=wrapped.exact_type, stacked=True)
   expected = (num_devices, *kind.counter_shape)
   given = np.shape(kind.local_counter(state))
   if given != expected:
@@ -278,6 +278,7 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
     item_ids = jnp.where(own, kind.item_ids(local, ids), 0)
     global_ids = jax.lax.psum(item_ids, axis)
     weights = jnp.full((batch_size,), total_size > 0, jnp.float32)
+    drawn = total_size > 0
   else:
     tree = kind.masses(local)
     totals = _from_every_device(sum_tree.total(tree), axis)
@@ -287,11 +288,11 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
     uniforms = random.random_uniform(
         key, (1 + redraws + int(kind.stratified), batch_size))
     if kind.stratified:
-      # Strata in a random rotation, as `sum_tree.sample_leaves` draws them:
+      # Strata in a random order, as `sum_tree.sample_leaves` draws them:
       # in stratum order, device d's block of a sharded batch would always
       # come from the same part of the global total (mostly device d's own
       # items), a biased minibatch for each learner.
-      targets = sum_tree.rotated_strata_targets(uniforms[0], uniforms[-1, 0],
+      targets = sum_tree.rotated_strata_targets(uniforms[0], uniforms[-1],
                                                 total)
     else:
       targets = uniforms[0] * total
@@ -333,6 +334,7 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
           total_size.astype(jnp.float32) * (leaf_values / total))
       weights = jnp.exp(log_weights - jnp.max(log_weights))
     weights = jnp.where(has_mass, weights, massless_weight)
+    drawn = has_mass | (massless_weight > 0)
 
   indices = owner * ids_per_device + ids
   # `ids` is only meaningful at the owner; the owner is known everywhere.
@@ -343,7 +345,7 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
     start = device * block
     cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, block)
     indices, weights, global_ids = map(cut, (indices, weights, global_ids))
-  return kind.as_sample(rows, indices, weights, global_ids)
+  return kind.as_sample(rows, indices, weights, global_ids, drawn)
 
 
 def _local_sample(state: Any, key: jax.Array, batch_size: int, *,
@@ -412,6 +414,8 @@ def update_priorities(state: Any, indices: jax.Array, priorities: jax.Array,
   """
   num_devices = _num_devices(mesh, axis)
   _check_sharded_state(state, kind, wrapped, "update_priorities", num_devices)
+  if kind.check_update is not None:
+    kind.check_update(indices, priorities)
   indices = validation.host_indices(indices)
   validation.check_priority_update_args(indices, priorities, item_ids)
   if kind.update_priorities is None:
@@ -509,6 +513,18 @@ def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
     episode_end)` takes `[N, ...]` or `[N, T, ...]`, device d writing envs
     `[d N/D, (d+1) N/D)`; indices are the unsharded buffer's window ids
     `n * R + j`, device `g // (N / D * R)`. Sample sizes must divide by D.
+    `init` is jitted with the state's output shardings, so
+    `jax.eval_shape(buffer.init, example)` keeps the split: the
+    no-allocation `like` of `jaxbuf.load`.
+
+    Cutting minibatches from a sample: under Explicit axes JAX refuses to
+    slice rows across the split of a `batch="sharded"` sample
+    (`ShardingTypeError`). Reshard it whole first,
+    `jax.sharding.reshard(batch, NamedSharding(mesh, PartitionSpec()))`
+    (eagerly, or inside a jit), or sample with `batch="replicated"`.
+    The indices of a sharded sample number this buffer's global slots or
+    windows: pass them to this buffer's `update_priorities` (one buffer's
+    update refuses them with a `TypeError`).
 
   >>> import jax, jax.numpy as jnp, jaxbuf
   >>> mesh = jax.make_mesh((4,), ("data",))
@@ -577,7 +593,10 @@ def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
           settings=kind_protocol.settings_of(**dict(wrapped.settings),
                                              devices=num_devices),
           split=None),
-      checked=False)
+      checked=False,
+      # So that the abstract state of `jax.eval_shape(buffer.init, example)`
+      # (the `like` of a load that allocates nothing) carries the split too.
+      init_shardings=NamedSharding(mesh, _spec(axis)))
 
 
 def _with_add_signature(add_function: Callable, kind: Split) -> Callable:

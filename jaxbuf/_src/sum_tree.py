@@ -215,47 +215,48 @@ def sample_leaves(tree: SumTree, key: jax.Array, batch_size: int, *,
     key: a PRNG key.
     batch_size: S.
     stratified: one target in each of S equal strata of `[0, total)`,
-      the strata rotated by a random offset; otherwise S independent
-      targets.
+      the strata in a random order; otherwise S independent targets.
 
   Returns:
     int32 `[S]` leaf indices and float32 `[S]` their leaf values.
   """
   redraws = num_redraws(tree)
   # One call to the generator for the targets, every redraw and (stratified)
-  # the rotation; its first row is `random_uniform(key, (S,))`.
+  # the order of the strata; its first row is `random_uniform(key, (S,))`.
   uniforms = random.random_uniform(
       key, (1 + redraws + int(stratified), batch_size))
   total_mass = total(tree)
   if stratified:
-    targets = rotated_strata_targets(uniforms[0], uniforms[-1, 0], total_mass)
+    targets = rotated_strata_targets(uniforms[0], uniforms[-1], total_mass)
   else:
     targets = uniforms[0] * total_mass
   return find_prefix_sums_and_leaves(tree, targets, uniforms[1:1 + redraws])
 
 
-def rotated_strata_targets(uniforms: jax.Array, rotation: jax.Array,
+def rotated_strata_targets(uniforms: jax.Array, order_keys: jax.Array,
                            total_mass: jax.Array) -> jax.Array:
-  """One target in each of S equal strata of `[0, total_mass)`, rotated.
+  """One target in each of S equal strata of `[0, total_mass)`, in random order.
 
   In stratum order, position j of every batch would come from stratum j: a
-  prefix of the batch would hold only the low slots, and with few items the
-  batch would hardly depend on the key. Rotated by a uniform offset, each
-  position is a draw from the whole distribution, at the cost of one
-  remainder per target (a permutation would need a sort).
+  prefix of the batch would hold only the low slots. Rotated by an offset,
+  each position was a draw from the whole distribution, but neighbouring
+  rows still came from neighbouring strata: with 32 items and 256 draws,
+  rows came in strips of 8 of one item, so a minibatch cut from a sample
+  (or a device's block of a sharded one) was far less varied than it
+  looked. The strata are therefore put in a uniformly random order: one
+  sort of S keys.
 
   Args:
     uniforms: float32 `[S]` in `[0, 1)`, the position within each stratum.
-    rotation: float32 `()` in `[0, 1)`, the offset.
+    order_keys: float32 `[S]` in `[0, 1)`, independent of `uniforms`; their
+      sorting order is the order of the strata.
     total_mass: float32 `()`.
 
   Returns:
     float32 `[S]` targets.
   """
   batch_size = uniforms.shape[0]
-  offset = jnp.minimum((rotation * batch_size).astype(jnp.int32),
-                       batch_size - 1)
-  strata = (jnp.arange(batch_size, dtype=jnp.int32) + offset) % batch_size
+  strata = jnp.argsort(order_keys).astype(jnp.int32)
   return (strata.astype(jnp.float32) + uniforms) * (total_mass / batch_size)
 
 

@@ -17,12 +17,16 @@ the stream, k steps later. The stream follows the dm_env / RLDS convention:
 
 With gymnax's auto-reset (the observation returned after an episode end is
 the reset one, the final one is `info["final_observation"]`), a collect step
-is the ordinary add, then a masked add of the final observations of the envs
-that ended:
+is one add of every env's step, with the final observations of the envs that
+ended as `final_steps`:
 
-    state = buffer.add(state, Step(obs, action, reward, terminated, last=False))
-    state = buffer.add(state, Step(info["final_observation"], ..., last=True),
-                       mask=terminated | truncated)
+    state = buffer.add(
+        state, Step(obs, action, reward, terminated, last=no_env),
+        final_steps=Step(info["final_observation"], ...,
+                         last=terminated | truncated))
+
+The buffer reads episode ends from the same `last` leaf, and writes a final
+step exactly for the envs whose final step is `last`.
 
 A transition from step t then runs until the first of: n steps, a
 termination (the reward sum stops and the discount is 0), or a `last` step
@@ -106,14 +110,23 @@ def n_step_targets(rewards: jax.Array, terminated: jax.Array,
   `rewards_out = sum_{j<k} (prod_{m<j} gamma[t+m]) rewards[t+j]`,
   `discounts = prod_{j<k} gamma[t+j]` (0 if the episode terminated) and
   `next_index = t + k`. Padding at `last` steps (rewards, gamma) is never
-  read, so NaN there does not leak. See the module docstring for the stream
-  convention.
+  read, so NaN there does not leak.
+
+  The stream (dm_env / RLDS, as `jaxbuf.sequence_replay` stores it): step
+  i holds `obs[i]`, the action taken there, `rewards[i]`, the reward that
+  followed, and `terminated[i]`, True when that action truly ended the
+  episode (no bootstrap). An episode that ended, terminated or truncated by
+  a time limit, gets one more step holding its final observation, with
+  `last` True; its action, reward and `terminated` are padding, never read.
+  Give it to the buffer as `add(..., final_steps=...)`; the buffer reads
+  episode ends from the same `last` leaf.
 
   Args:
     rewards: `[S, L]` float, the reward after each step's action.
-    terminated: `[S, L]` bool (or 0/1 numbers).
+    terminated: `[S, L]` bool (or 0/1 numbers), on the step whose action
+      ended the episode (not on the final-observation step after it).
     last: `[S, L]` bool (or 0/1): the step holds an episode's final
-      observation.
+      observation (the extra step after the episode's last action).
     n: a positive Python int, with L >= n + 1.
     gamma: discount in [0, 1], a scalar or `[S, L]` per step (rlax's
       `discount_t`: gamma[t] discounts what follows step t).
@@ -185,9 +198,14 @@ def n_step_transitions(obs: PyTree, action: PyTree, rewards: jax.Array,
   """The n-step transition from the first step of each sampled window.
 
   `next_obs` is the window's observation `k <= n` steps after the first, read
-  from the stream (observations are stored once). With the stream convention
-  of the module docstring, a truncated episode bootstraps from its true final
-  observation and a terminated one has discount 0.
+  from the stream (observations are stored once): a truncated episode
+  bootstraps from its true final observation and a terminated one has
+  discount 0.
+
+  Where the flags go: `terminated` on the step whose action ended the
+  episode; `last` on the extra step after an ended episode (terminated or
+  truncated) that holds its final observation, added to the buffer as
+  `add(..., final_steps=...)` (details in `n_step_targets`).
 
   Args:
     obs: pytree of `[S, L, ...]` leaves (the window's observations).

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from jaxbuf._src.kind import BufferState
 from jaxbuf._src.pytypes import PyTree
 
 
@@ -67,6 +68,8 @@ def canonical_dtype(leaf: Any) -> np.dtype:
   """The dtype `jnp.asarray(leaf)` would have, without converting it."""
   if isinstance(leaf, jax.Array):  # JAX arrays and tracers: canonical already
     return leaf.dtype
+  if isinstance(leaf, (list, tuple)):  # jnp.result_type reads no lists
+    leaf = np.asarray(leaf)
   return jax.dtypes.canonicalize_dtype(jnp.result_type(leaf))
 
 
@@ -255,6 +258,34 @@ def check_not_donated(state: Any, *, what: str) -> None:
           f"`state = buffer.add(state, items)`.")
 
 
+def check_on_the_states_devices(state: Any, arguments: tuple, *,
+                                what: str) -> None:
+  """Raises `TypeError` when an argument spans more devices than the state.
+
+  Indices from a `jaxbuf.sharded` buffer's sample, given to one buffer's
+  update, are ids in another numbering; JAX would raise about mesh axes
+  (Explicit) or the update would skip or misplace them silently (Auto).
+  Concrete arrays only: inside a jit the placement is the caller's.
+  """
+  leaves = jax.tree_util.tree_leaves(state)
+  if not leaves or not _concrete(leaves[0]):
+    return
+  state_devices = len(leaves[0].sharding.device_set)
+  for argument in arguments:
+    if _concrete(argument) and len(argument.sharding.device_set) > state_devices:
+      raise TypeError(
+          f"{what}: an argument is spread over "
+          f"{len(argument.sharding.device_set)} devices (a jaxbuf.sharded "
+          f"buffer's sample?), but the state is on {state_devices}: pass a "
+          f"sharded buffer's sample to that buffer's {what}, whose ids number "
+          f"its global buffer.")
+
+
+def _concrete(value: Any) -> bool:
+  return isinstance(value, jax.Array) and not isinstance(value,
+                                                         jax.core.Tracer)
+
+
 def check_positive_int(value: Any, name: str, *, prefix: str = "",
                        reason: str = "") -> None:
   """`check_python_int`, then `ValueError` unless `value > 0`."""
@@ -363,14 +394,26 @@ def host_indices(indices: Any) -> Any:
 
 
 def check_state_kind(state: Any, expected: type, *, what: str,
-                     exact: bool = False) -> None:
+                     exact: bool = False, stacked: bool = False) -> None:
   """Raises `TypeError` naming both kinds when `state` is another buffer's.
 
   `exact` refuses subclasses too: a prioritized state is a `ReplayState`
   with priorities, and uniform `add` would fill its slots without them.
+  Unless `stacked`, a stack of states (`jaxbuf.sharded`'s, one per device,
+  or many buffers' under `jax.vmap`) is refused too: JAX's own errors for
+  it speak of loop conditions and shardings.
   """
   kind = type(state)
   if kind is expected or (not exact and isinstance(state, expected)):
+    stack = (state.buffer_dims().get("vmapped buffers")
+             if isinstance(state, BufferState) and not stacked else None)
+    if stack:
+      raise TypeError(
+          f"{what}: given a stack of {stack[0] if len(stack) == 1 else stack} "
+          f"states (every leaf has leading axes {tuple(stack)}): a "
+          f"jaxbuf.sharded buffer's state (one per device) or many buffers' "
+          f"states made under jax.vmap. Pass it to the functions of the buffer "
+          f"that made it (the sharded buffer's), or jax.vmap these.")
     return
   raise TypeError(f"{what}: expected a {expected.__name__}, given a "
                   f"{kind.__name__}; pass each buffer's state to its own "
