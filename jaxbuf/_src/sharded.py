@@ -653,10 +653,14 @@ def clear(state: Any, *, kind: _Kind, mesh: jax.sharding.Mesh,
 
 
 def _bound_settings(function: Callable) -> dict[str, Any]:
-  """The settings a buffer's function was bound with, from its signature."""
+  """The settings a buffer's function was bound with, from its signature.
+
+  `step` is not one: every bound `sample` takes it per call (`base.bind`).
+  """
   return {name: parameter.default
           for name, parameter in inspect.signature(function).parameters.items()
-          if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
+          if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+          and name != "step"}
 
 
 def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
@@ -758,4 +762,6 @@ def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
       can_sample=functools.partial(can_sample, kind=kind, sampling=sampling,
                                    num_devices=num_devices),
       clear=functools.partial(clear, **where),
-      checked=False)
+      checked=False,
+      # Items are placed over the devices by the sharded add itself.
+      pack_host_items=False)
