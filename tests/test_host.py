@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import jaxbuf
+from examples import gymnasium_dqn
 
 pytestmark = pytest.mark.usefixtures("x64_mode")
 
@@ -221,3 +222,45 @@ def test_import_jaxbuf_does_not_import_gymnasium():
   result = subprocess.run([sys.executable, "-c", code], capture_output=True,
                           text=True, check=True)
   assert result.stdout.strip() == "False"
+
+
+# --- examples/gymnasium_dqn.py -----------------------------------------------
+
+
+def test_host_transition_keeps_the_final_observation():
+  """CartPole's Euler step: x' = x + 0.02 x_dot for every true successor, the
+  final observation of an ended episode included, never the reset one."""
+  envs = gymnasium_dqn.make_envs(gymnasium_dqn.Config())
+  obs, _ = envs.reset(seed=0)
+  ended = 0
+  for _ in range(60):
+    actions = envs.action_space.sample()
+    next_obs, rewards, terminated, truncated, info = envs.step(actions)
+    transition = gymnasium_dqn.host_transition(obs, actions, rewards,
+                                               next_obs, terminated, info)
+    np.testing.assert_allclose(transition.next_obs[:, 0],
+                               obs[:, 0] + 0.02 * obs[:, 1], atol=1e-6)
+    assert transition.reward.dtype == np.float32
+    ended += int((terminated | truncated).sum())
+    obs = next_obs
+  envs.close()
+  assert ended > 0
+
+
+@pytest.mark.parametrize("mode", [[], ["--natural"],
+                                  ["--natural", "--replay", "prioritized"]],
+                         ids=["recipe", "natural", "natural-prioritized"])
+def test_gymnasium_dqn_runs(mode, capsys):
+  gymnasium_dqn.main(["--total-steps", "240", "--learning-starts", "40",
+                      "--buffer-size", "64", "--batch-size", "8",
+                      "--hidden-size", "8", "--target-update-interval", "16",
+                      "--no-progress", *mode])
+  last_line = capsys.readouterr().out.strip().splitlines()[-1]
+  assert last_line.startswith("final mean return: ")
+  assert float(last_line.split(": ")[1]) > 0
+
+
+@pytest.mark.slow
+def test_gymnasium_dqn_recipe_learns_cartpole():
+  result = gymnasium_dqn.train(gymnasium_dqn.Config(progress=False))
+  assert result["final_mean_return"] >= 400
