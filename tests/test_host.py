@@ -131,11 +131,12 @@ def test_sample_step_folds_the_step_into_the_key(kind):
   buffer = BUFFERS[kind]()
   state = buffer.add(buffer.init(np.float32(0)),
                      np.arange(16, dtype=np.float32))
+  for key in (jax.random.key(1), jax.random.PRNGKey(1)):
+    for step in (0, 7, 2**31 - 1, jnp.int32(-3), np.uint32(2**32 - 1)):
+      got = buffer.sample(state, key, 32, step=step)
+      want = buffer.sample(state, jax.random.fold_in(key, step), 32)
+      np.testing.assert_array_equal(got.indices, want.indices)
   key = jax.random.key(1)
-  for step in (0, 7, 2**31 - 1):
-    got = buffer.sample(state, key, 32, step=step)
-    want = buffer.sample(state, jax.random.fold_in(key, step), 32)
-    np.testing.assert_array_equal(got.indices, want.indices)
   assert not np.array_equal(buffer.sample(state, key, 32, step=1).indices,
                             buffer.sample(state, key, 32, step=2).indices)
 

@@ -241,13 +241,14 @@ def _sampled_at_step(sample: Callable) -> Callable:
   runs inside the sample's own jit. The key stays an argument.
   """
   # Imported here: validation imports this module for `PyTree`.
-  from jaxbuf._src import validation  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from jaxbuf._src import random, validation
 
   def sample_at_step(state, key, batch_size, *args, step=None, **kwargs):
     if step is not None:
       validation.check_key(key, what="sample")
       validation.check_step(step, what="sample")
-      key = jax.random.fold_in(key, step)
+      key = random.fold_in(key, step)
     return sample(state, key, batch_size, *args, **kwargs)
 
   functools.update_wrapper(sample_at_step, sample)
