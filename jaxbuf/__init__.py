@@ -40,6 +40,7 @@ from jaxbuf._src.sequence import SequenceReplayState
 from jaxbuf._src.sequence import SequenceSample
 from jaxbuf._src.sequence import sequence_replay
 from jaxbuf._src.sharded import sharded
+from jaxbuf._src.spaces import example_from_space
 from jaxbuf._src.transitions import NStepTargets
 from jaxbuf._src.transitions import NStepTransitions
 from jaxbuf._src.transitions import burn_in_split
@@ -72,6 +73,7 @@ __all__ = (
     "cond_update",
     "env_minibatches",
     "epoch_batches",
+    "example_from_space",
     "lambda_returns",
     "load",
     "n_step_returns",

@@ -646,7 +646,8 @@ def test_help_shows_each_functions_own_docstring_and_signature(kind, checked):
   # sample would trace it; checked=True there would stage checks jit cannot
   # run) is a TypeError naming it; what the caller passes stays.
   parameters = inspect.signature(buffer.sample).parameters
-  assert list(parameters) == ["state", "key", "batch_size"]
+  # `step` is the caller's too: a loop counter folded into the key.
+  assert list(parameters) == ["state", "key", "batch_size", "step"]
   with pytest.raises(TypeError, match="checked is a setting of the buffer"):
     buffer.sample(buffer.init(example_item()), jax.random.key(0), 4,
                   checked=not checked)

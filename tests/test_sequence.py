@@ -874,7 +874,7 @@ def test_an_empty_update_of_window_priorities_changes_only_beta_step(checked):
 def test_sample_signatures_show_only_what_a_caller_passes():
   for buffer in (SEQUENCE, PRIORITIZED):
     assert list(inspect.signature(buffer.sample).parameters) == [
-        "state", "key", "batch_size"]
+        "state", "key", "batch_size", "step"]
     assert list(inspect.signature(buffer.add).parameters) == [
         "state", "steps", "mask", "episode_end", "final_steps"]
     assert "sequence_length" not in str(inspect.signature(

@@ -102,6 +102,25 @@ def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return x0 ^ x1
 
 
+def fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
+  """`jax.random.fold_in(key, data)`, the same key, hashed unrolled.
+
+  `data` is an integer scalar, read as uint32 as `jax.random.fold_in` reads
+  it. On CPU JAX's fold-in is the looped Threefry (see the module notes):
+  measured in a Python loop it tripled a sample's cost (50 to 190 us a call
+  on a loaded 2-core machine).
+  """
+  key_words = _threefry_key_words(key)
+  if key_words is None:
+    return jax.random.fold_in(key, data)
+  # JAX hashes the counter pair (high, low) of `data`: (0, data) for 32 bits.
+  low = jnp.asarray(data).astype(jnp.uint32)
+  new_words = jnp.stack(threefry_2x32(key_words, (jnp.zeros_like(low), low)))
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(new_words, impl=jax.random.key_impl(key))
+  return new_words
+
+
 def random_uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """`jax.random.uniform(key, shape, jnp.float32)`: float32 `shape` in `[0, 1)`."""
   bits = random_bits(key, shape)

@@ -594,6 +594,8 @@ def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
                                              devices=num_devices),
           split=None),
       checked=False,
+      # Items are placed over the devices by the sharded add itself.
+      pack_host_items=False,
       # So that the abstract state of `jax.eval_shape(buffer.init, example)`
       # (the `like` of a load that allocates nothing) carries the split too.
       init_shardings=NamedSharding(mesh, _spec(axis)))

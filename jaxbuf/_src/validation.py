@@ -214,6 +214,14 @@ def check_key(key: Any, *, what: str) -> None:
                   f"jax.random.PRNGKey(...), given {given}.")
 
 
+def check_step(step: Any, *, what: str) -> None:
+  """Raises `TypeError` unless `step` is an integer scalar (not a bool)."""
+  if (isinstance(step, bool) or np.shape(step) != ()
+      or not jnp.issubdtype(_given_dtype(step), jnp.integer)):
+    raise TypeError(f"{what}: step must be an integer scalar (a Python int, "
+                    f"say the loop counter), given {describe(step)}.")
+
+
 def describe(value: Any) -> str:
   """What `value` is, in a few words and without its repr (a tracer's repr
   is long and names JAX internals)."""

@@ -1,0 +1,345 @@
+"""DQN on a gymnasium vector env stepped from a Python loop, CleanRL-style.
+
+Shape key: N envs, S sample size, A actions.
+
+Most environments (MuJoCo, Atari, anything written in NumPy) step on the
+host. This script trains a DQN on `gymnasium`'s CartPole-v1 (N = 4 envs,
+CleanRL's network and hyperparameters) in two ways:
+
+* The recipe (default): ONE jitted call per vectorized env step, with the
+  loop state donated. It takes the host batch of N transitions (NumPy) and
+  the new observations, and does `buffer.add`, the learner update when due
+  (`buffer.sample`, the TD loss, optax, `buffer.update_priorities`, gated by
+  `jaxbuf.cond_update`) and the next epsilon-greedy actions. The PRNG key
+  lives in the loop state and is split inside the call, so Python never
+  calls `jax.random` per step, and the only host sync is reading the
+  actions back for `envs.step`.
+* `--natural`: the loop a new user writes. `buffer.add` from NumPy,
+  `buffer.sample(state, key, S, step=iteration)` (one key and the loop
+  counter, folded inside the call: no `jax.random.split` from Python),
+  a jitted learner, `buffer.update_priorities`.
+
+  python examples/gymnasium_dqn.py                  # the recipe, 5e5 env steps
+  python examples/gymnasium_dqn.py --natural        # plain calls
+  python examples/gymnasium_dqn.py --replay prioritized
+
+Autoreset: the vector env resets an ended episode within the same step
+(`AutoresetMode.SAME_STEP`); the observation it returns is the new
+episode's, and the true final observation is `info["final_obs"]`, which the
+stored transition keeps as `next_obs`. Only `terminated` stops the
+bootstrap: CartPole-v1's 500-step time limit is bootstrapped.
+
+The TD target is CleanRL's (the target network's max) with a squared error,
+gradients clipped at norm 10; the network is examples/dqn.py's (120, 84).
+"""
+
+import dataclasses
+import functools
+import pathlib
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+import flax.struct
+import gymnasium as gym
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+
+import jaxbuf
+
+if __package__ in (None, ""):
+  # Run as `python examples/gymnasium_dqn.py`: import `examples` from the
+  # checkout, as the tests and benchmarks do.
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from examples import common  # noqa: E402
+from examples.dqn import QNetwork  # noqa: E402
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Hyperparameters (CleanRL's dqn.py); each field is also a flag."""
+  env_id: str = "CartPole-v1"
+  total_steps: int = 500_000         # env steps, all envs together
+  num_envs: int = 4                  # N
+  seed: int = 0
+  natural: bool = False              # plain add / sample / learner calls
+  replay: str = "uniform"            # "uniform" or "prioritized"
+  buffer_size: int = 10_000
+  batch_size: int = 128
+  learning_starts: int = 10_000      # env steps of pure collection first
+  train_frequency: int = 8           # env steps per learner update
+  learning_rate: float = 2.5e-4
+  gamma: float = 0.99
+  target_update_interval: int = 500  # env steps between target network copies
+  epsilon_start: float = 1.0
+  epsilon_end: float = 0.05
+  epsilon_fraction: float = 0.5      # of total_steps spent annealing epsilon
+  max_grad_norm: float = 10.0
+  hidden_size: int = 120
+  progress: bool = True              # the tqdm bar
+
+
+class Transition(NamedTuple):
+  """One replay item; `next_obs` is the observation before any autoreset."""
+  obs: Any          # [*obs_shape], the observation space's dtype
+  action: Any       # (), the action space's dtype (int64 for Discrete)
+  reward: Any       # (), float32
+  next_obs: Any     # [*obs_shape]
+  terminated: Any   # (), bool: true end of episode, no bootstrap
+
+
+@flax.struct.dataclass
+class LoopState:
+  """What the recipe's jitted step carries from one env step to the next."""
+  params: PyTree
+  target_params: PyTree
+  opt_state: PyTree
+  buffer_state: Any
+  iteration: jax.Array  # shape=(), int32: vectorized env steps taken
+  key: jax.Array        # shape=(), a typed PRNG key, split inside the step
+
+
+class Agent(NamedTuple):
+  """The pure parts both loops share, settings bound."""
+  buffer: jaxbuf.Buffer
+  network: QNetwork
+  optimizer: optax.GradientTransformation
+  example: Transition                   # one unbatched item, NumPy
+  td_loss: Callable                     # params, target, sample -> loss, td
+  act: Callable                         # params, obs [N, ...], key, iteration
+  iterations: int                       # vectorized env steps
+  learning_starts: int                  # iterations
+  train_period: int                     # iterations between updates
+  target_period: int                    # iterations between target copies
+
+
+def make_envs(config: Config) -> gym.vector.VectorEnv:
+  """N synchronous envs that reset an ended episode in the same step."""
+  return gym.make_vec(
+      config.env_id, num_envs=config.num_envs, vectorization_mode="sync",
+      vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+
+
+def make_agent(config: Config, envs: gym.vector.VectorEnv,
+               buffer: jaxbuf.Buffer | None = None) -> Agent:
+  """The buffer (unless given), network, optimizer, loss and policy."""
+  iterations = config.total_steps // config.num_envs
+  if buffer is None and config.replay == "uniform":
+    buffer = jaxbuf.uniform_replay(config.buffer_size)
+  elif buffer is None and config.replay == "prioritized":
+    buffer = jaxbuf.prioritized_replay(config.buffer_size)
+  elif buffer is None:
+    raise ValueError(f"--replay must be uniform or prioritized, given "
+                     f"{config.replay!r}.")
+  network = QNetwork(int(envs.single_action_space.n), config.hidden_size)
+  epsilon = optax.linear_schedule(
+      config.epsilon_start, config.epsilon_end,
+      transition_steps=max(int(config.epsilon_fraction * iterations), 1))
+  observation = jaxbuf.example_from_space(envs.single_observation_space)
+  example = Transition(
+      obs=observation,
+      action=jaxbuf.example_from_space(envs.single_action_space),
+      reward=np.float32(0), next_obs=observation,
+      terminated=np.bool_(False))
+
+  def td_loss(params, target_params, sample: jaxbuf.ReplaySample):
+    batch = sample.items
+    q_values = network.apply(params, batch.obs)                   # [S, A]
+    q_taken = jnp.take_along_axis(
+        q_values, batch.action[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    next_q = network.apply(target_params, batch.next_obs).max(axis=-1)
+    bootstrap = config.gamma * (1.0 - batch.terminated.astype(jnp.float32))
+    target = jax.lax.stop_gradient(batch.reward + bootstrap * next_q)
+    td_error = q_taken - target
+    return jnp.mean(sample.weights * 0.5 * td_error ** 2), td_error
+
+  def act(params, obs, key, iteration):
+    explore_key, action_key = jax.random.split(key)
+    return common.epsilon_greedy(explore_key, action_key,
+                                 network.apply(params, obs),
+                                 epsilon(iteration))
+
+  return Agent(
+      buffer=buffer, network=network,
+      optimizer=optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
+                            optax.adam(config.learning_rate)),
+      example=example, td_loss=td_loss, act=act, iterations=iterations,
+      learning_starts=config.learning_starts // config.num_envs,
+      train_period=max(config.train_frequency // config.num_envs, 1),
+      target_period=max(config.target_update_interval // config.num_envs, 1))
+
+
+def host_transition(obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray,
+                    next_obs: np.ndarray, terminated: np.ndarray,
+                    info: dict) -> Transition:
+  """The N transitions of one env step, NumPy, final observations restored."""
+  if "_final_obs" in info:
+    next_obs = next_obs.copy()
+    for env in np.flatnonzero(info["_final_obs"]):
+      next_obs[env] = info["final_obs"][env]
+  return Transition(obs=obs, action=actions,
+                    reward=rewards.astype(np.float32), next_obs=next_obs,
+                    terminated=terminated)
+
+
+def make_recipe_step(config: Config, agent: Agent) -> tuple[Callable, Callable]:
+  """`start(key, obs) -> (state, actions)` and the donated, jitted
+  `step(state, transition, obs) -> (state, actions [N])`."""
+  learn = common.td_learner(agent.buffer, agent.optimizer, agent.td_loss,
+                            config.batch_size)
+
+  def start(key, obs):
+    key, network_key, act_key = jax.random.split(key, 3)
+    params = agent.network.init(network_key, obs[0])
+    state = LoopState(
+        params=params, target_params=params,
+        opt_state=agent.optimizer.init(params),
+        buffer_state=agent.buffer.init(agent.example),
+        iteration=jnp.zeros((), jnp.int32), key=key)
+    return state, agent.act(params, obs, act_key, state.iteration)
+
+  def step(state: LoopState, transition: Transition, obs):
+    key, learn_key, act_key = jax.random.split(state.key, 3)
+    state = state.replace(
+        buffer_state=agent.buffer.add(state.buffer_state, transition),
+        iteration=state.iteration + 1, key=key)
+    should_learn = (
+        agent.buffer.can_sample(state.buffer_state, config.batch_size)
+        & (state.iteration >= agent.learning_starts)
+        & (state.iteration % agent.train_period == 0))
+    state, _ = common.learn_when(should_learn, learn, state, learn_key,
+                                 target_period=agent.target_period)
+    return state, agent.act(state.params, obs, act_key, state.iteration)
+
+  return jax.jit(start), jax.jit(step, donate_argnums=0)
+
+
+class EpisodeReturns:
+  """Returns of the episodes that ended, tallied on the host."""
+
+  def __init__(self, num_envs: int):
+    self.running = np.zeros(num_envs)
+    self.ended: list[tuple[int, float]] = []   # (env step, return)
+
+  def record(self, env_step: int, rewards: np.ndarray,
+             ended: np.ndarray) -> None:
+    self.running += rewards
+    self.ended += [(env_step, r) for r in self.running[ended]]
+    self.running[ended] = 0.0
+
+  def mean_since(self, env_step: int) -> float:
+    recent = [r for step, r in self.ended if step >= env_step]
+    return float(np.mean(recent)) if recent else float("nan")
+
+
+def train(config: Config, *, buffer: jaxbuf.Buffer | None = None
+          ) -> dict[str, Any]:
+  """Trains one agent; returns "final_mean_return" (episodes ended in the
+  last 10% of env steps), "steps_per_second" (compilation included),
+  "env_steps" and "episode_returns" [(env step, return)]."""
+  envs = make_envs(config)
+  agent = make_agent(config, envs, buffer)
+  returns = EpisodeReturns(config.num_envs)
+  obs, _ = envs.reset(seed=config.seed)
+  key = jax.random.key(config.seed)
+  action_dtype = envs.single_action_space.dtype
+  progress = tqdm.tqdm(total=agent.iterations * config.num_envs,
+                       unit=" env steps", unit_scale=True,
+                       disable=not config.progress,
+                       desc="DQN " + ("natural" if config.natural else "recipe"))
+  loop = (natural_loop if config.natural else recipe_loop)(config, agent, key,
+                                                             obs)
+  actions = next(loop)
+  start = time.perf_counter()
+  for iteration in range(agent.iterations):
+    actions = np.asarray(actions).astype(action_dtype)
+    next_obs, rewards, terminated, truncated, info = envs.step(actions)
+    returns.record(iteration * config.num_envs, rewards,
+                   terminated | truncated)
+    actions = loop.send((
+        host_transition(obs, actions, rewards, next_obs, terminated, info),
+        next_obs))
+    obs = next_obs
+    if iteration % 500 == 499:
+      recent = returns.mean_since((iteration - 5000) * config.num_envs)
+      progress.update(500 * config.num_envs)
+      progress.set_postfix(mean_return=f"{recent:.1f}")
+  np.asarray(actions)
+  seconds = time.perf_counter() - start
+  progress.close()
+  envs.close()
+  env_steps = agent.iterations * config.num_envs
+  return dict(final_mean_return=returns.mean_since(int(env_steps * 0.9)),
+              steps_per_second=env_steps / seconds, env_steps=env_steps,
+              episode_returns=returns.ended)
+
+
+def recipe_loop(config: Config, agent: Agent, key: jax.Array,
+                obs: np.ndarray):
+  """A generator of actions [N]: the first for `obs`, then one for each
+  `(transition, obs)` sent, the new observations after the transitions."""
+  start, step = make_recipe_step(config, agent)
+  state, actions = start(key, obs)
+  while True:
+    transition, obs = yield actions
+    state, actions = step(state, transition, obs)
+
+
+def natural_loop(config: Config, agent: Agent, key: jax.Array,
+                 obs: np.ndarray):
+  """As `recipe_loop`, with the plain calls: one jitted call per function.
+
+  One key for acting and one for sampling serve every step: the step is
+  folded into them inside the calls.
+  """
+  buffer = agent.buffer
+
+  @jax.jit
+  def act(params, obs, key, iteration):
+    return agent.act(params, obs, jax.random.fold_in(key, iteration),
+                     iteration)
+
+  @jax.jit
+  def learn(params, target_params, opt_state, sample):
+    (_, td_errors), grads = jax.value_and_grad(agent.td_loss, has_aux=True)(
+        params, target_params, sample)
+    updates, opt_state = agent.optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jnp.abs(td_errors)
+
+  network_key, act_key, sample_key = jax.random.split(key, 3)
+  params = target_params = agent.network.init(network_key, obs[0])
+  opt_state = agent.optimizer.init(params)
+  buffer_state = buffer.init(agent.example)
+  iteration = 0
+  while True:
+    transition, obs = yield act(params, obs, act_key, iteration)
+    buffer_state = buffer.add(buffer_state, transition)
+    iteration += 1
+    if (iteration >= agent.learning_starts
+        and iteration % agent.train_period == 0):
+      sample = buffer.sample(buffer_state, sample_key, config.batch_size,
+                             step=iteration)
+      params, opt_state, priorities = learn(params, target_params, opt_state,
+                                            sample)
+      buffer_state = buffer.update_priorities(
+          buffer_state, sample.indices, priorities, sample.item_ids)
+    if iteration % agent.target_period == 0:
+      target_params = params
+
+
+def main(argv: list[str] | None = None) -> None:
+  config, _ = common.parse_config(Config, __doc__.split("\n")[0], argv)
+  result = train(config)
+  print(f"env steps per second: {result['steps_per_second']:,.0f} "
+        f"({config.num_envs} envs, {result['env_steps']:,} env steps, "
+        f"compilation included)")
+  print(f"final mean return: {result['final_mean_return']:.1f}")
+
+
+if __name__ == "__main__":
+  main()
