@@ -336,21 +336,19 @@ class _RowReader:
     self._rows = None
     self._offset = 0
 
-  def take(self, count: int, spec: Any) -> list[np.ndarray]:
-    """The next `count` rows as fresh arrays `[count, ...]`, `spec`'s leaves."""
-    leaves = [np.empty((count, *leaf.shape), leaf.dtype)
-              for leaf in jax.tree.leaves(spec)]
+  def take(self, out: list[np.ndarray]) -> None:
+    """Fills `out` (arrays `[count, ...]`, one per leaf) with the next rows."""
+    count = out[0].shape[0]
     filled = 0
     while filled < count:
       if self._rows is None or self._offset == len(self._rows[0]):
         self._rows = jax.tree.leaves(_rows(next(self._episodes), self._layout))
         self._offset = 0
       moved = min(count - filled, len(self._rows[0]) - self._offset)
-      for out, rows in zip(leaves, self._rows):
-        out[filled:filled + moved] = rows[self._offset:self._offset + moved]
+      for leaf, rows in zip(out, self._rows):
+        leaf[filled:filled + moved] = rows[self._offset:self._offset + moved]
       filled += moved
       self._offset += moved
-    return leaves
 
 
 def _parts(count: int, largest: int) -> list[int]:
@@ -409,6 +407,12 @@ def _progress_bar(total: int, enabled: bool, description: str) -> Any:
   return tqdm.tqdm(total=total, desc=description, unit="step")
 
 
+def _added(state: Any) -> Any:
+  """`state` once its add has run: without the wait, asynchronous dispatch
+  lets the reader queue chunk after chunk, each held until its add runs."""
+  return jax.block_until_ready(state)
+
+
 def _deleted(state: Any) -> None:
   """Deletes a half-filled state's arrays, so it cannot pass for loaded."""
   for leaf in jax.tree.leaves(state):
@@ -461,10 +465,14 @@ def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
   bar = _progress_bar(total, progress, what)
   try:
     if layout == "items":
+      # One chunk, refilled: each add has run before the next fill (`_added`).
+      chunk = [np.empty((min(chunk_size, total), *leaf.shape), leaf.dtype)
+               for leaf in jax.tree.leaves(spec)]
       for count in _parts(total, chunk_size):
-        rows = readers[0].take(count, spec)
-        state = buffer.add(state, jax.tree.unflatten(
-            jax.tree.structure(spec), rows))
+        rows = [leaf[:count] for leaf in chunk]
+        readers[0].take(rows)
+        state = _added(buffer.add(state, jax.tree.unflatten(
+            jax.tree.structure(spec), rows)))
         if bar is not None:
           bar.update(count)
     else:
@@ -488,6 +496,10 @@ def _add_streams(buffer: Buffer, state: Any, readers: list[_RowReader],
   treedef = jax.tree.structure(spec)
   parts = [_parts(sum(lengths[i] + 1 for i in group), per_chunk)
            for group in groups]
+  # One chunk, refilled (see load_episodes); rows of envs masked out are
+  # never written to the buffer.
+  chunk = [np.zeros((num_envs, per_chunk, *leaf.shape), leaf.dtype)
+           for leaf in jax.tree.leaves(spec)]
   position = 0
   while any(position < len(env_parts) for env_parts in parts):
     # Envs whose part at this position has the same size add together.
@@ -496,14 +508,12 @@ def _add_streams(buffer: Buffer, state: Any, readers: list[_RowReader],
     for size in sizes:
       envs = [n for n in range(num_envs)
               if position < len(parts[n]) and parts[n][position] == size]
-      leaves = [np.zeros((num_envs, size, *leaf.shape), leaf.dtype)
-                for leaf in jax.tree.leaves(spec)]
+      leaves = [leaf[:, :size] for leaf in chunk]
       for env in envs:
-        for out, rows in zip(leaves, readers[env].take(size, spec)):
-          out[env] = rows
+        readers[env].take([leaf[env] for leaf in leaves])
       steps = jax.tree.unflatten(treedef, leaves)
       mask = np.isin(np.arange(num_envs), envs)
-      state = buffer.add(state, steps, mask, steps.last)
+      state = _added(buffer.add(state, steps, mask, steps.last))
       if bar is not None:
         bar.update(size * len(envs))
     position += 1
