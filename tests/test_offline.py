@@ -251,7 +251,7 @@ def test_minari_round_trip_is_bit_exact(datasets, name, kind, tmp_path):
 def test_terminations_and_truncations_are_kept_apart(datasets):
   episodes = _episodes(datasets["cartpole"])
   assert any(e.terminations[-1] for e in episodes)
-  assert any(e.truncations[-1] for e in episodes)
+  assert any(e.truncations[-1] and not e.terminations[-1] for e in episodes)
   buffer = STREAM_KINDS["sequence"](1, CAPACITY)
   state = _load(datasets["cartpole"], buffer, chunk_size=64)
   steps = jax.tree.map(np.asarray, state.storage)
@@ -266,7 +266,8 @@ def test_terminations_and_truncations_are_kept_apart(datasets):
   # An n-step target bootstraps from a truncated episode's final observation
   # and not from a terminated one's.
   truncated_end = next(last for episode, last in zip(episodes, lasts)
-                       if episode.truncations[-1])
+                       if episode.truncations[-1]
+                       and not episode.terminations[-1])
   window = slice(truncated_end - 2, truncated_end + 1)
   targets = jaxbuf.n_step_targets(
       steps.reward[None, 0, window].astype(np.float32),
@@ -499,3 +500,25 @@ def test_rounding_floats_is_opt_in(datasets):
                              round_floats=True)
   assert np.asarray(state.storage.reward)[:2].tolist() == (
       rewards.astype(np.float32).tolist())
+
+
+def test_writing_refuses_an_existing_id_and_leaves_nothing_half_written(
+    datasets):
+  dataset = datasets["cartpole"]
+  buffer = ITEM_KINDS["uniform"](CAPACITY)
+  state = _load(dataset, buffer, chunk_size=64)
+  with pytest.raises(FileExistsError, match="exists already"):
+    jaxbuf.to_minari(dataset.id, buffer, state,
+                     observation_space=dataset.observation_space,
+                     action_space=dataset.action_space)
+  assert minari.load_dataset(dataset.id).total_steps == dataset.total_steps
+  # Actions beyond the space's dtype (int8) fail at the first episode.
+  dataset_id = f"test/bad/write{64 if jax.config.jax_enable_x64 else 32}-v0"
+  state = state.replace(storage=state.storage._replace(
+      action=state.storage.action * 0 + 300))
+  with pytest.raises(ValueError, match="actions: 300 at step 0 of episode 0 "
+                     "of the state is not kept exactly as int8"):
+    jaxbuf.to_minari(dataset_id, buffer, state,
+                     observation_space=dataset.observation_space,
+                     action_space=gymnasium.spaces.Discrete(2, dtype=np.int8))
+  assert dataset_id not in minari.list_local_datasets()

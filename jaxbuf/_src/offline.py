@@ -75,9 +75,9 @@ and are refused with a `ValueError` naming the slot. Infos, seeds and
 episode metadata are not kept.
 """
 
-import math
+import itertools
 import os
-import warnings
+import shutil
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import jax
@@ -88,6 +88,7 @@ from jaxbuf._src.ring import ReplayState
 from jaxbuf._src.sequence import SequenceReplayState
 
 DEFAULT_CHUNK_SIZE = 1 << 14
+_CHECK_BLOCK = 1 << 16
 _EPISODE_FIELDS = ("actions", "rewards", "terminations", "truncations")
 
 
@@ -817,6 +818,8 @@ def _rows_equal(first: np.ndarray, second: np.ndarray) -> np.ndarray:
 
 
 def _item_episodes(state: Any) -> Iterator[Episode]:
+  """The episodes of item replay; raises before the first if any is out of
+  order (see the module docstring)."""
   storage = _host(state.storage)
   capacity = jax.tree.leaves(storage)[0].shape[0]
   size = int(state.size)
@@ -825,9 +828,13 @@ def _item_episodes(state: Any) -> Iterator[Episode]:
   wrapped = int(state.add_count) != size
   ends = (storage.terminated | storage.truncated)[order]
   chained = np.ones(max(size - 1, 0), bool)
-  for next_obs, obs in zip(jax.tree.leaves(storage.next_obs),
-                           jax.tree.leaves(storage.obs)):
-    chained &= _rows_equal(next_obs[order[:-1]], obs[order[1:]])
+  # In blocks, so that the check never gathers a copy of the observations.
+  for block in range(0, max(size - 1, 0), _CHECK_BLOCK):
+    earlier = order[block:min(block + _CHECK_BLOCK, size - 1)]
+    for next_obs, obs in zip(jax.tree.leaves(storage.next_obs),
+                             jax.tree.leaves(storage.obs)):
+      chained[block:block + earlier.size] &= _rows_equal(
+          next_obs[earlier], obs[order[block + 1:block + 1 + earlier.size]])
   end_positions = np.flatnonzero(ends)
   first_kept = 1 if wrapped else 0
   if end_positions.size > first_kept:
@@ -843,6 +850,12 @@ def _item_episodes(state: Any) -> Iterator[Episode]:
           "the items are not in episode order (added from several envs at "
           "once?). Item replay writes back only items added one episode "
           "after another; use sequence replay for several envs.")
+  return _item_runs(storage, order, end_positions, first_kept)
+
+
+def _item_runs(storage: Transition, order: np.ndarray,
+               end_positions: np.ndarray, first_kept: int
+               ) -> Iterator[Episode]:
   run_start = 0
   for run_index, end in enumerate(end_positions.tolist()):
     rows = order[run_start:end + 1]
@@ -899,10 +912,15 @@ def held_episodes(buffer: Buffer, state: Any) -> list[Episode]:
   >>> [episode.observations.tolist() for episode in jaxbuf.held_episodes(buffer, state)]
   [[0.0, 1.0], [2.0, 3.0]]
   """
-  layout = _layout(buffer, state, what="held_episodes")
-  if layout == "items":
-    return list(_item_episodes(state))
-  return list(_stream_episodes(state))
+  return list(_held_episodes(buffer, state, what="held_episodes"))
+
+
+def _held_episodes(buffer: Buffer, state: Any, *, what: str
+                   ) -> Iterator[Episode]:
+  """`held_episodes`, one at a time (errors raised before the first)."""
+  if _layout(buffer, state, what=what) == "items":
+    return _item_episodes(state)
+  return _stream_episodes(state)
 
 
 def _as_space_dtypes(tree: PyTree, space_spec: PyTree, field: str,
@@ -938,32 +956,56 @@ def to_minari(dataset_id: str, buffer: Buffer, state: Any, *,
 
   Returns:
     The new `minari.MinariDataset`.
+
+  Raises:
+    FileExistsError: a dataset with that id exists (it is left as it is).
+    ValueError: the state holds no whole episode, its items are not in
+      episode order, or a value does not fit the spaces' dtypes exactly; no
+      partly written dataset is left behind.
   """
   what = "to_minari"
   try:
     import minari  # pylint: disable=import-outside-toplevel
     from minari.data_collector import EpisodeBuffer  # pylint: disable=import-outside-toplevel
+    from minari.storage import get_dataset_path  # pylint: disable=import-outside-toplevel
   except ImportError as error:
     raise ImportError(f"{what} needs minari: pip install "
                       "'jaxbuf[offline]'") from error
   observation_spec = _space_spec(observation_space, "observations")
   action_spec = _space_spec(action_space, "actions")
-  written = []
-  for number, episode in enumerate(held_episodes(buffer, state)):
-    where = f"episode {number} of the state"
-    written.append(EpisodeBuffer(
-        observations=_as_space_dtypes(episode.observations, observation_spec,
-                                      "observations", where),
-        actions=_as_space_dtypes(episode.actions, action_spec, "actions",
-                                 where),
-        rewards=_exact("rewards", episode.rewards, np.dtype(reward_dtype),
-                       where),
-        terminations=episode.terminations, truncations=episode.truncations))
-  if not written:
+  held = _held_episodes(buffer, state, what=what)
+  first = next(held, None)
+  if first is None:
     raise ValueError(f"{what}: the state holds no whole episode to write.")
-  return minari.create_dataset_from_buffers(
-      dataset_id, written, observation_space=observation_space,
-      action_space=action_space, jpeg_encoding=False, **minari_arguments)
+
+  def written():
+    # One episode at a time: Minari writes each as it comes.
+    for number, episode in enumerate(itertools.chain([first], held)):
+      where = f"episode {number} of the state"
+      yield EpisodeBuffer(
+          observations=_as_space_dtypes(episode.observations,
+                                        observation_spec, "observations",
+                                        where),
+          actions=_as_space_dtypes(episode.actions, action_spec, "actions",
+                                   where),
+          rewards=_exact("rewards", episode.rewards, np.dtype(reward_dtype),
+                         where),
+          terminations=episode.terminations,
+          truncations=episode.truncations)
+
+  path = get_dataset_path(dataset_id)
+  if path.exists():
+    raise FileExistsError(f"{what}: a Minari dataset {dataset_id!r} exists "
+                          f"already, at {path}.")
+  try:
+    return minari.create_dataset_from_buffers(
+        dataset_id, written(), observation_space=observation_space,
+        action_space=action_space, jpeg_encoding=False, **minari_arguments)
+  except BaseException:
+    # No partly written dataset is left behind under the id.
+    if path.exists():
+      shutil.rmtree(path)
+    raise
 
 
 def to_rlds_steps(buffer: Buffer, state: Any) -> dict[str, Any]:
