@@ -124,24 +124,35 @@ class Episode(NamedTuple):
 # --- Reading the buffer's layout from its kind ----------------------------
 
 
-def _layout(buffer: Buffer, state: Any, *, what: str) -> str:
-  """"items" or "streams", from the kind's state type."""
+_FORMS = {"items": Transition, "streams": EpisodeStep}
+
+
+def _layout_of_kind(buffer: Buffer, *, what: str) -> str:
+  """"items" or "streams", from the kind's state type: kinds built on item
+  or sequence replay load with no change here."""
   kind = getattr(buffer, "kind", None)
   if kind is None:
     raise TypeError(f"{what}: the buffer has no kind (buffer.kind is None); "
                     "pass a buffer made by a jaxbuf factory.")
   if issubclass(kind.state_type, SequenceReplayState):
-    layout, form = "streams", EpisodeStep
-  elif issubclass(kind.state_type, ReplayState):
-    layout, form = "items", Transition
-  else:
-    raise TypeError(
-        f"{what}: a {kind.name} buffer (state {kind.state_type.__name__}) "
-        "holds neither items (ReplayState) nor per-env streams "
-        "(SequenceReplayState); offline datasets load into those.")
+    return "streams"
+  if issubclass(kind.state_type, ReplayState):
+    return "items"
+  raise TypeError(
+      f"{what}: a {kind.name} buffer (state {kind.state_type.__name__}) "
+      "holds neither items (ReplayState) nor per-env streams "
+      "(SequenceReplayState); offline datasets load into those.")
+
+
+def _layout(buffer: Buffer, state: Any, *, what: str) -> str:
+  """`_layout_of_kind`, with `state` checked: the kind's, holding the form
+  of that layout."""
+  layout = _layout_of_kind(buffer, what=what)
+  kind = buffer.kind
   if not isinstance(state, kind.state_type):
     raise TypeError(f"{what}: expected a {kind.state_type.__name__} of this "
                     f"{kind.name} buffer, given {type(state).__name__}.")
+  form = _FORMS[layout]
   if not isinstance(state.storage, form):
     raise TypeError(
         f"{what}: a {kind.name} state for offline data holds "
@@ -581,16 +592,6 @@ def _example(observation_spec: PyTree, action_spec: PyTree,
                      reward=reward, terminated=flag, truncated=flag, last=flag)
 
 
-def _layout_of_kind(buffer: Buffer, what: str) -> str:
-  kind = getattr(buffer, "kind", None)
-  if kind is not None and issubclass(kind.state_type, SequenceReplayState):
-    return "streams"
-  if kind is not None and issubclass(kind.state_type, ReplayState):
-    return "items"
-  raise TypeError(f"{what}: offline datasets load into item replay or "
-                  "sequence replay buffers (and kinds built on them).")
-
-
 def offline_example(dataset: Any, buffer: Buffer) -> Any:
   """The example item or step for `buffer.init`, shaped by `dataset`.
 
@@ -614,17 +615,20 @@ def offline_example(dataset: Any, buffer: Buffer) -> Any:
   ((2,), dtype('int32'), 'Transition')
   """
   what = "offline_example"
-  layout = _layout_of_kind(buffer, what)
+  layout = _layout_of_kind(buffer, what=what)
   if isinstance(dataset, dict):
     steps = _rlds_step_arrays(dataset, what=what)
     spec = _row_spec(steps)
     return _example(spec["observation"], spec["action"],
                     steps["reward"].dtype, layout)
   dataset = _open_minari(dataset, what=what)
-  read = _minari_reader(dataset)
-  first = next(read([0]), None) if len(dataset.episode_indices) else None
-  reward_dtype = (np.asarray(first.rewards).dtype if first is not None
-                  else np.float64)
+  # No space gives the rewards' dtype (Minari keeps gymnasium's Python float
+  # rewards as float64): the first episode's is taken.
+  reward_dtype = np.float64
+  if len(dataset.episode_indices):
+    first = _minari_reader(dataset)([0])
+    reward_dtype = np.asarray(next(first).rewards).dtype
+    first.close()  # closes Minari's HDF5 file now
   return _example(_space_spec(dataset.observation_space, "observations"),
                   _space_spec(dataset.action_space, "actions"), reward_dtype,
                   layout)
