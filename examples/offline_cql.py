@@ -3,8 +3,13 @@
 Shape key: K seeds, S sample size, A actions, E evaluation episodes.
 
 1. Record: a scripted CartPole policy (push towards where the pole is
-   falling) with epsilon-random actions runs in gymnasium under Minari's
-   `DataCollector`, which writes the dataset to disk (MINARI_DATASETS_PATH).
+   falling) runs in gymnasium under Minari's `DataCollector`, which writes
+   the dataset to disk (MINARI_DATASETS_PATH). The behaviour is a poor one:
+   a random action with probability `epsilon`, else the scripted action's
+   opposite with probability `wrong`, else the scripted action. The data
+   then holds good actions, but fewer of them than bad ones: behaviour
+   cloning copies the majority and fails, while CQL's values pick the
+   actions that keep the pole up.
 2. Load: `jaxbuf.from_minari` streams the episodes into a uniform replay
    buffer of `jaxbuf.Transition`s (terminations and truncations apart, each
    truncated episode's true final observation as its last `next_obs`).
@@ -17,11 +22,14 @@ Shape key: K seeds, S sample size, A actions, E evaluation episodes.
 4. Evaluate online: the greedy policies run in gymnax's CartPole-v1 (the
    same dynamics, jitted) for E episodes each.
 
-The bar, printed at the end: CQL's mean return beats the dataset's own mean
-return by `margin` on every seed.
+The bar, printed at the end: on every seed, CQL's return beats both the
+dataset's own mean return and behaviour cloning's mean return by `margin`.
+Measured (2 seeds, the defaults): dataset mean 19.2, BC 8.6 8.9, CQL 260.9
+194.4.
 
   python examples/offline_cql.py                 # the bar: 2 seeds
-  python examples/offline_cql.py --num-seeds 4 --epsilon 0.6
+  python examples/offline_cql.py --wrong 0 --epsilon 0.5   # a good behaviour:
+                                                 # BC and CQL both reach 500
 """
 
 import dataclasses
@@ -53,7 +61,9 @@ from examples import common  # noqa: E402
 class Config:
   """Hyperparameters; each field is also a command-line flag."""
   dataset_steps: int = 50_000       # env steps recorded
-  epsilon: float = 0.5              # behaviour: random action probability
+  epsilon: float = 0.2              # behaviour: random action probability
+  wrong: float = 0.55               # behaviour: else the scripted action's
+                                    # opposite, with this probability
   time_limit: int = 500             # CartPole-v1's own
   num_seeds: int = 2                # K: CQL and BC seeds, vmapped
   seed: int = 0
@@ -94,8 +104,12 @@ def record(dataset_id: str, config: Config) -> minari.MinariDataset:
   rng = np.random.default_rng(config.seed)
   obs, _ = env.reset(seed=config.seed)
   for _ in range(config.dataset_steps):
-    action = (int(rng.integers(2)) if rng.random() < config.epsilon
-              else scripted_action(obs))
+    draw = rng.random()
+    if draw < config.epsilon:
+      action = int(rng.integers(2))
+    else:
+      wrong = draw < config.epsilon + (1 - config.epsilon) * config.wrong
+      action = scripted_action(obs) ^ int(wrong)
     obs, _, terminated, truncated, _ = env.step(action)
     if terminated or truncated:
       obs, _ = env.reset()
@@ -199,7 +213,8 @@ def run(config: Config, datasets_path: str | None = None) -> dict[str, Any]:
   if datasets_path is not None:
     os.environ["MINARI_DATASETS_PATH"] = datasets_path
   dataset_id = (f"cartpole/scripted-eps{int(config.epsilon * 100)}-"
-                f"seed{config.seed}-steps{config.dataset_steps}-v0")
+                f"wrong{int(config.wrong * 100)}-seed{config.seed}-"
+                f"steps{config.dataset_steps}-v0")
   with warnings.catch_warnings():
     # Minari warns that this dataset has no eval_env or versioned code.
     warnings.simplefilter("ignore", UserWarning)
@@ -228,8 +243,10 @@ def run(config: Config, datasets_path: str | None = None) -> dict[str, Any]:
     results[f"{name}_seconds"] = time.perf_counter() - start
     eval_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys)
     results[f"{name}_returns"] = np.asarray(evaluate(params, eval_keys))
+  baseline = max(results["dataset_mean_return"],
+                 float(np.mean(results["bc_returns"])))
   results["bar_met"] = bool(np.all(
-      results["cql_returns"] > results["dataset_mean_return"] + config.margin))
+      results["cql_returns"] > baseline + config.margin))
   return results
 
 
@@ -245,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{name.upper():>3} return per seed: " + " ".join(
         f"{r:.1f}" for r in results[f"{name}_returns"])
           + f"  ({results[f'{name}_seconds']:.1f} s, compilation included)")
-  print(f"bar (CQL > dataset mean + {config.margin:g} on every seed): "
+  print(f"bar (CQL > max(dataset mean, BC mean) + {config.margin:g} on every "
+        f"seed): "
         f"{'met' if results['bar_met'] else 'NOT met'}")
   return results
 

@@ -261,7 +261,7 @@ def test_offline_cql_runs_end_to_end(tmp_path, monkeypatch, capsys):
       "--target-update-interval", "4"])
   lines = capsys.readouterr().out.strip().splitlines()
   assert lines[0].startswith("dataset: ")
-  assert lines[-1].startswith("bar (CQL > dataset mean")
+  assert lines[-1].startswith("bar (CQL > max(dataset mean, BC mean)")
   assert results["cql_returns"].shape == results["bc_returns"].shape == (2,)
   assert np.all(np.isfinite(results["cql_returns"]))
 
@@ -269,9 +269,10 @@ def test_offline_cql_runs_end_to_end(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning:minari")
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
-def test_offline_cql_beats_the_datasets_mean_return_by_100(tmp_path):
-  # Measured at these settings (2 seeds): dataset mean return 143.3, CQL
-  # 500.0 500.0, BC 500.0 500.0.
+def test_offline_cql_beats_behaviour_cloning_and_the_data_by_100(tmp_path):
+  # Measured at these settings (2 seeds, a behaviour that takes the wrong
+  # action more often than the right one): dataset mean return 19.2, BC 8.6
+  # 8.9, CQL 260.9 194.4.
   from examples import offline_cql  # pylint: disable=import-outside-toplevel
   results = offline_cql.run(offline_cql.Config(), str(tmp_path))
   print(f"offline CQL: dataset mean {results['dataset_mean_return']:.1f}, "
