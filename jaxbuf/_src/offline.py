@@ -34,6 +34,12 @@ buffer's kind (`buffer.kind.state_type`, a subclass of `ReplayState` or of
 either (episode and hindsight replay on the streams) loads through the same
 path. Its state's storage must be a `Transition` or an `EpisodeStep`, made
 from `offline_example(...)` or from the user's own example of that form.
+A stream kind is called as `buffer.add(state, steps [N, K, ...], mask [N],
+episode_end [N, K])`, the sequence replay signature, and written back from
+its state's `episode_ends`, `write_heads`, `steps_held` and `step_counts`;
+a goal-conditioned dataset (a Dict observation space with "observation",
+"achieved_goal" and "desired_goal", gymnasium-robotics' layout) gives the
+`EpisodeStep.obs` that hindsight replay reads.
 
 Dtypes. The buffer's example decides each leaf's dtype. The dataset's spaces
 must give the same structure and shapes, and dtypes equal to the example's
@@ -78,7 +84,7 @@ episode metadata are not kept.
 import itertools
 import os
 import shutil
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import numpy as np
