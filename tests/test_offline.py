@@ -16,8 +16,10 @@ import jaxbuf
 minari = pytest.importorskip("minari")
 from minari.data_collector import EpisodeBuffer  # noqa: E402
 
+# Tests whose dtypes depend on 64-bit mode run in both (`x64_mode`); the
+# others, with 32-bit defaults only, to keep the module's time down.
+x64_too = pytest.mark.usefixtures("x64_mode")
 pytestmark = [
-    pytest.mark.usefixtures("x64_mode"),
     # Minari warns about every optional metadata field left out (author,
     # code_permalink, eval_env, ...); these datasets are throwaway.
     pytest.mark.filterwarnings("ignore::UserWarning:minari"),
@@ -187,6 +189,7 @@ def _load(dataset, buffer, **kwargs):
   return jaxbuf.from_minari(dataset, buffer, state, **kwargs)
 
 
+@x64_too
 @pytest.mark.parametrize("name", ["cartpole", "dict"])
 @pytest.mark.parametrize("kind", ITEM_KINDS)
 def test_items_match_the_reference(datasets, name, kind):
@@ -199,6 +202,7 @@ def test_items_match_the_reference(datasets, name, kind):
   _assert_trees_identical(held, _reference_transitions(_episodes(dataset)))
 
 
+@x64_too
 @pytest.mark.parametrize("name", ["cartpole", "dict"])
 @pytest.mark.parametrize("kind", STREAM_KINDS)
 def test_one_stream_matches_the_reference(datasets, name, kind):
@@ -214,6 +218,7 @@ def test_one_stream_matches_the_reference(datasets, name, kind):
   assert bool(buffer.can_sample(state, 4))
 
 
+@x64_too
 @pytest.mark.parametrize("kind", STREAM_KINDS)
 def test_several_streams_hold_every_episode_once(datasets, kind):
   dataset = datasets["dict"]
@@ -231,6 +236,7 @@ def test_several_streams_hold_every_episode_once(datasets, kind):
     _assert_trees_identical(a.terminations, b.terminations)
 
 
+@x64_too
 @pytest.mark.parametrize("name", ["cartpole", "dict"])
 @pytest.mark.parametrize("kind", ["uniform", "prioritized", "sequence",
                                   "prioritized_sequence"])
@@ -288,7 +294,7 @@ def test_a_dataset_larger_than_the_buffer_keeps_its_newest_whole_episodes(
     buffer = jaxbuf.uniform_replay(capacity)
   else:
     buffer = jaxbuf.sequence_replay(1, capacity + 4, sequence_length=2)
-  state = _load(dataset, buffer, chunk_size=8)
+  state = _load(dataset, buffer, chunk_size=8, progress=True)
   held = jaxbuf.held_episodes(buffer, state)
   assert len(held) == 4
   for a, b in zip(held, episodes[-4:]):
@@ -296,6 +302,7 @@ def test_a_dataset_larger_than_the_buffer_keeps_its_newest_whole_episodes(
     _assert_trees_identical(a.actions, _held(b.actions))
 
 
+@x64_too
 def test_rlds_steps_round_trip_and_match_minari(datasets):
   episodes = _episodes(datasets["dict"])
   steps = {
@@ -405,6 +412,7 @@ def test_inconsistent_lengths_are_refused(datasets):
   assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 
+@x64_too
 def test_nan_where_the_dtype_says_integer_is_refused(datasets):
   del datasets  # sets MINARI_DATASETS_PATH
   actions = np.array([0.0, np.nan, 1.0])
@@ -418,6 +426,7 @@ def test_nan_where_the_dtype_says_integer_is_refused(datasets):
   assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 
+@x64_too
 def test_a_value_not_kept_exactly_is_refused(datasets):
   del datasets  # sets MINARI_DATASETS_PATH
   dataset = _write("big",
@@ -481,6 +490,7 @@ def test_broken_rlds_steps_are_refused(change, message):
     jaxbuf.from_rlds_steps(steps, buffer, state)
 
 
+@x64_too
 def test_rounding_floats_is_opt_in(datasets):
   del datasets  # sets MINARI_DATASETS_PATH
   rewards = np.array([0.1, 0.2])
