@@ -4,9 +4,11 @@ This module is the public surface; everything under `jaxbuf._src` is private
 and may change. The module-level functions of each buffer kind, with every
 setting explicit, are public too, for users who bind them differently:
 `jaxbuf.uniform`, `jaxbuf.prioritized`, `jaxbuf.rollout`, `jaxbuf.sequence`,
-`jaxbuf.prioritized_sequence`.
+`jaxbuf.prioritized_sequence`. `help(jaxbuf.offline)` maps Minari's and
+RLDS's episodes onto jaxbuf's items and streams.
 """
 
+from jaxbuf._src import offline
 from jaxbuf._src import prioritized
 from jaxbuf._src import prioritized_sequence
 from jaxbuf._src import rollout
@@ -26,6 +28,15 @@ from jaxbuf._src.minibatch import SequenceMinibatches
 from jaxbuf._src.minibatch import env_minibatches
 from jaxbuf._src.minibatch import sequence_chunks
 from jaxbuf._src.minibatch import shuffled_minibatches
+from jaxbuf._src.offline import Episode
+from jaxbuf._src.offline import EpisodeStep
+from jaxbuf._src.offline import Transition
+from jaxbuf._src.offline import held_episodes
+from jaxbuf._src.offline import from_minari
+from jaxbuf._src.offline import from_rlds_steps
+from jaxbuf._src.offline import offline_example
+from jaxbuf._src.offline import to_minari
+from jaxbuf._src.offline import to_rlds_steps
 from jaxbuf._src.prioritized import PrioritizedReplayState
 from jaxbuf._src.prioritized import prioritized_replay
 from jaxbuf._src.prioritized_sequence import PrioritizedSequenceReplayState
@@ -55,6 +66,8 @@ __version__ = "0.1.0"
 __all__ = (
     "Buffer",
     "BufferState",
+    "Episode",
+    "EpisodeStep",
     "NStepTargets",
     "NStepTransitions",
     "PrioritizedReplayState",
@@ -68,18 +81,24 @@ __all__ = (
     "SequenceMinibatches",
     "SequenceReplayState",
     "SequenceSample",
+    "Transition",
     "burn_in_split",
     "compute_gae",
     "cond_update",
     "env_minibatches",
     "epoch_batches",
     "example_from_space",
+    "from_minari",
+    "from_rlds_steps",
+    "held_episodes",
     "lambda_returns",
     "load",
     "n_step_returns",
     "n_step_targets",
     "n_step_transitions",
     "normalize_advantages",
+    "offline",
+    "offline_example",
     "prioritized",
     "prioritized_replay",
     "prioritized_sequence",
@@ -93,6 +112,8 @@ __all__ = (
     "sequence_replay",
     "sharded",
     "shuffled_minibatches",
+    "to_minari",
+    "to_rlds_steps",
     "uniform",
     "uniform_replay",
 )

@@ -1,0 +1,534 @@
+"""Offline datasets: Minari and RLDS episodes in and out of every buffer kind,
+checked against a NumPy reference of the episodes, bit for bit."""
+
+import functools
+import gc
+import os
+import warnings
+
+import gymnasium
+import jax
+import numpy as np
+import pytest
+
+import jaxbuf
+
+minari = pytest.importorskip("minari")
+from minari.data_collector import EpisodeBuffer  # noqa: E402
+
+# Tests whose dtypes depend on 64-bit mode run in both (`x64_mode`); the
+# others, with 32-bit defaults only, to keep the module's time down.
+x64_too = pytest.mark.usefixtures("x64_mode")
+pytestmark = [
+    # Minari warns about every optional metadata field left out (author,
+    # code_permalink, eval_env, ...); these datasets are throwaway.
+    pytest.mark.filterwarnings("ignore::UserWarning:minari"),
+]
+
+
+class DictTupleEnv(gymnasium.Env):
+  """Dict observations (with a Tuple inside), Tuple actions, episodes that
+  terminate at random or are truncated by the TimeLimit around it."""
+
+  observation_space = gymnasium.spaces.Dict({
+      "position": gymnasium.spaces.Box(-1.0, 1.0, (3,), np.float32),
+      "pair": gymnasium.spaces.Tuple((
+          gymnasium.spaces.Discrete(7),
+          gymnasium.spaces.Box(0, 255, (2,), np.uint8))),
+  })
+  action_space = gymnasium.spaces.Tuple((
+      gymnasium.spaces.Discrete(3),
+      gymnasium.spaces.Box(-2.0, 2.0, (2,), np.float32)))
+
+  def _observation(self):
+    return {"position": self.np_random.uniform(-1, 1, 3).astype(np.float32),
+            "pair": (int(self.np_random.integers(7)),
+                     self.np_random.integers(0, 256, 2).astype(np.uint8))}
+
+  def reset(self, *, seed=None, options=None):
+    super().reset(seed=seed)
+    return self._observation(), {}
+
+  def step(self, action):
+    terminated = bool(self.np_random.random() < 0.15)
+    # Rewards a float32 holds exactly, so that they load with 64-bit mode
+    # off (float64 data that does not: test_rounding_floats_is_opt_in).
+    reward = float(np.float32(self.np_random.normal()))
+    return self._observation(), reward, terminated, False, {}
+
+
+def _collect(dataset_id, env, num_episodes, seed):
+  """A dataset recorded by Minari's DataCollector with a random policy."""
+  env = minari.DataCollector(env)
+  env.action_space.seed(seed)
+  env.reset(seed=seed)
+  for _ in range(num_episodes):
+    env.reset()
+    done = False
+    while not done:
+      _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+      done = terminated or truncated
+  dataset = env.create_dataset(dataset_id, algorithm_name="random")
+  env.close()
+  # Minari 0.5.4 drops (and at close removes by hand) the TemporaryDirectory
+  # objects it wrote into, whose finalizers then warn "Implicitly cleaning
+  # up"; collected here, under the caller's warning filter, not in a later
+  # test.
+  del env
+  gc.collect()
+  return dataset
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+  previous = os.environ.get("MINARI_DATASETS_PATH")
+  os.environ["MINARI_DATASETS_PATH"] = str(tmp_path_factory.mktemp("minari"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    warnings.simplefilter("ignore", ResourceWarning)
+    made = {
+        "cartpole": _collect(
+            "test/cartpole/random-v0",
+            gymnasium.make("CartPole-v1", max_episode_steps=25), 12, 0),
+        "dict": _collect(
+            "test/dicttuple/random-v0",
+            gymnasium.wrappers.TimeLimit(DictTupleEnv(), 9), 10, 1),
+    }
+  yield made
+  if previous is None:
+    del os.environ["MINARI_DATASETS_PATH"]
+  else:
+    os.environ["MINARI_DATASETS_PATH"] = previous
+
+
+def _episodes(dataset):
+  return list(dataset.iterate_episodes())
+
+
+def _held(x):
+  """`x` as JAX holds it (int64 -> int32 without x64)."""
+  x = np.asarray(x)
+  return x.astype(jax.dtypes.canonicalize_dtype(x.dtype))
+
+
+def _reference_transitions(episodes):
+  """Item replay's items, built the obvious way: one per action."""
+  rows = []
+  for episode in episodes:
+    for t in range(len(episode.rewards)):
+      at = lambda tree, i: jax.tree.map(lambda x: _held(x[i]), tree)
+      rows.append(jaxbuf.Transition(
+          obs=at(episode.observations, t), action=at(episode.actions, t),
+          reward=_held(episode.rewards[t]),
+          next_obs=at(episode.observations, t + 1),
+          terminated=np.bool_(episode.terminations[t]),
+          truncated=np.bool_(episode.truncations[t])))
+  return jax.tree.map(lambda *xs: np.stack(xs), *rows)
+
+
+def _reference_stream(episodes):
+  """One env's stream: each step, then the final observation flagged last."""
+  rows = []
+  for episode in episodes:
+    num_steps = len(episode.rewards)
+    for t in range(num_steps + 1):
+      at = lambda tree, i: jax.tree.map(lambda x: _held(x[i]), tree)
+      pad = lambda tree: jax.tree.map(lambda x: np.zeros_like(_held(x[0])),
+                                      tree)
+      final = t == num_steps
+      rows.append(jaxbuf.EpisodeStep(
+          obs=at(episode.observations, t),
+          action=pad(episode.actions) if final else at(episode.actions, t),
+          reward=np.zeros_like(_held(episode.rewards[0])) if final
+          else _held(episode.rewards[t]),
+          terminated=np.bool_(False if final else episode.terminations[t]),
+          truncated=np.bool_(False if final else episode.truncations[t]),
+          last=np.bool_(final)))
+  return jax.tree.map(lambda *xs: np.stack(xs), *rows)
+
+
+def _assert_trees_identical(given, expected):
+  assert jax.tree.structure(given) == jax.tree.structure(expected)
+  for path, a, b in zip(
+      [p for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]],
+      jax.tree.leaves(given), jax.tree.leaves(expected)):
+    a, b = np.asarray(a), np.asarray(b)
+    name = jax.tree_util.keystr(path)
+    assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
+    assert a.shape == b.shape, (name, a.shape, b.shape)
+    assert a.tobytes() == b.tobytes(), name
+
+
+def _assert_same_episodes(given, expected):
+  """Minari episodes equal bit for bit, dtypes included."""
+  assert len(given) == len(expected)
+  for a, b in zip(given, expected):
+    for field in ("observations", "actions", "rewards", "terminations",
+                  "truncations"):
+      _assert_trees_identical(getattr(a, field), getattr(b, field))
+
+
+# One buffer per kind and size for the whole module: its jitted add then
+# compiles once per chunk shape, not once per test.
+CAPACITY = 512
+ITEM_KINDS = {
+    "uniform": functools.cache(jaxbuf.uniform_replay),
+    "prioritized": functools.cache(jaxbuf.prioritized_replay),
+}
+STREAM_KINDS = {
+    "sequence": functools.cache(lambda envs, capacity: jaxbuf.sequence_replay(
+        envs, capacity, sequence_length=2)),
+    "prioritized_sequence": functools.cache(
+        lambda envs, capacity: jaxbuf.prioritized_sequence_replay(
+            envs, capacity, sequence_length=2)),
+}
+
+
+def _load(dataset, buffer, **kwargs):
+  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
+  return jaxbuf.from_minari(dataset, buffer, state, **kwargs)
+
+
+@x64_too
+@pytest.mark.parametrize("name", ["cartpole", "dict"])
+@pytest.mark.parametrize("kind", ITEM_KINDS)
+def test_items_match_the_reference(datasets, name, kind):
+  dataset = datasets[name]
+  buffer = ITEM_KINDS[kind](CAPACITY)
+  state = _load(dataset, buffer, chunk_size=64)  # several chunks
+  assert int(state.size) == dataset.total_steps
+  held = jax.tree.map(lambda x: np.asarray(x)[:dataset.total_steps],
+                      state.storage)
+  _assert_trees_identical(held, _reference_transitions(_episodes(dataset)))
+
+
+@x64_too
+@pytest.mark.parametrize("name", ["cartpole", "dict"])
+@pytest.mark.parametrize("kind", STREAM_KINDS)
+def test_one_stream_matches_the_reference(datasets, name, kind):
+  dataset = datasets[name]
+  steps = dataset.total_steps + dataset.total_episodes
+  buffer = STREAM_KINDS[kind](1, CAPACITY)
+  state = _load(dataset, buffer, chunk_size=64)
+  reference = _reference_stream(_episodes(dataset))
+  held = jax.tree.map(lambda x: np.asarray(x)[0, :steps], state.storage)
+  _assert_trees_identical(held, reference)
+  assert np.array_equal(np.asarray(state.episode_ends)[0, :steps],
+                        reference.last)
+  assert bool(buffer.can_sample(state, 4))
+
+
+@x64_too
+@pytest.mark.parametrize("kind", STREAM_KINDS)
+def test_several_streams_hold_every_episode_once(datasets, kind):
+  dataset = datasets["dict"]
+  buffer = STREAM_KINDS[kind](2, CAPACITY)
+  state = _load(dataset, buffer, chunk_size=64)
+  held = jaxbuf.held_episodes(buffer, state)
+  key = lambda episode: _held(episode.rewards).tobytes()
+  expected = sorted(_episodes(dataset), key=key)
+  got = sorted(held, key=key)
+  assert len(got) == len(expected)
+  for a, b in zip(got, expected):
+    _assert_trees_identical(a.observations, jax.tree.map(_held,
+                                                         b.observations))
+    _assert_trees_identical(a.truncations, b.truncations)
+    _assert_trees_identical(a.terminations, b.terminations)
+
+
+@x64_too
+@pytest.mark.parametrize("name", ["cartpole", "dict"])
+@pytest.mark.parametrize("kind", ["uniform", "prioritized", "sequence",
+                                  "prioritized_sequence"])
+def test_minari_round_trip_is_bit_exact(datasets, name, kind, tmp_path):
+  dataset = datasets[name]
+  buffer = (ITEM_KINDS[kind](CAPACITY) if kind in ITEM_KINDS
+            else STREAM_KINDS[kind](1, CAPACITY))
+  state = _load(dataset, buffer, chunk_size=64)
+  written = jaxbuf.to_minari(
+      f"test/{name}/{kind}-{jax.config.jax_enable_x64:d}-v0", buffer, state,
+      observation_space=dataset.observation_space,
+      action_space=dataset.action_space)
+  loaded = minari.load_dataset(written.id)
+  assert loaded.total_steps == dataset.total_steps
+  _assert_same_episodes(_episodes(loaded), _episodes(dataset))
+
+
+def test_terminations_and_truncations_are_kept_apart(datasets):
+  episodes = _episodes(datasets["cartpole"])
+  assert any(e.terminations[-1] for e in episodes)
+  assert any(e.truncations[-1] and not e.terminations[-1] for e in episodes)
+  buffer = STREAM_KINDS["sequence"](1, CAPACITY)
+  state = _load(datasets["cartpole"], buffer, chunk_size=64)
+  steps = jax.tree.map(np.asarray, state.storage)
+  lasts = np.flatnonzero(steps.last[0])
+  assert lasts.size == len(episodes)
+  for episode, last in zip(episodes, lasts):
+    # The flags sit on the step whose action ended the episode; the step
+    # after it holds the true final observation.
+    assert steps.terminated[0, last - 1] == episode.terminations[-1]
+    assert steps.truncated[0, last - 1] == episode.truncations[-1]
+    assert np.array_equal(steps.obs[0, last], episode.observations[-1])
+  # An n-step target bootstraps from a truncated episode's final observation
+  # and not from a terminated one's.
+  truncated_end = next(last for episode, last in zip(episodes, lasts)
+                       if episode.truncations[-1]
+                       and not episode.terminations[-1])
+  window = slice(truncated_end - 2, truncated_end + 1)
+  targets = jaxbuf.n_step_targets(
+      steps.reward[None, 0, window].astype(np.float32),
+      steps.terminated[None, 0, window], steps.last[None, 0, window], n=2,
+      gamma=0.5)
+  assert targets.discounts.tolist() == [[0.25]]
+  assert targets.next_index.tolist() == [[2]]
+
+
+@pytest.mark.parametrize("kind", ["uniform", "sequence"])
+def test_a_dataset_larger_than_the_buffer_keeps_its_newest_whole_episodes(
+    datasets, kind):
+  dataset = datasets["cartpole"]
+  episodes = _episodes(dataset)
+  lengths = [len(e.rewards) for e in episodes]
+  capacity = sum(lengths[-4:]) + lengths[-5] - 1  # room for 4, not 5
+  if kind == "uniform":
+    buffer = jaxbuf.uniform_replay(capacity)
+  else:
+    buffer = jaxbuf.sequence_replay(1, capacity + 4, sequence_length=2)
+  state = _load(dataset, buffer, chunk_size=8, progress=True)
+  held = jaxbuf.held_episodes(buffer, state)
+  assert len(held) == 4
+  for a, b in zip(held, episodes[-4:]):
+    _assert_trees_identical(a.observations, _held(b.observations))
+    _assert_trees_identical(a.actions, _held(b.actions))
+
+
+@x64_too
+def test_rlds_steps_round_trip_and_match_minari(datasets):
+  episodes = _episodes(datasets["dict"])
+  steps = {
+      "observation": jax.tree.map(lambda *xs: np.concatenate(xs),
+                                  *[e.observations for e in episodes]),
+      "action": jax.tree.map(
+          lambda *xs: np.concatenate(xs),
+          *[jax.tree.map(lambda x: np.concatenate([x, np.zeros_like(x[:1])]),
+                         e.actions) for e in episodes]),
+      "reward": np.concatenate([np.append(e.rewards, 0.0) for e in episodes]),
+      "is_first": np.concatenate([np.arange(len(e.rewards) + 1) == 0
+                                  for e in episodes]),
+      "is_last": np.concatenate([np.arange(len(e.rewards) + 1)
+                                 == len(e.rewards) for e in episodes]),
+      "is_terminal": np.concatenate([
+          np.append(np.zeros(len(e.rewards), bool), e.terminations[-1])
+          for e in episodes]),
+      "discount": np.ones(sum(len(e.rewards) + 1 for e in episodes)),
+  }
+  for buffer in (ITEM_KINDS["uniform"](CAPACITY),
+                 STREAM_KINDS["sequence"](1, CAPACITY)):
+    state = jaxbuf.from_rlds_steps(
+        steps, buffer, buffer.init(jaxbuf.offline_example(steps, buffer)),
+        chunk_size=64)
+    from_minari = _load(datasets["dict"], buffer, chunk_size=64).storage
+    # RLDS has no word for an episode both terminated and truncated (a
+    # termination on the TimeLimit's step): it reads as terminated.
+    from_minari = from_minari._replace(
+        truncated=from_minari.truncated & ~from_minari.terminated)
+    _assert_trees_identical(state.storage, from_minari)
+    back = jaxbuf.to_rlds_steps(buffer, state)
+    expected = {key: jax.tree.map(_held, value) for key, value in
+                steps.items() if key != "discount"}
+    _assert_trees_identical(back, expected)
+
+
+def test_item_replay_refuses_items_out_of_episode_order():
+  buffer = jaxbuf.uniform_replay(8)
+  item = jaxbuf.Transition(obs=np.zeros(2, np.float32), action=np.int32(0),
+                           reward=np.float32(0), next_obs=np.zeros(2, np.float32),
+                           terminated=np.bool_(False), truncated=np.bool_(False))
+  state = buffer.init(item)
+  # Two envs stepping together: obs 0 -> 1 and obs 10 -> 11, interleaved.
+  obs = np.array([[0, 0], [10, 10], [1, 1], [11, 11]], np.float32)
+  state = buffer.add(state, item._replace(
+      obs=obs, next_obs=obs + 1, action=np.zeros(4, np.int32),
+      reward=np.zeros(4, np.float32), terminated=np.array([0, 0, 1, 1], bool),
+      truncated=np.zeros(4, bool)))
+  with pytest.raises(ValueError, match="not in episode order"):
+    jaxbuf.held_episodes(buffer, state)
+
+
+# --- Bad input ---------------------------------------------------------------
+
+
+def _write(name, episodes, observation_space, action_space):
+  """A Minari dataset of `episodes` (dicts), one per name and 64-bit mode."""
+  return minari.create_dataset_from_buffers(
+      f"test/bad/{name}{64 if jax.config.jax_enable_x64 else 32}-v0", [EpisodeBuffer(**episode) for episode in episodes],
+      observation_space=observation_space, action_space=action_space)
+
+
+def _box(shape):
+  return gymnasium.spaces.Box(-1.0, 1.0, shape, np.float32)
+
+
+def _episode(num_steps, *, actions=None, observations=None):
+  return dict(
+      observations=(np.zeros((num_steps + 1, 3), np.float32)
+                    if observations is None else observations),
+      actions=(np.zeros(num_steps, np.int64) if actions is None else actions),
+      rewards=np.ones(num_steps), terminations=np.arange(num_steps)
+      == num_steps - 1, truncations=np.zeros(num_steps, bool))
+
+
+def test_spaces_that_do_not_match_the_example_are_refused(datasets):
+  dataset = datasets["cartpole"]
+  buffer = jaxbuf.uniform_replay(64)
+  wrong_shape = jaxbuf.Transition(
+      obs=np.zeros(5, np.float32), action=np.int32(0), reward=np.float32(0),
+      next_obs=np.zeros(5, np.float32), terminated=np.bool_(False),
+      truncated=np.bool_(False))
+  with pytest.raises(ValueError, match=r"observations: .*shape \(4,\).*\(5,\)"):
+    jaxbuf.from_minari(dataset, buffer, buffer.init(wrong_shape))
+  wrong_dtype = wrong_shape._replace(obs=np.zeros(4, np.float16),
+                                     next_obs=np.zeros(4, np.float16))
+  with pytest.raises(TypeError, match="observations: .*float32.*float16"):
+    jaxbuf.from_minari(dataset, buffer, buffer.init(wrong_dtype))
+  with pytest.raises(ValueError, match="structure"):
+    jaxbuf.from_minari(datasets["dict"], buffer,
+                       buffer.init(jaxbuf.offline_example(dataset, buffer)))
+  with pytest.raises(TypeError, match="jaxbuf.Transition"):
+    jaxbuf.from_minari(dataset, buffer, buffer.init({"obs": np.zeros(4)}))
+
+
+def test_inconsistent_lengths_are_refused(datasets):
+  del datasets  # sets MINARI_DATASETS_PATH
+  dataset = _write("lengths",
+                   [_episode(3), _episode(4, actions=np.zeros(3, np.int64))],
+                   _box((3,)), gymnasium.spaces.Discrete(2))
+  buffer = jaxbuf.uniform_replay(64)
+  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
+  with pytest.raises(ValueError, match="episode 1 of .*inconsistent lengths.*"
+                     "'actions': 3"):
+    jaxbuf.from_minari(dataset, buffer, state)
+  # Nothing half-loaded survives: the donated state is gone.
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+@x64_too
+def test_nan_where_the_dtype_says_integer_is_refused(datasets):
+  del datasets  # sets MINARI_DATASETS_PATH
+  actions = np.array([0.0, np.nan, 1.0])
+  dataset = _write("nan", [_episode(2), _episode(3, actions=actions)],
+                   _box((3,)), gymnasium.spaces.Discrete(2))
+  buffer = jaxbuf.sequence_replay(1, 64, sequence_length=2)
+  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
+  with pytest.raises(ValueError, match=r"actions: nan at step 1 of episode 1 "
+                     r"of .*, where the dtype is int"):
+    jaxbuf.from_minari(dataset, buffer, state, chunk_size=2)
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+@x64_too
+def test_a_value_not_kept_exactly_is_refused(datasets):
+  del datasets  # sets MINARI_DATASETS_PATH
+  dataset = _write("big",
+                   [_episode(2, actions=np.array([0, 2**40]))],
+                   _box((3,)), gymnasium.spaces.Discrete(2))
+  buffer = jaxbuf.uniform_replay(8)
+  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
+  if jax.config.jax_enable_x64:
+    assert int(jaxbuf.from_minari(dataset, buffer, state).storage.action[1]) \
+        == 2**40
+  else:
+    with pytest.raises(ValueError, match="actions: .* at step 1 .* int32"):
+      jaxbuf.from_minari(dataset, buffer, state)
+
+
+def test_an_episode_end_in_the_middle_is_refused(datasets):
+  del datasets  # sets MINARI_DATASETS_PATH
+  episode = _episode(3)
+  episode["truncations"] = np.array([False, True, False])
+  dataset = _write("middle", [episode], _box((3,)),
+                   gymnasium.spaces.Discrete(2))
+  buffer = jaxbuf.uniform_replay(8)
+  with pytest.raises(ValueError, match="ends at step 1 of 3"):
+    jaxbuf.from_minari(dataset, buffer,
+                       buffer.init(jaxbuf.offline_example(dataset, buffer)))
+
+
+def test_a_missing_dataset_is_named(tmp_path, monkeypatch):
+  monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path))
+  buffer = jaxbuf.uniform_replay(8)
+  with pytest.raises(FileNotFoundError, match="no Minari dataset "
+                     "'test/missing-v0'"):
+    jaxbuf.from_minari("test/missing-v0", buffer, None)
+
+
+def test_a_buffer_too_small_for_the_newest_episode_is_refused(datasets):
+  buffer = jaxbuf.uniform_replay(3)
+  state = buffer.init(jaxbuf.offline_example(datasets["cartpole"], buffer))
+  with pytest.raises(ValueError, match="newest episode .* does not fit"):
+    jaxbuf.from_minari(datasets["cartpole"], buffer, state)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.update(is_first=np.zeros(4, bool)), "is_first: step 0"),
+    (lambda s: s.update(is_last=np.array([0, 0, 0, 0], bool)), "is_last"),
+    (lambda s: s.update(is_terminal=np.array([1, 0, 0, 1], bool)),
+     "is_terminal: step 0"),
+    (lambda s: s.update(reward=np.zeros(3)), "inconsistent lengths"),
+    (lambda s: s.pop("is_last"), r"lack \['is_last'\]"),
+])
+def test_broken_rlds_steps_are_refused(change, message):
+  steps = {"observation": np.zeros((4, 2), np.float32),
+           "action": np.zeros(4, np.int32), "reward": np.zeros(4, np.float32),
+           "is_first": np.array([1, 0, 1, 0], bool),
+           "is_last": np.array([0, 1, 0, 1], bool),
+           "is_terminal": np.array([0, 1, 0, 0], bool)}
+  buffer = jaxbuf.uniform_replay(8)
+  state = buffer.init(jaxbuf.offline_example(steps, buffer))
+  change(steps)
+  with pytest.raises(ValueError, match=message):
+    jaxbuf.from_rlds_steps(steps, buffer, state)
+
+
+@x64_too
+def test_rounding_floats_is_opt_in(datasets):
+  del datasets  # sets MINARI_DATASETS_PATH
+  rewards = np.array([0.1, 0.2])
+  episode = dict(_episode(2), rewards=rewards)
+  dataset = _write("round", [episode], _box((3,)),
+                   gymnasium.spaces.Discrete(2))
+  buffer = jaxbuf.uniform_replay(8)
+  example = jaxbuf.offline_example(dataset, buffer)
+  if jax.config.jax_enable_x64:
+    state = jaxbuf.from_minari(dataset, buffer, buffer.init(example))
+    assert np.asarray(state.storage.reward)[:2].tolist() == [0.1, 0.2]
+    return
+  with pytest.raises(ValueError, match="rewards: .*0.1.* at step 0 .* not kept "
+                     "exactly as float32.*round_floats=True"):
+    jaxbuf.from_minari(dataset, buffer, buffer.init(example))
+  state = jaxbuf.from_minari(dataset, buffer, buffer.init(example),
+                             round_floats=True)
+  assert np.asarray(state.storage.reward)[:2].tolist() == (
+      rewards.astype(np.float32).tolist())
+
+
+def test_writing_refuses_an_existing_id_and_leaves_nothing_half_written(
+    datasets):
+  dataset = datasets["cartpole"]
+  buffer = ITEM_KINDS["uniform"](CAPACITY)
+  state = _load(dataset, buffer, chunk_size=64)
+  with pytest.raises(FileExistsError, match="exists already"):
+    jaxbuf.to_minari(dataset.id, buffer, state,
+                     observation_space=dataset.observation_space,
+                     action_space=dataset.action_space)
+  assert minari.load_dataset(dataset.id).total_steps == dataset.total_steps
+  # Actions beyond the space's dtype (int8) fail at the first episode.
+  dataset_id = f"test/bad/write{64 if jax.config.jax_enable_x64 else 32}-v0"
+  state = state.replace(storage=state.storage._replace(
+      action=state.storage.action * 0 + 300))
+  with pytest.raises(ValueError, match="actions: 300 at step 0 of episode 0 "
+                     "of the state is not kept exactly as int8"):
+    jaxbuf.to_minari(dataset_id, buffer, state,
+                     observation_space=dataset.observation_space,
+                     action_space=gymnasium.spaces.Discrete(2, dtype=np.int8))
+  assert dataset_id not in minari.list_local_datasets()
