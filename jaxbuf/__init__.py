@@ -4,9 +4,11 @@ This module is the public surface; everything under `jaxbuf._src` is private
 and may change. The module-level functions of each buffer kind, with every
 setting explicit, are public too, for users who bind them differently:
 `jaxbuf.uniform`, `jaxbuf.prioritized`, `jaxbuf.rollout`, `jaxbuf.sequence`,
-`jaxbuf.prioritized_sequence`.
+`jaxbuf.prioritized_sequence`, `jaxbuf.hindsight`, `jaxbuf.episode`.
 """
 
+from jaxbuf._src import episode
+from jaxbuf._src import hindsight
 from jaxbuf._src import prioritized
 from jaxbuf._src import prioritized_sequence
 from jaxbuf._src import rollout
@@ -23,6 +25,13 @@ from jaxbuf._src.base import ReplaySample
 from jaxbuf._src.base import Schedule
 from jaxbuf._src.checkpoint import load
 from jaxbuf._src.cond import cond_update
+from jaxbuf._src.episode import EpisodeReplayState
+from jaxbuf._src.episode import EpisodeSample
+from jaxbuf._src.episode import episode_replay
+from jaxbuf._src.hindsight import HindsightReplayState
+from jaxbuf._src.hindsight import HindsightSample
+from jaxbuf._src.hindsight import HindsightTransition
+from jaxbuf._src.hindsight import hindsight_replay
 from jaxbuf._src.checkpoint import save
 from jaxbuf._src.minibatch import SequenceMinibatches
 from jaxbuf._src.minibatch import env_minibatches
@@ -54,6 +63,11 @@ __version__ = "0.1.0"
 __all__ = (
     "Buffer",
     "BufferState",
+    "EpisodeReplayState",
+    "EpisodeSample",
+    "HindsightReplayState",
+    "HindsightSample",
+    "HindsightTransition",
     "NStepTargets",
     "NStepTransitions",
     "PrioritizedReplayState",
@@ -71,7 +85,11 @@ __all__ = (
     "compute_gae",
     "cond_update",
     "env_minibatches",
+    "episode",
+    "episode_replay",
     "epoch_batches",
+    "hindsight",
+    "hindsight_replay",
     "lambda_returns",
     "load",
     "n_step_returns",
