@@ -12,9 +12,10 @@ episode_end=...)`, whose action and reward are padding. Each observation is
 stored once: transition t is the window of the two steps t, t + 1 of one env
 (sequence replay with `sequence_length=2, episodes="within"`), so it is held
 while both steps are, and a step flagged `episode_end` starts none.
-Uniform replay draws transitions through the window tree with leaf 1;
-prioritized replay gives each transition a leaf `(priority + eps) ** alpha`
-(`prioritized_sequence.py`).
+The window tree has a leaf per transition: 1 for uniform replay (which
+draws pairs of held steps without it, and needs it only for the rare row
+whose candidates all start at a final observation: `uniform_transition_ids`),
+`(priority + eps) ** alpha` for prioritized replay (`prioritized_sequence.py`).
 
 Episodes. Each step also stores its episode's key (the env's episode count
 modulo R: the at most R episodes with a held step have distinct keys) and the
@@ -55,6 +56,7 @@ from jaxbuf._src import prioritized
 from jaxbuf._src import prioritized_sequence
 from jaxbuf._src import random
 from jaxbuf._src import sequence
+from jaxbuf._src import sum_tree
 from jaxbuf._src import validation
 from jaxbuf._src.base import Buffer, PyTree, ReplaySample, Schedule, bind
 from jaxbuf._src.prioritized_sequence import PrioritizedSequenceReplayState
@@ -66,6 +68,8 @@ STEP_FIELDS = ("obs", "action", "reward", "terminated")
 # episode end.
 _WINDOW = dict(sequence_length=2, period=1, within=True)
 _WINDOW_SIZES = dict(sequence_length=2, period=1, episodes="within")
+# Uniform draws: pairs of steps drawn per row before the tree is needed.
+CANDIDATES = 3
 
 
 class HindsightTransition(NamedTuple):
@@ -275,13 +279,15 @@ def add(state: HindsightReplayState, steps: PyTree,
 
 
 def goal_steps_ago(state: HindsightReplayState, window_ids: jax.Array,
-                   key: jax.Array, *, strategy: str) -> jax.Array:
+                   higher_bits: jax.Array, lower_bits: jax.Array, *,
+                   strategy: str) -> jax.Array:
   """For transitions `window_ids [S]`, a goal step drawn by `strategy`: how
   many steps before its env's newest it lies, int32 `[S]`.
 
   The goal step of transition t' is t' + 1, so the draw is over steps
   t + 1..E ("future"), E ("final") or t0 + 1..E ("episode"), E the
-  episode's last held step, t0 its first held transition.
+  episode's last held step, t0 its first held transition; `higher_bits`,
+  `lower_bits` uint32 `[S]` are the random words (`random.scale_to_span`).
   """
   per_env = sequence.steps_per_env(state)
   envs, slots = window_ids // per_env, window_ids % per_env
@@ -303,7 +309,6 @@ def goal_steps_ago(state: HindsightReplayState, window_ids: jax.Array,
   # At least 1 for a sampleable transition; an empty buffer's garbage row
   # still draws in range.
   span = jnp.maximum(latest_ago - last_ago + 1, 1).astype(jnp.uint32)
-  higher_bits, lower_bits = random.random_bits(key, (2, window_ids.shape[0]))
   return last_ago + random.scale_to_span(higher_bits, lower_bits,
                                          span).astype(jnp.int32)
 
@@ -320,46 +325,120 @@ def _checked_output(name: str, value: Any, shape: tuple[int, ...],
   return value
 
 
+def uniform_transition_ids(state: HindsightReplayState, words: jax.Array,
+                           tree_key: jax.Array) -> jax.Array:
+  """Transition ids drawn uniformly over the transitions held: int32 `[S]`.
+
+  Each row takes the first of `CANDIDATES` pairs of consecutive held steps
+  drawn uniformly (`sequence.window_ids_at_ranks`, no tree) whose first step
+  is no episode's final observation; the rare row with none descends the
+  window tree instead, in a `lax.cond` taken only then. The result is exact:
+  a row is a given transition with probability
+  `(1 + q + ... + q**(k-1)) / W + q**k / V = 1 / V` (W pairs, V = W(1 - q)
+  transitions, q the share of pairs that start at a final observation,
+  k = `CANDIDATES`). With episodes of 50 steps (q = 1/51), about 1 batch of
+  256 in 500 takes the tree.
+
+  Args:
+    state: the buffer.
+    words: uint32 `[2 * CANDIDATES, S]` random words.
+    tree_key: the key of the tree's draw, if it is needed.
+  """
+  per_env = sequence.steps_per_env(state)
+  batch_size = words.shape[1]
+  pairs = state.replace(window_counts=jnp.maximum(state.steps_held - 1, 0))
+
+  def candidates():
+    higher_bits, lower_bits = words.reshape(2, CANDIDATES * batch_size)
+    span = jnp.maximum(jnp.sum(pairs.window_counts), 1).astype(jnp.uint32)
+    ranks = random.scale_to_span(higher_bits, lower_bits,
+                                 span).astype(jnp.int32)
+    return sequence.window_ids_at_ranks(
+        pairs, ranks, sequence_length=2, period=1).reshape(CANDIDATES,
+                                                           batch_size)
+  drawn = random.computed_once(candidates, state.steps_held[0])
+  starts_transition = ~state.episode_ends[drawn // per_env, drawn % per_env]
+  first = jnp.argmax(starts_transition, axis=0)
+  chosen = jnp.take_along_axis(drawn, first[None], axis=0)[0]
+  found = jnp.any(starts_transition, axis=0)
+
+  def redraw(chosen):
+    from_tree, _ = sum_tree.sample_leaves(state.window_tree, tree_key,
+                                          batch_size, stratified=False)
+    return jnp.where(found, chosen, from_tree)
+  return jax.lax.cond(jnp.all(found), lambda chosen: chosen, redraw, chosen)
+
+
+def gather_transitions(state: HindsightReplayState, window_ids: jax.Array
+                       ) -> tuple[PyTree, PyTree, jax.Array, jax.Array]:
+  """The steps of transitions `[S]`: `(obs, action, reward, terminated)`,
+  obs leaves `[2, S, ...]` (the step and the next one), the others `[S, ...]`."""
+  per_env = sequence.steps_per_env(state)
+  num_rows = sequence.num_envs_of(state) * per_env
+  batch_size = window_ids.shape[0]
+
+  def rows():
+    at_end = window_ids % per_env == per_env - 1
+    return jnp.concatenate(
+        [window_ids, window_ids + jnp.where(at_end, 1 - per_env, 1)])
+  pair_rows = random.computed_once(rows, window_ids[0])
+  flat = lambda column: column.reshape((num_rows,) + column.shape[2:])
+  obs = jax.tree.map(
+      lambda column: flat(column).at[pair_rows].get(
+          mode="promise_in_bounds").reshape((2, batch_size) + column.shape[2:]),
+      _field(state.storage, "obs"))
+  first = lambda column: flat(column).at[window_ids].get(
+      mode="promise_in_bounds")
+  return (obs, jax.tree.map(first, _field(state.storage, "action")),
+          first(_field(state.storage, "reward")),
+          first(_field(state.storage, "terminated")))
+
+
 def relabel(state: HindsightReplayState, window_ids: jax.Array,
-            windows: PyTree, key: jax.Array, *, reward_fn: Callable,
-            strategy: str, relabel_fraction: float,
-            terminated_fn: Callable | None
+            steps: tuple[PyTree, PyTree, jax.Array, jax.Array],
+            words: jax.Array, *, reward_fn: Callable, strategy: str,
+            relabel_fraction: float, terminated_fn: Callable | None
             ) -> tuple[HindsightTransition, jax.Array]:
-  """Transitions from windows `[S, 2, ...]`, a share given hindsight goals.
+  """Transitions from their steps (`gather_transitions`), a share relabelled.
+
+  `words`: uint32 `[3, S]` random words (two for the goal, one for the
+  relabelling).
 
   Returns:
     `(transitions, relabelled)`: `HindsightTransition` with `[S, ...]`
     leaves, and bool `[S]`.
   """
+  obs, action, stored_reward, terminated = steps
   batch_size = window_ids.shape[0]
-  goal_key, relabel_key = jax.random.split(key)
+  higher_bits, lower_bits, relabel_bits = words
   per_env = sequence.steps_per_env(state)
   envs = window_ids // per_env
   goal_slots = (state.write_heads[envs] - 1 - goal_steps_ago(
-      state, window_ids, goal_key, strategy=strategy)) % per_env
+      state, window_ids, higher_bits, lower_bits, strategy=strategy)) % per_env
   goals = jax.tree.map(lambda column: column[envs, goal_slots],
                        _field(state.storage, "obs")["achieved_goal"])
-  relabelled = random.random_uniform(relabel_key, (batch_size,)) < (
-      relabel_fraction)
-  obs = _field(windows, "obs")
-  first = lambda leaf: leaf[:, 0]
-  second = lambda leaf: leaf[:, 1]
+  # P(bits < threshold) = threshold / 2**32: the fraction to within 2**-32.
+  if relabel_fraction >= 1:
+    relabelled = jnp.ones((batch_size,), bool)
+  else:
+    relabelled = relabel_bits < np.uint32(int(relabel_fraction * 2**32))
   rows = lambda leaf: relabelled.reshape((-1,) + (1,) * (leaf.ndim - 1))
   desired = jax.tree.map(lambda goal, given: jnp.where(rows(goal), goal, given),
-                         goals, jax.tree.map(first, obs["desired_goal"]))
-  obs_t = {**jax.tree.map(first, dict(obs)), "desired_goal": desired}
-  next_obs = {**jax.tree.map(second, dict(obs)), "desired_goal": desired}
-  stored_reward = first(_field(windows, "reward"))
+                         goals, jax.tree.map(lambda leaf: leaf[0],
+                                             obs["desired_goal"]))
+  obs_t = {**jax.tree.map(lambda leaf: leaf[0], dict(obs)),
+           "desired_goal": desired}
+  next_obs = {**jax.tree.map(lambda leaf: leaf[1], dict(obs)),
+              "desired_goal": desired}
   reward = _checked_output("reward_fn", reward_fn(
       next_obs["achieved_goal"], desired), stored_reward.shape,
                            stored_reward.dtype)
-  terminated = first(_field(windows, "terminated"))
   if terminated_fn is not None:
     terminated = jnp.where(relabelled, _checked_output(
         "terminated_fn", terminated_fn(next_obs["achieved_goal"], desired),
         terminated.shape, jnp.bool_), terminated)
   transitions = HindsightTransition(
-      obs=obs_t, action=jax.tree.map(first, _field(windows, "action")),
+      obs=obs_t, action=action,
       reward=jnp.where(relabelled, reward, stored_reward),
       discount=jnp.where(terminated, 0, 1).astype(stored_reward.dtype),
       next_obs=next_obs)
@@ -401,21 +480,29 @@ def sample(state: HindsightReplayState, key: jax.Array, batch_size: int, *,
     `[S]`, item_ids uint32 `[S]`, relabelled bool `[S]`.
   """
   total = check_sample(state, key, batch_size, checked=checked)
-  window_key, relabel_key = jax.random.split(key)
+  # One split and one call to the generator: on CPU each is a loop of
+  # small kernels, a large part of a sample's cost.
+  draw_key, bits_key = jax.random.split(key)
   if priorities:
     drawn = prioritized_sequence.sample(
-        state, window_key, batch_size, sequence_length=2, beta=beta,
+        state, draw_key, batch_size, sequence_length=2, beta=beta,
         stratified=stratified)
-    window_ids, windows, weights = drawn.indices, drawn.items, drawn.weights
+    window_ids, weights = drawn.indices, drawn.weights
+    steps = (jax.tree.map(lambda leaf: jnp.moveaxis(leaf, 1, 0),
+                          _field(drawn.items, "obs")),
+             *(jax.tree.map(lambda leaf: leaf[:, 0], _field(drawn.items, name))
+               for name in ("action", "reward", "terminated")))
+    words = random.random_bits(bits_key, (3, batch_size))
   else:
-    window_ids = sequence.uniform_window_ids(state, window_key, batch_size,
-                                             total, **_WINDOW)
-    windows, _ = sequence.gather_windows(state, window_ids, sequence_length=2)
+    words = random.random_bits(bits_key, (2 * CANDIDATES + 3, batch_size))
+    window_ids = jnp.where(total > 0, uniform_transition_ids(
+        state, words[:2 * CANDIDATES], draw_key), 0)
+    steps = gather_transitions(state, window_ids)
     weights = jnp.full((batch_size,), total > 0, jnp.float32)
+    words = words[2 * CANDIDATES:]
   transitions, relabelled = relabel(
-      state, window_ids, windows, relabel_key, reward_fn=reward_fn,
-      strategy=strategy, relabel_fraction=relabel_fraction,
-      terminated_fn=terminated_fn)
+      state, window_ids, steps, words, reward_fn=reward_fn, strategy=strategy,
+      relabel_fraction=relabel_fraction, terminated_fn=terminated_fn)
   return HindsightSample(
       items=transitions, indices=window_ids, weights=weights,
       item_ids=sequence.window_item_ids(state, window_ids),
