@@ -20,9 +20,7 @@ from jaxbuf._src.advantages import n_step_returns
 from jaxbuf._src.advantages import normalize_advantages
 from jaxbuf._src.base import Buffer
 from jaxbuf._src.base import BufferState
-from jaxbuf._src.base import PyTree
 from jaxbuf._src.base import ReplaySample
-from jaxbuf._src.base import Schedule
 from jaxbuf._src.checkpoint import load
 from jaxbuf._src.cond import cond_update
 from jaxbuf._src.episode import EpisodeReplayState
@@ -40,6 +38,8 @@ from jaxbuf._src.minibatch import shuffled_minibatches
 from jaxbuf._src.prioritized import PrioritizedReplayState
 from jaxbuf._src.prioritized import prioritized_replay
 from jaxbuf._src.prioritized_sequence import PrioritizedSequenceReplayState
+from jaxbuf._src.pytypes import PyTree
+from jaxbuf._src.pytypes import Schedule
 from jaxbuf._src.prioritized_sequence import prioritized_sequence_replay
 from jaxbuf._src.ring import ReplayState
 from jaxbuf._src.rollout import RolloutBuffer

@@ -61,9 +61,16 @@ BUFFERS = {(kind, sampling, batch): jaxbuf.sharded(base(kind), MESH,
            for batch in ("sharded", "replicated")}
 
 
+def contents(state):
+  """A state's arrays and their structure, without the settings it records
+  (a local buffer's differ from the sharded buffer's: capacity, devices)."""
+  return state.replace(settings=())
+
+
 def stacked(states):
-  """D local states as one sharded state (what the sharded init lays out)."""
-  stack = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+  """D local states as one sharded state (what the sharded init lays out),
+  recording no settings, so any sharded buffer of its kind accepts it."""
+  stack = contents(jax.tree.map(lambda *xs: jnp.stack(xs), *states))
   return jax.device_put(stack, jax.sharding.NamedSharding(MESH, P("data")))
 
 
@@ -128,7 +135,7 @@ def test_state_is_the_stack_of_the_devices_local_states(kind):
     reference = [local_buffer(kind).add(
         reference[d], jax.tree.map(lambda x: x[2 * d:2 * d + 2], items))
                  for d in range(D)]
-  chex.assert_trees_all_equal(jax.device_get(state),
+  chex.assert_trees_all_equal(jax.device_get(contents(state)),
                               jax.device_get(stacked(reference)))
 
 
@@ -434,8 +441,8 @@ def test_bad_settings_raise():
     jaxbuf.sharded(jaxbuf.uniform_replay(32, checked=True), MESH)
   with pytest.raises(TypeError, match="must be a jaxbuf.Buffer, given Rollout"):
     jaxbuf.sharded(jaxbuf.rollout_buffer(num_steps=4, num_envs=4), MESH)
-  with pytest.raises(TypeError, match="wraps uniform_replay, prioritized_replay, "
-                     "sequence_replay and prioritized_sequence_replay"):
+  with pytest.raises(TypeError, match=r"kind \(unknown\) cannot be split "
+                     "over devices"):
     jaxbuf.sharded(jaxbuf.Buffer(*[example_item] * 6), MESH)
 
 
@@ -458,8 +465,19 @@ def snapshot(state):
     (lambda b, s: b.update_priorities(s, np.zeros(4, np.int32),
                                       np.zeros(5, np.float32)), ValueError,
      ["update_priorities"]),
+    # The other way round: JAX raised "cond_fun must return a boolean
+    # scalar" or a ShardingTypeError (issue 26).
+    (lambda b, s: jaxbuf.prioritized_replay(32).sample(
+        s, jax.random.key(0), 8), ValueError,
+     ["sample: this state is split over 4 devices", "jaxbuf.sharded"]),
+    (lambda b, s: jaxbuf.prioritized_replay(32).add(s, make_items(0, 8)),
+     ValueError, ["add: this state is split over 4 devices"]),
+    (lambda b, s: jaxbuf.prioritized_replay(32).update_priorities(
+        s, np.zeros(4, np.int32), np.ones(4, np.float32)), ValueError,
+     ["update_priorities: this state is split over 4 devices"]),
 ], ids=["add-batch", "add-leaf", "sample-batch", "can-sample", "unsharded",
-        "update-shapes"])
+        "update-shapes", "sharded-to-plain-sample", "sharded-to-plain-add",
+        "sharded-to-plain-update"])
 def test_bad_arguments_raise_and_leave_the_state_intact(call, error, words):
   buffer = BUFFERS[("prioritized", "global", "sharded")]
   state = buffer.add(buffer.init(example_item()), make_items(0, 8))
@@ -914,8 +932,9 @@ def test_one_device_gives_the_unsharded_buffers_batches(kind, batch):
     batch_size = 16
   buffer = jaxbuf.sharded(plain, ONE_DEVICE_MESH, batch=batch)
   state, expected = fill_plain(buffer), fill_plain(plain)
-  chex.assert_trees_all_equal(jax.device_get(jax.tree.map(lambda x: x[0], state)),
-                              jax.device_get(expected))
+  chex.assert_trees_all_equal(
+      jax.device_get(contents(jax.tree.map(lambda x: x[0], state))),
+      jax.device_get(contents(expected)))
   key = jax.random.key(7)
   drawn, expected_draw = (buffer.sample(state, key, batch_size),
                           plain.sample(expected, key, batch_size))
@@ -925,8 +944,9 @@ def test_one_device_gives_the_unsharded_buffers_batches(kind, batch):
                                    drawn.item_ids)
   expected = plain.update_priorities(expected, expected_draw.indices,
                                      priorities, expected_draw.item_ids)
-  chex.assert_trees_all_equal(jax.device_get(jax.tree.map(lambda x: x[0], state)),
-                              jax.device_get(expected))
+  chex.assert_trees_all_equal(
+      jax.device_get(contents(jax.tree.map(lambda x: x[0], state))),
+      jax.device_get(contents(expected)))
   update_text = jax.jit(buffer.update_priorities).lower(
       state, drawn.indices, priorities, drawn.item_ids).compile().as_text()
   assert no_collectives(update_text)

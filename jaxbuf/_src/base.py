@@ -1,5 +1,5 @@
-"""The types every buffer kind shares: `PyTree`, `Schedule`, `BufferState`,
-`Buffer`, `ReplaySample`.
+"""The types every buffer kind shares (`BufferState`, `Buffer`,
+`ReplaySample`) and `bind`, which makes a kind's functions into a `Buffer`.
 
 Shape key: S sample size.
 """
@@ -11,8 +11,9 @@ from typing import Any, Callable, NamedTuple
 import flax.struct
 import jax
 
-PyTree = Any
-Schedule = Callable[[jax.Array], jax.Array]
+from jaxbuf._src import kind as kind_protocol
+from jaxbuf._src import validation
+from jaxbuf._src.pytypes import PyTree, Schedule  # pylint: disable=unused-import
 
 
 @flax.struct.dataclass
@@ -21,8 +22,11 @@ class BufferState:
 
   A state knows the sizes its buffer was made with, read from its array
   shapes, so that `jaxbuf.load` can name a mismatch (a capacity, a number of
-  envs) without a switch over buffer kinds.
+  envs) without a switch over buffer kinds; and, in its static `settings`,
+  the bound settings its bookkeeping depends on (`jaxbuf._src.kind`).
   """
+  settings: kind_protocol.Settings = flax.struct.field(
+      pytree_node=False, default=kind_protocol.NO_SETTINGS, kw_only=True)
 
   def buffer_dims(self) -> dict[str, Any]:
     """The sizes the buffer was made with: `{"capacity": C, ...}`.
@@ -46,7 +50,8 @@ class Buffer(NamedTuple):
   """The functions of one replay buffer kind, hyperparameters bound.
 
   Every replay kind has the same fields, so a training script switches between
-  them by changing the line that makes the buffer.
+  them by changing the line that makes the buffer. `kind` describes the kind
+  to the code around it (`jaxbuf.sharded`, checkpoints): `jaxbuf._src.kind`.
   """
   init: Callable[[PyTree], Any]
   add: Callable[..., Any]
@@ -54,6 +59,7 @@ class Buffer(NamedTuple):
   update_priorities: Callable[..., Any]
   can_sample: Callable[..., jax.Array]
   clear: Callable[[Any], Any]
+  kind: kind_protocol.Kind | None = None
 
 
 def documented(function: Callable) -> Callable:
@@ -84,9 +90,6 @@ def _explained(what: str, jitted: Callable, *,
   call (JAX: "Array has been deleted"), and a `batch_size` that is an array
   or traced (JAX: "Non-hashable static arguments").
   """
-  # Imported here: validation imports this module for `PyTree`.
-  from jaxbuf._src import validation  # pylint: disable=import-outside-toplevel
-
   def explanation(args, kwargs) -> Exception | None:
     try:
       if args:
@@ -117,10 +120,33 @@ def _explained(what: str, jitted: Callable, *,
   return call
 
 
+def _recording_settings(init: Callable, kind: kind_protocol.Kind) -> Callable:
+  """`init`, whose states record the kind's settings."""
+  @functools.wraps(init)
+  def recording(*args, **kwargs):
+    return init(*args, **kwargs).replace(settings=kind.settings)
+  return recording
+
+
+def _checking_settings(function: Callable, kind: kind_protocol.Kind,
+                       what: str) -> Callable:
+  """`function`, refusing a state made with other settings while tracing."""
+  @functools.wraps(function)
+  def checking(state, *args, **kwargs):
+    kind_protocol.check_settings(state, kind, what=what)
+    return function(state, *args, **kwargs)
+  return checking
+
+
 def bind(init: Callable, add: Callable, sample: Callable,
          update_priorities: Callable, can_sample: Callable, clear: Callable, *,
-         checked: bool, jit_update_priorities: bool = True) -> Buffer:
+         kind: kind_protocol.Kind, checked: bool,
+         jit_update_priorities: bool = True) -> Buffer:
   """Makes a `Buffer` whose default functions are jitted with donated state.
+
+  `kind` describes the buffer (`jaxbuf._src.kind`): `init` records its
+  settings in the state, and every other function refuses, while tracing, a
+  state that records other settings.
 
   `jit_update_priorities=False` leaves `update_priorities` as given, for an
   update that computes nothing (uniform replay's identity).
@@ -135,10 +161,16 @@ def bind(init: Callable, add: Callable, sample: Callable,
   """
   init, add, sample, update_priorities, can_sample, clear = map(
       documented, (init, add, sample, update_priorities, can_sample, clear))
+  kind = kind._replace(checked=checked)
+  init = _recording_settings(init, kind)
+  add, sample, update_priorities, can_sample, clear = (
+      _checking_settings(function, kind, what) for function, what in (
+          (add, "add"), (sample, "sample"),
+          (update_priorities, "update_priorities"),
+          (can_sample, "can_sample"), (clear, "clear")))
   if checked:
-    return Buffer(init, add, sample, update_priorities, can_sample, clear)
-  # Imported here: validation imports this module for `PyTree`.
-  from jaxbuf._src import validation  # pylint: disable=import-outside-toplevel
+    return Buffer(init, add, sample, update_priorities, can_sample, clear,
+                  kind)
   jitted_add = jax.jit(add, donate_argnums=0)
   jitted_update = (jax.jit(update_priorities, donate_argnums=0)
                    if jit_update_priorities else update_priorities)
@@ -166,4 +198,5 @@ def bind(init: Callable, add: Callable, sample: Callable,
                             jax.jit(can_sample, static_argnames="batch_size"),
                             batch_size_position=1),
       clear=_explained("clear", jax.jit(clear, donate_argnums=0)),
+      kind=kind,
   )

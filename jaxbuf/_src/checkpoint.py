@@ -97,6 +97,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jaxbuf._src import kind
 from jaxbuf._src.base import BufferState, PyTree
 
 _FORMAT = "jaxbuf-checkpoint"
@@ -135,6 +136,12 @@ def _buffer_dims(state: PyTree) -> dict[str, Any]:
   return state.buffer_dims() if isinstance(state, BufferState) else {}
 
 
+def _settings(state: PyTree) -> dict[str, Any]:
+  """The bound settings the state records (`jaxbuf._src.kind`); none for a
+  plain pytree or a state made by a module's `init`."""
+  return dict(getattr(state, "settings", None) or ())
+
+
 def _is_key(leaf: Any) -> bool:
   return jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
@@ -161,6 +168,7 @@ def _layout(state: PyTree) -> dict[str, Any]:
   """Type, buffer sizes, and each leaf's shape and dtype (no checksums yet)."""
   return {"format": _FORMAT, "version": _FORMAT_VERSION,
           "state_type": _type_name(state), "buffer_dims": _buffer_dims(state),
+          "settings": _settings(state),
           "leaves": {name: _leaf_layout(name, leaf)
                      for name, leaf in _named_leaves(state)}}
 
@@ -199,6 +207,13 @@ def _validate_layout(stored: Any, where: str) -> None:
     if not (isinstance(size, int) and not isinstance(size, bool)) and not (
         isinstance(size, list) and all(isinstance(s, int) for s in size)):
       raise _fail(where, f"buffer_dims[{name!r}] is {size!r}, not an integer")
+  # Optional: checkpoints written before states recorded settings have none.
+  settings = stored.get("settings", {})
+  if not isinstance(settings, dict) or not all(
+      isinstance(value, (str, int, float, bool))
+      for value in settings.values()):
+    raise _fail(where, f"settings is {settings!r}, not an object of numbers "
+                       f"and strings")
   chunk = _require(where, stored, "chunk_bytes", int, "the layout")
   if chunk < 1:
     raise _fail(where, f"chunk_bytes is {chunk}, not positive")
@@ -295,6 +310,16 @@ def _check_layout(stored: dict[str, Any], expected: dict[str, Any],
                for value in (stored_size, size)]
       raise ValueError(f"{where}: {name} mismatch: the checkpoint has {name} "
                        f"{shown[0]}, `like` has {name} {shown[1]}.")
+  stored_settings = stored.get("settings", {})
+  if stored_settings and expected["settings"] and (
+      stored_settings != expected["settings"]):
+    differences = kind.settings_difference(
+        stored_settings, expected["settings"],
+        labels=("the checkpoint has", "`like` has"))
+    raise ValueError(
+        f"{where} was saved from a buffer with other settings than `like`'s "
+        f"({differences}); the state's bookkeeping depends on them: load it "
+        f"into a state of a buffer made with the checkpoint's settings.")
   stored_leaves, expected_leaves = stored["leaves"], expected["leaves"]
   if list(stored_leaves) != list(expected_leaves):
     missing = [p for p in expected_leaves if p not in stored_leaves]

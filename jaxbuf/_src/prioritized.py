@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+from jaxbuf._src import kind
 from jaxbuf._src import random
 from jaxbuf._src import sum_tree
 from jaxbuf._src import ring
@@ -201,13 +202,27 @@ def prioritized_replay(capacity: int, *, alpha: float = 0.6,
   validation.check_hyperparameter(eps, "eps", positive=True)
   if not callable(beta):
     validation.check_hyperparameter(beta, "beta (or a schedule)")
+  bound_add = functools.partial(add, alpha=alpha)
+  split = functools.partial(
+      ring.split_over_devices, capacity=capacity, init=init, add=bound_add,
+      sample=functools.partial(sample, beta=beta, stratified=stratified),
+      update_priorities=functools.partial(update_priorities, alpha=alpha,
+                                          eps=eps),
+      clear=clear, beta=beta, stratified=stratified,
+      masses=lambda local: local.sum_tree)
   return bind(
       init=functools.partial(init, capacity=capacity),
-      add=functools.partial(add, alpha=alpha),
+      add=bound_add,
       sample=functools.partial(sample, beta=beta, stratified=stratified,
                                checked=checked),
       update_priorities=functools.partial(update_priorities, alpha=alpha,
                                           eps=eps, checked=checked),
       can_sample=ring.can_sample,
       clear=clear,
+      kind=kind.Kind(
+          name="prioritized_replay", state_type=PrioritizedReplayState,
+          exact_type=False,
+          settings=kind.settings_of(capacity=capacity, alpha=float(alpha),
+                                    eps=float(eps)),
+          split=split),
       checked=checked)

@@ -23,6 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxbuf._src import kind
 from jaxbuf._src import prioritized
 from jaxbuf._src import sequence
 from jaxbuf._src import sum_tree
@@ -181,9 +182,18 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
     validation.check_hyperparameter(beta, "beta")
   settings = dict(sequence_length=sequence_length, period=period,
                   within=episodes == "within")
+  bound_add = functools.partial(add, **settings, alpha=alpha)
+  split = functools.partial(
+      sequence.split_over_devices, num_envs=num_envs, capacity=capacity,
+      init=init, add=bound_add,
+      sample=functools.partial(sample, sequence_length=sequence_length,
+                               beta=beta, stratified=stratified),
+      update_priorities=functools.partial(update_priorities, **settings,
+                                          alpha=alpha, eps=eps),
+      clear=clear, beta=beta, stratified=stratified, **settings)
   return bind(
       init=functools.partial(init, num_envs=num_envs, capacity=capacity),
-      add=functools.partial(add, **settings, alpha=alpha),
+      add=bound_add,
       sample=functools.partial(sample, sequence_length=sequence_length,
                                beta=beta, stratified=stratified,
                                checked=checked),
@@ -192,4 +202,11 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
                                           checked=checked),
       can_sample=sequence.can_sample,
       clear=clear,
+      kind=kind.Kind(
+          name="prioritized_sequence_replay",
+          state_type=PrioritizedSequenceReplayState, exact_type=False,
+          settings=sequence.window_settings(
+              num_envs, capacity, sequence_length, period, episodes,
+              alpha=float(alpha), eps=float(eps)),
+          split=split),
       checked=checked)

@@ -6,7 +6,8 @@ Writes touch only the rows they fill, so under `jax.jit(..., donate_argnums=0)`
 XLA updates the storage in place whatever the capacity.
 """
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -14,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from jaxbuf._src import kind
 from jaxbuf._src import validation
-from jaxbuf._src.base import BufferState, PyTree
+from jaxbuf._src.base import BufferState, PyTree, ReplaySample
 
 
 def capacity_of(storage: PyTree) -> int:
@@ -173,3 +175,49 @@ def can_sample(state: ReplayState, batch_size: int) -> jax.Array:
   """Whether the buffer holds at least `batch_size` items: bool `()`."""
   validation.check_batch_size(batch_size, what="can_sample")
   return state.size >= batch_size
+
+
+def _check_items_to_split(state: ReplayState, arguments: tuple,
+                          num_devices: int) -> None:
+  """Items `[B, ...]` checked against the whole buffer's item, B by D."""
+  (items,) = arguments
+  spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype),
+                      state.storage)
+  (batch_size,) = validation.check_batched_leaves(spec, items, what="add")
+  validation.check_host_integers(items, what="add")
+  validation.check_divides(batch_size, num_devices, "the add batch B", "add")
+
+
+def split_over_devices(num_devices: int, *, capacity: int, init: Callable, add: Callable,
+          sample: Callable, update_priorities: Callable | None,
+          clear: Callable, beta: Any, stratified: bool,
+          masses: Callable | None) -> kind.Split:
+  """Item replay split over D devices: capacity in blocks of L = C / D.
+
+  Global slot `g` is local slot `g % L` of device `g // L`; items held fill
+  local slots 0..size-1, so the rank-th item held is slot rank.
+  """
+  validation.check_divides(capacity, num_devices, "capacity", "sharded")
+  return kind.Split(
+      init=functools.partial(init, capacity=capacity // num_devices),
+      add=add,
+      add_arguments=lambda items: (items,),
+      check_add=_check_items_to_split,
+      sample=sample,
+      update_priorities=update_priorities,
+      clear=clear,
+      local_counter=lambda state: state.size,
+      counter_shape=(),
+      ids_per_device=lambda state: jax.tree_util.tree_leaves(
+          state.storage)[0].shape[1],
+      held=lambda state: state.size,
+      enough=lambda held, batch_size: held >= batch_size,
+      masses=masses,
+      at_rank=lambda local, ranks: ranks,
+      rows=lambda local, slots: gather(local.storage, slots),
+      item_ids=current_item_ids,
+      as_sample=lambda rows, indices, weights, item_ids: ReplaySample(
+          items=rows, indices=indices, weights=weights, item_ids=item_ids),
+      beta=beta,
+      stratified=stratified,
+      uniform_when_massless=True)

@@ -40,7 +40,7 @@ The module-level functions take every setting explicitly;
 """
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from jaxbuf._src import kind
 from jaxbuf._src import random
 from jaxbuf._src import ring
 from jaxbuf._src import sum_tree
@@ -613,14 +614,109 @@ def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
   check_sizes(num_envs, capacity, sequence_length, period, episodes)
   settings = dict(sequence_length=sequence_length, period=period,
                   within=episodes == "within")
+  bound_init = functools.partial(init, with_tree=episodes == "within")
+  bound_add = functools.partial(add, **settings)
+  split = functools.partial(
+      split_over_devices, num_envs=num_envs, capacity=capacity,
+      init=bound_init, add=bound_add,
+      sample=functools.partial(sample, **settings), update_priorities=None,
+      clear=clear, beta=None, stratified=False, **settings)
   return bind(
-      init=functools.partial(init, num_envs=num_envs, capacity=capacity,
-                             with_tree=episodes == "within"),
-      add=functools.partial(add, **settings),
+      init=functools.partial(bound_init, num_envs=num_envs, capacity=capacity),
+      add=bound_add,
       sample=functools.partial(sample, **settings, checked=checked),
       update_priorities=functools.partial(update_priorities, **settings,
                                           checked=checked),
       can_sample=can_sample,
       clear=clear,
+      kind=kind.Kind(
+          name="sequence_replay", state_type=SequenceReplayState,
+          exact_type=True,
+          settings=window_settings(num_envs, capacity, sequence_length,
+                                   period, episodes),
+          split=split),
       checked=checked,
       jit_update_priorities=False)
+
+
+def window_settings(num_envs: int, capacity: int, sequence_length: int,
+                    period: int, episodes: str, **more: Any) -> kind.Settings:
+  """The settings a sequence state's window bookkeeping depends on."""
+  return kind.settings_of(num_envs=num_envs, capacity=capacity,
+                          sequence_length=sequence_length, period=period,
+                          episodes=episodes, **more)
+
+
+def _check_steps_to_split(state: SequenceReplayState, arguments: tuple,
+                          num_devices: int, *, init: Callable, add: Callable,
+                          num_envs: int, capacity: int) -> None:
+  """Steps, mask and episode ends checked as the unsharded buffer checks
+  them, with its messages and the global N."""
+  del num_devices  # N divides by D: checked when the buffer was split.
+  step_shapes = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape[3:], x.dtype), state.storage)
+  unsharded = jax.eval_shape(
+      functools.partial(init, num_envs=num_envs, capacity=capacity),
+      step_shapes)
+  jax.eval_shape(add, unsharded, *jax.tree.map(_unplaced, arguments))
+
+
+def _unplaced(leaf: Any) -> jax.ShapeDtypeStruct:
+  """`leaf`'s shape and dtype with no sharding, to check as on one device."""
+  aval = jax.typeof(jnp.asarray(leaf))
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
+                       init: Callable, add: Callable, sample: Callable,
+                       update_priorities: Callable | None, clear: Callable,
+                       beta: Any, stratified: bool, sequence_length: int,
+                       period: int, within: bool) -> kind.Split:
+  """Sequence replay split over D devices: envs in blocks of N / D.
+
+  Device d holds envs `[d N/D, (d+1) N/D)` whole (their rings, episode ends
+  and windows), so a window never spans devices; global window id `g` (the
+  unsharded buffer's `n * R + j`) is local window `g % W` of device
+  `g // W`, W = N / D * R.
+  """
+  if num_envs % num_devices:
+    below = num_envs - num_envs % num_devices
+    nearest = " or ".join(str(n) for n in (below, below + num_devices) if n)
+    raise ValueError(
+        f"sharded: num_envs {num_envs} does not divide by the {num_devices} "
+        f"devices of the mesh axis (each device holds num_envs / "
+        f"{num_devices} whole envs); nearest valid num_envs: {nearest}, "
+        f"with capacity num_envs * {capacity // num_envs} to keep the steps "
+        f"per env.")
+  with_tree = update_priorities is not None or within
+  return kind.Split(
+      init=functools.partial(init, num_envs=num_envs // num_devices,
+                             capacity=capacity // num_devices),
+      add=add,
+      add_arguments=lambda steps, mask=None, episode_end=None: (
+          steps, mask, episode_end),
+      check_add=functools.partial(_check_steps_to_split, init=init, add=add,
+                                  num_envs=num_envs, capacity=capacity),
+      sample=sample,
+      update_priorities=update_priorities,
+      clear=clear,
+      local_counter=lambda state: state.write_heads,
+      counter_shape=(num_envs // num_devices,),
+      ids_per_device=lambda state: (state.episode_ends.shape[-2]
+                                    * state.episode_ends.shape[-1]),
+      held=lambda state: jnp.sum(state.window_counts, axis=-1,
+                                 dtype=jnp.int32),
+      # Sampling is with replacement: one window serves any batch size.
+      enough=lambda held, batch_size: held > 0,
+      masses=(lambda local: local.window_tree) if with_tree else None,
+      at_rank=functools.partial(window_ids_at_ranks,
+                                sequence_length=sequence_length,
+                                period=period),
+      rows=functools.partial(gather_windows, sequence_length=sequence_length),
+      item_ids=window_item_ids,
+      as_sample=lambda rows, indices, weights, item_ids: SequenceSample(
+          items=rows[0], indices=indices, weights=weights, item_ids=item_ids,
+          mask=rows[1]),
+      beta=beta,
+      stratified=stratified,
+      uniform_when_massless=False)

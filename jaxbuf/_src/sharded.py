@@ -60,26 +60,21 @@ extra on one.
 
 import functools
 import inspect
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxbuf._src import kind as kind_protocol
 from jaxbuf._src import prioritized
-from jaxbuf._src import prioritized_sequence
 from jaxbuf._src import random
 from jaxbuf._src import ring
-from jaxbuf._src import sequence
 from jaxbuf._src import sum_tree
-from jaxbuf._src import uniform
 from jaxbuf._src import validation
-from jaxbuf._src.base import Buffer, PyTree, ReplaySample, Schedule, bind
-from jaxbuf._src.prioritized import PrioritizedReplayState
-from jaxbuf._src.prioritized_sequence import PrioritizedSequenceReplayState
-from jaxbuf._src.ring import ReplayState
-from jaxbuf._src.sequence import SequenceReplayState, SequenceSample
+from jaxbuf._src.base import Buffer, PyTree, ReplaySample, bind
+from jaxbuf._src.kind import Split
 
 SAMPLING_MODES = ("global", "local")
 BATCH_LAYOUTS = ("sharded", "replicated")
@@ -117,153 +112,11 @@ def _num_devices(mesh: jax.sharding.Mesh, axis: str) -> int:
   return mesh.shape[axis]
 
 
-class _Kind(NamedTuple):
-  """A wrapped buffer kind as the sharded functions use it on one device.
-
-  The functions are the wrapped buffer's own module functions with its
-  settings bound and its sizes divided by D; the rest says how to draw from
-  one device's part. `state` below is a local state or a stack of them.
-  """
-  state_type: type        # the local state's class
-  exact_type: bool        # whether subclasses of state_type are refused
-  local_counter: Callable  # state -> an int array [*stack, *counter_shape]
-  counter_shape: tuple[int, ...]  # that array's shape on one device
-  ids_per_device: Callable  # stacked state -> int (static): L, or W windows
-  init: Callable          # example -> local state
-  add: Callable           # local state, items / steps, ... -> local state
-  sample: Callable        # local state, key, S -> its sample (local mode)
-  update_priorities: Callable | None  # None: the identity (uniform kinds)
-  clear: Callable         # local state -> local state
-  held: Callable          # state -> int32 [*stack]: items or windows sampleable
-  enough: Callable        # held, S -> bool: the kind's can_sample
-  masses: Callable | None  # local state -> SumTree, a leaf per id; None: draw
-                           # uniformly by rank
-  at_rank: Callable       # local state, int32 [S] ranks -> int32 [S] local ids
-  rows: Callable          # local state, ids [S] -> the rows to send, a pytree
-  item_ids: Callable      # local state, ids [S] -> uint32 [S]
-  as_sample: Callable     # rows, indices, weights, item_ids -> the sample
-  beta: float | Schedule | None  # None: weights 1 (uniform kinds)
-  stratified: bool        # one target per equal stratum of the global total
-  uniform_when_massless: bool  # all leaves 0: uniform over items held
-                               # (item replay) or id 0 with weight 0
-
-
-def _rebound(buffer_function: Callable, module_function: Callable,
-             **overrides) -> Callable:
-  """`module_function` with the settings `buffer_function` was bound with."""
-  return functools.partial(module_function,
-                           **{**_bound_settings(buffer_function), **overrides})
-
-
-def _local_functions(buffer: Buffer, module, is_prioritized: bool
-                     ) -> dict[str, Callable | None]:
-  """The wrapped kind's add, sample, update and clear, with its settings."""
-  return dict(
-      add=_rebound(buffer.add, module.add),
-      sample=_rebound(buffer.sample, module.sample),
-      update_priorities=(_rebound(buffer.update_priorities,
-                                  module.update_priorities)
-                         if is_prioritized else None),
-      clear=module.clear)
-
-
-def _item_kind(buffer: Buffer, module, num_devices: int) -> _Kind:
-  """Uniform or prioritized item replay: capacity split in blocks of L."""
-  is_prioritized = module is prioritized
-  capacity = _bound_settings(buffer.init)["capacity"]
-  _check_divides(capacity, num_devices, "capacity", "sharded")
-  sample_settings = _bound_settings(buffer.sample)
-  return _Kind(
-      state_type=PrioritizedReplayState if is_prioritized else ReplayState,
-      exact_type=not is_prioritized,
-      local_counter=lambda state: state.size,
-      counter_shape=(),
-      ids_per_device=lambda state: jax.tree_util.tree_leaves(
-          state.storage)[0].shape[1],
-      init=functools.partial(module.init, capacity=capacity // num_devices),
-      **_local_functions(buffer, module, is_prioritized),
-      held=lambda state: state.size,
-      enough=lambda held, batch_size: held >= batch_size,
-      masses=(lambda local: local.sum_tree) if is_prioritized else None,
-      # Items fill slots 0..size-1: the rank-th item held is slot rank.
-      at_rank=lambda local, ranks: ranks,
-      rows=lambda local, slots: ring.gather(local.storage, slots),
-      item_ids=ring.current_item_ids,
-      as_sample=lambda rows, indices, weights, item_ids: ReplaySample(
-          items=rows, indices=indices, weights=weights, item_ids=item_ids),
-      beta=sample_settings.get("beta"),
-      stratified=sample_settings.get("stratified", False),
-      uniform_when_massless=True)
-
-
-def _sequence_kind(buffer: Buffer, module, num_devices: int) -> _Kind:
-  """Uniform or prioritized sequence replay: envs split in blocks of N / D."""
-  is_prioritized = module is prioritized_sequence
-  sizes = _bound_settings(buffer.init)
-  num_envs = sizes["num_envs"]
-  if num_envs % num_devices:
-    below = num_envs - num_envs % num_devices
-    nearest = " or ".join(str(n) for n in (below, below + num_devices) if n)
-    raise ValueError(
-        f"sharded: num_envs {num_envs} does not divide by the {num_devices} "
-        f"devices of the mesh axis (each device holds num_envs / "
-        f"{num_devices} whole envs); nearest valid num_envs: {nearest}, "
-        f"with capacity num_envs * {sizes['capacity'] // num_envs} to keep "
-        f"the steps per env.")
-  add_settings = _bound_settings(buffer.add)
-  sequence_length = add_settings["sequence_length"]
-  sample_settings = _bound_settings(buffer.sample)
-  rows = lambda local, window_ids: sequence.gather_windows(
-      local, window_ids, sequence_length=sequence_length)
-  with_tree = is_prioritized or add_settings["within"]
-  return _Kind(
-      state_type=(PrioritizedSequenceReplayState if is_prioritized
-                  else SequenceReplayState),
-      exact_type=not is_prioritized,
-      local_counter=lambda state: state.write_heads,
-      counter_shape=(num_envs // num_devices,),
-      ids_per_device=lambda state: (state.episode_ends.shape[-2]
-                                    * state.episode_ends.shape[-1]),
-      init=_rebound(buffer.init, module.init,
-                    num_envs=num_envs // num_devices,
-                    capacity=sizes["capacity"] // num_devices),
-      **_local_functions(buffer, module, is_prioritized),
-      held=lambda state: jnp.sum(state.window_counts, axis=-1,
-                                 dtype=jnp.int32),
-      # Sampling is with replacement: one window serves any batch size.
-      enough=lambda held, batch_size: held > 0,
-      masses=(lambda local: local.window_tree) if with_tree else None,
-      at_rank=functools.partial(sequence.window_ids_at_ranks,
-                                sequence_length=sequence_length,
-                                period=add_settings["period"]),
-      rows=rows,
-      item_ids=sequence.window_item_ids,
-      as_sample=lambda rows, indices, weights, item_ids: SequenceSample(
-          items=rows[0], indices=indices, weights=weights, item_ids=item_ids,
-          mask=rows[1]),
-      beta=sample_settings.get("beta") if is_prioritized else None,
-      stratified=sample_settings.get("stratified", False),
-      uniform_when_massless=False)
-
-
-# The wrapped kinds, by the module function their buffer's `init` binds.
-_KINDS = {uniform.init: (_item_kind, uniform),
-          prioritized.init: (_item_kind, prioritized),
-          sequence.init: (_sequence_kind, sequence),
-          prioritized_sequence.init: (_sequence_kind, prioritized_sequence)}
-
-
-def _check_divides(count: int, num_devices: int, name: str, what: str) -> None:
-  if count % num_devices:
-    raise ValueError(
-        f"{what}: {name} {count} does not divide by the {num_devices} devices "
-        f"of the mesh axis; use a multiple of {num_devices}.")
-
-
-def _check_sharded_state(state: Any, kind: _Kind, what: str,
+def _check_sharded_state(state: Any, kind: Split,
+                         wrapped: kind_protocol.Kind, what: str,
                          num_devices: int) -> None:
-  validation.check_state_kind(state, kind.state_type, what=what,
-                              exact=kind.exact_type)
+  validation.check_state_kind(state, wrapped.state_type, what=what,
+                              exact=wrapped.exact_type)
   expected = (num_devices, *kind.counter_shape)
   given = np.shape(kind.local_counter(state))
   if given != expected:
@@ -273,8 +126,8 @@ def _check_sharded_state(state: Any, kind: _Kind, what: str,
         f"the sharded buffer's init.")
 
 
-def init(example_item: PyTree, *, kind: _Kind, mesh: jax.sharding.Mesh,
-         axis: str) -> Any:
+def init(example_item: PyTree, *, kind: Split, wrapped: kind_protocol.Kind,
+         mesh: jax.sharding.Mesh, axis: str) -> Any:
   """An empty sharded buffer: each device's part made in place on it.
 
   Returns:
@@ -282,6 +135,7 @@ def init(example_item: PyTree, *, kind: _Kind, mesh: jax.sharding.Mesh,
     storage leaves `[D, L, *leaf.shape]` (items) or `[D, N / D, R,
     *leaf.shape]` (sequences).
   """
+  del wrapped  # The sharded buffer's bind records its settings.
   num_devices = _num_devices(mesh, axis)
   items = jax.tree.map(
       lambda leaf: jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf)),
@@ -291,7 +145,7 @@ def init(example_item: PyTree, *, kind: _Kind, mesh: jax.sharding.Mesh,
   return jax.jit(make, out_shardings=NamedSharding(mesh, _spec(axis)))()
 
 
-def _add_locally(state: Any, arguments: tuple, *, kind: _Kind,
+def _add_locally(state: Any, arguments: tuple, *, kind: Split,
                  mesh: jax.sharding.Mesh, axis: str) -> Any:
   """Each device adds its blocks of `arguments` (all split on axis 0)."""
   def add_block(sharded_state, arguments):
@@ -303,50 +157,22 @@ def _add_locally(state: Any, arguments: tuple, *, kind: _Kind,
                                     _spec(axis)))
 
 
-def add(state: ReplayState, items: PyTree, *, kind: _Kind,
-        mesh: jax.sharding.Mesh, axis: str) -> ReplayState:
-  """Adds `items [B, ...]`: device d writes rows `[d B/D, (d+1) B/D)`.
+def add(state: Any, *arguments: Any, kind: Split, mesh: jax.sharding.Mesh,
+        axis: str, wrapped: kind_protocol.Kind, **keywords: Any) -> Any:
+  """Adds the wrapped kind's add arguments, each split over the devices.
 
-  B must divide by D. Items are checked against the whole buffer's item
-  (leaf paths, global shapes) before they are split; no collective runs.
+  Item replay: items `[B, ...]`, device d writing rows `[d B/D, (d+1) B/D)`
+  (B must divide by D). Sequence replay: steps `[N, ...]` or `[N, T, ...]`,
+  `mask` (bool `[N]`) and `episode_end` (bool `[N]` or `[N, T]`), device d
+  writing envs `[d N/D, (d+1) N/D)`. Everything is checked first as the
+  unsharded buffer checks it, with its messages and its global sizes; no
+  collective runs.
   """
   num_devices = _num_devices(mesh, axis)
-  _check_sharded_state(state, kind, "add", num_devices)
-  spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype),
-                      state.storage)
-  (batch_size,) = validation.check_batched_leaves(spec, items, what="add")
-  validation.check_host_integers(items, what="add")
-  _check_divides(batch_size, num_devices, "the add batch B", "add")
-  return _add_locally(state, (items,), kind=kind, mesh=mesh, axis=axis)
-
-
-def _unplaced(leaf: Any) -> jax.ShapeDtypeStruct:
-  """`leaf`'s shape and dtype with no sharding, to check as on one device."""
-  aval = jax.typeof(jnp.asarray(leaf))
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-
-def add_steps(state: SequenceReplayState, steps: PyTree,
-              mask: jax.Array | None = None,
-              episode_end: jax.Array | None = None, *, kind: _Kind,
-              global_sizes: dict[str, int], mesh: jax.sharding.Mesh,
-              axis: str) -> SequenceReplayState:
-  """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`).
-
-  Device d writes envs `[d N/D, (d+1) N/D)`: its rows of `steps`, `mask`
-  (bool `[N]`) and `episode_end` (bool `[N]` or `[N, T]`); no collective
-  runs. Everything is checked first as the unsharded buffer checks it, with
-  its messages and the global N.
-  """
-  _check_sharded_state(state, kind, "add", _num_devices(mesh, axis))
-  step_spec = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape[3:], x.dtype), state.storage)
-  unsharded = jax.eval_shape(functools.partial(kind.init, **global_sizes),
-                             step_spec)
-  jax.eval_shape(kind.add, unsharded,
-                 *jax.tree.map(_unplaced, (steps, mask, episode_end)))
-  return _add_locally(state, (steps, mask, episode_end), kind=kind,
-                      mesh=mesh, axis=axis)
+  _check_sharded_state(state, kind, wrapped, "add", num_devices)
+  arguments = kind.add_arguments(*arguments, **keywords)
+  kind.check_add(state, arguments, num_devices)
+  return _add_locally(state, arguments, kind=kind, mesh=mesh, axis=axis)
 
 
 def _as_bits(leaf: jax.Array) -> jax.Array:
@@ -426,7 +252,7 @@ def _owner(inclusive: jax.Array, masses: jax.Array,
 
 
 def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
-                   kind: _Kind, axis: str, batch: str) -> ReplaySample:
+                   kind: Split, axis: str, batch: str) -> ReplaySample:
   """One device's part of an exact global sample (runs inside shard_map)."""
   local = _local(state)
   device = jax.lax.axis_index(axis)
@@ -521,7 +347,7 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
 
 
 def _local_sample(state: Any, key: jax.Array, batch_size: int, *,
-                  kind: _Kind, axis: str, batch: str) -> ReplaySample:
+                  kind: Split, axis: str, batch: str) -> ReplaySample:
   """S / D items or windows from this device's own part, no communication."""
   local = _local(state)
   device = jax.lax.axis_index(axis)
@@ -536,9 +362,9 @@ def _local_sample(state: Any, key: jax.Array, batch_size: int, *,
   return drawn
 
 
-def sample(state: Any, key: jax.Array, batch_size: int, *, kind: _Kind,
-           mesh: jax.sharding.Mesh, axis: str, sampling: str,
-           batch: str) -> ReplaySample:
+def sample(state: Any, key: jax.Array, batch_size: int, *, kind: Split,
+           wrapped: kind_protocol.Kind, mesh: jax.sharding.Mesh, axis: str,
+           sampling: str, batch: str) -> ReplaySample:
   """Draws `batch_size` items (or windows) over all devices' parts.
 
   Returns:
@@ -552,10 +378,10 @@ def sample(state: Any, key: jax.Array, batch_size: int, *, kind: _Kind,
     (`"replicated"`).
   """
   num_devices = _num_devices(mesh, axis)
-  _check_sharded_state(state, kind, "sample", num_devices)
+  _check_sharded_state(state, kind, wrapped, "sample", num_devices)
   validation.check_key(key, what="sample")
   validation.check_batch_size(batch_size, what="sample")
-  _check_divides(batch_size, num_devices, "batch_size", "sample")
+  validation.check_divides(batch_size, num_devices, "batch_size", "sample")
   if num_devices == 1:
     # One device holds everything, so its own sample is the global one: the
     # unsharded buffer's batch for the same key, with no collective
@@ -572,8 +398,9 @@ def sample(state: Any, key: jax.Array, batch_size: int, *, kind: _Kind,
 
 
 def update_priorities(state: Any, indices: jax.Array, priorities: jax.Array,
-                      item_ids: jax.Array | None = None, *, kind: _Kind,
-                      mesh: jax.sharding.Mesh, axis: str) -> Any:
+                      item_ids: jax.Array | None = None, *, kind: Split,
+                      wrapped: kind_protocol.Kind, mesh: jax.sharding.Mesh,
+                      axis: str) -> Any:
   """Routes each update of global id `indices [S]` to the device owning it.
 
   Every device sees the whole update (an all-gather of 12 S bytes when the
@@ -584,7 +411,7 @@ def update_priorities(state: Any, indices: jax.Array, priorities: jax.Array,
   devices, so new items and windows enter at the same priority everywhere.
   """
   num_devices = _num_devices(mesh, axis)
-  _check_sharded_state(state, kind, "update_priorities", num_devices)
+  _check_sharded_state(state, kind, wrapped, "update_priorities", num_devices)
   indices = validation.host_indices(indices)
   validation.check_priority_update_args(indices, priorities, item_ids)
   if kind.update_priorities is None:
@@ -627,7 +454,7 @@ def update_priorities(state: Any, indices: jax.Array, priorities: jax.Array,
   return updated.replace(storage=storage)
 
 
-def can_sample(state: Any, batch_size: int, *, kind: _Kind, sampling: str,
+def can_sample(state: Any, batch_size: int, *, kind: Split, sampling: str,
                num_devices: int) -> jax.Array:
   """Whether a sample of `batch_size` is backed by data: bool `()`.
 
@@ -636,27 +463,20 @@ def can_sample(state: Any, batch_size: int, *, kind: _Kind, sampling: str,
   every device passes it for `batch_size / D`.
   """
   validation.check_batch_size(batch_size, what="can_sample")
-  _check_divides(batch_size, num_devices, "batch_size", "can_sample")
+  validation.check_divides(batch_size, num_devices, "batch_size", "can_sample")
   held = kind.held(state)
   if sampling == "global":
     return kind.enough(jnp.sum(held), batch_size)
   return jnp.all(kind.enough(held, batch_size // num_devices))
 
 
-def clear(state: Any, *, kind: _Kind, mesh: jax.sharding.Mesh,
-          axis: str) -> Any:
+def clear(state: Any, *, kind: Split, wrapped: kind_protocol.Kind,
+          mesh: jax.sharding.Mesh, axis: str) -> Any:
   """Empties every device's part without reallocating."""
-  _check_sharded_state(state, kind, "clear", _num_devices(mesh, axis))
+  _check_sharded_state(state, kind, wrapped, "clear", _num_devices(mesh, axis))
   return jax.shard_map(lambda s: _stacked(kind.clear(_local(s))), mesh=mesh,
                        in_specs=_spec(axis), out_specs=_spec(axis))(
                            _placed(state, mesh, axis, _spec(axis)))
-
-
-def _bound_settings(function: Callable) -> dict[str, Any]:
-  """The settings a buffer's function was bound with, from its signature."""
-  return {name: parameter.default
-          for name, parameter in inspect.signature(function).parameters.items()
-          if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
@@ -715,13 +535,14 @@ def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
   if not isinstance(buffer, Buffer):
     raise TypeError(f"sharded: buffer must be a jaxbuf.Buffer, given "
                     f"{type(buffer).__name__}.")
-  make_kind, module = _KINDS.get(inspect.unwrap(buffer.init), (None, None))
-  if make_kind is None:
+  wrapped = buffer.kind
+  if wrapped is None or wrapped.split is None:
     raise TypeError(
-        "sharded: wraps uniform_replay, prioritized_replay, sequence_replay "
-        "and prioritized_sequence_replay buffers; given a buffer whose init "
-        f"is {inspect.unwrap(buffer.init).__qualname__} from "
-        f"{inspect.unwrap(buffer.init).__module__}.")
+        f"sharded: this buffer's kind "
+        f"({'unknown' if wrapped is None else wrapped.name}) cannot be split "
+        f"over devices; sharded wraps the kinds whose `buffer.kind.split` is "
+        f"set: uniform_replay, prioritized_replay, sequence_replay and "
+        f"prioritized_sequence_replay among them.")
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"sharded: mesh must be a jax.sharding.Mesh, given "
                     f"{type(mesh).__name__}.")
@@ -734,28 +555,37 @@ def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
   if batch not in BATCH_LAYOUTS:
     raise ValueError(f"sharded: batch must be one of {BATCH_LAYOUTS}, given "
                      f"{batch!r}.")
-  if _bound_settings(buffer.sample).get("checked"):
+  if wrapped.checked:
     raise ValueError(
         "sharded: checked buffers are not supported; wrap the unchecked "
         "buffer (its skips of bad updates and empty samples are the same).")
   num_devices = _num_devices(mesh, axis)
-  kind = make_kind(buffer, module, num_devices)
-  where = dict(kind=kind, mesh=mesh, axis=axis)
-  if make_kind is _sequence_kind:
-    add_function = functools.partial(
-        add_steps, global_sizes={name: size for name, size
-                                 in _bound_settings(buffer.init).items()
-                                 if name in ("num_envs", "capacity")},
-        **where)
-  else:
-    add_function = functools.partial(add, **where)
+  kind = wrapped.split(num_devices)
+  where = dict(kind=kind, wrapped=wrapped, mesh=mesh, axis=axis)
   return bind(
       init=functools.partial(init, **where),
-      add=add_function,
+      add=_with_add_signature(functools.partial(add, **where), kind),
       sample=functools.partial(sample, sampling=sampling, batch=batch,
                                **where),
       update_priorities=functools.partial(update_priorities, **where),
       can_sample=functools.partial(can_sample, kind=kind, sampling=sampling,
                                    num_devices=num_devices),
       clear=functools.partial(clear, **where),
+      kind=kind_protocol.Kind(
+          name=f"sharded {wrapped.name}", state_type=wrapped.state_type,
+          exact_type=wrapped.exact_type,
+          settings=kind_protocol.settings_of(**dict(wrapped.settings),
+                                             devices=num_devices),
+          split=None),
       checked=False)
+
+
+def _with_add_signature(add_function: Callable, kind: Split) -> Callable:
+  """`add_function`, shown by `help` with the wrapped kind's arguments."""
+  @functools.wraps(add)
+  def add_to_devices(state, *arguments, **keywords):
+    return add_function(state, *arguments, **keywords)
+  add_to_devices.__signature__ = inspect.Signature(
+      [inspect.Parameter("state", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+      + list(inspect.signature(kind.add_arguments).parameters.values()))
+  return add_to_devices

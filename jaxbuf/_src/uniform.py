@@ -7,15 +7,16 @@ binds them into a `Buffer`.
 """
 
 import functools
+
 import jax
 import jax.numpy as jnp
 
+from jaxbuf._src import kind
 from jaxbuf._src import random
 from jaxbuf._src import ring
 from jaxbuf._src import validation
 from jaxbuf._src.base import Buffer, PyTree, ReplaySample, bind
 from jaxbuf._src.ring import ReplayState
-
 
 
 def init(example_item: PyTree, *, capacity: int) -> ReplayState:
@@ -172,6 +173,10 @@ def uniform_replay(capacity: int, *, checked: bool = False) -> Buffer:
   ((16, 4), 8)
   """
   validation.check_capacity(capacity)
+  split = functools.partial(
+      ring.split_over_devices, capacity=capacity, init=init, add=add,
+      sample=sample, update_priorities=None, clear=clear, beta=None,
+      stratified=False, masses=None)
   return bind(
       init=functools.partial(init, capacity=capacity),
       add=add,
@@ -179,6 +184,10 @@ def uniform_replay(capacity: int, *, checked: bool = False) -> Buffer:
       update_priorities=functools.partial(update_priorities, checked=checked),
       can_sample=ring.can_sample,
       clear=clear,
+      kind=kind.Kind(name="uniform_replay", state_type=ReplayState,
+                     exact_type=True,
+                     settings=kind.settings_of(capacity=capacity),
+                     split=split),
       checked=checked,
       # The identity with shape checks: a jitted call would only add dispatch.
       jit_update_priorities=False)

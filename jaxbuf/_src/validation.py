@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from jaxbuf._src.base import PyTree
+from jaxbuf._src.pytypes import PyTree
 
 
 def _paths(tree: PyTree) -> list[str]:
@@ -454,3 +454,11 @@ def check_scalar_or_shape(name: str, value: Any, shape: tuple[int, ...], *,
     number = float(np.asarray(value))
     if not 0.0 <= number <= 1.0:
       raise ValueError(f"{what}: {name} must be in [0, 1], given {number}.")
+
+
+def check_divides(count: int, num_devices: int, name: str, what: str) -> None:
+  """Raises `ValueError` unless `count` splits evenly over the devices."""
+  if count % num_devices:
+    raise ValueError(
+        f"{what}: {name} {count} does not divide by the {num_devices} devices "
+        f"of the mesh axis; use a multiple of {num_devices}.")

@@ -1,0 +1,139 @@
+"""The protocol of a buffer kind: what a kind says about itself, so that the
+code around the kinds (binding, `jaxbuf.sharded`, `jaxbuf.save` / `load`,
+the conformance tests) needs no per-kind code.
+
+Shape key: S sample size, D devices on the mesh axis.
+
+A kind is what a factory such as `prioritized_replay(capacity, alpha=...)`
+makes: its module functions with the settings bound, in a `Buffer`, and a
+`Kind` record, `buffer.kind`, that describes them. The record is small, as
+optax's `GradientTransformation` is: a name, the state type, the settings,
+and how the kind splits over devices.
+
+Settings. `Kind.settings` holds the bound settings that a state's
+bookkeeping depends on (its capacity or number of envs, alpha and eps of the
+priorities stored, sequence length, period and episode mode of the windows
+counted), as sorted `(name, value)` pairs of Python scalars and strings.
+`init` records them in the state's static `settings` field (part of the
+pytree structure, so vmapped, scanned and jitted states keep them at no
+cost); every function of the buffer checks them while tracing and a state of
+a buffer made with other settings is a `ValueError` naming each setting that
+differs and both values, before anything runs. Checkpoints store them and
+`load` compares them the same way. Settings that only shape a sample (beta,
+stratification, checked mode) are not recorded: a state may be sampled with
+any of them. A state made by a module's `init` directly records none, and is
+accepted by any buffer of its type (the module functions take every setting
+explicitly, so their caller answers for them).
+
+Splitting over devices. `Kind.split(num_devices)` returns a `Split`: the
+kind's functions for one device's part (capacity or envs divided by D) and
+what `jaxbuf.sharded` needs to draw one exact sample over all devices from
+the D local ones (the mass or count of what each device can sample, how to
+find the rank-th id, how to gather rows). `split` is None for a kind that
+cannot be split. A new kind provides its `Kind`, and nothing outside its own
+module changes.
+"""
+
+from typing import Any, Callable, NamedTuple
+
+Settings = tuple[tuple[str, Any], ...]
+NO_SETTINGS: Settings = ()
+
+
+def settings_of(**settings: Any) -> Settings:
+  """`settings` as the sorted pairs a `Kind` and a state record."""
+  return tuple(sorted(settings.items()))
+
+
+class Split(NamedTuple):
+  """A kind as `jaxbuf.sharded` runs it on one device's part.
+
+  `state` below is one device's local state or a stack of them (leaves
+  `[D, ...]`); ids are slots (item replay) or window ids (sequence replay),
+  local to the device.
+  """
+  init: Callable          # example -> local state (sizes divided by D)
+  add: Callable           # local state, *add arguments -> local state
+  add_arguments: Callable  # (*args, **kwargs) of the buffer's add, after
+                           # the state -> the arguments as a tuple, in order,
+                           # each split over devices along its axis 0
+  check_add: Callable     # stacked state, arguments -> None; raises as the
+                          # unsharded buffer would, with the global sizes
+  sample: Callable        # local state, key, S -> its sample (local mode)
+  update_priorities: Callable | None  # None: the identity (uniform kinds)
+  clear: Callable         # local state -> local state
+  local_counter: Callable  # state -> an int array [*stack, *counter_shape]
+  counter_shape: tuple[int, ...]  # that array's shape on one device
+  ids_per_device: Callable  # stacked state -> int (static)
+  held: Callable          # state -> int32 [*stack]: items or windows sampleable
+  enough: Callable        # held, S -> bool: the kind's can_sample
+  masses: Callable | None  # local state -> SumTree, a leaf per id; None: draw
+                           # uniformly by rank
+  at_rank: Callable       # local state, int32 [S] ranks -> int32 [S] ids
+  rows: Callable          # local state, ids [S] -> the rows to send, a pytree
+  item_ids: Callable      # local state, ids [S] -> uint32 [S]
+  as_sample: Callable     # rows, indices, weights, item_ids -> the sample
+  beta: Any               # float or schedule; None: weights 1 (uniform kinds)
+  stratified: bool        # one target per equal stratum of the global total
+  uniform_when_massless: bool  # all leaves 0: uniform over items held
+                               # (item replay) or id 0 with weight 0
+
+
+class Kind(NamedTuple):
+  """What a buffer kind says about itself; `buffer.kind`."""
+  name: str               # the factory's name, e.g. "prioritized_replay"
+  state_type: type        # the class of its states
+  exact_type: bool        # whether subclasses of state_type are refused
+  settings: Settings      # recorded in each state, checked on every call
+  split: Callable[[int], Split] | None  # num_devices -> Split; None: the
+                                        # kind cannot be split over devices
+  checked: bool = False   # the buffer raises on run-time violations (set
+                          # by `bind`)
+
+
+def settings_difference(recorded: Settings | dict[str, Any],
+                        expected: Settings | dict[str, Any], *,
+                        labels: tuple[str, str] = ("state", "buffer")) -> str:
+  """The settings that differ, `"alpha: state 0.6, buffer 1.0"`; '' if none.
+
+  A setting only one side has (a state of a sharded buffer given to an
+  unsharded one) shows as "none" on the other.
+  """
+  recorded, expected = dict(recorded), dict(expected)
+  names = sorted(set(recorded) | set(expected))
+  return "; ".join(
+      f"{name}: {labels[0]} {recorded.get(name, 'none')!r}, {labels[1]} "
+      f"{expected.get(name, 'none')!r}"
+      for name in names if recorded.get(name, None) != expected.get(name, None))
+
+
+def check_settings(state: Any, kind: Kind, *, what: str) -> None:
+  """Raises `ValueError` if `state` was made by a buffer with other settings.
+
+  A state that records none (made by a module's `init`) passes, and so does
+  a state of another type: the function's own type check names both types.
+  """
+  recorded = getattr(state, "settings", NO_SETTINGS)
+  of_the_kind = (type(state) is kind.state_type if kind.exact_type
+                 else isinstance(state, kind.state_type))
+  if recorded in (NO_SETTINGS, kind.settings) or not of_the_kind:
+    return
+  state_devices = dict(recorded).get("devices")
+  buffer_devices = dict(kind.settings).get("devices")
+  if state_devices != buffer_devices and buffer_devices is None:
+    raise ValueError(
+        f"{what}: this state is split over {state_devices} devices (made by "
+        f"a jaxbuf.sharded buffer), and this {kind.name} buffer is not; "
+        f"pass it to the sharded buffer's functions, or save it and load it "
+        f"where it is needed.")
+  if state_devices != buffer_devices and state_devices is None:
+    raise ValueError(
+        f"{what}: expected a sharded state, split over {buffer_devices} "
+        f"devices; given the state of an unsharded buffer. Make it with the "
+        f"sharded buffer's init.")
+  raise ValueError(
+      f"{what}: this state was made by a buffer with other settings than "
+      f"this {kind.name} buffer's "
+      f"({settings_difference(recorded, kind.settings)}); its "
+      f"bookkeeping depends on them, so pass each state to the buffer that "
+      f"made it (or one made with the same settings).")
