@@ -273,3 +273,53 @@ def test_bad_add_raises_and_the_state_survives():
                        "obs": np.zeros((2, 3, 2), np.float32)})
   for got, want in zip(jax.tree.leaves(state), before):
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("weight_by_length", [False, True])
+def test_sharded_over_four_devices_samples_as_the_unsharded_buffer(
+    weight_by_length, tmp_path):
+  """Envs split over 4 fake CPU devices (conftest): each piece comes whole
+  from the device holding its env, with the probability of the NumPy model
+  (chi-square, fixed seed, p > 1e-4); local sampling and save/load work."""
+  num_envs, capacity = 4, 32
+  mesh = jax.make_mesh((4,), ("data",))
+  whole_buffer = jaxbuf.episode_replay(num_envs, capacity, MAX_LENGTH,
+                                       weight_by_length=weight_by_length)
+  buffer = jaxbuf.sharded(whole_buffer, mesh, axis="data")
+  rng = np.random.default_rng(0)
+  ids = (np.arange(num_envs)[:, None] * 1000
+         + np.arange(7)[None, :]).astype(np.int32)
+  ends = rng.random((num_envs, 7)) < 0.4
+  steps = {"id": ids, "obs": np.repeat(ids[..., None], 2, -1).astype(
+      np.float32)}
+  state = buffer.add(buffer.init(STEP), steps, episode_end=ends)
+  reference = ReferencePieces(num_envs, capacity // num_envs, MAX_LENGTH)
+  reference.add(7, [True] * num_envs, ends)
+  pieces = reference.pieces()
+  sample = jax.device_get(buffer.sample(state, jax.random.key(1), 4096))
+  firsts = [(env, first) for env, first in
+            zip(*divmod(np.asarray(sample.items["id"][:, 0]), 1000))]
+  assert set(firsts) == set(pieces)
+  for row in range(64):
+    length, continues = pieces[firsts[row]]
+    assert sample.lengths[row] == length and sample.continues[row] == continues
+    np.testing.assert_array_equal(np.diff(sample.items["id"][row, :length]), 1)
+  keys = sorted(pieces)
+  mass = np.array([pieces[key][0] if weight_by_length else 1.0
+                   for key in keys])
+  observed = np.array([firsts.count(key) for key in keys])
+  assert stats.chisquare(observed, mass / mass.sum() * 4096).pvalue > 1e-4
+  np.testing.assert_array_equal(sample.weights, 1.0)
+  local = jaxbuf.sharded(whole_buffer, mesh, axis="data", sampling="local")
+  assert local.sample(state, jax.random.key(2), 8).lengths.shape == (8,)
+  jaxbuf.save(tmp_path / "sharded", state)
+  loaded = jaxbuf.load(tmp_path / "sharded", like=buffer.init(STEP))
+  for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_hindsight_replay_is_refused_by_sharded_naming_the_kind():
+  reward_fn = lambda a, d: -jnp.any(a != d, axis=-1).astype(jnp.float32)
+  with pytest.raises(TypeError, match="hindsight_replay"):
+    jaxbuf.sharded(jaxbuf.hindsight_replay(4, 16, reward_fn),
+                   jax.make_mesh((4,), ("data",)))

@@ -417,3 +417,21 @@ def test_checked_mode_raises_on_an_empty_sample():
     error.throw()
   empty = make_buffer("future").sample(state, jax.random.key(0), 4)
   np.testing.assert_array_equal(empty.weights, 0.0)
+
+
+def test_the_kind_records_the_settings_its_bookkeeping_depends_on():
+  buffer = jaxbuf.hindsight_replay(2, 16, reward_fn, prioritized=True,
+                                   alpha=0.7)
+  state = buffer.init(STEP)
+  assert buffer.kind.name == "hindsight_replay"
+  assert isinstance(state, buffer.kind.state_type)
+  assert dict(state.settings) == {"num_envs": 2, "capacity": 16,
+                                  "prioritized": True, "alpha": 0.7,
+                                  "eps": 1e-6}
+  # The strategy and fraction shape samples only: a state serves any.
+  other = jaxbuf.hindsight_replay(2, 16, reward_fn, strategy="final",
+                                  relabel_fraction=0.1, prioritized=True,
+                                  alpha=0.7)
+  assert other.can_sample(state, 1).shape == ()
+  with pytest.raises(ValueError, match="prioritized: state True, buffer False"):
+    make_buffer("future").can_sample(state, 1)

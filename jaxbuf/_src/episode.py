@@ -30,12 +30,14 @@ binds them into a `Buffer`.
 """
 
 import functools
+from typing import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+from jaxbuf._src import kind
 from jaxbuf._src import sequence
 from jaxbuf._src import sum_tree
 from jaxbuf._src import validation
@@ -180,6 +182,22 @@ def sample(state: EpisodeReplayState, key: jax.Array, batch_size: int, *,
   found, _ = sum_tree.sample_leaves(state.window_tree, key, batch_size,
                                     stratified=False)
   first_ids = jnp.where(has_pieces, found, 0)
+  items, mask, lengths, continues = gather_pieces(
+      state, first_ids, max_episode_length=max_episode_length)
+  return EpisodeSample(
+      items=items, indices=first_ids,
+      weights=jnp.full((batch_size,), has_pieces, jnp.float32),
+      item_ids=sequence.window_item_ids(state, first_ids), mask=mask,
+      lengths=lengths, continues=continues)
+
+
+def gather_pieces(state: EpisodeReplayState, first_ids: jax.Array, *,
+                  max_episode_length: int
+                  ) -> tuple[PyTree, jax.Array, jax.Array, jax.Array]:
+  """The pieces starting at slot ids `[S]`: items `[S, M, ...]` zero-padded,
+  mask bool `[S, M]`, lengths int32 `[S]` (0 when the buffer holds none),
+  continues bool `[S]`."""
+  has_pieces = sum_tree.total(state.window_tree) > 0
   items, _ = sequence.gather_windows(state, first_ids,
                                      sequence_length=max_episode_length)
   per_env = sequence.steps_per_env(state)
@@ -192,11 +210,7 @@ def sample(state: EpisodeReplayState, key: jax.Array, batch_size: int, *,
       jnp.zeros((), leaf.dtype))
   ended = state.episode_ends[envs, (slots + jnp.maximum(lengths, 1) - 1)
                              % per_env]
-  return EpisodeSample(
-      items=jax.tree.map(padded, items), indices=first_ids,
-      weights=jnp.full((batch_size,), has_pieces, jnp.float32),
-      item_ids=sequence.window_item_ids(state, first_ids), mask=mask,
-      lengths=lengths, continues=has_pieces & ~ended)
+  return (jax.tree.map(padded, items), mask, lengths, has_pieces & ~ended)
 
 
 def update_priorities(state: EpisodeReplayState, indices: jax.Array,
@@ -246,7 +260,7 @@ def episode_replay(num_envs: int, capacity: int, max_episode_length: int, *,
   >>> buffer = jaxbuf.episode_replay(num_envs=1, capacity=16,
   ...                                max_episode_length=4)
   >>> state = buffer.init({"reward": jnp.float32(0)})
-  >>> state = buffer.add(state, {"reward": jnp.ones((1, 6))},
+  >>> state = buffer.add(state, {"reward": jnp.ones((1, 6), jnp.float32)},
   ...                    episode_end=jnp.array([[0, 0, 1, 0, 0, 1]], bool))
   >>> batch = buffer.sample(state, jax.random.key(0), 4)
   >>> batch.items["reward"].shape, batch.lengths.tolist()
@@ -255,14 +269,50 @@ def episode_replay(num_envs: int, capacity: int, max_episode_length: int, *,
   [True, True, True, False]
   """
   check_sizes(num_envs, capacity, max_episode_length)
+  bound_add = functools.partial(add, max_episode_length=max_episode_length,
+                                weight_by_length=weight_by_length)
+  bound_sample = functools.partial(sample,
+                                   max_episode_length=max_episode_length)
   return bind(
       init=functools.partial(init, num_envs=num_envs, capacity=capacity),
-      add=functools.partial(add, max_episode_length=max_episode_length,
-                            weight_by_length=weight_by_length),
-      sample=functools.partial(sample, max_episode_length=max_episode_length,
-                               checked=checked),
+      add=bound_add,
+      sample=functools.partial(bound_sample, checked=checked),
       update_priorities=update_priorities,
       can_sample=can_sample,
       clear=clear,
+      kind=kind.Kind(
+          name="episode_replay", state_type=EpisodeReplayState,
+          exact_type=True,
+          settings=kind.settings_of(
+              num_envs=num_envs, capacity=capacity,
+              max_episode_length=max_episode_length,
+              weight_by_length=weight_by_length),
+          split=functools.partial(
+              split_over_devices, num_envs=num_envs, capacity=capacity,
+              add=bound_add, sample=bound_sample,
+              max_episode_length=max_episode_length)),
       checked=checked,
       jit_update_priorities=False)
+
+
+def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
+                       add: Callable, sample: Callable,
+                       max_episode_length: int) -> kind.Split:
+  """Episode replay split over D devices as sequence replay is: envs in
+  blocks of N / D, whole, so a piece never spans devices; pieces are drawn
+  by the mass of each device's tree (1 or the length per piece)."""
+  split = sequence.split_over_devices(
+      num_devices, num_envs=num_envs, capacity=capacity, init=init, add=add,
+      sample=sample, update_priorities=None, clear=clear, beta=None,
+      stratified=False, **_STEPS)
+  return split._replace(
+      # Positive exactly when a piece is held (the tree's total: pieces, or
+      # their steps with weight_by_length); only its sign is read.
+      held=lambda state: jnp.ceil(
+          state.window_tree.levels[-1][..., 0]).astype(jnp.int32),
+      masses=lambda local: local.window_tree,
+      rows=functools.partial(gather_pieces,
+                             max_episode_length=max_episode_length),
+      as_sample=lambda rows, indices, weights, item_ids: EpisodeSample(
+          items=rows[0], indices=indices, weights=weights, item_ids=item_ids,
+          mask=rows[1], lengths=rows[2], continues=rows[3]))

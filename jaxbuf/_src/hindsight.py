@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from jaxbuf._src import kind
 from jaxbuf._src import prioritized
 from jaxbuf._src import prioritized_sequence
 from jaxbuf._src import random
@@ -606,4 +607,15 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
                                           checked=checked),
       can_sample=sequence.can_sample,
       clear=clear,
+      kind=kind.Kind(
+          name="hindsight_replay", state_type=HindsightReplayState,
+          exact_type=True,
+          settings=kind.settings_of(
+              num_envs=num_envs, capacity=capacity, prioritized=prioritized,
+              **(dict(alpha=float(alpha), eps=float(eps)) if prioritized
+                 else {})),
+          # Not split over devices: `jaxbuf.sharded`'s exact global sample
+          # gathers rows on the owning device without a key, and a
+          # hindsight goal is a random draw that must be made there.
+          split=None),
       checked=checked)
