@@ -415,7 +415,8 @@ def test_checked_mode_raises_on_an_empty_sample():
       lambda s, k: checked.sample(s, k, 4)))(state, jax.random.key(0))
   with pytest.raises(ValueError, match="no transition"):
     error.throw()
-  empty = make_buffer("future").sample(state, jax.random.key(0), 4)
+  empty = jaxbuf.hindsight_replay(1, 8, reward_fn).sample(
+      state, jax.random.key(0), 4)
   np.testing.assert_array_equal(empty.weights, 0.0)
 
 
