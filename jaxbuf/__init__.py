@@ -4,10 +4,13 @@ This module is the public surface; everything under `jaxbuf._src` is private
 and may change. The module-level functions of each buffer kind, with every
 setting explicit, are public too, for users who bind them differently:
 `jaxbuf.uniform`, `jaxbuf.prioritized`, `jaxbuf.rollout`, `jaxbuf.sequence`,
-`jaxbuf.prioritized_sequence`. `help(jaxbuf.offline)` maps Minari's and
-RLDS's episodes onto jaxbuf's items and streams.
+`jaxbuf.prioritized_sequence`, `jaxbuf.hindsight`, `jaxbuf.episode`.
+`help(jaxbuf.offline)` maps Minari's and RLDS's episodes onto jaxbuf's items
+and streams.
 """
 
+from jaxbuf._src import episode
+from jaxbuf._src import hindsight
 from jaxbuf._src import offline
 from jaxbuf._src import prioritized
 from jaxbuf._src import prioritized_sequence
@@ -23,6 +26,13 @@ from jaxbuf._src.base import BufferState
 from jaxbuf._src.base import ReplaySample
 from jaxbuf._src.checkpoint import load
 from jaxbuf._src.cond import cond_update
+from jaxbuf._src.episode import EpisodeReplayState
+from jaxbuf._src.episode import EpisodeSample
+from jaxbuf._src.episode import episode_replay
+from jaxbuf._src.hindsight import HindsightReplayState
+from jaxbuf._src.hindsight import HindsightSample
+from jaxbuf._src.hindsight import HindsightTransition
+from jaxbuf._src.hindsight import hindsight_replay
 from jaxbuf._src.checkpoint import save
 from jaxbuf._src.minibatch import SequenceMinibatches
 from jaxbuf._src.minibatch import env_minibatches
@@ -67,7 +77,12 @@ __all__ = (
     "Buffer",
     "BufferState",
     "Episode",
+    "EpisodeReplayState",
+    "EpisodeSample",
     "EpisodeStep",
+    "HindsightReplayState",
+    "HindsightSample",
+    "HindsightTransition",
     "NStepTargets",
     "NStepTransitions",
     "PrioritizedReplayState",
@@ -86,11 +101,15 @@ __all__ = (
     "compute_gae",
     "cond_update",
     "env_minibatches",
+    "episode",
+    "episode_replay",
     "epoch_batches",
     "example_from_space",
     "from_minari",
     "from_rlds_steps",
     "held_episodes",
+    "hindsight",
+    "hindsight_replay",
     "lambda_returns",
     "load",
     "n_step_returns",

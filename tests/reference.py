@@ -4,6 +4,7 @@ Items are added one at a time, priorities set one at a time, probabilities
 computed from scratch. Tests drive it and jaxbuf with the same operations.
 """
 
+import jax
 import numpy as np
 
 
@@ -59,3 +60,22 @@ class ReferenceReplay:
   def weights(self, indices, beta: float) -> np.ndarray:
     raw = (self.size * self.probabilities()[indices]) ** -beta
     return raw / raw.max()
+
+
+def add_random_stream_steps(buffer, state, reference, operation, make_steps):
+  """Applies a hypothesis `("add", num_steps, mask, seed)` to a stream buffer
+  and its reference model (`reference.add(num_steps, mask, ends)`).
+
+  `num_steps` 0 adds one step per env (`[N, ...]`), else a chunk
+  `[N, T, ...]`; each step ends an episode with probability 0.3.
+  `make_steps(reference, T)` gives the steps `[N, T, ...]`.
+  """
+  _, num_steps, mask, seed = operation
+  length = max(num_steps, 1)
+  ends = np.random.default_rng(seed).random((len(mask), length)) < 0.3
+  steps, step_ends = make_steps(reference, length), ends
+  if num_steps == 0:
+    steps, step_ends = jax.tree.map(lambda x: x[:, 0], steps), ends[:, 0]
+  state = buffer.add(state, steps, mask=np.array(mask), episode_end=step_ends)
+  reference.add(length, mask, ends)
+  return state

@@ -34,6 +34,7 @@ cannot be split. A new kind provides its `Kind`, and nothing outside its own
 module changes.
 """
 
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
@@ -127,6 +128,23 @@ class Kind(NamedTuple):
                                         # kind cannot be split over devices
   checked: bool = False   # the buffer raises on run-time violations (set
                           # by `bind`)
+
+
+def add_arguments_of(add: Callable) -> Callable:
+  """`(*args, **kwargs) -> tuple`: what a call of `add(state, ...)` passes
+  after the state, in `add`'s order, defaults filled (`Split.add_arguments`),
+  with `add`'s signature, so a wrapper shows the kind's own arguments."""
+  parameters = [parameter for parameter in
+                list(inspect.signature(add).parameters.values())[1:]
+                if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+  signature = inspect.Signature(parameters)
+
+  def add_arguments(*args, **kwargs):
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())
+  add_arguments.__signature__ = signature
+  return add_arguments
 
 
 def settings_difference(recorded: Settings | dict[str, Any],

@@ -244,10 +244,11 @@ def _check_items_to_split(state: ReplayState, arguments: tuple,
   validation.check_divides(batch_size, num_devices, "the add batch B", "add")
 
 
-def split_over_devices(num_devices: int, *, capacity: int, init: Callable, add: Callable,
-          sample: Callable, update_priorities: Callable | None,
-          clear: Callable, beta: Any, stratified: bool,
-          masses: Callable | None) -> kind.Split:
+def split_over_devices(num_devices: int, *, capacity: int, init: Callable,
+                       add: Callable, sample: Callable,
+                       update_priorities: Callable | None, clear: Callable,
+                       beta: Any, stratified: bool,
+                       masses: Callable | None) -> kind.Split:
   """Item replay split over D devices: capacity in blocks of L = C / D.
 
   Global slot `g` is local slot `g % L` of device `g // L`; items held fill
@@ -257,7 +258,7 @@ def split_over_devices(num_devices: int, *, capacity: int, init: Callable, add: 
   return kind.Split(
       init=functools.partial(init, capacity=capacity // num_devices),
       add=add,
-      add_arguments=lambda items: (items,),
+      add_arguments=kind.add_arguments_of(add),
       check_add=_check_items_to_split,
       sample=sample,
       update_priorities=update_priorities,

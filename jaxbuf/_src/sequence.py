@@ -326,22 +326,12 @@ def add_stream(state: SequenceReplayState, steps: PyTree,
   return add_steps(state, final_steps, ended, ended, **settings)
 
 
-def add_steps(state: SequenceReplayState, steps: PyTree,
-              mask: jax.Array | None, episode_end: jax.Array | None, *,
-              sequence_length: int, period: int, within: bool,
-              new_leaf_value: jax.Array | None) -> SequenceReplayState:
-  """Writes steps and updates the windows they complete or break.
-
-  Args:
-    state: the buffer.
-    steps: leaves `[N, ...]` or `[N, T, ...]`.
-    mask: bool `[N]`, the envs that stepped; None for all.
-    episode_end: bool `[N]` or `[N, T]` like `steps`; None for no ends.
-    sequence_length, period, within: the buffer's settings.
-    new_leaf_value: the tree leaf of a window that becomes sampleable
-      (ignored without a tree).
-  """
-  num_envs, per_env = num_envs_of(state), steps_per_env(state)
+def chunked_add_args(state: SequenceReplayState, steps: PyTree,
+                     mask: jax.Array | None, episode_end: jax.Array | None
+                     ) -> tuple[PyTree, jax.Array, jax.Array]:
+  """`add`'s arguments as a chunk: `(steps [N, T, ...], mask [N],
+  episode_end [N, T])`, T = 1 for one step per env; checks their shapes."""
+  num_envs = num_envs_of(state)
   chunk = _chunk_length(state, steps)
   steps = jax.tree.map(jnp.asarray, steps)
   if chunk is None:
@@ -358,6 +348,27 @@ def add_steps(state: SequenceReplayState, steps: PyTree,
   else:
     _check_flags("mask", mask, (num_envs,))
     mask = jnp.asarray(mask)
+  return steps, mask, episode_end
+
+
+def add_steps(state: SequenceReplayState, steps: PyTree,
+              mask: jax.Array | None, episode_end: jax.Array | None, *,
+              sequence_length: int, period: int, within: bool,
+              new_leaf_value: jax.Array | None) -> SequenceReplayState:
+  """Writes steps and updates the windows they complete or break.
+
+  Args:
+    state: the buffer.
+    steps: leaves `[N, ...]` or `[N, T, ...]`.
+    mask: bool `[N]`, the envs that stepped; None for all.
+    episode_end: bool `[N]` or `[N, T]` like `steps`; None for no ends.
+    sequence_length, period, within: the buffer's settings.
+    new_leaf_value: the tree leaf of a window that becomes sampleable
+      (ignored without a tree).
+  """
+  num_envs, per_env = num_envs_of(state), steps_per_env(state)
+  steps, mask, episode_end = chunked_add_args(state, steps, mask, episode_end)
+  length = episode_end.shape[1]
   # A chunk longer than R keeps its newest R steps; the older ones are never
   # written, so each written slot is written once (scatters with duplicate
   # indices have no defined order).
@@ -831,8 +842,7 @@ def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
       init=functools.partial(init, num_envs=num_envs // num_devices,
                              capacity=capacity // num_devices),
       add=add,
-      add_arguments=lambda steps, mask=None, episode_end=None, \
-          final_steps=None: (steps, mask, episode_end, final_steps),
+      add_arguments=kind.add_arguments_of(add),
       check_add=functools.partial(_check_steps_to_split, init=init, add=add,
                                   num_envs=num_envs, capacity=capacity),
       sample=sample,
