@@ -4,9 +4,10 @@ This module is the public surface; everything under `jaxbuf._src` is private
 and may change. The module-level functions of each buffer kind, with every
 setting explicit, are public too, for users who bind them differently:
 `jaxbuf.uniform`, `jaxbuf.prioritized`, `jaxbuf.rollout`, `jaxbuf.sequence`,
-`jaxbuf.prioritized_sequence`.
+`jaxbuf.prioritized_sequence`, `jaxbuf.frames`.
 """
 
+from jaxbuf._src import frames
 from jaxbuf._src import prioritized
 from jaxbuf._src import prioritized_sequence
 from jaxbuf._src import rollout
@@ -22,6 +23,10 @@ from jaxbuf._src.base import ReplaySample
 from jaxbuf._src.checkpoint import load
 from jaxbuf._src.cond import cond_update
 from jaxbuf._src.checkpoint import save
+from jaxbuf._src.frames import FrameStackReplayState
+from jaxbuf._src.frames import FrameStackTransition
+from jaxbuf._src.frames import frame_stack_replay
+from jaxbuf._src.frames import prioritized_frame_stack_replay
 from jaxbuf._src.minibatch import SequenceMinibatches
 from jaxbuf._src.minibatch import env_minibatches
 from jaxbuf._src.minibatch import sequence_chunks
@@ -54,6 +59,8 @@ __version__ = "0.1.0"
 __all__ = (
     "Buffer",
     "BufferState",
+    "FrameStackReplayState",
+    "FrameStackTransition",
     "NStepTargets",
     "NStepTransitions",
     "PrioritizedReplayState",
@@ -72,6 +79,8 @@ __all__ = (
     "cond_update",
     "env_minibatches",
     "epoch_batches",
+    "frame_stack_replay",
+    "frames",
     "lambda_returns",
     "load",
     "n_step_returns",
@@ -79,6 +88,7 @@ __all__ = (
     "n_step_transitions",
     "normalize_advantages",
     "prioritized",
+    "prioritized_frame_stack_replay",
     "prioritized_replay",
     "prioritized_sequence",
     "prioritized_sequence_replay",
