@@ -19,7 +19,7 @@ stacks of 4.
 
 Usage:
   python benchmarks/bench_frames.py                  # bytes, fill, speed
-  python benchmarks/bench_frames.py --cases bytes speed --speed-capacity 100000
+  python benchmarks/bench_frames.py --cases speed --parts   # + add, sample alone
 """
 
 import argparse
@@ -193,29 +193,31 @@ def fill_case(capacity: int) -> None:
         f"(state {result['state_bytes'] / 2**30:.2f} GiB, goal < 8 GiB)")
 
 
-def speed_case(capacity: int, repeats: int) -> None:
+def speed_case(capacity: int, repeats: int, parts: bool = False) -> None:
   print(f"\n== fused add + sample {SAMPLE} stacked transitions, C = "
         f"{capacity:,}, {NUM_ENVS} envs, 100 steps per call ==")
   flat = flashbax_buffer(capacity)
   steps_per_call = 100
 
-  def jaxbuf_loop(frames, state, key):
+  def jaxbuf_loop(frames, state, key, mode="fused"):
     def body(carry, t):
       state, acc = carry
       step = {"obs": jnp.full((NUM_ENVS, *FRAME), t % 251, jnp.uint8),
               "action": jnp.zeros(NUM_ENVS, jnp.int32),
               "reward": jnp.ones(NUM_ENVS, jnp.float32),
               "terminated": jnp.zeros(NUM_ENVS, bool)}
-      state = frames.add(state, step,
-                         episode_end=jnp.full(NUM_ENVS, t % 500 == 0))
-      batch = frames.sample(state, jax.random.fold_in(key, t), SAMPLE)
-      acc = acc + checksum(batch.items.obs) + checksum(batch.items.next_obs)
+      if mode != "sample":
+        state = frames.add(state, step,
+                           episode_end=jnp.full(NUM_ENVS, t % 500 == 0))
+      if mode != "add":
+        batch = frames.sample(state, jax.random.fold_in(key, t), SAMPLE)
+        acc = acc + checksum(batch.items.obs) + checksum(batch.items.next_obs)
       return (state, acc), None
     (state, acc), _ = jax.lax.scan(body, (state, jnp.int32(0)),
                                    jnp.arange(steps_per_call))
     return state, acc
 
-  def flashbax_loop(state, key):
+  def flashbax_loop(state, key, mode="fused"):
     def body(carry, t):
       state, acc = carry
       item = {"obs": jnp.full((NUM_ENVS, *FRAME, NUM_STACK), t % 251,
@@ -223,10 +225,12 @@ def speed_case(capacity: int, repeats: int) -> None:
               "action": jnp.zeros(NUM_ENVS, jnp.int32),
               "reward": jnp.ones(NUM_ENVS, jnp.float32),
               "done": jnp.zeros(NUM_ENVS, bool)}
-      state = flat.add(state, item)
-      batch = flat.sample(state, jax.random.fold_in(key, t))
-      acc = acc + checksum(batch.experience.first["obs"]) + checksum(
-          batch.experience.second["obs"])
+      if mode != "sample":
+        state = flat.add(state, item)
+      if mode != "add":
+        batch = flat.sample(state, jax.random.fold_in(key, t))
+        acc = acc + checksum(batch.experience.first["obs"]) + checksum(
+            batch.experience.second["obs"])
       return (state, acc), None
     (state, acc), _ = jax.lax.scan(body, (state, jnp.int32(0)),
                                    jnp.arange(steps_per_call))
@@ -241,6 +245,20 @@ def speed_case(capacity: int, repeats: int) -> None:
   runs["flashbax"] = jax.jit(flashbax_loop, donate_argnums=0)
   states = {name: buffer.init(frame_step()) for name, buffer in layouts.items()}
   states["flashbax"] = flat.init(stacked_item())
+  if parts:
+    # The add alone and the sample alone (of a buffer filled by the warm-up
+    # adds), for jaxbuf's default layout and flashbax.
+    for mode in ("add", "sample"):
+      runs[f"jaxbuf {mode} only"] = jax.jit(functools.partial(
+          jaxbuf_loop, layouts["jaxbuf"], mode=mode), donate_argnums=0)
+      runs[f"flashbax {mode} only"] = jax.jit(functools.partial(
+          flashbax_loop, mode=mode), donate_argnums=0)
+      states[f"jaxbuf {mode} only"] = layouts["jaxbuf"].init(frame_step())
+      states[f"flashbax {mode} only"] = flat.init(stacked_item())
+    for name in [n for n in runs if n.endswith("sample only")]:
+      fill = runs["jaxbuf" if name.startswith("jaxbuf") else "flashbax"]
+      states[name], _ = fill(states[name], jax.random.key(0))
+
   for _ in range(2):  # warm every loop past a sampleable state
     for name, run in runs.items():
       states[name], _ = run(states[name], jax.random.key(0))
@@ -272,6 +290,8 @@ def main() -> None:
   parser.add_argument("--fill-capacity", type=int, default=MILLION)
   parser.add_argument("--speed-capacity", type=int, default=100_000)
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--parts", action="store_true",
+                      help="also time the add alone and the sample alone")
   args = parser.parse_args()
   harness.print_machine()
   if "bytes" in args.cases:
@@ -279,7 +299,7 @@ def main() -> None:
   if "fill" in args.cases:
     fill_case(args.fill_capacity)
   if "speed" in args.cases:
-    speed_case(args.speed_capacity, args.repeats)
+    speed_case(args.speed_capacity, args.repeats, args.parts)
 
 
 if __name__ == "__main__":
