@@ -4,12 +4,14 @@ This module is the public surface; everything under `jaxbuf._src` is private
 and may change. The module-level functions of each buffer kind, with every
 setting explicit, are public too, for users who bind them differently:
 `jaxbuf.uniform`, `jaxbuf.prioritized`, `jaxbuf.rollout`, `jaxbuf.sequence`,
-`jaxbuf.prioritized_sequence`, `jaxbuf.hindsight`, `jaxbuf.episode`.
+`jaxbuf.prioritized_sequence`, `jaxbuf.hindsight`, `jaxbuf.episode`,
+`jaxbuf.frames`.
 `help(jaxbuf.offline)` maps Minari's and RLDS's episodes onto jaxbuf's items
 and streams.
 """
 
 from jaxbuf._src import episode
+from jaxbuf._src import frames
 from jaxbuf._src import hindsight
 from jaxbuf._src import offline
 from jaxbuf._src import prioritized
@@ -34,6 +36,10 @@ from jaxbuf._src.hindsight import HindsightSample
 from jaxbuf._src.hindsight import HindsightTransition
 from jaxbuf._src.hindsight import hindsight_replay
 from jaxbuf._src.checkpoint import save
+from jaxbuf._src.frames import FrameStackReplayState
+from jaxbuf._src.frames import FrameStackTransition
+from jaxbuf._src.frames import frame_stack_replay
+from jaxbuf._src.frames import prioritized_frame_stack_replay
 from jaxbuf._src.minibatch import SequenceMinibatches
 from jaxbuf._src.minibatch import env_minibatches
 from jaxbuf._src.minibatch import sequence_chunks
@@ -80,6 +86,8 @@ __all__ = (
     "EpisodeReplayState",
     "EpisodeSample",
     "EpisodeStep",
+    "FrameStackReplayState",
+    "FrameStackTransition",
     "HindsightReplayState",
     "HindsightSample",
     "HindsightTransition",
@@ -105,6 +113,8 @@ __all__ = (
     "episode_replay",
     "epoch_batches",
     "example_from_space",
+    "frame_stack_replay",
+    "frames",
     "from_minari",
     "from_rlds_steps",
     "held_episodes",
@@ -119,6 +129,7 @@ __all__ = (
     "offline",
     "offline_example",
     "prioritized",
+    "prioritized_frame_stack_replay",
     "prioritized_replay",
     "prioritized_sequence",
     "prioritized_sequence_replay",
