@@ -6,6 +6,7 @@ setting explicit, are public too, for users who bind them differently:
 `jaxbuf.uniform`, `jaxbuf.prioritized`, `jaxbuf.rollout`, `jaxbuf.sequence`,
 `jaxbuf.prioritized_sequence`, `jaxbuf.hindsight`, `jaxbuf.episode`,
 `jaxbuf.frames`.
+`help(jaxbuf.streams)` is the stream convention every stream kind follows;
 `help(jaxbuf.offline)` maps Minari's and RLDS's episodes onto jaxbuf's items
 and streams.
 """
@@ -18,6 +19,7 @@ from jaxbuf._src import prioritized
 from jaxbuf._src import prioritized_sequence
 from jaxbuf._src import rollout
 from jaxbuf._src import sequence
+from jaxbuf._src import streams
 from jaxbuf._src import uniform
 from jaxbuf._src.advantages import compute_gae
 from jaxbuf._src.advantages import lambda_returns
@@ -142,6 +144,7 @@ __all__ = (
     "sequence_replay",
     "sharded",
     "shuffled_minibatches",
+    "streams",
     "to_minari",
     "to_rlds_steps",
     "uniform",

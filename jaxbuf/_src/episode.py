@@ -242,6 +242,8 @@ def episode_replay(num_envs: int, capacity: int, max_episode_length: int, *,
                    checked: bool = False) -> Buffer:
   """A replay buffer of whole episodes, padded to `max_episode_length`.
 
+  Steps follow the stream convention: `help(jaxbuf.streams)`.
+
   Args:
     num_envs: N, the number of streams.
     capacity: C, steps held over all envs; a multiple of N with

@@ -730,6 +730,8 @@ def frame_stack_replay(num_envs: int, capacity: int, num_stack: int, *,
                        checked: bool = False) -> Buffer:
   """A uniform replay buffer of stacked n-step transitions, frames stored once.
 
+  Steps follow the stream convention: `help(jaxbuf.streams)`.
+
   Args:
     num_envs: N, the number of streams.
     capacity: C, steps (frames) held over all envs; a multiple of N, with
@@ -783,6 +785,8 @@ def prioritized_frame_stack_replay(
     beta: float | Schedule = 0.4, eps: float = 1e-6, stratified: bool = True,
     checked: bool = False) -> Buffer:
   """A prioritized replay buffer of stacked n-step transitions.
+
+  Steps follow the stream convention: `help(jaxbuf.streams)`.
 
   Args:
     num_envs, capacity, num_stack, n_step, gamma, stack_keys, stack_axis,

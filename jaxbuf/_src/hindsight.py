@@ -545,6 +545,8 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
                      stratified: bool = True, checked: bool = False) -> Buffer:
   """A hindsight experience replay buffer over per-env episode streams.
 
+  Steps follow the stream convention: `help(jaxbuf.streams)`.
+
   Args:
     num_envs: N, the number of streams.
     capacity: C, steps held over all envs; a multiple of N with at least 2

@@ -649,6 +649,8 @@ def from_minari(dataset: Any, buffer: Buffer, state: Any, *,
   See the module docstring (`help(jaxbuf.offline)`) for the
   mapping of Minari's episodes onto items and streams, dtypes and memory.
 
+  Steps follow the stream convention: `help(jaxbuf.streams)`.
+
   Args:
     dataset: a `minari.MinariDataset` (a filtered one too: its episodes, in
       its order) or a dataset id for `minari.load_dataset`.

@@ -174,6 +174,8 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
                                 checked: bool = False) -> Buffer:
   """A prioritized replay buffer of per-env streams, sampled as windows.
 
+  Steps follow the stream convention: `help(jaxbuf.streams)`.
+
   Args:
     num_envs, capacity, sequence_length, period, episodes: as for
       `sequence_replay`, which also describes the stream: the step's `last`

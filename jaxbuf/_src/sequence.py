@@ -666,6 +666,8 @@ def add(state: SequenceReplayState, steps: PyTree,
                                           padding_action, 0.0, no_env,
                                           last=terminated | truncated))
 
+  Steps follow the stream convention: `help(jaxbuf.streams)`.
+
   Args:
     state: the buffer.
     steps: leaves `[N, *step_shape]` or `[N, T, *step_shape]`; T may exceed
@@ -714,6 +716,8 @@ def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
                     period: int = 1, episodes: str = "cross",
                     checked: bool = False) -> Buffer:
   """A uniform replay buffer of per-env streams, sampled as windows.
+
+  Steps follow the stream convention: `help(jaxbuf.streams)`.
 
   Args:
     num_envs: N, the number of streams.

@@ -5,28 +5,9 @@ with a full n-step horizon inside the window, T trained steps.
 
 Sequence replay stores each env's experience as one stream of steps, so an
 observation is stored once and a transition's next observation is read from
-the stream, k steps later. The stream follows the dm_env / RLDS convention:
-
-* step i holds `obs[i]`, the action taken there `action[i]`, the reward that
-  followed `reward[i]`, and `terminated[i]`: that action truly ended the
-  episode (no bootstrap);
-* when an episode ends (terminated or truncated by a time limit) the stream
-  gets one extra step holding the final observation, flagged `last`; its
-  action, reward and `terminated` are padding and are never read. The step
-  after it is the first step of the next episode.
-
-With gymnax's auto-reset (the observation returned after an episode end is
-the reset one, the final one is `info["final_observation"]`), a collect step
-is one add of every env's step, with the final observations of the envs that
-ended as `final_steps`:
-
-    state = buffer.add(
-        state, Step(obs, action, reward, terminated, last=no_env),
-        final_steps=Step(info["final_observation"], ...,
-                         last=terminated | truncated))
-
-The buffer reads episode ends from the same `last` leaf, and writes a final
-step exactly for the envs whose final step is `last`.
+the stream, k steps later. The stream convention (what a step holds, where
+`terminated` and `last` go, the gymnax and gymnasium recipes) has one home:
+`help(jaxbuf.streams)`.
 
 A transition from step t then runs until the first of: n steps, a
 termination (the reward sum stops and the discount is 0), or a `last` step
@@ -121,6 +102,8 @@ def n_step_targets(rewards: jax.Array, terminated: jax.Array,
   Give it to the buffer as `add(..., final_steps=...)`; the buffer reads
   episode ends from the same `last` leaf.
 
+  Steps follow the stream convention: `help(jaxbuf.streams)`.
+
   Args:
     rewards: `[S, L]` float, the reward after each step's action.
     terminated: `[S, L]` bool (or 0/1 numbers), on the step whose action
@@ -206,6 +189,8 @@ def n_step_transitions(obs: PyTree, action: PyTree, rewards: jax.Array,
   episode; `last` on the extra step after an ended episode (terminated or
   truncated) that holds its final observation, added to the buffer as
   `add(..., final_steps=...)` (details in `n_step_targets`).
+
+  Steps follow the stream convention: `help(jaxbuf.streams)`.
 
   Args:
     obs: pytree of `[S, L, ...]` leaves (the window's observations).
