@@ -238,31 +238,6 @@ def transition_ids_valid(state: FrameStackReplayState, ids: jax.Array, *,
                                       n_step=n_step)
 
 
-def _chunked(state: FrameStackReplayState, steps: PyTree,
-             mask: jax.Array | None, episode_end: jax.Array | None
-             ) -> tuple[PyTree, jax.Array, jax.Array]:
-  """`add`'s arguments as a chunk `(steps [N, T, ...], mask [N], ends [N, T])`."""
-  num_envs = sequence.num_envs_of(state)
-  chunk = sequence._chunk_length(state, steps)  # pylint: disable=protected-access
-  steps = jax.tree.map(jnp.asarray, steps)
-  if chunk is None:
-    steps = jax.tree.map(lambda x: x[:, None], steps)
-  length = 1 if chunk is None else chunk
-  if episode_end is None:
-    episode_end = jnp.zeros((num_envs, length), bool)
-  else:
-    sequence._check_flags(  # pylint: disable=protected-access
-        "episode_end", episode_end,
-        (num_envs,) if chunk is None else (num_envs, length))
-    episode_end = jnp.asarray(episode_end).reshape(num_envs, length)
-  if mask is None:
-    mask = jnp.ones((num_envs,), bool)
-  else:
-    sequence._check_flags("mask", mask, (num_envs,))  # pylint: disable=protected-access
-    mask = jnp.asarray(mask)
-  return steps, mask, episode_end
-
-
 def episode_positions_of(next_positions: jax.Array, episode_end: jax.Array,
                          *, num_stack: int) -> tuple[jax.Array, jax.Array]:
   """Each chunk step's position in its episode, saturated at K - 1.
@@ -304,7 +279,8 @@ def add_steps(state: FrameStackReplayState, steps: PyTree,
     new_leaf_value: the tree leaf of a transition that becomes sampleable.
   """
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
-  steps, mask, episode_end = _chunked(state, steps, mask, episode_end)
+  steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
+                                                       episode_end)
   length = episode_end.shape[1]
   positions, after = episode_positions_of(state.next_positions, episode_end,
                                           num_stack=num_stack)
