@@ -30,8 +30,12 @@ kind's functions for one device's part (capacity or envs divided by D) and
 what `jaxbuf.sharded` needs to draw one exact sample over all devices from
 the D local ones (the mass or count of what each device can sample, how to
 find the rank-th id, how to gather rows). `split` is None for a kind that
-cannot be split. A new kind provides its `Kind`, and nothing outside its own
-module changes.
+cannot be split. A state of a split kind also knows how to regroup itself
+(`BufferState.joined`, the D local states as one unsharded state, and
+`divided`, the inverse), which is how `jaxbuf.load` reshards a checkpoint
+over another number of devices. A new kind provides its `Kind` (and, if it
+splits, overrides `joined` / `divided` where its state adds fields), and
+nothing outside its own module changes.
 """
 
 import inspect
