@@ -521,15 +521,8 @@ def prioritized_sample(state: FrameStackReplayState, key: jax.Array,
   validation.check_state_kind(state, FrameStackReplayState, what="sample",
                               exact=True)
   num_held = _check_sample(state, key, batch_size, checked=checked)
-  found, leaf_values = sum_tree.sample_leaves(state.window_tree, key,
-                                              batch_size, stratified=stratified)
-  total = sum_tree.total(state.window_tree)
-  has_mass = total > 0
-  ids = jnp.where(has_mass, found, 0)
-  log_weights = -prioritized.beta_at(beta, state.beta_step) * jnp.log(
-      num_held.astype(jnp.float32) * (leaf_values / total))
-  weights = jnp.where(has_mass, jnp.exp(log_weights - jnp.max(log_weights)),
-                      0.0)
+  ids, weights, _ = prioritized_sequence.draw_by_priority(
+      state, key, batch_size, num_held, beta=beta, stratified=stratified)
   return ReplaySample(
       items=gather_transitions(state, ids, num_stack=num_stack, n_step=n_step,
                                gamma=gamma, pad=pad, stack_keys=stack_keys,

@@ -104,20 +104,33 @@ def sample(state: PrioritizedSequenceReplayState, key: jax.Array,
   validation.check_state_kind(
       state, PrioritizedSequenceReplayState, what="sample")
   num_windows = sequence.check_sample(state, key, batch_size, checked=checked)
-  found, leaf_values = sum_tree.sample_leaves(state.window_tree, key,
-                                              batch_size, stratified=stratified)
-  total = sum_tree.total(state.window_tree)
-  has_mass = total > 0
-  window_ids = jnp.where(has_mass, found, 0)
-  log_weights = -prioritized.beta_at(beta, state.beta_step) * jnp.log(
-      num_windows.astype(jnp.float32) * (leaf_values / total))
-  weights = jnp.where(has_mass, jnp.exp(log_weights - jnp.max(log_weights)),
-                      0.0)
+  window_ids, weights, has_mass = draw_by_priority(
+      state, key, batch_size, num_windows, beta=beta, stratified=stratified)
   items, mask = sequence.gather_windows(state, window_ids,
                                         sequence_length=sequence_length)
   return SequenceSample(items=items, indices=window_ids, weights=weights,
                         item_ids=sequence.window_item_ids(state, window_ids),
                         mask=mask & has_mass)
+
+
+def draw_by_priority(state: PrioritizedSequenceReplayState, key: jax.Array,
+                     batch_size: int, num_held: jax.Array, *,
+                     beta: float | Schedule, stratified: bool
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Ids `[S]` drawn from `state.window_tree` in proportion to their leaves,
+  their importance weights `(N P(i)) ** -beta` normalised to a largest of 1
+  (N = `num_held`), and whether the tree holds any mass: bool `()`. With no
+  mass, id 0 with weight 0. Shared by the kinds whose tree is over window or
+  transition ids (sequence and frame-stack replay)."""
+  found, leaf_values = sum_tree.sample_leaves(state.window_tree, key,
+                                              batch_size, stratified=stratified)
+  total = sum_tree.total(state.window_tree)
+  has_mass = total > 0
+  log_weights = -prioritized.beta_at(beta, state.beta_step) * jnp.log(
+      num_held.astype(jnp.float32) * (leaf_values / total))
+  weights = jnp.where(has_mass, jnp.exp(log_weights - jnp.max(log_weights)),
+                      0.0)
+  return jnp.where(has_mass, found, 0), weights, has_mass
 
 
 def update_priorities(state: PrioritizedSequenceReplayState,
