@@ -61,9 +61,11 @@ def _collect(dataset_id, env, num_episodes, seed):
   """A dataset recorded by Minari's DataCollector with a random policy."""
   env = minari.DataCollector(env)
   env.action_space.seed(seed)
-  env.reset(seed=seed)
-  for _ in range(num_episodes):
-    env.reset()
+  # A seed per episode: reset without one, the collector draws a fresh
+  # random seed to record, and the episodes (with or without a truncation
+  # among them) would differ from run to run.
+  for episode in range(num_episodes):
+    env.reset(seed=1000 * seed + episode)
     done = False
     while not done:
       _, _, terminated, truncated, _ = env.step(env.action_space.sample())
