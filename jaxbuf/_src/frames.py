@@ -137,18 +137,9 @@ def check_step(example_step: PyTree, *, stack_keys: tuple[str, ...] | None,
       raise ValueError(
           f"frame_stack_replay: the step has no field {name!r}; a step holds "
           f"{STEP_FIELDS} (a dict or a NamedTuple).") from None
-  reward = _field(example_step, "reward")
-  if np.shape(reward) != () or not jnp.issubdtype(
-      validation.canonical_dtype(reward), jnp.floating):
-    raise ValueError(f"frame_stack_replay: step reward must be a float "
-                     f"scalar, given shape {np.shape(reward)} dtype "
-                     f"{validation.canonical_dtype(reward)}.")
-  terminated = _field(example_step, "terminated")
-  if np.shape(terminated) != () or validation.canonical_dtype(
-      terminated) != jnp.bool_:
-    raise ValueError("frame_stack_replay: step terminated must be a bool "
-                     f"scalar, given shape {np.shape(terminated)} dtype "
-                     f"{validation.canonical_dtype(terminated)}.")
+  validation.check_reward_and_terminated(
+      _field(example_step, "reward"), _field(example_step, "terminated"),
+      what="frame_stack_replay")
   obs = _field(example_step, "obs")
   stacked = _stacked_mask(obs, stack_keys)
   for (path, leaf), is_stacked in zip(

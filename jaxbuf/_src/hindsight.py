@@ -135,18 +135,9 @@ def check_step(example_step: PyTree) -> None:
     raise ValueError("hindsight_replay: obs['achieved_goal'] and "
                      "obs['desired_goal'] must have the same shapes and "
                      f"dtypes, given shapes {achieved} and {desired}.")
-  reward = _field(example_step, "reward")
-  if np.shape(reward) != () or not jnp.issubdtype(
-      validation.canonical_dtype(reward), jnp.floating):
-    raise ValueError(f"hindsight_replay: step reward must be a float scalar, "
-                     f"given shape {np.shape(reward)} dtype "
-                     f"{validation.canonical_dtype(reward)}.")
-  terminated = _field(example_step, "terminated")
-  if np.shape(terminated) != () or validation.canonical_dtype(
-      terminated) != jnp.bool_:
-    raise ValueError("hindsight_replay: step terminated must be a bool "
-                     f"scalar, given shape {np.shape(terminated)} dtype "
-                     f"{validation.canonical_dtype(terminated)}.")
+  validation.check_reward_and_terminated(
+      _field(example_step, "reward"), _field(example_step, "terminated"),
+      what="hindsight_replay")
 
 
 def check_settings(num_envs: Any, capacity: Any, reward_fn: Any,

@@ -513,3 +513,19 @@ def check_divides(count: int, num_devices: int, name: str, what: str) -> None:
     raise ValueError(
         f"{what}: {name} {count} does not divide by the {num_devices} devices "
         f"of the mesh axis; use a multiple of {num_devices}.")
+
+
+def check_reward_and_terminated(reward: Any, terminated: Any, *,
+                                what: str) -> None:
+  """Raises `ValueError` unless a step's `reward` is a float scalar and its
+  `terminated` a bool scalar (the fields a stream kind computes targets
+  from), naming the kind, the field, and the shape and dtype given."""
+  if np.shape(reward) != () or not jnp.issubdtype(canonical_dtype(reward),
+                                                  jnp.floating):
+    raise ValueError(f"{what}: step reward must be a float scalar, given "
+                     f"shape {np.shape(reward)} dtype "
+                     f"{canonical_dtype(reward)}.")
+  if np.shape(terminated) != () or canonical_dtype(terminated) != jnp.bool_:
+    raise ValueError(f"{what}: step terminated must be a bool scalar, given "
+                     f"shape {np.shape(terminated)} dtype "
+                     f"{canonical_dtype(terminated)}.")
