@@ -161,3 +161,30 @@ def test_permutation_of_first_orders_the_counted_slots_uniformly():
   assert all(sorted(row[5:]) == list(range(5, 9)) for row in orders.tolist())
   counts = np.bincount(np.argmax(orders == 0, axis=1), minlength=5)
   assert scipy.stats.chisquare(counts).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("num_items", [1, 2, 7, 256, jaxbuf_random.SHORT_PERMUTATION_MAX + 3])
+def test_short_permutation_is_a_permutation(num_items):
+  """Packed keys (and, past the packing limit, keys with indices beside them)
+  give every index once, at every size."""
+  bits = jaxbuf_random.random_bits(jax.random.key(num_items), (num_items,))
+  order = np.asarray(jax.jit(jaxbuf_random.short_permutation)(bits))
+  assert order.dtype == np.int32
+  assert sorted(order.tolist()) == list(range(num_items))
+
+
+def test_short_permutation_draws_every_order_of_four_equally_often():
+  """All 24 orders of 4 indices over 12,000 keys: uniform (chi-square p >
+  1e-3); and where index 0 lands among 256, over 2,000 keys, uniform too."""
+  def orders(num_items, num_keys, seed):
+    keys = jax.random.split(jax.random.key(seed), num_keys)
+    return np.asarray(jax.jit(jax.vmap(lambda k: jaxbuf_random.short_permutation(
+        jaxbuf_random.random_bits(k, (num_items,)))))(keys))
+  small = orders(4, 12_000, 31)
+  codes = small @ np.array([64, 16, 4, 1])
+  counts = np.unique(codes, return_counts=True)[1]
+  assert counts.shape == (24,)
+  assert scipy.stats.chisquare(counts).pvalue > 1e-3
+  large = orders(256, 2_000, 32)
+  where_zero = np.argmax(large == 0, axis=1)
+  assert scipy.stats.chisquare(np.bincount(where_zero // 16, minlength=16)).pvalue > 1e-3

@@ -123,7 +123,11 @@ def fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
 
 def random_uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """`jax.random.uniform(key, shape, jnp.float32)`: float32 `shape` in `[0, 1)`."""
-  bits = random_bits(key, shape)
+  return uniform_from_bits(random_bits(key, shape))
+
+
+def uniform_from_bits(bits: jax.Array) -> jax.Array:
+  """uint32 random bits as float32 uniforms in `[0, 1)`, as `jax.random.uniform`."""
   # The top 23 bits as the mantissa of a float in [1, 2), minus one.
   one_to_two = jax.lax.bitcast_convert_type(
       (bits >> np.uint32(9)) | np.uint32(0x3F800000), jnp.float32)
@@ -216,6 +220,36 @@ def uniform_indices(key: jax.Array, size: jax.Array, batch_size: int) -> jax.Arr
     span = jnp.maximum(size, 1).astype(jnp.uint32)
     return scale_to_span(higher_bits, lower_bits, span).astype(jnp.int32)
   return computed_once(draw, size)
+
+
+# `short_permutation` packs each index into the low bits of its random sort
+# key, so that one sort of a single uint32 array orders them: on CPU, 4 us
+# for 256 indices, where a sort of keys and indices as two arrays (argsort)
+# took 24. Below 2**12 indices, at least 20 random bits remain per key.
+SHORT_PERMUTATION_MAX = 2 ** 12
+
+
+def short_permutation(bits: jax.Array) -> jax.Array:
+  """A uniformly random order of `range(n)` from uint32 random bits `[n]`.
+
+  Indices are sorted by their random bits with the low `ceil(log2 n)` bits
+  replaced by the index itself: one sort of one uint32 array. Two indices
+  whose remaining bits tie (probability `2**-(32 - ceil(log2 n))` per pair,
+  below `2**-20`) keep their positional order. Past `SHORT_PERMUTATION_MAX`
+  indices that bias would grow, so the order comes from sorting by all 32
+  bits with the index as a second operand instead (slower on CPU, exact to
+  the same ties as `permutation`'s 32-bit half).
+
+  Returns:
+    int32 `[n]`, a permutation of `range(n)`.
+  """
+  num_items = bits.shape[0]
+  positions = lax.iota(jnp.uint32, num_items)
+  if num_items > SHORT_PERMUTATION_MAX:
+    return lax.sort((bits, positions), num_keys=1)[1].astype(jnp.int32)
+  index_mask = np.uint32((1 << max(1, (num_items - 1).bit_length())) - 1)
+  packed = (bits & ~index_mask) | positions
+  return (lax.sort(packed) & index_mask).astype(jnp.int32)
 
 
 def permutation(key: jax.Array, num_items: int) -> jax.Array:

@@ -284,23 +284,18 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
     totals = _from_every_device(sum_tree.total(tree), axis)
     total = jnp.sum(totals)
     inclusive = jnp.cumsum(totals)
-    redraws = sum_tree.num_redraws(tree)
-    uniforms = random.random_uniform(
-        key, (1 + redraws + int(kind.stratified), batch_size))
-    if kind.stratified:
-      # Strata in a random order, as `sum_tree.sample_leaves` draws them:
-      # in stratum order, device d's block of a sharded batch would always
-      # come from the same part of the global total (mostly device d's own
-      # items), a biased minibatch for each learner.
-      targets = sum_tree.rotated_strata_targets(uniforms[0], uniforms[-1],
-                                                total)
-    else:
-      targets = uniforms[0] * total
+    # Strata in a random order, as `sum_tree.sample_leaves` draws them: in
+    # stratum order, device d's block of a sharded batch would always come
+    # from the same part of the global total (mostly device d's own items),
+    # a biased minibatch for each learner.
+    targets, redraws = sum_tree.draw_targets(
+        key, batch_size, total, sum_tree.num_redraws(tree),
+        stratified=kind.stratified)
     owner = _owner(inclusive, totals, targets)
     local_targets = jnp.clip(targets - (inclusive - totals)[owner], 0.0,
                              totals[owner])
     found, leaf_values = sum_tree.find_prefix_sums_and_leaves(
-        tree, local_targets, uniforms[1:1 + redraws])
+        tree, local_targets, redraws)
     has_mass = total > 0
     if kind.uniform_when_massless:
       # All priorities underflowed to zero: uniform over the items held. A

@@ -220,21 +220,34 @@ def sample_leaves(tree: SumTree, key: jax.Array, batch_size: int, *,
   Returns:
     int32 `[S]` leaf indices and float32 `[S]` their leaf values.
   """
-  redraws = num_redraws(tree)
-  # One call to the generator for the targets, every redraw and (stratified)
-  # the order of the strata; its first row is `random_uniform(key, (S,))`.
-  uniforms = random.random_uniform(
-      key, (1 + redraws + int(stratified), batch_size))
-  total_mass = total(tree)
+  targets, redraws = draw_targets(key, batch_size, total(tree),
+                                  num_redraws(tree), stratified=stratified)
+  return find_prefix_sums_and_leaves(tree, targets, redraws)
+
+
+def draw_targets(key: jax.Array, batch_size: int, total_mass: jax.Array,
+                 num_redraws: int, *, stratified: bool
+                 ) -> tuple[jax.Array, jax.Array]:
+  """S descent targets in `[0, total_mass)` and the R redraws they need.
+
+  One call to the generator for the targets, every redraw and (stratified)
+  the order of the strata; its first row gives `random_uniform(key, (S,))`.
+
+  Returns:
+    float32 `[S]` targets and float32 `[R, S]` uniforms in `[0, 1)`.
+  """
+  bits = random.random_bits(key, (1 + num_redraws + int(stratified),
+                                  batch_size))
+  uniforms = random.uniform_from_bits(bits[:1 + num_redraws])
   if stratified:
-    targets = rotated_strata_targets(uniforms[0], uniforms[-1], total_mass)
+    targets = random_strata_targets(uniforms[0], bits[-1], total_mass)
   else:
     targets = uniforms[0] * total_mass
-  return find_prefix_sums_and_leaves(tree, targets, uniforms[1:1 + redraws])
+  return targets, uniforms[1:]
 
 
-def rotated_strata_targets(uniforms: jax.Array, order_keys: jax.Array,
-                           total_mass: jax.Array) -> jax.Array:
+def random_strata_targets(uniforms: jax.Array, order_bits: jax.Array,
+                          total_mass: jax.Array) -> jax.Array:
   """One target in each of S equal strata of `[0, total_mass)`, in random order.
 
   In stratum order, position j of every batch would come from stratum j: a
@@ -243,20 +256,20 @@ def rotated_strata_targets(uniforms: jax.Array, order_keys: jax.Array,
   rows still came from neighbouring strata: with 32 items and 256 draws,
   rows came in strips of 8 of one item, so a minibatch cut from a sample
   (or a device's block of a sharded one) was far less varied than it
-  looked. The strata are therefore put in a uniformly random order: one
-  sort of S keys.
+  looked. The strata are therefore put in a uniformly random order
+  (`random.short_permutation`: one sort of S packed keys).
 
   Args:
     uniforms: float32 `[S]` in `[0, 1)`, the position within each stratum.
-    order_keys: float32 `[S]` in `[0, 1)`, independent of `uniforms`; their
-      sorting order is the order of the strata.
+    order_bits: uint32 `[S]` random bits, independent of `uniforms`; they
+      give the order of the strata.
     total_mass: float32 `()`.
 
   Returns:
     float32 `[S]` targets.
   """
   batch_size = uniforms.shape[0]
-  strata = jnp.argsort(order_keys).astype(jnp.int32)
+  strata = random.short_permutation(order_bits)
   return (strata.astype(jnp.float32) + uniforms) * (total_mass / batch_size)
 
 
