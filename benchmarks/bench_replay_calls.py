@@ -15,7 +15,9 @@ The same item and adapters as `bench_replay_fused.py`: `replay_adapters.py`.
 
 On CPU, JAX hands each call to a worker thread (asynchronous dispatch);
 `--sync-dispatch` (`jax_cpu_enable_async_dispatch=False`) runs it on the
-calling thread instead. On a GPU the per-call `add` and prioritized `sample`
+calling thread instead. `--host-batches` uses a host-env loop's sizes
+instead (add 4 items, sample and update 128) and judges jaxbuf's per-call
+times against cpprb's: sample and update within 1.5x, add within 1.0x. On a GPU the per-call `add` and prioritized `sample`
 at the largest capacity are judged against a 0.1 ms target.
 
 Usage:
@@ -36,6 +38,8 @@ import replay_adapters as replay
 
 OPERATIONS = ("add", "sample", "update", "add+sample+update")
 ADD_SCALING = 1.5
+HOST_ADD_BATCH, HOST_SAMPLE_BATCH = 4, 128
+HOST_VS_CPPRB = {"add": 1.0, "sample": 1.5, "update": 1.5}
 GPU_CALL_SECONDS = 1e-4
 
 
@@ -166,6 +170,15 @@ def report(results: dict, settings: Settings) -> list[str]:
           f"jaxbuf naive jax.jit(uniform.add), C={capacity}: "
           f"{naive['jaxbuf'] / donated['jaxbuf']:.0f}x the donated "
           "buffer.add (a full storage copy per call)")
+  if replay.ADD_BATCH == HOST_ADD_BATCH:
+    for kind in settings.kinds:
+      for operation, target in HOST_VS_CPPRB.items():
+        seconds = rows.get((largest, kind, f"per call: {operation}"), {})
+        if "jaxbuf" in seconds and "cpprb" in seconds:
+          verdicts.judge(
+              f"host batches, {kind} per call: {operation}, C={largest}, "
+              "jaxbuf/cpprb", seconds["jaxbuf"] / seconds["cpprb"], target,
+              higher_is_better=False)
   verdicts.print("Targets:")
   return verdicts.lines
 
@@ -177,8 +190,13 @@ def main():
   parser.add_argument("--sync-dispatch", action="store_true",
                       help="jax_cpu_enable_async_dispatch=False: CPU programs "
                       "run on the calling thread")
+  parser.add_argument("--host-batches", action="store_true",
+                      help=f"add {HOST_ADD_BATCH} items, sample and update "
+                      f"{HOST_SAMPLE_BATCH}, as a host-env loop does")
   replay.add_common_arguments(parser)
   args = parser.parse_args()
+  if args.host_batches:
+    replay.ADD_BATCH, replay.SAMPLE_BATCH = HOST_ADD_BATCH, HOST_SAMPLE_BATCH
   if args.sync_dispatch:
     jax.config.update("jax_cpu_enable_async_dispatch", False)
   settings = harness.override(QUICK if args.quick else FULL, args,

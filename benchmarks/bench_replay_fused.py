@@ -33,7 +33,8 @@ import harness
 import replay_adapters as replay
 
 PRIORITIZED_VS_FLASHBAX = 10.0
-PRIORITIZED_VS_CPPRB = 2.0
+PRIORITIZED_VS_CPPRB = 3.0
+PRIORITIZED_OVER_UNIFORM = 1.6  # jaxbuf's own prioritized / uniform time, at 1M
 UNIFORM_VS_FLASHBAX = 1.5
 UNIFORM_VS_CPPRB = 1.0
 
@@ -110,6 +111,19 @@ def report(results: dict, settings: Settings) -> list[str]:
             f"{row['kind']} fused, C={row['capacity']}, {peer}/jaxbuf",
             harness.ratio(times[peer], times["jaxbuf"]),
             targets[(row["kind"], peer)])
+  fused = {(row["capacity"], row["kind"]): row["seconds"].get("jaxbuf")
+           for row in results["rows"] if row["mode"] == "fused"}
+  for capacity in settings.capacities:
+    uniform, prioritized = (fused.get((capacity, kind))
+                            for kind in ("uniform", "prioritized"))
+    if uniform and prioritized:
+      name = f"jaxbuf prioritized / uniform fused, C={capacity}"
+      ratio = prioritized / uniform
+      if capacity == 1_000_000:
+        verdicts.judge(name, ratio, PRIORITIZED_OVER_UNIFORM,
+                       higher_is_better=False)
+      else:
+        verdicts.info(f"{name}: {ratio:.2f}x")
   add_only = {(row["capacity"], row["kind"]): row["seconds"]["jaxbuf"]
               for row in results["rows"] if row["mode"] == "fused: add only"}
   smallest, largest = min(settings.capacities), max(settings.capacities)
