@@ -58,10 +58,11 @@ transitions; streams: each episode goes to the env with the most room left,
 T + 1 steps, while it fits into R), so a loaded buffer never holds part of an
 episode. A newest episode longer than the buffer is a `ValueError`.
 
-Memory. Episodes are read one at a time and added in chunks of `chunk_size`
-items (`chunk_size // N` steps per env) through
-`buffer.add`, which donates the state: the storage is updated in place, so
-the peak is the buffer, one chunk and one episode. The state passed in is
+Memory. Episodes are read one at a time (Minari's file reopened every 16
+episodes, so that h5py's caches stay small) and added in chunks of
+`chunk_size` items (`chunk_size // N` steps per env) through `buffer.add`,
+which donates the state: the storage is updated in place, so the peak is
+the buffer, one chunk and one episode. The state passed in is
 consumed, as by `buffer.add`. On bad input the error is raised before the
 first add where the metadata already shows it (spaces, lengths, episode
 structure), else at the chunk that holds it, and then the half-filled state
@@ -94,8 +95,12 @@ from jaxbuf._src.base import Buffer, PyTree
 from jaxbuf._src.ring import ReplayState
 from jaxbuf._src.sequence import SequenceReplayState
 
-DEFAULT_CHUNK_SIZE = 1 << 14
+DEFAULT_CHUNK_SIZE = 1 << 12
 _CHECK_BLOCK = 1 << 16
+# Minari's HDF5 file is reopened after this many episodes: h5py's caches of
+# an open file grow with every episode read (32 MiB over 1000 episodes read
+# through one open file, 4.5 MiB in runs of 16; benchmarks/RESULTS.md).
+_EPISODES_PER_OPEN = 16
 _EPISODE_FIELDS = ("actions", "rewards", "terminations", "truncations")
 
 
@@ -576,7 +581,10 @@ def _minari_reader(dataset: Any) -> Callable[[list[int]], Iterator[Episode]]:
   episode_ids = [int(i) for i in dataset.episode_indices]
 
   def read(indices):
-    for data in dataset.storage.get_episodes([episode_ids[i] for i in indices]):
+    ids = [episode_ids[i] for i in indices]
+    for data in itertools.chain.from_iterable(
+        dataset.storage.get_episodes(ids[start:start + _EPISODES_PER_OPEN])
+        for start in range(0, len(ids), _EPISODES_PER_OPEN)):
       yield Episode(
           observations=data["observations"], actions=data["actions"],
           rewards=data["rewards"], terminations=data["terminations"],
