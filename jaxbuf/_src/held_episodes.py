@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jaxbuf._src.base import Buffer, PyTree
-from jaxbuf._src.offline import Episode, Transition, checked_layout
+from jaxbuf._src.offline import Episode, Transition, checked_layout, devices_of
 
 _CHECK_BLOCK = 1 << 16
 
@@ -130,8 +130,14 @@ def held_episodes(buffer: Buffer, state: Any) -> list[Episode]:
 
 
 def iterate_held_episodes(buffer: Buffer, state: Any, *, what: str
-                   ) -> Iterator[Episode]:
-  """`held_episodes`, one at a time (errors raised before the first)."""
-  if checked_layout(buffer, state, what=what) == "items":
+                          ) -> Iterator[Episode]:
+  """`held_episodes`, one at a time (errors raised before the first).
+
+  A sharded state is read as the unsharded buffer it stands for (its
+  `joined` state, of a host copy)."""
+  layout = checked_layout(buffer, state, what=what)
+  if devices_of(buffer) is not None:
+    state = type(state).joined(jax.device_get(state))
+  if layout == "items":
     return _item_episodes(state)
   return _stream_episodes(state)

@@ -118,7 +118,7 @@ def offline_example(dataset: Any, buffer: Buffer) -> Any:
     steps = step_arrays(dataset, what=what)
     spec = row_spec(steps)
     return example_of(spec["observation"], spec["action"],
-                    steps["reward"].dtype, layout)
+                      steps["reward"].dtype, layout)
   dataset = _open_minari(dataset, what=what)
   # No space gives the rewards' dtype (Minari keeps gymnasium's Python float
   # rewards as float64): the first episode's is taken.
@@ -128,8 +128,8 @@ def offline_example(dataset: Any, buffer: Buffer) -> Any:
     reward_dtype = np.asarray(next(first).rewards).dtype
     first.close()  # closes Minari's HDF5 file now
   return example_of(_space_spec(dataset.observation_space, "observations"),
-                  _space_spec(dataset.action_space, "actions"), reward_dtype,
-                  layout)
+                    _space_spec(dataset.action_space, "actions"), reward_dtype,
+                    layout)
 
 
 def from_minari(dataset: Any, buffer: Buffer, state: Any, *,
@@ -167,11 +167,11 @@ def from_minari(dataset: Any, buffer: Buffer, state: Any, *,
   what = "from_minari"
   dataset = _open_minari(dataset, what=what)
   layout = checked_layout(buffer, state, what=what)
-  spec = storage_spec(state, layout)
+  spec = storage_spec(buffer, state, layout)
   check_spec("observations", _space_spec(dataset.observation_space,
-                                          "observations"), spec.obs)
+                                         "observations"), spec.obs)
   check_spec("actions", _space_spec(dataset.action_space, "actions"),
-              spec.action)
+             spec.action)
   episode_ids = [int(i) for i in dataset.episode_indices]
   return load_episodes(
       episode_reader(dataset), _minari_lengths(dataset), buffer, state,
@@ -186,10 +186,10 @@ def _as_space_dtypes(tree: PyTree, space_spec: PyTree, field: str,
   """`tree`'s leaves converted exactly to the space's dtypes."""
   check_spec(field, jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree), space_spec,
-              dtypes=False)
+             dtypes=False)
   return jax.tree_util.tree_map_with_path(
       lambda path, x, spec: exact(field + jax.tree_util.keystr(path), x,
-                                   np.dtype(spec.dtype), where),
+                                  np.dtype(spec.dtype), where),
       tree, space_spec)
 
 
@@ -247,7 +247,7 @@ def to_minari(dataset_id: str, buffer: Buffer, state: Any, *,
           actions=_as_space_dtypes(episode.actions, action_spec, "actions",
                                    where),
           rewards=exact("rewards", episode.rewards, np.dtype(reward_dtype),
-                         where),
+                        where),
           terminations=episode.terminations,
           truncations=episode.truncations)
 

@@ -172,16 +172,31 @@ def checked_layout(buffer: Buffer, state: Any, *, what: str) -> str:
   return layout
 
 
-def storage_spec(state: Any, layout: str) -> Any:
+def devices_of(buffer: Buffer) -> int | None:
+  """D for a `jaxbuf.sharded` buffer (its kind records the devices), else
+  None."""
+  return dict(buffer.kind.settings).get("devices")
+
+
+def unsharded_shapes(buffer: Buffer, state: Any) -> Any:
+  """The state's shapes and dtypes as one unsharded buffer's: a sharded
+  state is the stack of its D devices' states, and `joined` (traced only,
+  nothing copied) says how they make one buffer."""
+  if devices_of(buffer) is None:
+    return state
+  # Shapes without their shardings: the regrouping is traced on one device.
+  return jax.eval_shape(type(state).joined, jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+
+
+def storage_spec(buffer: Buffer, state: Any, layout: str) -> Any:
   """The unbatched shapes and dtypes of one item or step."""
   skip = 1 if layout == "items" else 2
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[skip:], x.dtype),
-                      state.storage)
+                      unsharded_shapes(buffer, state).storage)
 
 
-
-# --- Dtypes and exact conversion ---------------------------------------
-
+# --- Dtypes and exact conversion ------------------------------------------
 
 
 def held_dtype(dtype: Any) -> np.dtype:
@@ -190,7 +205,7 @@ def held_dtype(dtype: Any) -> np.dtype:
 
 
 def check_spec(name: str, given: PyTree, expected: PyTree, *,
-                dtypes: bool = True) -> None:
+               dtypes: bool = True) -> None:
   """Structure, shapes and dtypes of `given` (a dataset's) against the
   buffer's `expected`; raises naming the field."""
   given_paths = jax.tree_util.tree_flatten_with_path(given)
@@ -214,7 +229,7 @@ def check_spec(name: str, given: PyTree, expected: PyTree, *,
 
 
 def exact(field: str, values: Any, dtype: np.dtype, where: str, *,
-           round_floats: bool = False) -> np.ndarray:
+          round_floats: bool = False) -> np.ndarray:
   """`values` as `dtype`, or `ValueError` naming the first value not kept.
 
   With `round_floats`, float values may be rounded to a float `dtype`.
@@ -284,13 +299,13 @@ def checked_episode(episode: Episode, spec: Any, where: str, *,
         tree), want, dtypes=False)
     return jax.tree_util.tree_map_with_path(
         lambda path, x, w: exact(field + jax.tree_util.keystr(path), x,
-                                  np.dtype(w.dtype), where,
-                                  round_floats=round_floats), tree, want)
+                                 np.dtype(w.dtype), where,
+                                 round_floats=round_floats), tree, want)
 
   terminations = exact("terminations", episode.terminations, np.dtype(bool),
-                        where)
-  truncations = exact("truncations", episode.truncations, np.dtype(bool),
                        where)
+  truncations = exact("truncations", episode.truncations, np.dtype(bool),
+                      where)
   ends = terminations | truncations
   if ends[:-1].any():
     step = int(np.argwhere(ends[:-1])[0][0])
@@ -305,9 +320,8 @@ def checked_episode(episode: Episode, spec: Any, where: str, *,
       observations=converted("observations", episode.observations, spec.obs),
       actions=converted("actions", episode.actions, spec.action),
       rewards=exact("rewards", episode.rewards, np.dtype(spec.reward.dtype),
-                     where, round_floats=round_floats),
+                    where, round_floats=round_floats),
       terminations=terminations, truncations=truncations)
-
 
 
 # --- The rows of an episode -----------------------------------------------
@@ -340,7 +354,7 @@ def episode_rows(episode: Episode, layout: str) -> PyTree:
 
 
 def example_of(observation_spec: PyTree, action_spec: PyTree,
-             reward_dtype: Any, layout: str) -> Any:
+               reward_dtype: Any, layout: str) -> Any:
   def zeros(spec):
     return jax.tree.map(
         lambda x: np.zeros(x.shape, held_dtype(x.dtype)), spec)

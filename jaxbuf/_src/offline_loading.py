@@ -14,7 +14,8 @@ import numpy as np
 
 from jaxbuf._src.base import Buffer
 from jaxbuf._src.offline import Episode, checked_episode, checked_layout
-from jaxbuf._src.offline import episode_rows, storage_spec
+from jaxbuf._src.offline import devices_of, episode_rows, storage_spec
+from jaxbuf._src.offline import unsharded_shapes
 
 DEFAULT_CHUNK_SIZE = 1 << 12
 
@@ -127,16 +128,19 @@ def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
     what: the caller's name, for errors.
   """
   layout = checked_layout(buffer, state, what=what)
-  spec = storage_spec(state, layout)
+  spec = storage_spec(buffer, state, layout)
+  shapes = unsharded_shapes(buffer, state)
+  num_devices = devices_of(buffer) or 1
+  per_add = _chunk_size_per_env(chunk_size, num_devices) * num_devices
   if not lengths:
     raise ValueError(f"{what}: the dataset holds no episodes.")
   if layout == "items":
-    capacity = jax.tree.leaves(state.storage)[0].shape[0]
+    capacity = jax.tree.leaves(shapes.storage)[0].shape[0]
     kept = _newest_items(lengths, capacity)
     groups = [kept]
     room = f"capacity {capacity} transitions"
   else:
-    num_envs, per_env = state.episode_ends.shape
+    num_envs, per_env = shapes.episode_ends.shape
     groups = _newest_streams(lengths, num_envs, per_env)
     kept = [index for group in groups for index in group]
     room = f"{per_env} steps per env ({num_envs} envs)"
@@ -154,22 +158,31 @@ def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
 
   readers = [reader(group) for group in groups]
   total = sum(lengths[index] + (layout == "streams") for index in kept)
+  if layout == "items" and total % num_devices:
+    raise ValueError(
+        f"{what}: a {buffer.kind.name} buffer keeps its {num_devices} "
+        f"devices' rings in lockstep (each add splits evenly over them), so "
+        f"it loads a multiple of {num_devices} transitions; the newest "
+        f"episodes that fit hold {total}. Load into the unsharded buffer, "
+        "or into a sharded sequence replay buffer (split over envs).")
   bar = _progress_bar(total, progress, what)
   try:
     if layout == "items":
       # One chunk, refilled: each add has run before the next fill (`_added`).
-      chunk = [np.empty((min(chunk_size, total), *leaf.shape), leaf.dtype)
+      chunk = [np.empty((min(per_add, total), *leaf.shape), leaf.dtype)
                for leaf in jax.tree.leaves(spec)]
-      for count in _parts(total, chunk_size):
+      for count in _parts(total, per_add):
         rows = [leaf[:count] for leaf in chunk]
         readers[0].take(rows)
         state = _added(buffer.add(state, jax.tree.unflatten(
-            jax.tree.structure(spec), rows)))
+            jax.tree.structure(spec),
+            [_in_device_blocks(leaf, num_devices) for leaf in rows])))
         if bar is not None:
           bar.update(count)
     else:
       state = _add_streams(buffer, state, readers, groups, lengths, spec,
                            _chunk_size_per_env(chunk_size, len(groups)), bar)
+      _check_episode_ends(buffer, state, groups, lengths, what=what)
   except BaseException:
     _deleted(state)
     raise
@@ -177,6 +190,18 @@ def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
     if bar is not None:
       bar.close()
   return state
+
+
+def _in_device_blocks(rows: np.ndarray, num_devices: int) -> np.ndarray:
+  """Rows `[k D, ...]` in the order added, reordered for a sharded add:
+  device d writes the d-th block of k rows into its next k local slots, and
+  the unsharded view (`ReplayState.joined`) puts local slot j of device d at
+  slot j D + d, so the d-th block is rows d, D + d, 2 D + d, ..."""
+  if num_devices == 1:
+    return rows
+  return np.ascontiguousarray(
+      rows.reshape(-1, num_devices, *rows.shape[1:]).swapaxes(0, 1)
+  ).reshape(rows.shape)
 
 
 def _add_streams(buffer: Buffer, state: Any, readers: list[_RowReader],
@@ -210,3 +235,26 @@ def _add_streams(buffer: Buffer, state: Any, readers: list[_RowReader],
         bar.update(size * len(envs))
     position += 1
   return state
+
+
+def _check_episode_ends(buffer: Buffer, state: Any, groups: list[list[int]],
+                        lengths: Sequence[int], *, what: str) -> None:
+  """Raises unless each env's steps just written hold one episode end per
+  episode added: a kind whose add ignored the steps' `last` leaf (the
+  stream convention) would hold them run together, as one episode."""
+  num_envs = len(groups)
+  # A sharded state holds envs in blocks over the devices: [D, N / D, ...].
+  ends = np.asarray(jax.device_get(state.episode_ends)).reshape(num_envs, -1)
+  heads = np.asarray(jax.device_get(state.write_heads)).reshape(num_envs)
+  for env, group in enumerate(groups):
+    written = sum(lengths[index] + 1 for index in group)
+    slots = (heads[env] - written + np.arange(written)) % ends.shape[1]
+    recorded = int(ends[env, slots].sum())
+    if recorded != len(group):
+      raise ValueError(
+          f"{what}: the {buffer.kind.name} buffer recorded {recorded} episode "
+          f"ends in the {written} steps written to env {env}, where "
+          f"{len(group)} episodes were added: its add does not read the "
+          "steps' `last` leaf (the stream convention, help(jaxbuf.streams)), "
+          "so the episodes would run together.")
+

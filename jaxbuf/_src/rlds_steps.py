@@ -33,7 +33,7 @@ def step_arrays(steps: Any, *, what: str) -> dict[str, Any]:
   for field in ("reward", *_RLDS_FLAGS):
     steps[field] = np.asarray(steps[field])
   num_steps = common_length("steps", {field: steps[field] for field in
-                                ("observation", "action", "reward",
+                                 ("observation", "action", "reward",
                                  *_RLDS_FLAGS)}, "the RLDS steps")
   del num_steps
   for field in _RLDS_FLAGS:
@@ -125,7 +125,7 @@ def from_rlds_steps(steps: dict[str, Any], buffer: Buffer, state: Any, *,
   what = "from_rlds_steps"
   steps = step_arrays(steps, what=what)
   layout = checked_layout(buffer, state, what=what)
-  spec = storage_spec(state, layout)
+  spec = storage_spec(buffer, state, layout)
   given = row_spec(steps)
   check_spec("observation", given["observation"], spec.obs)
   check_spec("action", given["action"], spec.action)
