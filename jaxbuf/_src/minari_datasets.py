@@ -163,6 +163,28 @@ def from_minari(dataset: Any, buffer: Buffer, state: Any, *,
     TypeError / ValueError: the dataset does not match the buffer's example
       (naming the field), or an episode is malformed (naming the field and
       the episode). No partly loaded state is returned.
+
+  A dataset of one episode (T = 3 actions, T + 1 observations), recorded
+  here with Minari:
+
+  >>> import gymnasium, minari, numpy as np, jaxbuf
+  >>> from minari.data_collector import EpisodeBuffer
+  >>> episode = EpisodeBuffer(
+  ...     observations=np.arange(4, dtype=np.float32)[:, None],
+  ...     actions=np.array([0, 1, 0]), rewards=np.array([1.0, 0.5, 2.0]),
+  ...     terminations=np.array([False, False, True]),
+  ...     truncations=np.zeros(3, bool))
+  >>> dataset = minari.create_dataset_from_buffers(
+  ...     "demo/line-v0", [episode],
+  ...     observation_space=gymnasium.spaces.Box(0, 9, (1,), np.float32),
+  ...     action_space=gymnasium.spaces.Discrete(2))
+  >>> buffer = jaxbuf.uniform_replay(8)
+  >>> state = buffer.init(jaxbuf.offline_example(dataset, buffer))
+  >>> state = jaxbuf.from_minari(dataset, buffer, state)
+  >>> int(state.size), state.storage.next_obs[:3, 0].tolist()
+  (3, [1.0, 2.0, 3.0])
+  >>> state.storage.terminated[:3].tolist(), state.storage.reward[:3].tolist()
+  ([False, False, True], [1.0, 0.5, 2.0])
   """
   what = "from_minari"
   dataset = _open_minari(dataset, what=what)
@@ -220,6 +242,29 @@ def to_minari(dataset_id: str, buffer: Buffer, state: Any, *,
     ValueError: the state holds no whole episode, its items are not in
       episode order, or a value does not fit the spaces' dtypes exactly; no
       partly written dataset is left behind.
+
+  A sequence replay buffer holding one episode (loaded here from RLDS
+  steps) written out, and read back by Minari:
+
+  >>> import gymnasium, minari, numpy as np, jaxbuf
+  >>> steps = {"observation": np.arange(4, dtype=np.float32)[:, None],
+  ...          "action": np.array([0, 1, 0, 0]),
+  ...          "reward": np.array([1.0, 0.5, 2.0, 0.0]),
+  ...          "is_first": np.array([1, 0, 0, 0], bool),
+  ...          "is_last": np.array([0, 0, 0, 1], bool),
+  ...          "is_terminal": np.array([0, 0, 0, 1], bool)}
+  >>> buffer = jaxbuf.sequence_replay(num_envs=1, capacity=8, sequence_length=2)
+  >>> state = jaxbuf.from_rlds_steps(
+  ...     steps, buffer, buffer.init(jaxbuf.offline_example(steps, buffer)))
+  >>> dataset = jaxbuf.to_minari(
+  ...     "demo/line-v0", buffer, state,
+  ...     observation_space=gymnasium.spaces.Box(0, 9, (1,), np.float32),
+  ...     action_space=gymnasium.spaces.Discrete(2))
+  >>> episode = next(minari.load_dataset("demo/line-v0").iterate_episodes())
+  >>> episode.observations[:, 0].tolist(), episode.actions.tolist()
+  ([0.0, 1.0, 2.0, 3.0], [0, 1, 0])
+  >>> episode.terminations.tolist(), episode.truncations.tolist()
+  ([False, False, True], [False, False, False])
   """
   what = "to_minari"
   try:

@@ -35,9 +35,11 @@ either (episode and hindsight replay on the streams) loads through the same
 path. Its state's storage must be a `Transition` or an `EpisodeStep`, made
 from `offline_example(...)` or from the user's own example of that form.
 A stream kind is called as `buffer.add(state, steps [N, K, ...], mask [N])`,
-the sequence replay signature (episode ends from the steps' `last` leaf),
-and written back from its state's `episode_ends`, `write_heads`,
-`steps_held` and `step_counts`;
+the sequence replay signature (episode ends from the steps' `last` leaf:
+the load then checks that each env's steps hold one episode end per
+episode added, so a kind whose add ignored `last` is refused rather than
+left holding its episodes run together), and written back from its state's
+`episode_ends`, `write_heads`, `steps_held` and `step_counts`;
 a goal-conditioned dataset (a Dict observation space with "observation",
 "achieved_goal" and "desired_goal", gymnasium-robotics' layout) gives the
 `EpisodeStep.obs` that hindsight replay reads.
@@ -51,6 +53,15 @@ a float32; NaN is no integer): a value that is not kept exactly is a
 `ValueError` naming the field, the episode and the step. `round_floats=True`
 lets float values round (float64 MuJoCo data into a float32 buffer); the
 other checks stay.
+
+Sharded buffers (`jaxbuf.sharded`). The sizes are the unsharded buffer's
+(its state's `joined` shapes), and so is what is written back. Streams
+split over envs, and each device adds its own envs' steps. Item replay's
+D rings are lockstep (each add splits evenly over the devices), so its
+chunks are multiples of D rows, ordered so that the unsharded view holds the
+items in the order added (device d gets rows d, D + d, 2 D + d, ...); the
+newest episodes that fit must then hold a multiple of D transitions, else
+a `ValueError` says so before anything is added.
 
 Larger than the buffer. The newest episodes are kept whole: episodes are
 taken from the last one backwards while they fit (item replay: C
