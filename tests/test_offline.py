@@ -659,6 +659,50 @@ def test_an_episode_end_in_the_middle_is_refused(datasets):
                        buffer.init(jaxbuf.offline_example(dataset, buffer)))
 
 
+def test_an_episode_without_an_end_is_refused(datasets):
+  del datasets  # sets MINARI_DATASETS_PATH
+  episode = dict(_episode(3), terminations=np.zeros(3, bool))
+  dataset = _write("noend", [episode], _box((3,)),
+                   gymnasium.spaces.Discrete(2))
+  buffer = jaxbuf.uniform_replay(8)
+  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
+  with pytest.raises(ValueError, match="episode 0 of .* ends with neither a "
+                     "termination nor a truncation on its last step"):
+    jaxbuf.from_minari(dataset, buffer, state)
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("chunk_size", [0, 2.5])
+def test_a_bad_chunk_size_is_refused(datasets, chunk_size):
+  buffer = ITEM_KINDS["uniform"](CAPACITY)
+  state = buffer.init(jaxbuf.offline_example(datasets["cartpole"], buffer))
+  with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+    jaxbuf.from_minari(datasets["cartpole"], buffer, state,
+                       chunk_size=chunk_size)
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def test_a_buffer_that_holds_no_items_or_streams_is_refused(datasets):
+  with pytest.raises(TypeError, match="offline_example: the buffer has no "
+                     "kind"):
+    jaxbuf.offline_example(datasets["cartpole"], jaxbuf.rollout_buffer(4, 2))
+
+
+def test_writing_a_state_without_a_whole_episode_is_refused(datasets):
+  dataset = datasets["cartpole"]
+  buffer = STREAM_KINDS["sequence"](1, CAPACITY)
+  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
+  with pytest.raises(ValueError, match="to_minari: the state holds no whole "
+                     "episode to write"):
+    jaxbuf.to_minari("test/bad/empty-v0", buffer, state,
+                     observation_space=dataset.observation_space,
+                     action_space=dataset.action_space)
+  assert "test/bad/empty-v0" not in minari.list_local_datasets()
+  with pytest.raises(ValueError, match="to_rlds_steps: the state holds no "
+                     "whole episode"):
+    jaxbuf.to_rlds_steps(buffer, state)
+
+
 def test_a_missing_dataset_is_named(tmp_path, monkeypatch):
   monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path))
   buffer = jaxbuf.uniform_replay(8)
@@ -681,6 +725,8 @@ def test_a_buffer_too_small_for_the_newest_episode_is_refused(datasets):
      "is_terminal: step 0"),
     (lambda s: s.update(reward=np.zeros(3)), "inconsistent lengths"),
     (lambda s: s.pop("is_last"), r"lack \['is_last'\]"),
+    (lambda s: s.update({key: value[:0] for key, value in s.items()}),
+     "the dataset holds no episodes"),
 ])
 def test_broken_rlds_steps_are_refused(change, message):
   steps = {"observation": np.zeros((4, 2), np.float32),
