@@ -583,6 +583,15 @@ def _episode(num_steps, *, actions=None, observations=None):
       == num_steps - 1, truncations=np.zeros(num_steps, bool))
 
 
+def _assert_refused_and_deleted(dataset, buffer, match, **kwargs):
+  """`from_minari` raises `match`, and the donated, half-filled state is
+  gone: nothing half-loaded survives."""
+  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
+  with pytest.raises(ValueError, match=match):
+    jaxbuf.from_minari(dataset, buffer, state, **kwargs)
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
 def test_spaces_that_do_not_match_the_example_are_refused(datasets):
   dataset = datasets["cartpole"]
   buffer = jaxbuf.uniform_replay(64)
@@ -608,13 +617,9 @@ def test_inconsistent_lengths_are_refused(datasets):
   dataset = _write("lengths",
                    [_episode(3), _episode(4, actions=np.zeros(3, np.int64))],
                    _box((3,)), gymnasium.spaces.Discrete(2))
-  buffer = jaxbuf.uniform_replay(64)
-  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
-  with pytest.raises(ValueError, match="episode 1 of .*inconsistent lengths.*"
-                     "'actions': 3"):
-    jaxbuf.from_minari(dataset, buffer, state)
-  # Nothing half-loaded survives: the donated state is gone.
-  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+  _assert_refused_and_deleted(
+      dataset, jaxbuf.uniform_replay(64),
+      "episode 1 of .*inconsistent lengths.*'actions': 3")
 
 
 @x64_too
@@ -623,12 +628,10 @@ def test_nan_where_the_dtype_says_integer_is_refused(datasets):
   actions = np.array([0.0, np.nan, 1.0])
   dataset = _write("nan", [_episode(2), _episode(3, actions=actions)],
                    _box((3,)), gymnasium.spaces.Discrete(2))
-  buffer = jaxbuf.sequence_replay(1, 64, sequence_length=2)
-  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
-  with pytest.raises(ValueError, match=r"actions: nan at step 1 of episode 1 "
-                     r"of .*, where the dtype is int"):
-    jaxbuf.from_minari(dataset, buffer, state, chunk_size=2)
-  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+  _assert_refused_and_deleted(
+      dataset, jaxbuf.sequence_replay(1, 64, sequence_length=2),
+      r"actions: nan at step 1 of episode 1 of .*, where the dtype is int",
+      chunk_size=2)
 
 
 @x64_too
@@ -653,10 +656,8 @@ def test_an_episode_end_in_the_middle_is_refused(datasets):
   episode["truncations"] = np.array([False, True, False])
   dataset = _write("middle", [episode], _box((3,)),
                    gymnasium.spaces.Discrete(2))
-  buffer = jaxbuf.uniform_replay(8)
-  with pytest.raises(ValueError, match="ends at step 1 of 3"):
-    jaxbuf.from_minari(dataset, buffer,
-                       buffer.init(jaxbuf.offline_example(dataset, buffer)))
+  _assert_refused_and_deleted(dataset, jaxbuf.uniform_replay(8),
+                              "ends at step 1 of 3")
 
 
 def test_an_episode_without_an_end_is_refused(datasets):
@@ -664,12 +665,9 @@ def test_an_episode_without_an_end_is_refused(datasets):
   episode = dict(_episode(3), terminations=np.zeros(3, bool))
   dataset = _write("noend", [episode], _box((3,)),
                    gymnasium.spaces.Discrete(2))
-  buffer = jaxbuf.uniform_replay(8)
-  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
-  with pytest.raises(ValueError, match="episode 0 of .* ends with neither a "
-                     "termination nor a truncation on its last step"):
-    jaxbuf.from_minari(dataset, buffer, state)
-  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+  _assert_refused_and_deleted(
+      dataset, jaxbuf.uniform_replay(8), "episode 0 of .* ends with neither "
+      "a termination nor a truncation on its last step")
 
 
 @pytest.mark.parametrize("chunk_size", [0, 2.5])
