@@ -246,10 +246,15 @@ def _check_episode_ends(buffer: Buffer, state: Any, groups: list[list[int]],
   # A sharded state holds envs in blocks over the devices: [D, N / D, ...].
   ends = np.asarray(jax.device_get(state.episode_ends)).reshape(num_envs, -1)
   heads = np.asarray(jax.device_get(state.write_heads)).reshape(num_envs)
+  per_env = ends.shape[1]
   for env, group in enumerate(groups):
     written = sum(lengths[index] + 1 for index in group)
-    slots = (heads[env] - written + np.arange(written)) % ends.shape[1]
-    recorded = int(ends[env, slots].sum())
+    # The ring's slots written last, as at most two slices (no index array
+    # as long as the buffer).
+    start = (int(heads[env]) - written) % per_env
+    recorded = (np.count_nonzero(ends[env, start:start + written])
+                + np.count_nonzero(ends[env, :max(start + written - per_env,
+                                                  0)]))
     if recorded != len(group):
       raise ValueError(
           f"{what}: the {buffer.kind.name} buffer recorded {recorded} episode "
