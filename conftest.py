@@ -29,3 +29,27 @@ def x64_mode(request):
   """
   with jax.enable_x64(request.param):
     yield request.param
+
+
+# The doctests of `jaxbuf.from_minari` and `jaxbuf.to_minari` record their
+# own tiny Minari datasets (no dataset hub is reachable from the test
+# machines).
+_MINARI_DOCTESTS = "jaxbuf/_src/minari_datasets.py::"
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    if _MINARI_DOCTESTS in item.nodeid:
+      # Minari warns about each optional metadata field left out (author,
+      # description, eval_env, ...); the examples leave them out to stay short.
+      item.add_marker(pytest.mark.filterwarnings("ignore::UserWarning:minari"))
+
+
+@pytest.fixture(autouse=True)
+def _minari_doctests_write_to_a_scratch_directory(request):
+  """Those doctests write their datasets under a fresh temporary directory
+  (MINARI_DATASETS_PATH), not ~/.minari."""
+  if _MINARI_DOCTESTS in request.node.nodeid:
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    monkeypatch.setenv("MINARI_DATASETS_PATH",
+                       str(request.getfixturevalue("tmp_path")))

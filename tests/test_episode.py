@@ -323,3 +323,28 @@ def test_hindsight_replay_is_refused_by_sharded_naming_the_kind():
   with pytest.raises(TypeError, match="hindsight_replay"):
     jaxbuf.sharded(jaxbuf.hindsight_replay(4, 16, reward_fn),
                    jax.make_mesh((4,), ("data",)))
+
+
+def test_a_last_leaf_marks_the_episode_ends():
+  """The stream convention (`help(jaxbuf.streams)`): a step's `last` leaf is
+  its episode-end flag, read as `episode_end` would be (it was ignored, and
+  episodes loaded by `jaxbuf.from_minari` ran together); both at once is a
+  `TypeError`."""
+  buffer = make_buffer()
+  ends = np.array([[False, True, False, False, True],
+                   [True, False, False, False, True]])
+  ids = np.arange(10, dtype=np.int32).reshape(2, 5)
+  obs = np.zeros((2, 5, 2), np.float32)
+  with_leaf = buffer.add(
+      buffer.init({**STEP, "last": jnp.bool_(False)}),
+      {"id": ids, "obs": obs, "last": ends})
+  with_flag = buffer.add(buffer.init(STEP), {"id": ids, "obs": obs},
+                         episode_end=ends)
+  for field in ("episode_ends", "piece_lengths", "piece_positions"):
+    np.testing.assert_array_equal(getattr(with_leaf, field),
+                                  getattr(with_flag, field))
+  np.testing.assert_array_equal(with_leaf.window_tree.levels[0],
+                                with_flag.window_tree.levels[0])
+  with pytest.raises(TypeError, match="do not pass episode_end too"):
+    buffer.add(with_leaf, {"id": ids, "obs": obs, "last": ends},
+               episode_end=ends)

@@ -8,6 +8,7 @@ import warnings
 
 import gymnasium
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -57,6 +58,43 @@ class DictTupleEnv(gymnasium.Env):
     return self._observation(), reward, terminated, False, {}
 
 
+class GoalEnv(gymnasium.Env):
+  """gymnasium-robotics' GoalEnv layout in miniature: a point on a plane
+  pushed towards a goal; terminated within 0.5 of it, else truncated by the
+  TimeLimit around it."""
+
+  observation_space = gymnasium.spaces.Dict({
+      "observation": gymnasium.spaces.Box(-4.0, 4.0, (4,), np.float32),
+      "achieved_goal": gymnasium.spaces.Box(-4.0, 4.0, (2,), np.float32),
+      "desired_goal": gymnasium.spaces.Box(-4.0, 4.0, (2,), np.float32),
+  })
+  action_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+  def _observation(self):
+    return {"observation": np.concatenate([self._position, self._goal]),
+            "achieved_goal": self._position.copy(),
+            "desired_goal": self._goal.copy()}
+
+  def reset(self, *, seed=None, options=None):
+    super().reset(seed=seed)
+    self._position = self.np_random.uniform(-1, 1, 2).astype(np.float32)
+    self._goal = self.np_random.uniform(-1, 1, 2).astype(np.float32)
+    return self._observation(), {}
+
+  def step(self, action):
+    self._position = np.clip(self._position + 0.5 * action, -4,
+                             4).astype(np.float32)
+    distance = float(np.linalg.norm(self._position - self._goal))
+    reward = -float(distance > 0.5)  # goal_reward's, in NumPy
+    return self._observation(), reward, distance < 0.5, False, {}
+
+
+def goal_reward(achieved_goal, desired_goal):
+  """The sparse GoalEnv reward: 0 within 0.5 of the goal, else -1."""
+  distance = jnp.linalg.norm(achieved_goal - desired_goal, axis=-1)
+  return -(distance > 0.5).astype(jnp.float32)
+
+
 def _collect(dataset_id, env, num_episodes, seed):
   """A dataset recorded by Minari's DataCollector with a random policy."""
   env = minari.DataCollector(env)
@@ -95,6 +133,9 @@ def datasets(tmp_path_factory):
         "dict": _collect(
             "test/dicttuple/random-v0",
             gymnasium.wrappers.TimeLimit(DictTupleEnv(), 9), 10, 1),
+        "goal": _collect(
+            "test/goal/random-v0",
+            gymnasium.wrappers.TimeLimit(GoalEnv(), 12), 10, 2),
     }
   yield made
   if previous is None:
@@ -183,6 +224,11 @@ STREAM_KINDS = {
     "prioritized_sequence": functools.cache(
         lambda envs, capacity: jaxbuf.prioritized_sequence_replay(
             envs, capacity, sequence_length=2)),
+    # Pieces of up to 32 steps: every episode here (at most 26 steps with
+    # its final observation) is sampled whole.
+    "episode": functools.cache(
+        lambda envs, capacity: jaxbuf.episode_replay(
+            envs, capacity, max_episode_length=32)),
 }
 
 
@@ -240,8 +286,7 @@ def test_several_streams_hold_every_episode_once(datasets, kind):
 
 @x64_too
 @pytest.mark.parametrize("name", ["cartpole", "dict"])
-@pytest.mark.parametrize("kind", ["uniform", "prioritized", "sequence",
-                                  "prioritized_sequence"])
+@pytest.mark.parametrize("kind", [*ITEM_KINDS, *STREAM_KINDS])
 def test_minari_round_trip_is_bit_exact(datasets, name, kind, tmp_path):
   dataset = datasets[name]
   buffer = (ITEM_KINDS[kind](CAPACITY) if kind in ITEM_KINDS
@@ -302,6 +347,164 @@ def test_a_dataset_larger_than_the_buffer_keeps_its_newest_whole_episodes(
   for a, b in zip(held, episodes[-4:]):
     _assert_trees_identical(a.observations, _held(b.observations))
     _assert_trees_identical(a.actions, _held(b.actions))
+
+
+def _as_held(episode):
+  """A Minari episode as `held_episodes` gives it: JAX's dtypes."""
+  return jaxbuf.Episode(*(jax.tree.map(_held, getattr(episode, field))
+                          for field in jaxbuf.Episode._fields))
+
+
+def _by_rewards(episodes):
+  """Episodes in an order that does not depend on the env each was in (the
+  random rewards differ between episodes)."""
+  return sorted(episodes, key=lambda episode: _held(episode.rewards).tobytes())
+
+
+def _identical(given, expected):
+  return (jax.tree.structure(given) == jax.tree.structure(expected)
+          and all(np.asarray(a).dtype == np.asarray(b).dtype
+                  and np.asarray(a).shape == np.asarray(b).shape
+                  and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+                  for a, b in zip(jax.tree.leaves(given),
+                                  jax.tree.leaves(expected))))
+
+
+def test_episode_replay_samples_the_loaded_episodes_whole(datasets):
+  dataset = datasets["dict"]
+  buffer = STREAM_KINDS["episode"](1, CAPACITY)
+  state = _load(dataset, buffer, chunk_size=64)
+  streams = [_reference_stream([episode]) for episode in _episodes(dataset)]
+  sample = buffer.sample(state, jax.random.key(0), 128)
+  items = jax.tree.map(np.asarray, sample.items)
+  lengths = np.asarray(sample.lengths)
+  drawn = set()
+  for row, length in enumerate(lengths.tolist()):
+    piece = jax.tree.map(lambda x, row=row, length=length: x[row, :length],
+                         items)
+    matches = [i for i, stream in enumerate(streams)
+               if _identical(piece, stream)]
+    assert len(matches) == 1, row
+    drawn.update(matches)
+  assert drawn == set(range(len(streams)))
+  assert not np.asarray(sample.continues).any()
+  assert np.array_equal(np.asarray(sample.mask),
+                        np.arange(32)[None] < lengths[:, None])
+
+
+@pytest.mark.xfail(
+    strict=True, raises=ValueError,
+    reason="hindsight.add ignores the steps' `last` leaf (the stream "
+    "convention; jaxbuf/_src/hindsight.py, another session's), so "
+    "from_minari's episode-end check refuses it; remove this mark with the "
+    "fix")
+def test_hindsight_replay_holds_the_goal_episodes_exactly(datasets):
+  dataset = datasets["goal"]
+  episodes = _episodes(dataset)
+  assert any(e.terminations[-1] for e in episodes)
+  assert any(e.truncations[-1] for e in episodes)
+  buffer = jaxbuf.hindsight_replay(1, CAPACITY, goal_reward)
+  state = _load(dataset, buffer, chunk_size=64)
+  steps = dataset.total_steps + dataset.total_episodes
+  _assert_trees_identical(
+      jax.tree.map(lambda x: np.asarray(x)[0, :steps], state.storage),
+      _reference_stream(episodes))
+  # Transitions (t, t + 1) of one episode; goals relabelled from it.
+  transitions = {}
+  for number, episode in enumerate(episodes):
+    for t in range(len(episode.rewards)):
+      transitions[episode.observations["observation"][t].tobytes(),
+                  episode.observations["observation"][t + 1].tobytes()] = (
+                      number)
+  sample = buffer.sample(state, jax.random.key(0), 256)
+  items = jax.tree.map(np.asarray, sample.items)
+  for row in range(256):
+    number = transitions[items.obs["observation"][row].tobytes(),
+                         items.next_obs["observation"][row].tobytes()]
+    if sample.relabelled[row]:
+      goals = episodes[number].observations["achieved_goal"]
+      assert any(np.array_equal(items.obs["desired_goal"][row], goal)
+                 for goal in goals)
+  written = jaxbuf.to_minari(
+      "test/goal/hindsight-v0", buffer, state,
+      observation_space=dataset.observation_space,
+      action_space=dataset.action_space)
+  _assert_same_episodes(_episodes(minari.load_dataset(written.id)), episodes)
+
+
+# A jaxbuf.sharded buffer over the 4 CPU devices of the test session
+# (conftest.py).
+MESH = jax.make_mesh((4,), ("data",))
+
+
+@pytest.mark.parametrize("kind", ["sequence", "episode"])
+def test_sharded_stream_buffers_hold_the_episodes_exactly(datasets, kind):
+  dataset = datasets["dict"]
+  buffer = jaxbuf.sharded(STREAM_KINDS[kind](4, 4 * 64), MESH)
+  state = _load(dataset, buffer, chunk_size=64)
+  for leaf in jax.tree.leaves(state.storage):
+    assert len(leaf.sharding.device_set) == 4
+  expected = _by_rewards(_episodes(dataset))
+  held = _by_rewards(jaxbuf.held_episodes(buffer, state))
+  _assert_same_episodes(held, [_as_held(episode) for episode in expected])
+  assert buffer.sample(state, jax.random.key(0), 8).items.reward.shape[0] == 8
+  written = jaxbuf.to_minari(
+      f"test/dict/sharded-{kind}-v0", buffer, state,
+      observation_space=dataset.observation_space,
+      action_space=dataset.action_space)
+  _assert_same_episodes(
+      _by_rewards(_episodes(minari.load_dataset(written.id))), expected)
+
+
+def test_sharded_item_replay_holds_the_newest_episodes_exactly(datasets):
+  dataset = datasets["dict"]
+  episodes = _episodes(dataset)
+  lengths = [len(e.rewards) for e in episodes]
+  newest = lambda count: sum(lengths[-count:])
+  # The 4 devices' rings are lockstep: the newest episodes that fit must
+  # hold a multiple of 4 transitions.
+  count = next(k for k in range(len(lengths), 0, -1) if newest(k) % 4 == 0)
+  buffer = jaxbuf.sharded(jaxbuf.uniform_replay(newest(count)), MESH)
+  state = _load(dataset, buffer, chunk_size=8)
+  joined = type(state).joined(jax.device_get(state))
+  _assert_trees_identical(jax.tree.map(np.asarray, joined.storage),
+                          _reference_transitions(episodes[-count:]))
+  _assert_same_episodes(jaxbuf.held_episodes(buffer, state),
+                        [_as_held(e) for e in episodes[-count:]])
+  written = jaxbuf.to_minari(
+      "test/dict/sharded-uniform-v0", buffer, state,
+      observation_space=dataset.observation_space,
+      action_space=dataset.action_space)
+  _assert_same_episodes(_episodes(minari.load_dataset(written.id)),
+                        episodes[-count:])
+  # Room for episodes that do not split evenly (and not for one more):
+  # refused before anything is added.
+  count = next(k for k in range(1, len(lengths))
+               if newest(k) % 4 and lengths[-k - 1] > -newest(k) % 4)
+  buffer = jaxbuf.sharded(jaxbuf.uniform_replay(newest(count)
+                                                + -newest(count) % 4), MESH)
+  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
+  with pytest.raises(ValueError, match=f"loads a multiple of 4 transitions; "
+                     f"the newest episodes that fit hold {newest(count)}"):
+    jaxbuf.from_minari(dataset, buffer, state)
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def test_a_stream_kind_that_ignores_the_last_leaf_is_refused(datasets):
+  inner = STREAM_KINDS["sequence"](1, CAPACITY)
+
+  def add_without_ends(state, steps, mask=None):
+    # As a kind whose add does not read `last`: no episode end recorded.
+    return inner.add(state, steps._replace(last=np.zeros_like(steps.last)),
+                     mask)
+
+  buffer = inner._replace(add=add_without_ends)
+  state = buffer.init(jaxbuf.offline_example(datasets["dict"], buffer))
+  with pytest.raises(ValueError, match="recorded 0 episode ends in the .* "
+                     "steps written to env 0, where 10 episodes were added: "
+                     "its add does not read the steps' `last` leaf"):
+    jaxbuf.from_minari(datasets["dict"], buffer, state)
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 
 @x64_too
@@ -380,6 +583,15 @@ def _episode(num_steps, *, actions=None, observations=None):
       == num_steps - 1, truncations=np.zeros(num_steps, bool))
 
 
+def _assert_refused_and_deleted(dataset, buffer, match, **kwargs):
+  """`from_minari` raises `match`, and the donated, half-filled state is
+  gone: nothing half-loaded survives."""
+  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
+  with pytest.raises(ValueError, match=match):
+    jaxbuf.from_minari(dataset, buffer, state, **kwargs)
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
 def test_spaces_that_do_not_match_the_example_are_refused(datasets):
   dataset = datasets["cartpole"]
   buffer = jaxbuf.uniform_replay(64)
@@ -405,13 +617,9 @@ def test_inconsistent_lengths_are_refused(datasets):
   dataset = _write("lengths",
                    [_episode(3), _episode(4, actions=np.zeros(3, np.int64))],
                    _box((3,)), gymnasium.spaces.Discrete(2))
-  buffer = jaxbuf.uniform_replay(64)
-  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
-  with pytest.raises(ValueError, match="episode 1 of .*inconsistent lengths.*"
-                     "'actions': 3"):
-    jaxbuf.from_minari(dataset, buffer, state)
-  # Nothing half-loaded survives: the donated state is gone.
-  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+  _assert_refused_and_deleted(
+      dataset, jaxbuf.uniform_replay(64),
+      "episode 1 of .*inconsistent lengths.*'actions': 3")
 
 
 @x64_too
@@ -420,12 +628,10 @@ def test_nan_where_the_dtype_says_integer_is_refused(datasets):
   actions = np.array([0.0, np.nan, 1.0])
   dataset = _write("nan", [_episode(2), _episode(3, actions=actions)],
                    _box((3,)), gymnasium.spaces.Discrete(2))
-  buffer = jaxbuf.sequence_replay(1, 64, sequence_length=2)
-  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
-  with pytest.raises(ValueError, match=r"actions: nan at step 1 of episode 1 "
-                     r"of .*, where the dtype is int"):
-    jaxbuf.from_minari(dataset, buffer, state, chunk_size=2)
-  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+  _assert_refused_and_deleted(
+      dataset, jaxbuf.sequence_replay(1, 64, sequence_length=2),
+      r"actions: nan at step 1 of episode 1 of .*, where the dtype is int",
+      chunk_size=2)
 
 
 @x64_too
@@ -450,10 +656,49 @@ def test_an_episode_end_in_the_middle_is_refused(datasets):
   episode["truncations"] = np.array([False, True, False])
   dataset = _write("middle", [episode], _box((3,)),
                    gymnasium.spaces.Discrete(2))
-  buffer = jaxbuf.uniform_replay(8)
-  with pytest.raises(ValueError, match="ends at step 1 of 3"):
-    jaxbuf.from_minari(dataset, buffer,
-                       buffer.init(jaxbuf.offline_example(dataset, buffer)))
+  _assert_refused_and_deleted(dataset, jaxbuf.uniform_replay(8),
+                              "ends at step 1 of 3")
+
+
+def test_an_episode_without_an_end_is_refused(datasets):
+  del datasets  # sets MINARI_DATASETS_PATH
+  episode = dict(_episode(3), terminations=np.zeros(3, bool))
+  dataset = _write("noend", [episode], _box((3,)),
+                   gymnasium.spaces.Discrete(2))
+  _assert_refused_and_deleted(
+      dataset, jaxbuf.uniform_replay(8), "episode 0 of .* ends with neither "
+      "a termination nor a truncation on its last step")
+
+
+@pytest.mark.parametrize("chunk_size", [0, 2.5])
+def test_a_bad_chunk_size_is_refused(datasets, chunk_size):
+  buffer = ITEM_KINDS["uniform"](CAPACITY)
+  state = buffer.init(jaxbuf.offline_example(datasets["cartpole"], buffer))
+  with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+    jaxbuf.from_minari(datasets["cartpole"], buffer, state,
+                       chunk_size=chunk_size)
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def test_a_buffer_that_holds_no_items_or_streams_is_refused(datasets):
+  with pytest.raises(TypeError, match="offline_example: the buffer has no "
+                     "kind"):
+    jaxbuf.offline_example(datasets["cartpole"], jaxbuf.rollout_buffer(4, 2))
+
+
+def test_writing_a_state_without_a_whole_episode_is_refused(datasets):
+  dataset = datasets["cartpole"]
+  buffer = STREAM_KINDS["sequence"](1, CAPACITY)
+  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
+  with pytest.raises(ValueError, match="to_minari: the state holds no whole "
+                     "episode to write"):
+    jaxbuf.to_minari("test/bad/empty-v0", buffer, state,
+                     observation_space=dataset.observation_space,
+                     action_space=dataset.action_space)
+  assert "test/bad/empty-v0" not in minari.list_local_datasets()
+  with pytest.raises(ValueError, match="to_rlds_steps: the state holds no "
+                     "whole episode"):
+    jaxbuf.to_rlds_steps(buffer, state)
 
 
 def test_a_missing_dataset_is_named(tmp_path, monkeypatch):
@@ -478,6 +723,8 @@ def test_a_buffer_too_small_for_the_newest_episode_is_refused(datasets):
      "is_terminal: step 0"),
     (lambda s: s.update(reward=np.zeros(3)), "inconsistent lengths"),
     (lambda s: s.pop("is_last"), r"lack \['is_last'\]"),
+    (lambda s: s.update({key: value[:0] for key, value in s.items()}),
+     "the dataset holds no episodes"),
 ])
 def test_broken_rlds_steps_are_refused(change, message):
   steps = {"observation": np.zeros((4, 2), np.float32),

@@ -107,11 +107,22 @@ def add(state: EpisodeReplayState, steps: PyTree,
     steps: leaves `[N, *step_shape]` or `[N, T, *step_shape]`, checked while
       tracing as for `sequence.add`.
     mask: bool `[N]`, the envs that stepped; None for all.
-    episode_end: bool `[N]` or `[N, T]`, True on an episode's last step.
+    episode_end: bool `[N]` or `[N, T]`, True on an episode's last step,
+      for steps without a `last` leaf (which marks the ends itself, as in
+      `help(jaxbuf.streams)`); None for none.
     max_episode_length, weight_by_length: the buffer's settings.
   """
   validation.check_state_kind(state, EpisodeReplayState, what="add",
                               exact=True)
+  last = sequence.last_flags(steps)
+  if last is not None:
+    # The stream convention (`help(jaxbuf.streams)`): a step's own `last`
+    # leaf is its one episode-end flag.
+    if episode_end is not None:
+      raise TypeError(
+          "add: the steps carry a `last` leaf, which marks episode ends; "
+          "episode_end is read from it, so do not pass episode_end too.")
+    episode_end = last
   steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
                                                        episode_end)
   written = sequence.add_steps(state, steps, mask, episode_end, **_STEPS,
