@@ -134,8 +134,9 @@ def main() -> None:
         f"median of {args.repeats}")
   print(f"{'':28s}{'save s':>9s}{'load s':>9s}{'overwrite s':>13s}{'MB on disk':>12s}")
   for name in libraries:
-    label = {"jaxbuf": "jaxbuf.save/load (orbax)",
-             "baseline": f"baseline ({pathlib.Path(args.baseline).name})"}[name]
+    # Built only for the rows present: without --baseline there is no file name.
+    label = ("jaxbuf.save/load (orbax)" if name == "jaxbuf"
+             else f"baseline ({pathlib.Path(args.baseline).name})")
     print(f"{label:28s}{median[name]['save']:9.2f}{median[name]['load']:9.2f}"
           f"{median[name]['overwrite']:13.2f}{on_disk[name] / 1e6:12.1f}")
   print(f"{'numpy.savez/load':28s}{numpy_save_seconds:9.2f}{numpy_load_seconds:9.2f}"
