@@ -475,6 +475,22 @@ def test_a_damaged_or_missing_file_is_one_clear_error(tmp_path, damage, capfd):
   assert "Event loop is closed" not in capfd.readouterr().err
 
 
+def test_an_orbax_read_error_is_one_line_naming_the_leaf_and_the_file():
+  """The message `load` makes of whatever orbax raises reading the arrays."""
+  entries = [(".storage['obs']", {}), (".priorities", {})]
+  error = OSError("DATA_LOSS: Error reading leaf_1 from /proc/self/fd/7/state/d/"
+                  "4f2a9c (checksum mismatch)\nmore [tensorstore_spec={'x': 1}]")
+  message = str(checkpoint_arrays._unreadable("load: P", entries, error))
+  assert message == ("load: P: the stored arrays of leaf .priorities cannot be read "
+                     "(file state/d/4f2a9c), corrupted or edited: OSError: DATA_LOSS: "
+                     "Error reading leaf_1 from /proc/self/fd/7/state/d/4f2a9c (checksum "
+                     "mismatch)")
+  unnamed = checkpoint_arrays._unreadable("load: P", entries, ValueError("bad"),
+                                          "orbax's index")
+  assert str(unnamed) == ("load: P: the stored arrays cannot be read (orbax's index), "
+                          "corrupted or edited: ValueError: bad")
+
+
 def test_saving_a_state_a_donated_add_consumed_is_a_clear_error(tmp_path):
   """Was "Array has been deleted" half-way through the write, leaving
   `<path>.jaxbuf-new` behind; now refused before anything is written."""

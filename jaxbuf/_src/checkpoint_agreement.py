@@ -58,8 +58,8 @@ def _agree(caller: str, error: Exception | None, payload: Any) -> list[Any]:
 
 
 def in_every_process(caller: str, step: Callable[[], Any],
-                      share: Callable[[Any], Any] = lambda _: None
-                      ) -> tuple[Any, list[Any]]:
+                     share: Callable[[Any], Any] = lambda _: None
+                     ) -> tuple[Any, list[Any]]:
   """Runs `step` here, then agrees: its result and every process's `share(result)`."""
   try:
     result, error = step(), None
@@ -79,9 +79,10 @@ def check_processes_agree(caller: str, shared: list[dict[str, Any]]) -> None:
           f"{first['path']}, process {process} has {other['path']}; every "
           "process must pass the same path, on a filesystem all of them see.")
     if other["layout"] != first["layout"]:
+      difference = layouts.layout_difference(first["layout"], other["layout"])
       raise ValueError(
           f"{caller}: the processes disagree on the state: process 0 and "
-          f"process {process} have {layouts.layout_difference(first['layout'], other['layout'])}.")
+          f"process {process} have {difference}.")
 
 
 def check_global(named: list[tuple[str, Any]]) -> None:

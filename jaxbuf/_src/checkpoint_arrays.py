@@ -33,7 +33,7 @@ CHUNK_BYTES = 1 << 24
 _CHECKSUM_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
-# --- Checksums -----------------------------------------------------------------------
+# --- Checksums ----------------------------------------------------------------------
 
 def _host_bytes(array: Any) -> np.ndarray:
   """A leaf's bytes in C order, as uint8 (no copy for a host or CPU array)."""
@@ -80,7 +80,7 @@ def _written_pieces(stored: Any, pool: concurrent.futures.Executor
 # --- Writing ------------------------------------------------------------------------
 
 def write_arrays(directory_fd: int, directory: pathlib.Path,
-                  named: list[tuple[str, Any]]) -> dict[str, list[Any]]:
+                 named: list[tuple[str, Any]]) -> dict[str, list[Any]]:
   """Writes this process's shards into `<directory>/state`; returns their CRC-32s.
 
   Returns:
@@ -186,16 +186,16 @@ def _restore_target(leaf: Any, shape: list[int], dtype: Any) -> jax.ShapeDtypeSt
 
 
 def _unreadable(where: str, entries: list[tuple[str, Any]],
-                error: Exception, files: str = "") -> ValueError:
+                error: Exception, suspected_files: str = "") -> ValueError:
   """orbax's error reading the arrays in one line, naming the leaves it
-  names by their keys and the file it names last."""
+  names by their keys and the file it names last (else `suspected_files`)."""
   text = str(error)
   keys = sorted({int(i) for i in re.findall(r"\bleaf_(\d+)\b", text)
                  if int(i) < len(entries)})
   named = f" of leaf {', '.join(entries[i][0] for i in keys)}" if keys else ""
   named_files = re.findall(r"/state/([^\s\"']+)", text)
   in_file = (f" (file {files.STATE}/{named_files[-1]})" if named_files else
-             f" ({files})" if files else "")
+             f" ({suspected_files})" if suspected_files else "")
   # orbax appends the whole tensorstore spec, kilobytes of it.
   reason = re.split(r"\s*\[tensorstore_spec=", text)[0].splitlines()
   reason = reason[0] if reason else type(error).__name__
@@ -207,7 +207,7 @@ def _unreadable(where: str, entries: list[tuple[str, Any]],
 
 
 def read_arrays(handle: int, found: pathlib.Path, stored: dict[str, Any],
-                 like: PyTree, where: str) -> list[Any]:
+                like: PyTree, where: str) -> list[Any]:
   """Restores and verifies every leaf of a checked layout, placed like `like`."""
   like_leaves = [leaf for _, leaf in layouts.named_leaves(like)]
   entries = list(stored["leaves"].items())

@@ -111,7 +111,7 @@ def sync_directory(directory: pathlib.Path | int) -> None:
       os.close(handle)
 
 
-# --- Which directories are checkpoints; replacing them -----------------------------
+# --- Which directories are checkpoints; replacing them ------------------------------
 
 def _marker_of(directory_fd: int, where: str) -> dict[str, Any] | None:
   """The directory's marker if it is a complete jaxbuf checkpoint, else None."""
@@ -273,7 +273,7 @@ def check_file_sizes(directory_fd: int, marker: Any, where: str) -> None:
   sizes = marker.get("sizes", {}) if isinstance(marker, dict) else {}
   if not isinstance(sizes, dict):
     raise layouts.fail(where, f"the marker's sizes are {type(sizes).__name__}, not "
-                       "an object")
+                              "an object")
   for name, size in sizes.items():
     if not layouts.is_int(size) or os.path.isabs(name) or ".." in name.split("/"):
       raise layouts.fail(where, f"the marker records size {size!r} for {name!r}")

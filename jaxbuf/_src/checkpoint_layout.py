@@ -78,14 +78,7 @@ def layout(state: PyTree) -> dict[str, Any]:
                      for name, leaf in named_leaves(state)}}
 
 
-def _stack_words(stack: Any) -> str:
-  """A stack of states (leading axes), as `check_layout` names it."""
-  if not stack:
-    return "one state (no leading axes)"
-  return f"a stack of states with leading axes {tuple(stack)}"
-
-
-# --- Validating a stored layout -----------------------------------------------------
+# --- Validating a stored layout, comparing layouts ----------------------------------
 
 def fail(where: str, problem: str) -> ValueError:
   return ValueError(f"{where}: malformed layout: {problem}.")
@@ -100,7 +93,7 @@ def _require(where: str, mapping: Any, field: str, kind: type, context: str) -> 
   value = mapping[field]
   if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
     raise fail(where, f"{context} field {field!r} is {value!r}, not a "
-                       f"{kind.__name__}")
+                      f"{kind.__name__}")
   return value
 
 
@@ -127,7 +120,7 @@ def validate_layout(stored: Any, where: str) -> None:
       isinstance(value, (str, int, float, bool))
       for value in settings.values()):
     raise fail(where, f"settings is {settings!r}, not an object of numbers "
-                       f"and strings")
+                      f"and strings")
   chunk = _require(where, stored, "chunk_bytes", int, "the layout")
   if chunk < 1:
     raise fail(where, f"chunk_bytes is {chunk}, not positive")
@@ -143,13 +136,13 @@ def validate_layout(stored: Any, where: str) -> None:
       impl = _require(where, leaf, "key_impl", str, context)
       if impl not in _KEY_IMPLS:
         raise fail(where, f"{context} has PRNG implementation {impl!r}; "
-                           f"known: {list(_KEY_IMPLS)}")
+                          f"known: {list(_KEY_IMPLS)}")
       data_dtype = np.dtype(np.uint32)
       data_shape = _require(where, leaf, "key_data_shape", list, context)
       if (not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                   for d in data_shape) or data_shape[:len(shape)] != shape):
         raise fail(where, f"{context} has key_data_shape {data_shape!r}, which "
-                           f"does not extend its shape {shape!r}")
+                          f"does not extend its shape {shape!r}")
     elif dtype in DTYPES:
       data_dtype, data_shape = DTYPES[dtype], shape
     else:
@@ -159,7 +152,7 @@ def validate_layout(stored: Any, where: str) -> None:
       _validate_piece(where, piece, context, data_shape, data_dtype.itemsize, chunk)
     if not covers_exactly([piece["index"] for piece in pieces], data_shape):
       raise fail(where, f"{context} has pieces {[p['index'] for p in pieces]}, "
-                         f"which do not cover its shape {data_shape} exactly once")
+                        f"which do not cover its shape {data_shape} exactly once")
 
 
 def is_int(value: Any) -> bool:
@@ -175,14 +168,14 @@ def _validate_piece(where: str, piece: Any, context: str, data_shape: list[int],
       and 0 <= bounds[0] < bounds[1] <= size
       for bounds, size in zip(index, data_shape)):
     raise fail(where, f"{context} has a piece with index {index!r}, not a "
-                       f"nonempty box inside its shape {data_shape}")
+                      f"nonempty box inside its shape {data_shape}")
   crcs = _require(where, piece, "crc32", list, f"{context} piece")
   nbytes = math.prod(stop - start for start, stop in index) * itemsize
   if len(crcs) != -(-nbytes // chunk) or not all(
       is_int(c) and 0 <= c < 2**32 for c in crcs):
     raise fail(where, f"{context} piece {show_box(index)} has crc32 {crcs!r}, "
-                       f"not one 32-bit value per {chunk}-byte chunk of its "
-                       f"{nbytes} bytes")
+                      f"not one 32-bit value per {chunk}-byte chunk of its "
+                      f"{nbytes} bytes")
 
 
 def covers_exactly(boxes: list[list[list[int]]], shape: list[int]) -> bool:
@@ -211,8 +204,15 @@ def show_box(box: list[list[int]]) -> str:
   return "[" + ", ".join(f"{start}:{stop}" for start, stop in box) + "]"
 
 
+def _stack_words(stack: Any) -> str:
+  """A stack of states (leading axes), as `check_layout` names it."""
+  if not stack:
+    return "one state (no leading axes)"
+  return f"a stack of states with leading axes {tuple(stack)}"
+
+
 def check_layout(stored: dict[str, Any], expected: dict[str, Any],
-                  where: str) -> None:
+                 where: str) -> None:
   """Raises naming the first difference between a stored and an expected layout."""
   if stored["state_type"] != expected["state_type"]:
     raise TypeError(f"{where} holds a {stored['state_type']}, but `like` is a "
