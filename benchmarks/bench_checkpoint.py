@@ -14,7 +14,11 @@ verified at load. Each measurement is the median of `--repeats` runs.
 `--baseline FILE` also times the `save`/`load` of another checkpoint module
 (e.g. the previous version: `git show HEAD~1:jaxbuf/_src/checkpoint.py >
 /tmp/old_checkpoint.py`), rounds interleaved with the current one in the same
-process, and prints current / baseline ratios.
+process, and prints current / baseline ratios. The file is loaded alone and
+takes the rest of jaxbuf from the current tree, so it must hold the whole of
+`save`/`load`: a `checkpoint.py` from before its split into `checkpoint_*.py`
+rooms (bec42e4 and earlier) does; for a later version, run this script once
+per tree (`PYTHONPATH=<tree>`) instead.
 
 Run: .venv/bin/python benchmarks/bench_checkpoint.py [--capacity N] [--repeats R]
        [--baseline FILE]
