@@ -14,7 +14,11 @@ verified at load. Each measurement is the median of `--repeats` runs.
 `--baseline FILE` also times the `save`/`load` of another checkpoint module
 (e.g. the previous version: `git show HEAD~1:jaxbuf/_src/checkpoint.py >
 /tmp/old_checkpoint.py`), rounds interleaved with the current one in the same
-process, and prints current / baseline ratios.
+process, and prints current / baseline ratios. The file is loaded alone and
+takes the rest of jaxbuf from the current tree, so it must hold the whole of
+`save`/`load`: a `checkpoint.py` from before its split into `checkpoint_*.py`
+rooms (bec42e4 and earlier) does; for a later version, run this script once
+per tree (`PYTHONPATH=<tree>`) instead.
 
 Run: .venv/bin/python benchmarks/bench_checkpoint.py [--capacity N] [--repeats R]
        [--baseline FILE]
@@ -134,8 +138,9 @@ def main() -> None:
         f"median of {args.repeats}")
   print(f"{'':28s}{'save s':>9s}{'load s':>9s}{'overwrite s':>13s}{'MB on disk':>12s}")
   for name in libraries:
-    label = {"jaxbuf": "jaxbuf.save/load (orbax)",
-             "baseline": f"baseline ({pathlib.Path(args.baseline).name})"}[name]
+    # Built only for the rows present: without --baseline there is no file name.
+    label = ("jaxbuf.save/load (orbax)" if name == "jaxbuf"
+             else f"baseline ({pathlib.Path(args.baseline).name})")
     print(f"{label:28s}{median[name]['save']:9.2f}{median[name]['load']:9.2f}"
           f"{median[name]['overwrite']:13.2f}{on_disk[name] / 1e6:12.1f}")
   print(f"{'numpy.savez/load':28s}{numpy_save_seconds:9.2f}{numpy_load_seconds:9.2f}"

@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 
 import jaxbuf
-from jaxbuf._src import checkpoint
+from jaxbuf._src import checkpoint_agreement
+from jaxbuf._src import checkpoint_arrays
+from jaxbuf._src import checkpoint_files
+from jaxbuf._src import checkpoint_layout
 
 
 # Made once: each new buffer has new jitted functions, compiled afresh.
@@ -249,7 +252,7 @@ def test_save_killed_at_each_step_of_the_swap_leaves_one_checkpoint(
   buffer, first, second = _two_states()
   path = tmp_path / "ckpt"
   jaxbuf.save(path, first)
-  real_replace, real_rmtree = os.replace, checkpoint.shutil.rmtree
+  real_replace, real_rmtree = os.replace, checkpoint_files.shutil.rmtree
 
   def replace(source, destination):
     moves_old_aside = pathlib.Path(source) == path
@@ -265,8 +268,8 @@ def test_save_killed_at_each_step_of_the_swap_leaves_one_checkpoint(
       raise Killed
     real_rmtree(directory, *args, **kwargs)
 
-  monkeypatch.setattr(checkpoint.os, "replace", replace)
-  monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+  monkeypatch.setattr(checkpoint_files.os, "replace", replace)
+  monkeypatch.setattr(checkpoint_files.shutil, "rmtree", rmtree)
   with pytest.raises(Killed):
     jaxbuf.save(path, second)
   monkeypatch.undo()
@@ -472,6 +475,22 @@ def test_a_damaged_or_missing_file_is_one_clear_error(tmp_path, damage, capfd):
   assert "Event loop is closed" not in capfd.readouterr().err
 
 
+def test_an_orbax_read_error_is_one_line_naming_the_leaf_and_the_file():
+  """The message `load` makes of whatever orbax raises reading the arrays."""
+  entries = [(".storage['obs']", {}), (".priorities", {})]
+  error = OSError("DATA_LOSS: Error reading leaf_1 from /proc/self/fd/7/state/d/"
+                  "4f2a9c (checksum mismatch)\nmore [tensorstore_spec={'x': 1}]")
+  message = str(checkpoint_arrays._unreadable("load: P", entries, error))
+  assert message == ("load: P: the stored arrays of leaf .priorities cannot be read "
+                     "(file state/d/4f2a9c), corrupted or edited: OSError: DATA_LOSS: "
+                     "Error reading leaf_1 from /proc/self/fd/7/state/d/4f2a9c (checksum "
+                     "mismatch)")
+  unnamed = checkpoint_arrays._unreadable("load: P", entries, ValueError("bad"),
+                                          "orbax's index")
+  assert str(unnamed) == ("load: P: the stored arrays cannot be read (orbax's index), "
+                          "corrupted or edited: ValueError: bad")
+
+
 def test_saving_a_state_a_donated_add_consumed_is_a_clear_error(tmp_path):
   """Was "Array has been deleted" half-way through the write, leaving
   `<path>.jaxbuf-new` behind; now refused before anything is written."""
@@ -492,7 +511,7 @@ def test_a_save_that_fails_while_writing_leaves_nothing_behind(tmp_path,
 
   def disk_full(*args):
     raise OSError(28, "No space left on device")
-  monkeypatch.setattr(checkpoint, "_write_arrays", disk_full)
+  monkeypatch.setattr(checkpoint_arrays, "write_arrays", disk_full)
   with pytest.raises(OSError, match="No space left"):
     jaxbuf.save(tmp_path / "ckpt", buffer.clear(used_prioritized_state(buffer)))
   assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.jaxbuf-lock"]
@@ -574,36 +593,37 @@ def test_a_state_saved_on_one_device_verifies_when_loaded_split(tmp_path):
     ([], [0, 3], True), ([[[0, 0], [0, 3]]], [0, 3], False),        # zero size
 ])
 def test_pieces_must_tile_the_leaf_exactly_once(boxes, shape, covers):
-  assert checkpoint._covers_exactly(boxes, shape) is covers
+  assert checkpoint_layout.covers_exactly(boxes, shape) is covers
 
 
 def test_gather_round_trips_a_payload_in_one_process():
   payload = {"path": "/runs/lr[1]/ünï", "pieces": [[[[0, 4]], [2**32 - 1]]]}
-  assert checkpoint._gather(payload) == [payload]
-  assert checkpoint._gather("x" * 1000) == ["x" * 1000]
+  assert checkpoint_agreement.gather(payload) == [payload]
+  assert checkpoint_agreement.gather("x" * 1000) == ["x" * 1000]
 
 
 def test_processes_that_disagree_get_one_clear_error():
-  layout = checkpoint._layout(BUFFERS["uniform"].init(example_item()))
-  other = checkpoint._layout(BUFFERS["uniform"].init({**example_item(), "obs": jnp.zeros(4)}))
+  layout = checkpoint_layout.layout(BUFFERS["uniform"].init(example_item()))
+  other = checkpoint_layout.layout(BUFFERS["uniform"].init({**example_item(), "obs": jnp.zeros(4)}))
   agreeing = [{"path": "/a", "layout": layout}] * 2
-  checkpoint._check_processes_agree("save", agreeing)
+  checkpoint_agreement.check_processes_agree("save", agreeing)
   with pytest.raises(ValueError, match="save: the processes disagree on the path: "
                      "process 0 has /a, process 1 has /b"):
-    checkpoint._check_processes_agree("save", [agreeing[0], {"path": "/b", "layout": layout}])
+    checkpoint_agreement.check_processes_agree(
+        "save", [agreeing[0], {"path": "/b", "layout": layout}])
   with pytest.raises(ValueError, match=r"load: the processes disagree on the state: process 0 "
                      r"and process 2 have leaf \.storage\['obs'\] .*\[16, 5\].*\[16, 4\]"):
-    checkpoint._check_processes_agree(
+    checkpoint_agreement.check_processes_agree(
         "load", agreeing + [{"path": "/a", "layout": other}])
 
 
 def test_a_multi_process_save_refuses_leaves_of_one_process(monkeypatch):
-  named = checkpoint._named_leaves(BUFFERS["uniform"].init(example_item()))
-  checkpoint._check_global(named)  # one process: any leaf
+  named = checkpoint_layout.named_leaves(BUFFERS["uniform"].init(example_item()))
+  checkpoint_agreement.check_global(named)  # one process: any leaf
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   with pytest.raises(ValueError, match=r"leaf \.storage\['action'\] is a ArrayImpl held by "
                      "this process alone; in a multi-process save every leaf must be a global"):
-    checkpoint._check_global(named)
+    checkpoint_agreement.check_global(named)
 
 
 def _edit_layout(edit):

@@ -1,5 +1,13 @@
 """Frame-stack replay: pixel transitions whose frames are stored once.
 
+Why one module of this size: it holds one rule, which stored frames make up
+a transition's two stacks (its own episode's, padded, never another's). The
+add path keeps each transition's sampleability by that rule (its leaf in the
+sum tree, from `episode_positions`) and the gather reads stacks by it; the
+two halves, the uniform and prioritized variant of each function and the
+two factories stay together so the rule is read and changed in one place.
+The stream underneath is sequence replay's (`sequence.py`), not repeated.
+
 Shape key: N envs, R = C // N steps held per env, C capacity (steps over all
 envs), T steps per env in one add, K num_stack, n n_step, S sample size.
 

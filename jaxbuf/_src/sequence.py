@@ -1,5 +1,15 @@
 """Sequence replay: per-env streams of steps, sampled as fixed-length windows.
 
+Why one module of this size: the window bookkeeping (`window_counts`, the
+windows each add starts, completes or breaks) is one invariant. `add` keeps
+it, and sampling, priority updates and the device split read it, all
+through the same window arithmetic (`steps_ago`, `windows_valid`,
+`window_item_ids`), which the kinds built on these streams (prioritized
+sequence, episode, frame-stack and hindsight replay) call as `sequence.*`
+too. Cutting the add path from the reads would put one invariant in two
+rooms. The parts come in reading order: state, window arithmetic, add,
+reads and sample, priority updates, factory, device split.
+
 Shape key: N envs, R = C // N steps held per env, C capacity (steps over all
 envs), T steps per env in one add, L sequence_length, S sample size.
 

@@ -1,5 +1,12 @@
 """One replay buffer split over the devices of a mesh axis, sampled exactly.
 
+Why one module of this size: it is one algorithm, exact sampling over
+devices, whose parts (the stacked layout, local adds, the global draw with
+its collectives, priority updates routed to the owning device, the
+`sharded` factory) all work on the same stack of local states through one
+`kind.Split`. What differs per kind comes from the kind's own module through
+that record (`kind.py`), so this room does not grow with the kinds.
+
 Shape key: B add batch, S sample size, C capacity (global), D devices on the
 mesh axis; item replay: L = C / D slots per device; sequence replay: N envs,
 R = C / N steps per env, T steps per env in one add, W = N / D * R window
