@@ -78,6 +78,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
                                              tiled=True)
   storage = multihost_utils.process_allgather(state.storage["serial"],
                                               tiled=True)
+  regroups = regrouped_loads(inner, state, out_dir)
   checkpoint = checkpoint_round_trip(
       buffer, state, jax.random.key(1), os.path.join(out_dir, "checkpoint"),
       process_id)
@@ -88,8 +89,42 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
            whole_serials=np.asarray(whole.items["serial"].addressable_data(0)),
            whole_weights=np.asarray(whole.weights.addressable_data(0)),
            leaves=np.asarray(leaves), storage=np.asarray(storage),
-           num_devices=num_devices, local_devices=local_devices, **checkpoint)
+           num_devices=num_devices, local_devices=local_devices, **checkpoint,
+           **regroups)
   jax.distributed.shutdown()
+
+
+def regrouped_loads(inner, state, out_dir: str) -> dict[str, np.ndarray]:
+  """Saves `state` (this job's, 4 devices) to `OUT_DIR/two_processes`, and
+  loads what the parent saved in one process (`OUT_DIR/one_process`) over
+  the 4 devices, over 2 (one per process) and unsharded; every leaf of
+  each, gathered, and of `state`, for the parent to compare bit for bit."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  import jaxbuf  # pylint: disable=import-outside-toplevel
+
+  def gathered(leaf):
+    if leaf.is_fully_replicated:
+      return np.asarray(leaf.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+
+  def leaves(prefix, tree):
+    return {f"{prefix}_{i}": gathered(leaf)
+            for i, leaf in enumerate(jax.tree.leaves(tree))}
+
+  example = {"obs": jnp.zeros(OBS, jnp.float32), "serial": jnp.int32(0)}
+  jaxbuf.save(os.path.join(out_dir, "two_processes"), state)
+  targets = {
+      "four": jaxbuf.sharded(inner, jax.make_mesh((4,), ("data",))),
+      "two": jaxbuf.sharded(inner, jax.make_mesh(
+          (2,), ("data",), devices=jax.devices()[::2])),
+      "unsharded": inner}
+  seen = leaves("saved", state)
+  for name, buffer in targets.items():
+    seen.update(leaves(f"one_process_{name}", jaxbuf.load(
+        os.path.join(out_dir, "one_process"), like=buffer.init(example))))
+  return seen
 
 
 def outcome(call) -> str:

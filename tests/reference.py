@@ -51,6 +51,16 @@ class ReferenceReplay:
     self.priorities[:] = 0
     self.max_priority = 1.0
 
+  def turn(self) -> None:
+    """What regrouping over devices does (`jaxbuf.load` into another device
+    count): a full ring is turned so that its oldest item is slot 0."""
+    if self.size < self.capacity:
+      return
+    order = (self.insert_position + np.arange(self.capacity)) % self.capacity
+    self.storage = [self.storage[slot] for slot in order]
+    self.priorities, self.ids = self.priorities[order], self.ids[order]
+    self.insert_position = 0
+
   def probabilities(self) -> np.ndarray:
     """P(i) for every slot; zero outside the items held."""
     mass = np.where(np.arange(self.capacity) < self.size,
@@ -60,6 +70,35 @@ class ReferenceReplay:
   def weights(self, indices, beta: float) -> np.ndarray:
     raw = (self.size * self.probabilities()[indices]) ** -beta
     return raw / raw.max()
+
+
+class ReferencePriorities:
+  """Priorities of what a stream buffer can sample, by key (env, first
+  step): new entries come in at the running maximum, updates skip
+  non-finite, unknown and stale entries and count signed values by their
+  magnitude, as in `ReferenceReplay`."""
+
+  def __init__(self, eps: float):
+    self.eps = eps
+    self.of: dict = {}   # key -> priority + eps
+    self.max_priority = 1.0
+
+  def refresh(self, keys) -> None:
+    """Keeps the priorities of `keys`, the entries held now; new ones at
+    the maximum."""
+    self.of = {key: self.of.get(key, self.max_priority) for key in keys}
+
+  def update(self, keys_by_id: dict, indices, priorities, item_ids=None) -> None:
+    """`keys_by_id`: {id: key} of the entries held; `item_ids`: the first
+    step of each entry as sampled, or None."""
+    for position, (index, priority) in enumerate(zip(indices, priorities)):
+      key = keys_by_id.get(int(index))
+      if key is None or not np.isfinite(priority):
+        continue
+      if item_ids is not None and key[1] % 2**32 != item_ids[position]:
+        continue
+      self.of[key] = float(np.float32(abs(priority)) + np.float32(self.eps))
+      self.max_priority = max(self.max_priority, self.of[key])
 
 
 def add_random_stream_steps(buffer, state, reference, operation, make_steps):

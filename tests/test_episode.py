@@ -92,6 +92,16 @@ def check_sample(sample, reference):
                                   np.arange(MAX_LENGTH) < length)
 
 
+def check_leaves(state, reference, weight_by_length):
+  """A leaf per piece held (1, or its length), at its first step's id."""
+  leaves = np.asarray(state.window_tree.levels[0])[:CAPACITY]
+  expected = np.zeros(CAPACITY)
+  for (env, first), (length, _) in reference.pieces().items():
+    expected[env * PER_ENV + first % PER_ENV] = (
+        length if weight_by_length else 1)
+  np.testing.assert_array_equal(leaves, expected)
+
+
 OPERATION = st.one_of(
     st.tuples(st.just("add"), st.sampled_from([0, 2, 5, PER_ENV + 3]),
               st.lists(st.booleans(), min_size=NUM_ENVS, max_size=NUM_ENVS),
@@ -124,14 +134,8 @@ def test_random_operation_sequences_match_the_numpy_model(weight_by_length,
     else:
       state = buffer.clear(state)
       reference.clear()
-    pieces = reference.pieces()
-    leaves = np.asarray(state.window_tree.levels[0])[:CAPACITY]
-    expected = np.zeros(CAPACITY)
-    for (env, first), (length, _) in pieces.items():
-      expected[env * PER_ENV + first % PER_ENV] = (
-          length if weight_by_length else 1)
-    np.testing.assert_array_equal(leaves, expected)
-    assert bool(buffer.can_sample(state, 1)) == bool(pieces)
+    check_leaves(state, reference, weight_by_length)
+    assert bool(buffer.can_sample(state, 1)) == bool(reference.pieces())
 
 
 def _three_episodes(buffer):

@@ -3,7 +3,9 @@
 The processes (tests/multiprocess_worker.py) join through
 `jax.distributed.initialize`, so the buffer spans 4 devices owned by two
 JAX clients, as it would span hosts; each adds only its own rows. Then both
-save the state to one path (each writing its own shards) and load it back.
+save the state to one path (each writing its own shards) and load it back,
+and checkpoints move between process counts: one saved here (one process)
+loads in the two, and theirs loads here, over any number of devices.
 """
 
 import os
@@ -12,9 +14,14 @@ import socket
 import subprocess
 import sys
 
+import chex
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
+
+import jaxbuf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
@@ -44,10 +51,33 @@ def run_workers(out_dir) -> None:
     assert worker.returncode == 0, output[-3000:]
 
 
+# The workers' buffer (tests/multiprocess_worker.py), here in one process.
+INNER = jaxbuf.prioritized_replay(4 * LOCAL, alpha=0.7, beta=0.5)
+EXAMPLE = {"obs": jnp.zeros(64, jnp.float32), "serial": jnp.int32(0)}
+TARGETS = {
+    "four": jaxbuf.sharded(INNER, jax.make_mesh((4,), ("data",))),
+    "two": jaxbuf.sharded(INNER, jax.make_mesh((2,), ("data",),
+                                               devices=jax.devices()[:2])),
+    "unsharded": INNER}
+
+
+def one_process_state():
+  """A wrapped state over the 4 devices with uneven priorities (one process)."""
+  four = TARGETS["four"]
+  state = four.init(EXAMPLE)
+  for start in range(0, 44, 4):
+    serial = np.arange(start, start + 4, dtype=np.int32)
+    state = four.add(state, {"obs": np.repeat(serial[:, None], 64, 1).astype(
+        np.float32), "serial": serial})
+  return four.update_priorities(state, np.arange(4 * LOCAL, dtype=np.int32),
+                                (np.arange(4 * LOCAL, dtype=np.float32) % 5) ** 2)
+
+
 @pytest.fixture(scope="module")
 def workers_output(tmp_path_factory):
   """The folder and what each worker saw, from one run shared by the tests."""
   out_dir = tmp_path_factory.mktemp("processes")
+  jaxbuf.save(out_dir / "one_process", one_process_state())
   run_workers(out_dir)
   return out_dir, [dict(np.load(out_dir / f"process_{i}.npz")) for i in range(2)]
 
@@ -103,3 +133,39 @@ def test_two_processes_save_and_load_one_sharded_state(workers_output):
       seen[0]["corrupted_error"])
   assert re.search(r"piece \[[23]:[34], 0:8, 0:64\] \(restored on device",
                    str(seen[1]["corrupted_error"]))
+
+
+def held(state):
+  """{serial: sum-tree leaf} of every item a state holds, stacked or not."""
+  size = np.asarray(state.size).reshape(-1)
+  serials = np.asarray(state.storage["serial"]).reshape(size.shape[0], -1)
+  leaves = np.asarray(state.sum_tree.levels[0]).reshape(size.shape[0], -1)
+  return {int(serials[d, slot]): float(leaves[d, slot])
+          for d, count in enumerate(size) for slot in range(count)}
+
+
+def test_checkpoints_move_between_process_counts(workers_output, tmp_path):
+  """Saved by one process, loaded by two over 4 devices, over 2 (one per
+  process) and unsharded: every leaf as one process loads it. Saved by two
+  processes, loaded by one: bit for bit over 4 devices, every item, leaf
+  and counter regrouped over 2 and unsharded."""
+  out_dir, seen = workers_output
+  for name, buffer in TARGETS.items():
+    expected = jax.tree.leaves(jax.device_get(jaxbuf.load(
+        out_dir / "one_process", like=buffer.init(EXAMPLE))))
+    for process, outcome in enumerate(seen):
+      for i, leaf in enumerate(expected):
+        np.testing.assert_array_equal(outcome[f"one_process_{name}_{i}"], leaf,
+                                      err_msg=f"{name} {i} process {process}")
+  like = TARGETS["four"].init(EXAMPLE)
+  saved = jax.tree.unflatten(jax.tree.structure(like), [
+      seen[0][f"saved_{i}"] for i in range(len(jax.tree.leaves(like)))])
+  loaded = {name: jax.device_get(jaxbuf.load(out_dir / "two_processes",
+                                             like=buffer.init(EXAMPLE)))
+            for name, buffer in TARGETS.items()}
+  chex.assert_trees_all_equal(loaded["four"], saved)
+  for name, state in loaded.items():
+    assert held(state) == held(saved), name
+    assert int(np.sum(state.add_count)) == int(np.sum(saved.add_count)), name
+    assert np.max(state.max_priority) == np.max(saved.max_priority), name
+    assert np.ravel(state.beta_step)[0] == np.ravel(saved.beta_step)[0], name

@@ -1168,6 +1168,56 @@ def test_an_unsharded_ring_that_does_not_split_evenly_says_why(tmp_path):
   assert held_items_and_leaves(restored) == held_items_and_leaves(state)
 
 
+def test_a_regrouped_ring_keeps_its_add_count(tmp_path):
+  """9 items in a ring of 8 over 2 devices and back: add_count stays 9 (it
+  came back as 8, so offline export took the partly overwritten oldest
+  episode for a whole one); the devices count 5 and 4."""
+  plain = jaxbuf.prioritized_replay(8)
+  state = plain.add(plain.init(example_item()), make_items(0, 9))
+  jaxbuf.save(tmp_path / "nine", state)
+  two = jaxbuf.sharded(plain, TWO_DEVICE_MESH)
+  spread = jaxbuf.load(tmp_path / "nine", like=two.init(example_item()))
+  np.testing.assert_array_equal(spread.add_count, [5, 4])
+  spread = two.add(spread, make_items(9, 2))
+  jaxbuf.save(tmp_path / "spread", spread)
+  back = jaxbuf.load(tmp_path / "spread", like=plain.init(example_item()))
+  assert int(back.add_count) == 11
+  assert held_items_and_leaves(back) == held_items_and_leaves(spread)
+  drawn = plain.sample(back, jax.random.key(0), 8)
+  np.testing.assert_array_equal(drawn.item_ids, drawn.items["action"])
+
+
+def frame_step():
+  return {"obs": jnp.int32(0), "action": jnp.int32(0),
+          "reward": jnp.float32(0), "terminated": jnp.bool_(False)}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: jaxbuf.frame_stack_replay(4, 32, 3),
+    lambda: jaxbuf.prioritized_frame_stack_replay(4, 32, 3),
+    lambda: jaxbuf.episode_replay(4, 32, 3)],
+    ids=["frame_stack", "prioritized_frame_stack", "episode"])
+def test_kinds_with_per_env_fields_of_their_own_reshard_exactly(make, tmp_path):
+  """Frame-stack (`episode_positions`, `next_positions`) and episode replay
+  (`piece_lengths`, `piece_positions`) move those fields with their env (a
+  regroup was "shape mismatch at leaf .episode_positions")."""
+  plain = make()
+  ids = np.arange(4)[:, None] * 100 + np.arange(7)[None]
+  steps = {"obs": ids.astype(np.int32), "action": ids.astype(np.int32),
+           "reward": np.ones(ids.shape, np.float32),
+           "terminated": np.zeros(ids.shape, bool)}
+  ends = np.random.default_rng(0).random(ids.shape) < 0.3
+  state = plain.add(plain.init(frame_step()), steps, episode_end=ends)
+  jaxbuf.save(tmp_path / "plain", state)
+  two = jaxbuf.sharded(plain, TWO_DEVICE_MESH)
+  spread = jaxbuf.load(tmp_path / "plain", like=two.init(frame_step()))
+  np.testing.assert_array_equal(spread.episode_ends.shape, (2, 2, 8))
+  assert np.all(np.asarray(two.sample(spread, jax.random.key(3), 8).weights) > 0)
+  jaxbuf.save(tmp_path / "two", spread)
+  back = jaxbuf.load(tmp_path / "two", like=plain.init(frame_step()))
+  chex.assert_trees_all_equal(jax.device_get(back), jax.device_get(state))
+
+
 @pytest.mark.parametrize("prioritized, episodes", SEQ_KINDS, ids=SEQ_IDS)
 def test_sequence_checkpoints_reshard_exactly(prioritized, episodes, tmp_path):
   adds = ragged_adds()

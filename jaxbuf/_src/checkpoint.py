@@ -272,7 +272,10 @@ def load(path: str | os.PathLike, *, like: PyTree) -> PyTree:
   counter kept, sampling from the same distribution), passing whole through
   one device on the way; where no exact regrouping exists (envs that do not
   split over the devices, a ring whose items do not) the error says why.
-  One process only.
+  With several processes each reads the whole state, so a checkpoint
+  saved by any number of processes loads in any other, regrouped where
+  the device counts differ (a `like` whose devices are all in one process
+  comes back replicated over every device, as a leaf without a sharding).
 
   Raises:
     FileNotFoundError: nothing was saved at `path`.
@@ -289,16 +292,42 @@ def load(path: str | os.PathLike, *, like: PyTree) -> PyTree:
   if devices is None:
     return _load_as(path, like)
   stored_devices, wanted_devices = devices
-  # Shapes only: the stored layout is read onto one device and regrouped
-  # there, whatever mesh `like` lives on.
+  # The stored layout is read whole and regrouped on one device, or with
+  # several processes replicated over the devices of `like` (every device
+  # where `like` does not span the processes), then placed like `like`.
+  whole = _whole_on(like)
   unplaced = jax.tree.map(
       lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype), like)
-  stored_like = jax.eval_shape(
-      lambda state: base.regrouped(state, stored_devices), unplaced)
+  stored_like = jax.tree.map(
+      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=whole),
+      jax.eval_shape(lambda state: base.regrouped(state, stored_devices),
+                     unplaced))
   state = base.regrouped(_load_as(path, stored_like), wanted_devices)
   return jax.tree.map(
-      lambda leaf, like_leaf: leaf if getattr(like_leaf, "sharding", None) is None
+      lambda leaf, like_leaf: leaf if not _spans_the_processes(like_leaf)
       else jax.device_put(leaf, like_leaf.sharding), state, like)
+
+
+def _spans_the_processes(leaf: Any) -> bool:
+  """Whether `leaf` has a sharding with devices in every process."""
+  sharding = getattr(leaf, "sharding", None)
+  return sharding is not None and {
+      device.process_index for device in sharding.device_set} == set(
+          range(jax.process_count()))
+
+
+def _whole_on(like: PyTree) -> jax.sharding.Sharding | None:
+  """Where a regrouped state is assembled: one device (None) with one
+  process; with several, replicated over the mesh of `like` where it spans
+  the processes, else over every device (as a leaf without a sharding)."""
+  if jax.process_count() == 1:
+    return None
+  spanning = [leaf.sharding for leaf in jax.tree.leaves(like)
+              if _spans_the_processes(leaf)
+              and isinstance(leaf.sharding, jax.sharding.NamedSharding)]
+  mesh = (spanning[0].mesh if spanning else
+          jax.sharding.Mesh(np.array(jax.devices()), ("devices",)))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 def _devices_to_regroup(path: str | os.PathLike, like: PyTree
@@ -306,7 +335,7 @@ def _devices_to_regroup(path: str | os.PathLike, like: PyTree
   """(stored, wanted) device counts when the checkpoint differs from `like`
   only in them; None otherwise (the exact load then reports any mismatch)."""
   wanted = layouts.settings_of(like)
-  if not wanted or jax.process_count() > 1:
+  if not wanted:
     return None
   try:
     handle, _ = files.open_committed(files.resolve(path))

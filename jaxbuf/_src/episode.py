@@ -65,6 +65,9 @@ class EpisodeReplayState(SequenceReplayState):
   piece_positions: jax.Array  # int32 [N]: where each env's next step falls
                               # in its piece, < M
 
+  def per_env_fields(self) -> tuple[str, ...]:
+    return super().per_env_fields() + ("piece_lengths", "piece_positions")
+
 
 # Each step is a window of one, so `add_steps` zeroes the leaf of every slot
 # it writes (the pieces starting there are overwritten).

@@ -109,6 +109,9 @@ class FrameStackReplayState(PrioritizedSequenceReplayState):
   next_positions: jax.Array     # int32 [N]: the index the next step of each
                                 # env will have, saturated at K - 1
 
+  def per_env_fields(self) -> tuple[str, ...]:
+    return super().per_env_fields() + ("episode_positions", "next_positions")
+
 
 def _field(tree: Any, name: str) -> Any:
   if isinstance(tree, collections.abc.Mapping):

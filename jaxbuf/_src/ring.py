@@ -84,10 +84,11 @@ class ReplayState(BufferState):
 
   def joined(self) -> "ReplayState":
     """D lockstep rings of L slots (every add splits evenly over the
-    devices, so their counters agree) as one ring of D * L: local slot j of
-    device d becomes slot j * D + d, oldest first as before."""
+    devices, so their slots and sizes agree) as one ring of D * L: local
+    slot j of device d becomes slot j * D + d, oldest first as before.
+    `add_count` is the devices' sum (see `divided`)."""
     num_devices = self.insert_position.shape[0]
-    for name in ("insert_position", "size", "add_count"):
+    for name in ("insert_position", "size"):
       require_equal_on_every_device(getattr(self, name), name)
     return self.replace(
         storage=jax.tree.map(
@@ -95,13 +96,17 @@ class ReplayState(BufferState):
                 (-1,) + leaf.shape[2:]), self.storage),
         insert_position=self.insert_position[0] * num_devices,
         size=self.size[0] * num_devices,
-        add_count=self.add_count[0] * jnp.uint32(num_devices))
+        add_count=jnp.sum(self.add_count, dtype=jnp.uint32))
 
   def divided(self, num_devices: int) -> "ReplayState":
     """The inverse of `joined`: slot s to local slot s // D of device s % D.
 
     A full ring is first turned so its oldest item is slot 0; a ring not
     full must hold a multiple of D items, so that the D rings stay lockstep.
+    `add_count` (items ever added, mod 2**32) need not divide by D: device d
+    counts `add_count // D`, plus 1 for the first `add_count % D` devices,
+    so that `joined` gives it back exactly (each device's count only dates
+    its own slots, for `current_item_ids`).
     """
     capacity = capacity_of(self.storage)
     validation.check_divides(capacity, num_devices, "capacity", "load")
@@ -122,7 +127,9 @@ class ReplayState(BufferState):
         insert_position=per_device(
             jnp.where(full, 0, self.insert_position) // num_devices),
         size=per_device(self.size // num_devices),
-        add_count=per_device(self.add_count // jnp.uint32(num_devices)))
+        add_count=self.add_count // jnp.uint32(num_devices) + (
+            jnp.arange(num_devices, dtype=jnp.uint32)
+            < self.add_count % jnp.uint32(num_devices)).astype(jnp.uint32))
 
 
 def is_concrete(value: Any) -> bool:

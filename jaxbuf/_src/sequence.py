@@ -99,6 +99,12 @@ class SequenceReplayState(BufferState):
     return {"vmapped buffers": list(batch_shape), "num_envs": num_envs,
             "capacity": num_envs * per_env}
 
+  def per_env_fields(self) -> tuple[str, ...]:
+    """The fields with one row per env, `[N, ...]`, besides the storage:
+    `joined` and `divided` move them with their env. A kind whose state adds
+    such fields extends this."""
+    return _PER_ENV_FIELDS
+
   def joined(self) -> "SequenceReplayState":
     """D devices' blocks of N / D envs as one buffer of N envs: each env's
     ring, counters and window masses move whole, so window `g` of the
@@ -106,7 +112,7 @@ class SequenceReplayState(BufferState):
     merge = lambda leaf: leaf.reshape((-1,) + leaf.shape[2:])
     per_device = self.episode_ends.shape[1] * self.episode_ends.shape[2]
     return self.replace(
-        **{name: merge(getattr(self, name)) for name in _PER_ENV_FIELDS},
+        **{name: merge(getattr(self, name)) for name in self.per_env_fields()},
         storage=jax.tree.map(merge, self.storage),
         window_tree=None if self.window_tree is None else sum_tree.from_leaves(
             sum_tree.leaves(self.window_tree)[:, :per_device].reshape(-1)))
@@ -127,7 +133,7 @@ class SequenceReplayState(BufferState):
       window_tree = jax.vmap(sum_tree.from_leaves)(
           leaves.reshape(num_devices, -1))
     return self.replace(
-        **{name: split(getattr(self, name)) for name in _PER_ENV_FIELDS},
+        **{name: split(getattr(self, name)) for name in self.per_env_fields()},
         storage=jax.tree.map(split, self.storage), window_tree=window_tree)
 
 
