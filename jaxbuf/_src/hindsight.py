@@ -35,7 +35,10 @@ episode, between the transition's next step and the episode's last held
 step: never another episode, an overwritten or an unwritten slot.
 
 Writes touch the N * min(T, R) rows written and their windows, as sequence
-replay's; a sample gathers 2 * S steps and S goals.
+replay's. A sample reads S transitions' steps and next steps (next
+observations without their desired goal, which the transition's replaces)
+and S goal achieved goals, at rows computed once from one call to the
+generator (`gather_steps`); nothing it computes has the capacity's size.
 
 The module-level functions take every setting explicitly;
 `hindsight_replay` binds them into a `Buffer`.
@@ -361,80 +364,101 @@ def uniform_transition_ids(state: HindsightReplayState, words: jax.Array,
   return jax.lax.cond(jnp.all(found), lambda chosen: chosen, redraw, chosen)
 
 
-def gather_transitions(state: HindsightReplayState, window_ids: jax.Array
-                       ) -> tuple[PyTree, PyTree, jax.Array, jax.Array]:
-  """The steps of transitions `[S]`: `(obs, action, reward, terminated)`,
-  obs leaves `[2, S, ...]` (the step and the next one), the others `[S, ...]`."""
-  per_env = sequence.steps_per_env(state)
-  num_rows = sequence.num_envs_of(state) * per_env
-  batch_size = window_ids.shape[0]
-
-  def rows():
-    at_end = window_ids % per_env == per_env - 1
-    return jnp.concatenate(
-        [window_ids, window_ids + jnp.where(at_end, 1 - per_env, 1)])
-  pair_rows = random.computed_once(rows, window_ids[0])
-  flat = lambda column: column.reshape((num_rows,) + column.shape[2:])
-  obs = jax.tree.map(
-      lambda column: flat(column).at[pair_rows].get(
-          mode="promise_in_bounds").reshape((2, batch_size) + column.shape[2:]),
-      _field(state.storage, "obs"))
-  first = lambda column: flat(column).at[window_ids].get(
-      mode="promise_in_bounds")
-  return (obs, jax.tree.map(first, _field(state.storage, "action")),
-          first(_field(state.storage, "reward")),
-          first(_field(state.storage, "terminated")))
+class TransitionSteps(NamedTuple):
+  """What a sample reads from the storage for transitions `[S]`: their steps
+  and each one's hindsight goal, before the goals are applied
+  (`relabelled_transitions`). Computed where the steps are held (on the
+  owning device, under `jaxbuf.sharded`)."""
+  obs: PyTree          # GoalEnv dict of the transition's step, leaves [S, ...]
+  next_obs: PyTree     # the same dict of the next step, less "desired_goal"
+  action: PyTree       # leaves [S, ...]
+  reward: jax.Array    # [S], the stored reward
+  terminated: jax.Array  # bool [S], the stored flag
+  goal: PyTree         # "achieved_goal" of the goal step, leaves [S, ...]
+  relabelled: jax.Array  # bool [S]: the row takes `goal` as its desired goal
 
 
-def relabel(state: HindsightReplayState, window_ids: jax.Array,
-            steps: tuple[PyTree, PyTree, jax.Array, jax.Array],
-            words: jax.Array, *, reward_fn: Callable, strategy: str,
-            relabel_fraction: float, terminated_fn: Callable | None
-            ) -> tuple[HindsightTransition, jax.Array]:
-  """Transitions from their steps (`gather_transitions`), a share relabelled.
-
-  `words`: uint32 `[3, S]` random words (two for the goal, one for the
-  relabelling).
-
-  Returns:
-    `(transitions, relabelled)`: `HindsightTransition` with `[S, ...]`
-    leaves, and bool `[S]`.
-  """
-  obs, action, stored_reward, terminated = steps
-  batch_size = window_ids.shape[0]
-  higher_bits, lower_bits, relabel_bits = words
+def transition_rows(state: HindsightReplayState, window_ids: jax.Array,
+                    higher_bits: jax.Array, lower_bits: jax.Array, *,
+                    strategy: str) -> jax.Array:
+  """Rows of the flattened storage `[N * R, ...]` that transitions
+  `window_ids [S]` read: int32 `[3, S]`, each transition's step, next step
+  and goal step (`goal_steps_ago`, with the random words given)."""
   per_env = sequence.steps_per_env(state)
   envs = window_ids // per_env
+  at_end = window_ids % per_env == per_env - 1
   goal_slots = (state.write_heads[envs] - 1 - goal_steps_ago(
       state, window_ids, higher_bits, lower_bits, strategy=strategy)) % per_env
-  goals = jax.tree.map(lambda column: column[envs, goal_slots],
-                       _field(state.storage, "obs")["achieved_goal"])
+  return jnp.stack([window_ids, window_ids + jnp.where(at_end, 1 - per_env, 1),
+                    envs * per_env + goal_slots])
+
+
+def gather_steps(state: HindsightReplayState, window_ids: jax.Array,
+                 words: jax.Array, *, strategy: str,
+                 relabel_fraction: float) -> TransitionSteps:
+  """The steps and hindsight goals of transitions `window_ids [S]`.
+
+  `words`: uint32 `[3, S]` random words, two for the goal step and one for
+  whether the row is relabelled. The row numbers are computed once, before
+  the gathers: fused into them, XLA would redo the goal draw for every
+  element of every gathered row (`random.computed_once`).
+  """
+  higher_bits, lower_bits, relabel_bits = words
+  num_rows = sequence.num_envs_of(state) * sequence.steps_per_env(state)
+  rows = random.computed_once(
+      lambda: transition_rows(state, window_ids, higher_bits, lower_bits,
+                              strategy=strategy), window_ids[0])
+  step_rows, next_rows, goal_rows = rows
+
+  def gather(tree, at):
+    return jax.tree.map(
+        lambda column: column.reshape((num_rows,) + column.shape[2:]).at[
+            at].get(mode="promise_in_bounds"), tree)
+  obs = dict(_field(state.storage, "obs"))
   # P(bits < threshold) = threshold / 2**32: the fraction to within 2**-32.
   if relabel_fraction >= 1:
-    relabelled = jnp.ones((batch_size,), bool)
+    relabelled = jnp.ones(window_ids.shape, bool)
   else:
     relabelled = relabel_bits < np.uint32(int(relabel_fraction * 2**32))
+  return TransitionSteps(
+      obs=gather(obs, step_rows),
+      next_obs=gather({key: value for key, value in obs.items()
+                       if key != "desired_goal"}, next_rows),
+      action=gather(_field(state.storage, "action"), step_rows),
+      reward=gather(_field(state.storage, "reward"), step_rows),
+      terminated=gather(_field(state.storage, "terminated"), step_rows),
+      goal=gather(obs["achieved_goal"], goal_rows),
+      relabelled=relabelled)
+
+
+def relabelled_transitions(steps: TransitionSteps, *, reward_fn: Callable,
+                           terminated_fn: Callable | None
+                           ) -> HindsightTransition:
+  """Transitions from their steps, the relabelled rows given their goal:
+  obs and next_obs carry it as "desired_goal", the reward is recomputed by
+  `reward_fn` and, given `terminated_fn`, the discount by it.
+
+  Returns:
+    `HindsightTransition` with `[S, ...]` leaves.
+  """
+  relabelled = steps.relabelled
   rows = lambda leaf: relabelled.reshape((-1,) + (1,) * (leaf.ndim - 1))
   desired = jax.tree.map(lambda goal, given: jnp.where(rows(goal), goal, given),
-                         goals, jax.tree.map(lambda leaf: leaf[0],
-                                             obs["desired_goal"]))
-  obs_t = {**jax.tree.map(lambda leaf: leaf[0], dict(obs)),
-           "desired_goal": desired}
-  next_obs = {**jax.tree.map(lambda leaf: leaf[1], dict(obs)),
-              "desired_goal": desired}
+                         steps.goal, steps.obs["desired_goal"])
+  next_obs = {**steps.next_obs, "desired_goal": desired}
   reward = _checked_output("reward_fn", reward_fn(
-      next_obs["achieved_goal"], desired), stored_reward.shape,
-                           stored_reward.dtype)
+      next_obs["achieved_goal"], desired), steps.reward.shape,
+                           steps.reward.dtype)
+  terminated = steps.terminated
   if terminated_fn is not None:
     terminated = jnp.where(relabelled, _checked_output(
         "terminated_fn", terminated_fn(next_obs["achieved_goal"], desired),
         terminated.shape, jnp.bool_), terminated)
-  transitions = HindsightTransition(
-      obs=obs_t, action=action,
-      reward=jnp.where(relabelled, reward, stored_reward),
-      discount=jnp.where(terminated, 0, 1).astype(stored_reward.dtype),
+  return HindsightTransition(
+      obs={**steps.obs, "desired_goal": desired}, action=steps.action,
+      reward=jnp.where(relabelled, reward, steps.reward),
+      discount=jnp.where(terminated, 0, 1).astype(steps.reward.dtype),
       next_obs=next_obs)
-  return transitions, relabelled
 
 
 def check_sample(state: HindsightReplayState, key: jax.Array, batch_size: int,
@@ -472,33 +496,32 @@ def sample(state: HindsightReplayState, key: jax.Array, batch_size: int, *,
     `[S]`, item_ids uint32 `[S]`, relabelled bool `[S]`.
   """
   total = check_sample(state, key, batch_size, checked=checked)
-  # One split and one call to the generator: on CPU each is a loop of
-  # small kernels, a large part of a sample's cost.
-  draw_key, bits_key = jax.random.split(key)
+  # Two keys by the unrolled hash (`random.fold_in`), not `jax.random.split`,
+  # which on CPU is a loop of small kernels; and one call to the generator.
+  draw_key, bits_key = random.fold_in(key, 0), random.fold_in(key, 1)
+  # The words kept in a buffer (`random.computed_once`): fused, the hash was
+  # recomputed for each of the N envs a rank is compared with, and for each
+  # bookkeeping read of the goal draw (100 us of a 200 us sample at 1M).
   if priorities:
-    drawn = prioritized_sequence.sample(
-        state, draw_key, batch_size, sequence_length=2, beta=beta,
-        stratified=stratified)
-    window_ids, weights = drawn.indices, drawn.weights
-    steps = (jax.tree.map(lambda leaf: jnp.moveaxis(leaf, 1, 0),
-                          _field(drawn.items, "obs")),
-             *(jax.tree.map(lambda leaf: leaf[:, 0], _field(drawn.items, name))
-               for name in ("action", "reward", "terminated")))
-    words = random.random_bits(bits_key, (3, batch_size))
+    window_ids, weights, _ = prioritized_sequence.draw_by_priority(
+        state, draw_key, batch_size, total, beta=beta, stratified=stratified)
+    words = random.computed_once(
+        lambda: random.random_bits(bits_key, (3, batch_size)), total)
   else:
-    words = random.random_bits(bits_key, (2 * CANDIDATES + 3, batch_size))
+    words = random.computed_once(lambda: random.random_bits(
+        bits_key, (2 * CANDIDATES + 3, batch_size)), total)
     window_ids = jnp.where(total > 0, uniform_transition_ids(
         state, words[:2 * CANDIDATES], draw_key), 0)
-    steps = gather_transitions(state, window_ids)
     weights = jnp.full((batch_size,), total > 0, jnp.float32)
     words = words[2 * CANDIDATES:]
-  transitions, relabelled = relabel(
-      state, window_ids, steps, words, reward_fn=reward_fn, strategy=strategy,
-      relabel_fraction=relabel_fraction, terminated_fn=terminated_fn)
+  steps = gather_steps(state, window_ids, words, strategy=strategy,
+                       relabel_fraction=relabel_fraction)
   return HindsightSample(
-      items=transitions, indices=window_ids, weights=weights,
+      items=relabelled_transitions(steps, reward_fn=reward_fn,
+                                   terminated_fn=terminated_fn),
+      indices=window_ids, weights=weights,
       item_ids=sequence.window_item_ids(state, window_ids),
-      relabelled=relabelled)
+      relabelled=steps.relabelled)
 
 
 def update_priorities(state: HindsightReplayState, indices: jax.Array,
