@@ -313,8 +313,8 @@ def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
       held=lambda state: jnp.ceil(
           state.window_tree.levels[-1][..., 0]).astype(jnp.int32),
       masses=lambda local: local.window_tree,
-      rows=functools.partial(gather_pieces,
-                             max_episode_length=max_episode_length),
+      rows=lambda local, ids, key: gather_pieces(
+          local, ids, max_episode_length=max_episode_length),
       # gather_pieces already gives an all-False mask and length 0 when
       # nothing is held, as the unsharded sample does.
       as_sample=lambda rows, indices, weights, item_ids, drawn: EpisodeSample(

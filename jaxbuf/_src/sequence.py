@@ -864,7 +864,8 @@ def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
       at_rank=functools.partial(window_ids_at_ranks,
                                 sequence_length=sequence_length,
                                 period=period),
-      rows=functools.partial(gather_windows, sequence_length=sequence_length),
+      rows=lambda local, window_ids, key: gather_windows(
+          local, window_ids, sequence_length=sequence_length),
       item_ids=window_item_ids,
       # Nothing drawn: mask all False, as the unsharded buffers give.
       as_sample=lambda rows, indices, weights, item_ids, drawn: SequenceSample(
