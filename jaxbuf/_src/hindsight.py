@@ -107,6 +107,26 @@ class HindsightReplayState(PrioritizedSequenceReplayState):
   current_firsts: jax.Array   # uint32 [N]: first step id of that episode
   episode_running: jax.Array  # bool [N]: the next step continues it
 
+  def joined(self) -> "HindsightReplayState":
+    """`PrioritizedSequenceReplayState.joined`, each env's episode
+    bookkeeping moving with its steps."""
+    merge = lambda leaf: leaf.reshape((-1,) + leaf.shape[2:])
+    return super().joined().replace(
+        **{name: merge(getattr(self, name)) for name in _EPISODE_FIELDS})
+
+  def divided(self, num_devices: int) -> "HindsightReplayState":
+    """The inverse of `joined`: envs in blocks of N / D."""
+    blocks = super().divided(num_devices)
+    split = lambda leaf: leaf.reshape(
+        (num_devices, -1) + leaf.shape[1:])
+    return blocks.replace(
+        **{name: split(getattr(self, name)) for name in _EPISODE_FIELDS})
+
+
+# The episode fields, one row per env `[N, ...]`.
+_EPISODE_FIELDS = ("episode_keys", "episode_firsts", "episode_lasts",
+                   "current_keys", "current_firsts", "episode_running")
+
 
 def _field(tree: Any, name: str) -> Any:
   if isinstance(tree, collections.abc.Mapping):
@@ -551,6 +571,44 @@ def clear(state: HindsightReplayState) -> HindsightReplayState:
       episode_running=jnp.zeros_like(state.episode_running))
 
 
+def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
+                       add: Callable, sample: Callable,
+                       update_priorities: Callable | None, beta: Any,
+                       stratified: bool, reward_fn: Callable, strategy: str,
+                       relabel_fraction: float,
+                       terminated_fn: Callable | None) -> kind.Split:
+  """Hindsight replay split over D devices as sequence replay is: envs in
+  blocks of N / D, whole with their episode bookkeeping, so a transition and
+  every step its goal may come from lie on one device.
+
+  Transitions are drawn by the mass of each device's window tree (1 per
+  transition, or its priority); the device holding a transition draws its
+  goal step with the key `jaxbuf.sharded` gives to `rows`, and `as_sample`
+  applies the goals and recomputes the rewards on the joined rows (each
+  device on its own block of a sharded batch).
+  """
+  split = sequence.split_over_devices(
+      num_devices, num_envs=num_envs, capacity=capacity, init=init, add=add,
+      sample=sample, update_priorities=update_priorities, clear=clear,
+      beta=beta, stratified=stratified, **_WINDOW)
+
+  def rows(local, window_ids, key):
+    words = random.computed_once(
+        lambda: random.random_bits(key, (3, window_ids.shape[0])),
+        window_ids[0])
+    return gather_steps(local, window_ids, words, strategy=strategy,
+                        relabel_fraction=relabel_fraction)
+
+  def as_sample(steps, indices, weights, item_ids, drawn):
+    del drawn  # Nothing drawn: transition 0, weight 0, as unsharded.
+    return HindsightSample(
+        items=relabelled_transitions(steps, reward_fn=reward_fn,
+                                     terminated_fn=terminated_fn),
+        indices=indices, weights=weights, item_ids=item_ids,
+        relabelled=steps.relabelled)
+  return split._replace(rows=rows, as_sample=as_sample)
+
+
 def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
                      strategy: str = "future", relabel_fraction: float = 0.8,
                      terminated_fn: Callable | None = None,
@@ -584,6 +642,8 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
   Returns:
     A `Buffer`; `add(state, steps, mask=None, episode_end=None)`, `sample`
     returns a `HindsightSample` whose items are `HindsightTransition`s.
+    `jaxbuf.sharded` splits it over devices as sequence replay, envs in
+    blocks of N / D (`split_over_devices`).
 
   >>> import jax, jax.numpy as jnp, jaxbuf
   >>> reward_fn = lambda achieved, desired: -jnp.any(
@@ -610,14 +670,26 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
     if not callable(beta):
       validation.check_hyperparameter(beta, "beta")
   priority_alpha = alpha if prioritized else None
+  relabelling = dict(reward_fn=reward_fn, strategy=strategy,
+                     relabel_fraction=float(relabel_fraction),
+                     terminated_fn=terminated_fn)
+  bound_add = functools.partial(add, alpha=priority_alpha)
+  bound_sample = functools.partial(sample, **relabelling,
+                                   priorities=prioritized, beta=beta,
+                                   stratified=stratified)
+  split = functools.partial(
+      split_over_devices, num_envs=num_envs, capacity=capacity, add=bound_add,
+      sample=bound_sample,
+      update_priorities=functools.partial(
+          update_priorities, alpha=priority_alpha, eps=eps) if prioritized
+      else None,
+      # Uniform: independent rows, as the unsharded draw gives.
+      beta=beta if prioritized else None,
+      stratified=stratified and prioritized, **relabelling)
   return bind(
       init=functools.partial(init, num_envs=num_envs, capacity=capacity),
-      add=functools.partial(add, alpha=priority_alpha),
-      sample=functools.partial(
-          sample, reward_fn=reward_fn, strategy=strategy,
-          relabel_fraction=float(relabel_fraction),
-          terminated_fn=terminated_fn, priorities=prioritized, beta=beta,
-          stratified=stratified, checked=checked),
+      add=bound_add,
+      sample=functools.partial(bound_sample, checked=checked),
       update_priorities=functools.partial(update_priorities,
                                           alpha=priority_alpha, eps=eps,
                                           checked=checked),
@@ -630,8 +702,5 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
               num_envs=num_envs, capacity=capacity, prioritized=prioritized,
               **(dict(alpha=float(alpha), eps=float(eps)) if prioritized
                  else {})),
-          # Not split over devices: `jaxbuf.sharded`'s exact global sample
-          # gathers rows on the owning device without a key, and a
-          # hindsight goal is a random draw that must be made there.
-          split=None),
+          split=split),
       checked=checked)
