@@ -203,7 +203,7 @@ def main() -> None:
     times["SB3 HerReplayBuffer"] = harness.time_call(
         lambda: sb3.sample(args.batch_size), repeats=args.repeats)
   print(f"\nsample of {args.batch_size} at capacity {capacity:,} (median of "
-        f"{args.repeats}; the jaxbuf pair interleaved), microseconds per call")
+        f"{args.repeats}; the jaxbuf calls interleaved), microseconds per call")
   harness.print_table([("buffer", -32), ("us", 10), ("vs HER", 8)], [
       (name, harness.microseconds(seconds),
        harness.ratio_text(harness.ratio(seconds, times["hindsight_replay"])))
