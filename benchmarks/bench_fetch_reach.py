@@ -64,6 +64,18 @@ def reward_fn(achieved_goal, desired_goal):
   return -(distance > 0.05).astype(jnp.float32)
 
 
+def success_rate(env, act) -> float:
+  """The share of `EVAL_EPISODES` episodes of `act(obs) -> action` (seeds
+  apart from training) whose last step has `is_success`."""
+  successes = []
+  for episode in range(EVAL_EPISODES):
+    obs, _ = env.reset(seed=10_000 + episode)
+    for _ in range(EPISODE):
+      obs, _, _, _, info = env.step(act(obs))
+    successes.append(float(info["is_success"]))
+  return float(np.mean(successes))
+
+
 def flat(obs):
   return jnp.concatenate([obs["observation"], obs["achieved_goal"],
                           obs["desired_goal"]], axis=-1)
@@ -230,14 +242,9 @@ def run_jaxbuf(seed: int, steps: int) -> dict:
       learner = train(learner, state, train_key)
   jax.block_until_ready(learner)
   elapsed = time.perf_counter() - start
-  successes = []
-  for episode in range(EVAL_EPISODES):
-    obs, _ = env.reset(seed=10_000 + episode)
-    for _ in range(EPISODE):
-      obs, _, _, _, info = env.step(np.asarray(
-          act_greedy(learner["params"]["actor"], obs)))
-    successes.append(float(info["is_success"]))
-  return {"success": float(np.mean(successes)), "steps_per_s": steps / elapsed}
+  return {"success": success_rate(env, lambda obs: np.asarray(
+      act_greedy(learner["params"]["actor"], obs))),
+          "steps_per_s": steps / elapsed}
 
 
 # ------------------------------------------------------------------ SB3
@@ -258,14 +265,9 @@ def run_sb3(seed: int, steps: int) -> dict:
   start = time.perf_counter()
   model.learn(steps)
   elapsed = time.perf_counter() - start
-  successes = []
-  for episode in range(EVAL_EPISODES):
-    obs, _ = env.reset(seed=10_000 + episode)
-    for _ in range(EPISODE):
-      action, _ = model.predict(obs, deterministic=True)
-      obs, _, _, _, info = env.step(action)
-    successes.append(float(info["is_success"]))
-  return {"success": float(np.mean(successes)), "steps_per_s": steps / elapsed}
+  return {"success": success_rate(
+      env, lambda obs: model.predict(obs, deterministic=True)[0]),
+          "steps_per_s": steps / elapsed}
 
 
 def main() -> None:
