@@ -40,6 +40,12 @@ observations without their desired goal, which the transition's replaces)
 and S goal achieved goals, at rows computed once from one call to the
 generator (`gather_steps`); nothing it computes has the capacity's size.
 
+Devices. `jaxbuf.sharded` splits the envs over devices in blocks of N / D,
+each env whole with its episode bookkeeping (`split_over_devices`), so every
+step a transition's goal may come from is on the transition's device: that
+device draws the goal, with the key `jaxbuf.sharded` hands to a kind's
+`Split.rows`, and the rewards are recomputed once the rows are joined.
+
 The module-level functions take every setting explicitly;
 `hindsight_replay` binds them into a `Buffer`.
 """
