@@ -2,6 +2,12 @@
 
   python benchmarks/bench_hindsight.py                 # capacity 1M
   python benchmarks/bench_hindsight.py --capacity 100000 --repeats 5
+  python benchmarks/bench_hindsight.py --before bec42e4  # and that commit's
+
+`--before REV` adds the `hindsight_replay` of `jaxbuf/_src/hindsight.py` as
+it was at git revision REV (the rest of the library as it is now), holding
+the same steps, to the interleaved calls: a change's before and after side
+by side in one process.
 
 The transitions are FetchReach-shaped (gymnasium-robotics): observation
 float32 (10,), achieved and desired goal float32 (3,), action float32 (4,),
@@ -30,8 +36,11 @@ goal and rew, so its bytes per env transition are (1 + k) rows.
 """
 
 import argparse
+import importlib.util
 import pathlib
+import subprocess
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -61,8 +70,22 @@ def tree_bytes(tree) -> int:
   return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
-def her_state(capacity: int):
-  buffer = jaxbuf.hindsight_replay(NUM_ENVS, capacity, reward_fn)
+def hindsight_at(revision: str):
+  """`jaxbuf/_src/hindsight.py` as it was at git `revision`, as a module."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  source = subprocess.run(
+      ["git", "show", f"{revision}:jaxbuf/_src/hindsight.py"], cwd=root,
+      capture_output=True, text=True, check=True).stdout
+  path = pathlib.Path(tempfile.mkdtemp()) / f"hindsight_{revision}.py"
+  path.write_text(source)
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def her_state(capacity: int, make=jaxbuf.hindsight_replay):
+  buffer = make(NUM_ENVS, capacity, reward_fn)
   rng = np.random.default_rng(0)
   per_env = capacity // NUM_ENVS
   steps = {"obs": goal_obs(rng, (NUM_ENVS, per_env)),
@@ -153,6 +176,8 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--no-sb3", action="store_true",
                       help="leave SB3 out of the timing")
+  parser.add_argument("--before", metavar="REV",
+                      help="also time hindsight.py as at git revision REV")
   args = parser.parse_args()
   harness.print_machine(harness.PACKAGES + ("stable_baselines3", "torch"))
   capacity = args.capacity - args.capacity % NUM_ENVS
@@ -165,6 +190,11 @@ def main() -> None:
       "uniform_replay (items)": lambda: items.sample(items_held, next(keys),
                                                      args.batch_size),
   }
+  if args.before:
+    before, before_held = her_state(
+        capacity, hindsight_at(args.before).hindsight_replay)
+    calls[f"hindsight_replay at {args.before}"] = lambda: before.sample(
+        before_held, next(keys), args.batch_size)
   times = harness.time_interleaved(calls, repeats=args.repeats, warmup=2)
   # SB3 is timed after, not interleaved: torch's threads, once woken, slowed
   # XLA's next calls several-fold on this 2-core machine.
@@ -173,8 +203,8 @@ def main() -> None:
     times["SB3 HerReplayBuffer"] = harness.time_call(
         lambda: sb3.sample(args.batch_size), repeats=args.repeats)
   print(f"\nsample of {args.batch_size} at capacity {capacity:,} (median of "
-        f"{args.repeats}; the jaxbuf pair interleaved), microseconds per call")
-  harness.print_table([("buffer", -24), ("us", 10), ("vs HER", 8)], [
+        f"{args.repeats}; the jaxbuf calls interleaved), microseconds per call")
+  harness.print_table([("buffer", -32), ("us", 10), ("vs HER", 8)], [
       (name, harness.microseconds(seconds),
        harness.ratio_text(harness.ratio(seconds, times["hindsight_replay"])))
       for name, seconds in times.items()])
@@ -199,6 +229,10 @@ def main() -> None:
                  harness.ratio(times["hindsight_replay"],
                                times["uniform_replay (items)"]), 1.5,
                  higher_is_better=False)
+  if args.before:
+    verdicts.info(
+        f"HER sample at {args.before} / item replay sample: "
+        f"{harness.ratio_text(harness.ratio(times[f'hindsight_replay at {args.before}'], times['uniform_replay (items)']))}")
   if sb3 is not None:
     verdicts.info(f"SB3 HerReplayBuffer.sample / jaxbuf: "
                   f"{harness.ratio_text(harness.ratio(times['SB3 HerReplayBuffer'], times['hindsight_replay']))}")

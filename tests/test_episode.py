@@ -322,13 +322,6 @@ def test_sharded_over_four_devices_samples_as_the_unsharded_buffer(
     np.testing.assert_array_equal(got, want)
 
 
-def test_hindsight_replay_is_refused_by_sharded_naming_the_kind():
-  reward_fn = lambda a, d: -jnp.any(a != d, axis=-1).astype(jnp.float32)
-  with pytest.raises(TypeError, match="hindsight_replay"):
-    jaxbuf.sharded(jaxbuf.hindsight_replay(4, 16, reward_fn),
-                   jax.make_mesh((4,), ("data",)))
-
-
 def test_a_last_leaf_marks_the_episode_ends():
   """The stream convention (`help(jaxbuf.streams)`): a step's `last` leaf is
   its episode-end flag, read as `episode_end` would be (it was ignored, and

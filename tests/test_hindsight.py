@@ -6,6 +6,7 @@ row names its transition (obs) and, relabelled, the step its goal came
 from (desired goal), so the goal contract of DESIGN.md is checked exactly.
 """
 
+import collections
 import functools
 
 import chex
@@ -108,7 +109,8 @@ def make_steps(reference, num_steps):
           "terminated": np.zeros(ids.shape, bool)}
 
 
-def check_sample(sample, reference, strategy, relabel_fraction):
+def check_sample(sample, reference, strategy, relabel_fraction,
+                 per_env=PER_ENV):
   sample = jax.device_get(sample)   # NumPy rows: no device op per element
   transitions = reference.transitions()
   items = sample.items
@@ -125,7 +127,7 @@ def check_sample(sample, reference, strategy, relabel_fraction):
   for row, obs_id in enumerate(obs_ids):
     env, step = divmod(obs_id, 1000)
     assert (env, step) in transitions
-    assert int(sample.indices[row]) == env * PER_ENV + step % PER_ENV
+    assert int(sample.indices[row]) == env * per_env + step % per_env
     assert int(sample.item_ids[row]) == step
     assert int(items.action[row]) == obs_id
     if relabelled[row]:
@@ -436,3 +438,150 @@ def test_the_kind_records_the_settings_its_bookkeeping_depends_on():
   assert other.can_sample(state, 1).shape == ()
   with pytest.raises(ValueError, match="prioritized: state True, buffer False"):
     make_buffer("future").can_sample(state, 1)
+
+
+# --- Under jaxbuf.sharded: 8 envs of 6 steps over 4 devices, 2 envs each ------------
+
+SHARDED_ENVS, SHARDED_PER_ENV = 8, 6
+MESH = jax.make_mesh((4,), ("data",))
+
+
+@functools.cache
+def unsharded_buffer(strategy, relabel_fraction, prioritized):
+  return jaxbuf.hindsight_replay(
+      SHARDED_ENVS, SHARDED_ENVS * SHARDED_PER_ENV, reward_fn,
+      strategy=strategy, relabel_fraction=relabel_fraction,
+      prioritized=prioritized)
+
+
+@functools.cache
+def sharded_buffer(strategy, relabel_fraction, prioritized,
+                   batch="sharded", sampling="global"):
+  return jaxbuf.sharded(unsharded_buffer(strategy, relabel_fraction,
+                                         prioritized), MESH, batch=batch,
+                        sampling=sampling)
+
+
+# Single steps and chunks (9 > 6 overwrite), envs masked off, episode ends
+# at random: episodes overwritten at their start, ended and running ones.
+RAGGED_ADDS = [("add", length, mask, seed) for seed, (length, mask) in
+               enumerate([(3, [True] * 8), (0, [True, False] * 4),
+                          (9, [True] * 6 + [False] * 2), (1, [False] * 8),
+                          (0, [True] * 8), (3, [False, True] * 4)])]
+
+
+def fill_both(sharded, unsharded):
+  """The same adds to a sharded and an unsharded buffer, and their model."""
+  reference = ReferenceStreams(SHARDED_ENVS, SHARDED_PER_ENV)
+  copy = ReferenceStreams(SHARDED_ENVS, SHARDED_PER_ENV)
+  state, whole = sharded.init(STEP), unsharded.init(STEP)
+  for operation in RAGGED_ADDS:
+    state = add_random_stream_steps(sharded, state, reference, operation,
+                                    make_steps)
+    whole = add_random_stream_steps(unsharded, whole, copy, operation,
+                                    make_steps)
+  return state, whole, reference
+
+
+def contents(state):
+  return jax.device_get(state.replace(settings=()))
+
+
+# Two settings, shared by the tests below so that each compiles once.
+@pytest.mark.parametrize("strategy,prioritized", [("future", False),
+                                                  ("episode", True)])
+def test_sharded_state_splits_envs_and_goals_stay_in_their_episode(
+    strategy, prioritized):
+  buffer = sharded_buffer(strategy, 1.0, prioritized)
+  state, whole, reference = fill_both(
+      buffer, unsharded_buffer(strategy, 1.0, prioritized))
+  assert state.episode_keys.shape == (4, 2, SHARDED_PER_ENV)
+  # Each device holds its envs' steps and episode bookkeeping whole.
+  chex.assert_trees_all_equal(contents(jax.device_get(state).joined()),
+                              contents(whole))
+  for seed in range(3):
+    check_sample(buffer.sample(state, jax.random.key(seed), 32), reference,
+                 strategy, 1.0, per_env=SHARDED_PER_ENV)
+  if strategy == "future":
+    # Local sampling: block d (8 rows) from device d's own envs.
+    local = sharded_buffer(strategy, 1.0, prioritized, "replicated", "local")
+    drawn = local.sample(state, jax.random.key(5), 32)
+    check_sample(drawn, reference, strategy, 1.0, per_env=SHARDED_PER_ENV)
+    owners = np.asarray(drawn.indices) // (2 * SHARDED_PER_ENV)
+    np.testing.assert_array_equal(owners, np.repeat(np.arange(4), 8))
+
+
+def test_sharded_sampling_matches_the_unsharded_buffer():
+  """Two-sample chi-square over (transition, goal) pairs between 12,800
+  rows of each buffer holding the same steps: the sharded draw (the window
+  trees' masses over devices, goals drawn by the owner) against the
+  unsharded one (candidate pairs, `uniform_transition_ids`); fixed keys,
+  p > 1e-3. (The prioritized draw is the sequence kinds', `test_sharded`.)"""
+  buffer = sharded_buffer("future", 1.0, False)
+  unsharded = unsharded_buffer("future", 1.0, False)
+  state, whole, _ = fill_both(buffer, unsharded)
+  keys = jax.random.split(jax.random.key(11), 200)
+  counts = []
+  for each, held in ((buffer, state), (unsharded, whole)):
+    rows = jax.jit(lambda s, ks, each=each: jax.lax.map(
+        lambda k: each.sample(s, k, 64), ks))(held, keys)
+    steps = np.asarray(rows.items.obs["observation"]).reshape(-1).astype(int)
+    goals = np.asarray(rows.items.obs["desired_goal"]).reshape(-1).astype(int)
+    assert np.all(rows.relabelled)
+    counts.append(collections.Counter(zip(steps.tolist(), goals.tolist())))
+  categories = sorted(set(counts[0]) | set(counts[1]))
+  table = np.array([[count[c] for c in categories] for count in counts])
+  assert table.shape[1] > 30
+  assert stats.chi2_contingency(table).pvalue > 1e-3
+
+
+def test_sharded_save_load_and_reshard(tmp_path):
+  buffer = sharded_buffer("episode", 1.0, True)
+  unsharded = unsharded_buffer("episode", 1.0, True)
+  state, whole, _ = fill_both(buffer, unsharded)
+  jaxbuf.save(tmp_path / "four", state)
+  restored = jaxbuf.load(tmp_path / "four", like=buffer.init(STEP))
+  assert type(restored) is type(state)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+  key = jax.random.key(3)
+  chex.assert_trees_all_equal(jax.device_get(buffer.sample(restored, key, 8)),
+                              jax.device_get(buffer.sample(state, key, 8)))
+  # Regrouped: over one device it is the unsharded buffer fed the same adds,
+  # and back.
+  chex.assert_trees_all_equal(
+      contents(jaxbuf.load(tmp_path / "four", like=unsharded.init(STEP))),
+      contents(whole))
+  jaxbuf.save(tmp_path / "one", whole)
+  chex.assert_trees_all_equal(
+      contents(jaxbuf.load(tmp_path / "one", like=buffer.init(STEP))),
+      contents(state))
+
+
+def test_sharded_inside_a_jitted_scan_with_donation_and_no_retrace():
+  buffer = sharded_buffer("episode", 1.0, True)
+  chex.clear_trace_counter()
+  reference = ReferenceStreams(SHARDED_ENVS, SHARDED_PER_ENV)
+  chunks = jax.tree.map(lambda *xs: np.stack(xs), *[
+      make_steps(reference, 2) for _ in range(3)])
+  ends = np.zeros((3, SHARDED_ENVS, 2), bool)
+  ends[1, :, 1] = True
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  @chex.assert_max_traces(n=1)
+  def steps(state, chunks, ends, key):
+    def step(state, inputs):
+      chunk, end, key = inputs
+      state = buffer.add(state, chunk, None, end)
+      sample = buffer.sample(state, key, 8)
+      state = buffer.update_priorities(state, sample.indices,
+                                       sample.items.reward, sample.item_ids)
+      return state, sample.items.obs["observation"][:, 0]
+    return jax.lax.scan(step, state, (chunks, ends, jax.random.split(key, 3)))
+
+  state, _ = steps(buffer.init(STEP), chunks, ends, jax.random.key(0))
+  state, observed = steps(state, chunks, ends, jax.random.key(1))
+  assert observed.shape == (3, 8)
+  np.testing.assert_array_equal(np.asarray(state.steps_held),
+                                SHARDED_PER_ENV)

@@ -392,12 +392,6 @@ def test_episode_replay_samples_the_loaded_episodes_whole(datasets):
                         np.arange(32)[None] < lengths[:, None])
 
 
-@pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="hindsight.add ignores the steps' `last` leaf (the stream "
-    "convention; jaxbuf/_src/hindsight.py, another session's), so "
-    "from_minari's episode-end check refuses it; remove this mark with the "
-    "fix")
 def test_hindsight_replay_holds_the_goal_episodes_exactly(datasets):
   dataset = datasets["goal"]
   episodes = _episodes(dataset)

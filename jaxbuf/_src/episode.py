@@ -117,17 +117,8 @@ def add(state: EpisodeReplayState, steps: PyTree,
   """
   validation.check_state_kind(state, EpisodeReplayState, what="add",
                               exact=True)
-  last = sequence.last_flags(steps)
-  if last is not None:
-    # The stream convention (`help(jaxbuf.streams)`): a step's own `last`
-    # leaf is its one episode-end flag.
-    if episode_end is not None:
-      raise TypeError(
-          "add: the steps carry a `last` leaf, which marks episode ends; "
-          "episode_end is read from it, so do not pass episode_end too.")
-    episode_end = last
-  steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
-                                                       episode_end)
+  steps, mask, episode_end = sequence.chunked_add_args(
+      state, steps, mask, sequence.episode_ends_of(steps, episode_end))
   written = sequence.add_steps(state, steps, mask, episode_end, **_STEPS,
                                new_leaf_value=jnp.float32(0.0))
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
@@ -327,8 +318,8 @@ def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
       held=lambda state: jnp.ceil(
           state.window_tree.levels[-1][..., 0]).astype(jnp.int32),
       masses=lambda local: local.window_tree,
-      rows=functools.partial(gather_pieces,
-                             max_episode_length=max_episode_length),
+      rows=lambda local, ids, key: gather_pieces(
+          local, ids, max_episode_length=max_episode_length),
       # gather_pieces already gives an all-False mask and length 0 when
       # nothing is held, as the unsharded sample does.
       as_sample=lambda rows, indices, weights, item_ids, drawn: EpisodeSample(

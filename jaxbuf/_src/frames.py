@@ -642,7 +642,8 @@ def _split(num_devices: int, *, num_envs: int, capacity: int, init_fn: Callable,
                                      ranks.astype(jnp.float32) + 0.5)
 
   return split._replace(
-      at_rank=at_rank, rows=gather, item_ids=transition_item_ids,
+      at_rank=at_rank, rows=lambda local, ids, key: gather(local, ids),
+      item_ids=transition_item_ids,
       as_sample=lambda rows, indices, weights, item_ids, drawn: ReplaySample(
           items=rows, indices=indices, weights=weights, item_ids=item_ids))
 

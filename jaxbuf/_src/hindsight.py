@@ -35,7 +35,16 @@ episode, between the transition's next step and the episode's last held
 step: never another episode, an overwritten or an unwritten slot.
 
 Writes touch the N * min(T, R) rows written and their windows, as sequence
-replay's; a sample gathers 2 * S steps and S goals.
+replay's. A sample reads S transitions' steps and next steps (next
+observations without their desired goal, which the transition's replaces)
+and S goal achieved goals, at rows computed once from one call to the
+generator (`gather_steps`); nothing it computes has the capacity's size.
+
+Devices. `jaxbuf.sharded` splits the envs over devices in blocks of N / D,
+each env whole with its episode bookkeeping (`split_over_devices`), so every
+step a transition's goal may come from is on the transition's device: that
+device draws the goal, with the key `jaxbuf.sharded` hands to a kind's
+`Split.rows`, and the rewards are recomputed once the rows are joined.
 
 The module-level functions take every setting explicitly;
 `hindsight_replay` binds them into a `Buffer`.
@@ -103,6 +112,16 @@ class HindsightReplayState(PrioritizedSequenceReplayState):
   current_keys: jax.Array     # int32 [N]: key of each env's newest episode
   current_firsts: jax.Array   # uint32 [N]: first step id of that episode
   episode_running: jax.Array  # bool [N]: the next step continues it
+
+  def per_env_fields(self) -> tuple[str, ...]:
+    """The sequence fields and each env's episode bookkeeping, which
+    `joined` and `divided` move with its steps."""
+    return super().per_env_fields() + _EPISODE_FIELDS
+
+
+# The episode fields, one row per env `[N, ...]`.
+_EPISODE_FIELDS = ("episode_keys", "episode_firsts", "episode_lasts",
+                   "current_keys", "current_firsts", "episode_running")
 
 
 def _field(tree: Any, name: str) -> Any:
@@ -260,8 +279,8 @@ def add(state: HindsightReplayState, steps: PyTree,
     alpha: the priority exponent, None without priorities.
   """
   validation.check_state_kind(state, HindsightReplayState, what="add")
-  steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
-                                                       episode_end)
+  steps, mask, episode_end = sequence.chunked_add_args(
+      state, steps, mask, sequence.episode_ends_of(steps, episode_end))
   new_leaf_value = (jnp.float32(1.0) if alpha is None else
                     prioritized.capped_leaf_values(state.max_priority, alpha,
                                                    state.window_tree))
@@ -361,80 +380,101 @@ def uniform_transition_ids(state: HindsightReplayState, words: jax.Array,
   return jax.lax.cond(jnp.all(found), lambda chosen: chosen, redraw, chosen)
 
 
-def gather_transitions(state: HindsightReplayState, window_ids: jax.Array
-                       ) -> tuple[PyTree, PyTree, jax.Array, jax.Array]:
-  """The steps of transitions `[S]`: `(obs, action, reward, terminated)`,
-  obs leaves `[2, S, ...]` (the step and the next one), the others `[S, ...]`."""
-  per_env = sequence.steps_per_env(state)
-  num_rows = sequence.num_envs_of(state) * per_env
-  batch_size = window_ids.shape[0]
-
-  def rows():
-    at_end = window_ids % per_env == per_env - 1
-    return jnp.concatenate(
-        [window_ids, window_ids + jnp.where(at_end, 1 - per_env, 1)])
-  pair_rows = random.computed_once(rows, window_ids[0])
-  flat = lambda column: column.reshape((num_rows,) + column.shape[2:])
-  obs = jax.tree.map(
-      lambda column: flat(column).at[pair_rows].get(
-          mode="promise_in_bounds").reshape((2, batch_size) + column.shape[2:]),
-      _field(state.storage, "obs"))
-  first = lambda column: flat(column).at[window_ids].get(
-      mode="promise_in_bounds")
-  return (obs, jax.tree.map(first, _field(state.storage, "action")),
-          first(_field(state.storage, "reward")),
-          first(_field(state.storage, "terminated")))
+class TransitionSteps(NamedTuple):
+  """What a sample reads from the storage for transitions `[S]`: their steps
+  and each one's hindsight goal, before the goals are applied
+  (`relabelled_transitions`). Computed where the steps are held (on the
+  owning device, under `jaxbuf.sharded`)."""
+  obs: PyTree          # GoalEnv dict of the transition's step, leaves [S, ...]
+  next_obs: PyTree     # the same dict of the next step, less "desired_goal"
+  action: PyTree       # leaves [S, ...]
+  reward: jax.Array    # [S], the stored reward
+  terminated: jax.Array  # bool [S], the stored flag
+  goal: PyTree         # "achieved_goal" of the goal step, leaves [S, ...]
+  relabelled: jax.Array  # bool [S]: the row takes `goal` as its desired goal
 
 
-def relabel(state: HindsightReplayState, window_ids: jax.Array,
-            steps: tuple[PyTree, PyTree, jax.Array, jax.Array],
-            words: jax.Array, *, reward_fn: Callable, strategy: str,
-            relabel_fraction: float, terminated_fn: Callable | None
-            ) -> tuple[HindsightTransition, jax.Array]:
-  """Transitions from their steps (`gather_transitions`), a share relabelled.
-
-  `words`: uint32 `[3, S]` random words (two for the goal, one for the
-  relabelling).
-
-  Returns:
-    `(transitions, relabelled)`: `HindsightTransition` with `[S, ...]`
-    leaves, and bool `[S]`.
-  """
-  obs, action, stored_reward, terminated = steps
-  batch_size = window_ids.shape[0]
-  higher_bits, lower_bits, relabel_bits = words
+def transition_rows(state: HindsightReplayState, window_ids: jax.Array,
+                    higher_bits: jax.Array, lower_bits: jax.Array, *,
+                    strategy: str) -> jax.Array:
+  """Rows of the flattened storage `[N * R, ...]` that transitions
+  `window_ids [S]` read: int32 `[3, S]`, each transition's step, next step
+  and goal step (`goal_steps_ago`, with the random words given)."""
   per_env = sequence.steps_per_env(state)
   envs = window_ids // per_env
+  at_end = window_ids % per_env == per_env - 1
   goal_slots = (state.write_heads[envs] - 1 - goal_steps_ago(
       state, window_ids, higher_bits, lower_bits, strategy=strategy)) % per_env
-  goals = jax.tree.map(lambda column: column[envs, goal_slots],
-                       _field(state.storage, "obs")["achieved_goal"])
+  return jnp.stack([window_ids, window_ids + jnp.where(at_end, 1 - per_env, 1),
+                    envs * per_env + goal_slots])
+
+
+def gather_steps(state: HindsightReplayState, window_ids: jax.Array,
+                 words: jax.Array, *, strategy: str,
+                 relabel_fraction: float) -> TransitionSteps:
+  """The steps and hindsight goals of transitions `window_ids [S]`.
+
+  `words`: uint32 `[3, S]` random words, two for the goal step and one for
+  whether the row is relabelled. The row numbers are computed once, before
+  the gathers: fused into them, XLA would redo the goal draw for every
+  element of every gathered row (`random.computed_once`).
+  """
+  higher_bits, lower_bits, relabel_bits = words
+  num_rows = sequence.num_envs_of(state) * sequence.steps_per_env(state)
+  rows = random.computed_once(
+      lambda: transition_rows(state, window_ids, higher_bits, lower_bits,
+                              strategy=strategy), window_ids[0])
+  step_rows, next_rows, goal_rows = rows
+
+  def gather(tree, at):
+    return jax.tree.map(
+        lambda column: column.reshape((num_rows,) + column.shape[2:]).at[
+            at].get(mode="promise_in_bounds"), tree)
+  obs = dict(_field(state.storage, "obs"))
   # P(bits < threshold) = threshold / 2**32: the fraction to within 2**-32.
   if relabel_fraction >= 1:
-    relabelled = jnp.ones((batch_size,), bool)
+    relabelled = jnp.ones(window_ids.shape, bool)
   else:
     relabelled = relabel_bits < np.uint32(int(relabel_fraction * 2**32))
+  return TransitionSteps(
+      obs=gather(obs, step_rows),
+      next_obs=gather({key: value for key, value in obs.items()
+                       if key != "desired_goal"}, next_rows),
+      action=gather(_field(state.storage, "action"), step_rows),
+      reward=gather(_field(state.storage, "reward"), step_rows),
+      terminated=gather(_field(state.storage, "terminated"), step_rows),
+      goal=gather(obs["achieved_goal"], goal_rows),
+      relabelled=relabelled)
+
+
+def relabelled_transitions(steps: TransitionSteps, *, reward_fn: Callable,
+                           terminated_fn: Callable | None
+                           ) -> HindsightTransition:
+  """Transitions from their steps, the relabelled rows given their goal:
+  obs and next_obs carry it as "desired_goal", the reward is recomputed by
+  `reward_fn` and, given `terminated_fn`, the discount by it.
+
+  Returns:
+    `HindsightTransition` with `[S, ...]` leaves.
+  """
+  relabelled = steps.relabelled
   rows = lambda leaf: relabelled.reshape((-1,) + (1,) * (leaf.ndim - 1))
   desired = jax.tree.map(lambda goal, given: jnp.where(rows(goal), goal, given),
-                         goals, jax.tree.map(lambda leaf: leaf[0],
-                                             obs["desired_goal"]))
-  obs_t = {**jax.tree.map(lambda leaf: leaf[0], dict(obs)),
-           "desired_goal": desired}
-  next_obs = {**jax.tree.map(lambda leaf: leaf[1], dict(obs)),
-              "desired_goal": desired}
+                         steps.goal, steps.obs["desired_goal"])
+  next_obs = {**steps.next_obs, "desired_goal": desired}
   reward = _checked_output("reward_fn", reward_fn(
-      next_obs["achieved_goal"], desired), stored_reward.shape,
-                           stored_reward.dtype)
+      next_obs["achieved_goal"], desired), steps.reward.shape,
+                           steps.reward.dtype)
+  terminated = steps.terminated
   if terminated_fn is not None:
     terminated = jnp.where(relabelled, _checked_output(
         "terminated_fn", terminated_fn(next_obs["achieved_goal"], desired),
         terminated.shape, jnp.bool_), terminated)
-  transitions = HindsightTransition(
-      obs=obs_t, action=action,
-      reward=jnp.where(relabelled, reward, stored_reward),
-      discount=jnp.where(terminated, 0, 1).astype(stored_reward.dtype),
+  return HindsightTransition(
+      obs={**steps.obs, "desired_goal": desired}, action=steps.action,
+      reward=jnp.where(relabelled, reward, steps.reward),
+      discount=jnp.where(terminated, 0, 1).astype(steps.reward.dtype),
       next_obs=next_obs)
-  return transitions, relabelled
 
 
 def check_sample(state: HindsightReplayState, key: jax.Array, batch_size: int,
@@ -472,33 +512,32 @@ def sample(state: HindsightReplayState, key: jax.Array, batch_size: int, *,
     `[S]`, item_ids uint32 `[S]`, relabelled bool `[S]`.
   """
   total = check_sample(state, key, batch_size, checked=checked)
-  # One split and one call to the generator: on CPU each is a loop of
-  # small kernels, a large part of a sample's cost.
-  draw_key, bits_key = jax.random.split(key)
+  # Two keys by the unrolled hash (`random.fold_in`), not `jax.random.split`,
+  # which on CPU is a loop of small kernels; and one call to the generator.
+  draw_key, bits_key = random.fold_in(key, 0), random.fold_in(key, 1)
+  # The words kept in a buffer (`random.computed_once`): fused, the hash was
+  # recomputed for each of the N envs a rank is compared with, and for each
+  # bookkeeping read of the goal draw (100 us of a 200 us sample at 1M).
   if priorities:
-    drawn = prioritized_sequence.sample(
-        state, draw_key, batch_size, sequence_length=2, beta=beta,
-        stratified=stratified)
-    window_ids, weights = drawn.indices, drawn.weights
-    steps = (jax.tree.map(lambda leaf: jnp.moveaxis(leaf, 1, 0),
-                          _field(drawn.items, "obs")),
-             *(jax.tree.map(lambda leaf: leaf[:, 0], _field(drawn.items, name))
-               for name in ("action", "reward", "terminated")))
-    words = random.random_bits(bits_key, (3, batch_size))
+    window_ids, weights, _ = prioritized_sequence.draw_by_priority(
+        state, draw_key, batch_size, total, beta=beta, stratified=stratified)
+    words = random.computed_once(
+        lambda: random.random_bits(bits_key, (3, batch_size)), total)
   else:
-    words = random.random_bits(bits_key, (2 * CANDIDATES + 3, batch_size))
+    words = random.computed_once(lambda: random.random_bits(
+        bits_key, (2 * CANDIDATES + 3, batch_size)), total)
     window_ids = jnp.where(total > 0, uniform_transition_ids(
         state, words[:2 * CANDIDATES], draw_key), 0)
-    steps = gather_transitions(state, window_ids)
     weights = jnp.full((batch_size,), total > 0, jnp.float32)
     words = words[2 * CANDIDATES:]
-  transitions, relabelled = relabel(
-      state, window_ids, steps, words, reward_fn=reward_fn, strategy=strategy,
-      relabel_fraction=relabel_fraction, terminated_fn=terminated_fn)
+  steps = gather_steps(state, window_ids, words, strategy=strategy,
+                       relabel_fraction=relabel_fraction)
   return HindsightSample(
-      items=transitions, indices=window_ids, weights=weights,
+      items=relabelled_transitions(steps, reward_fn=reward_fn,
+                                   terminated_fn=terminated_fn),
+      indices=window_ids, weights=weights,
       item_ids=sequence.window_item_ids(state, window_ids),
-      relabelled=relabelled)
+      relabelled=steps.relabelled)
 
 
 def update_priorities(state: HindsightReplayState, indices: jax.Array,
@@ -526,6 +565,44 @@ def clear(state: HindsightReplayState) -> HindsightReplayState:
   validation.check_state_kind(state, HindsightReplayState, what="clear")
   return prioritized_sequence.clear(state).replace(
       episode_running=jnp.zeros_like(state.episode_running))
+
+
+def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
+                       add: Callable, sample: Callable,
+                       update_priorities: Callable | None, beta: Any,
+                       stratified: bool, reward_fn: Callable, strategy: str,
+                       relabel_fraction: float,
+                       terminated_fn: Callable | None) -> kind.Split:
+  """Hindsight replay split over D devices as sequence replay is: envs in
+  blocks of N / D, whole with their episode bookkeeping, so a transition and
+  every step its goal may come from lie on one device.
+
+  Transitions are drawn by the mass of each device's window tree (1 per
+  transition, or its priority); the device holding a transition draws its
+  goal step with the key `jaxbuf.sharded` gives to `rows`, and `as_sample`
+  applies the goals and recomputes the rewards on the joined rows (each
+  device on its own block of a sharded batch).
+  """
+  split = sequence.split_over_devices(
+      num_devices, num_envs=num_envs, capacity=capacity, init=init, add=add,
+      sample=sample, update_priorities=update_priorities, clear=clear,
+      beta=beta, stratified=stratified, **_WINDOW)
+
+  def rows(local, window_ids, key):
+    words = random.computed_once(
+        lambda: random.random_bits(key, (3, window_ids.shape[0])),
+        window_ids[0])
+    return gather_steps(local, window_ids, words, strategy=strategy,
+                        relabel_fraction=relabel_fraction)
+
+  def as_sample(steps, indices, weights, item_ids, drawn):
+    del drawn  # Nothing drawn: transition 0, weight 0, as unsharded.
+    return HindsightSample(
+        items=relabelled_transitions(steps, reward_fn=reward_fn,
+                                     terminated_fn=terminated_fn),
+        indices=indices, weights=weights, item_ids=item_ids,
+        relabelled=steps.relabelled)
+  return split._replace(rows=rows, as_sample=as_sample)
 
 
 def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
@@ -561,6 +638,8 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
   Returns:
     A `Buffer`; `add(state, steps, mask=None, episode_end=None)`, `sample`
     returns a `HindsightSample` whose items are `HindsightTransition`s.
+    `jaxbuf.sharded` splits it over devices as sequence replay, envs in
+    blocks of N / D (`split_over_devices`).
 
   >>> import jax, jax.numpy as jnp, jaxbuf
   >>> reward_fn = lambda achieved, desired: -jnp.any(
@@ -587,14 +666,26 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
     if not callable(beta):
       validation.check_hyperparameter(beta, "beta")
   priority_alpha = alpha if prioritized else None
+  relabelling = dict(reward_fn=reward_fn, strategy=strategy,
+                     relabel_fraction=float(relabel_fraction),
+                     terminated_fn=terminated_fn)
+  bound_add = functools.partial(add, alpha=priority_alpha)
+  bound_sample = functools.partial(sample, **relabelling,
+                                   priorities=prioritized, beta=beta,
+                                   stratified=stratified)
+  split = functools.partial(
+      split_over_devices, num_envs=num_envs, capacity=capacity, add=bound_add,
+      sample=bound_sample,
+      update_priorities=functools.partial(
+          update_priorities, alpha=priority_alpha, eps=eps) if prioritized
+      else None,
+      # Uniform: independent rows, as the unsharded draw gives.
+      beta=beta if prioritized else None,
+      stratified=stratified and prioritized, **relabelling)
   return bind(
       init=functools.partial(init, num_envs=num_envs, capacity=capacity),
-      add=functools.partial(add, alpha=priority_alpha),
-      sample=functools.partial(
-          sample, reward_fn=reward_fn, strategy=strategy,
-          relabel_fraction=float(relabel_fraction),
-          terminated_fn=terminated_fn, priorities=prioritized, beta=beta,
-          stratified=stratified, checked=checked),
+      add=bound_add,
+      sample=functools.partial(bound_sample, checked=checked),
       update_priorities=functools.partial(update_priorities,
                                           alpha=priority_alpha, eps=eps,
                                           checked=checked),
@@ -607,8 +698,5 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
               num_envs=num_envs, capacity=capacity, prioritized=prioritized,
               **(dict(alpha=float(alpha), eps=float(eps)) if prioritized
                  else {})),
-          # Not split over devices: `jaxbuf.sharded`'s exact global sample
-          # gathers rows on the owning device without a key, and a
-          # hindsight goal is a random draw that must be made there.
-          split=None),
+          split=split),
       checked=checked)

@@ -29,8 +29,9 @@ Splitting over devices. `Kind.split(num_devices)` returns a `Split`: the
 kind's functions for one device's part (capacity or envs divided by D) and
 what `jaxbuf.sharded` needs to draw one exact sample over all devices from
 the D local ones (the mass or count of what each device can sample, how to
-find the rank-th id, how to gather rows). `split` is None for a kind that
-cannot be split. A state of a split kind also knows how to regroup itself
+find the rank-th id, how to gather rows, with a key for a draw that belongs
+with them). `split` is None for a kind that cannot be split. A state of a
+split kind also knows how to regroup itself
 (`BufferState.joined`, the D local states as one unsharded state, and
 `divided`, the inverse), which is how `jaxbuf.load` reshards a checkpoint
 over another number of devices. A new kind provides its `Kind` (and, if it
@@ -110,7 +111,10 @@ class Split(NamedTuple):
   masses: Callable | None  # local state -> SumTree, a leaf per id; None: draw
                            # uniformly by rank
   at_rank: Callable       # local state, int32 [S] ranks -> int32 [S] ids
-  rows: Callable          # local state, ids [S] -> the rows to send, a pytree
+  rows: Callable          # local state, ids [S], key -> the rows to send, a
+                          # pytree; the key, the same on every device, is
+                          # for a random draw that must be made where the
+                          # rows are held (hindsight goals); most ignore it
   item_ids: Callable      # local state, ids [S] -> uint32 [S]
   as_sample: Callable     # rows, indices, weights, item_ids, drawn -> the
                           # sample; drawn: bool (), something could be drawn

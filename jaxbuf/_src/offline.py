@@ -42,9 +42,7 @@ left holding its episodes run together), and written back from its state's
 `episode_ends`, `write_heads`, `steps_held` and `step_counts`;
 a goal-conditioned dataset (a Dict observation space with "observation",
 "achieved_goal" and "desired_goal", gymnasium-robotics' layout) gives the
-`EpisodeStep.obs` that hindsight replay reads (its `add` does not read the
-`last` leaf yet, so the check above refuses it; tests/test_offline.py keeps
-a strict xfail for it).
+`EpisodeStep.obs` that hindsight replay reads.
 
 Dtypes. The buffer's example decides each leaf's dtype. The dataset's spaces
 must give the same structure and shapes, and dtypes equal to the example's

@@ -278,7 +278,7 @@ def split_over_devices(num_devices: int, *, capacity: int, init: Callable,
       enough=lambda held, batch_size: held >= batch_size,
       masses=masses,
       at_rank=lambda local, ranks: ranks,
-      rows=lambda local, slots: gather(local.storage, slots),
+      rows=lambda local, slots, key: gather(local.storage, slots),
       item_ids=current_item_ids,
       as_sample=lambda rows, indices, weights, item_ids, drawn: ReplaySample(
           items=rows, indices=indices, weights=weights, item_ids=item_ids),

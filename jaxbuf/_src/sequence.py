@@ -306,6 +306,20 @@ def last_flags(steps: PyTree) -> Any:
   return None
 
 
+def episode_ends_of(steps: PyTree, episode_end: jax.Array | None) -> Any:
+  """The one episode-end flag of an add: the steps' own `last` leaf when
+  they carry one (the stream convention, `help(jaxbuf.streams)`), else
+  `episode_end`. Both at once is a `TypeError`: two flags could disagree."""
+  last = last_flags(steps)
+  if last is None:
+    return episode_end
+  if episode_end is not None:
+    raise TypeError(
+        "add: the steps carry a `last` leaf, which marks episode ends; "
+        "episode_end is read from it, so do not pass episode_end too.")
+  return jnp.asarray(last)
+
+
 def add_stream(state: SequenceReplayState, steps: PyTree,
                mask: jax.Array | None, episode_end: jax.Array | None,
                final_steps: PyTree | None, **settings) -> SequenceReplayState:
@@ -316,17 +330,11 @@ def add_stream(state: SequenceReplayState, steps: PyTree,
   `episode_end` given as well is a `TypeError` (two flags could disagree),
   and a final observation is written exactly where its own flag says so.
   """
-  last = last_flags(steps)
-  if last is not None and episode_end is not None:
-    raise TypeError(
-        "add: the steps carry a `last` leaf, which marks episode ends; "
-        "episode_end is read from it, so do not pass episode_end too.")
-  state = add_steps(state, steps, mask,
-                    episode_end if last is None else jnp.asarray(last),
+  state = add_steps(state, steps, mask, episode_ends_of(steps, episode_end),
                     **settings)
   if final_steps is None:
     return state
-  if last is None:
+  if last_flags(steps) is None:
     raise TypeError(
         "add: final_steps need a `last` leaf in the step (a bool field named "
         "`last`): it says which envs' episode ended, and only those write "
@@ -880,7 +888,8 @@ def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
       at_rank=functools.partial(window_ids_at_ranks,
                                 sequence_length=sequence_length,
                                 period=period),
-      rows=functools.partial(gather_windows, sequence_length=sequence_length),
+      rows=lambda local, window_ids, key: gather_windows(
+          local, window_ids, sequence_length=sequence_length),
       item_ids=window_item_ids,
       # Nothing drawn: mask all False, as the unsharded buffers give.
       as_sample=lambda rows, indices, weights, item_ids, drawn: SequenceSample(

@@ -84,6 +84,7 @@ from jaxbuf._src.base import Buffer, PyTree, ReplaySample, bind
 from jaxbuf._src.kind import Split
 
 SAMPLING_MODES = ("global", "local")
+_ROWS_KEY_DATA = np.uint32(2**32 - 1)
 BATCH_LAYOUTS = ("sharded", "replicated")
 
 
@@ -341,7 +342,11 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
   indices = owner * ids_per_device + ids
   # `ids` is only meaningful at the owner; the owner is known everywhere.
   indices = jax.lax.psum(jnp.where(own, indices, 0), axis)
-  rows = _combine_rows(kind.rows(local, ids), own, axis, batch)
+  # The draw keeps `key` (the same ids as the unsharded buffer where the
+  # orders agree); a kind's draw at the owner gets a key hashed from it at
+  # a counter the draw never reaches.
+  rows_key = random.fold_in(key, _ROWS_KEY_DATA)
+  rows = _combine_rows(kind.rows(local, ids, rows_key), own, axis, batch)
   if batch == "sharded":
     block = batch_size // jax.lax.axis_size(axis)
     start = device * block
