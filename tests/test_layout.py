@@ -108,3 +108,21 @@ def test_jaxbuf_src_imports_have_no_cycle():
   assert cycle is None, (
       "import cycle among jaxbuf._src modules: " + " -> ".join(cycle)
       + "; move what both sides need into a module below them.")
+
+
+MODULE_LINES = 600
+
+
+def test_a_module_past_600_lines_says_why_it_is_one_module():
+  """Rooms a newcomer can hold in their head (issue 19): a module longer
+  than ~600 lines opens its docstring with the reason it stays one room."""
+  unexplained = []
+  for path in sorted(SRC.glob("*.py")):
+    source = path.read_text()
+    if source.count("\n") > MODULE_LINES:
+      docstring = ast.get_docstring(ast.parse(source)) or ""
+      if "Why one module of this size" not in docstring:
+        unexplained.append(f"{path.name} ({source.count(chr(10))} lines)")
+  assert not unexplained, (
+      f"modules over {MODULE_LINES} lines without a 'Why one module of this "
+      f"size' paragraph at the top of their docstring: {unexplained}")

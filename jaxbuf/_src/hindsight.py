@@ -1,5 +1,12 @@
 """Hindsight experience replay (Andrychowicz et al. 2017) over per-env streams.
 
+Why one module of this size: it holds one rule, where a transition's goal
+may come from (its own env and episode, after it, never an overwritten or
+unwritten step). The episode bookkeeping that add keeps, the goal draw of
+each strategy, the relabelled sample and the split over devices all read
+that bookkeeping, so they stay together; the stream underneath is sequence
+replay's (`sequence.py`), not repeated.
+
 Shape key: N envs, R = C // N steps held per env, C capacity (steps over all
 envs), T steps per env in one add, S sample size.
 
@@ -7,8 +14,9 @@ Storage. The steps are sequence replay's per-env streams (`sequence.py`), in
 the stream convention of `transitions.py`: step i holds `obs[i]` (a
 gymnasium-robotics GoalEnv dict of "observation", "achieved_goal",
 "desired_goal"), `action[i]`, `reward[i]` and `terminated[i]`; an episode's
-final observation gets a step of its own, flagged by `add(...,
-episode_end=...)`, whose action and reward are padding. Each observation is
+final observation gets a step of its own, flagged by the step's `last`
+leaf (or `add(..., episode_end=...)` for steps without one), whose action
+and reward are padding. Each observation is
 stored once: transition t is the window of the two steps t, t + 1 of one env
 (sequence replay with `sequence_length=2, episodes="within"`), so it is held
 while both steps are, and a step flagged `episode_end` starts none.
