@@ -131,7 +131,7 @@ def _leaf_levels(leaf_values: np.ndarray) -> sum_tree.SumTree:
     if size == 1:
       break
     level = padded.reshape(-1, sum_tree.BRANCHING).sum(axis=1, dtype=np.float32)
-  return sum_tree.SumTree.from_levels(tuple(levels))
+  return sum_tree.SumTree(tuple(levels))
 
 
 def test_redraws_descend_within_the_node_reached():

@@ -17,15 +17,7 @@ it sees.
 Levels are stored bottom-up: `levels[0]` holds the leaves (padded with zeros
 to a multiple of K), `levels[-1]` holds the root alone. Each level below the
 root has length `K * len(next level without padding)`, so `level.reshape(-1, K)`
-lines up every parent's children in one row. The levels below the root lie
-end to end in one array, `nodes`, and the root in one of its own: a state's
-tree is then two buffers, not eight, and a jitted call pays for each buffer
-it is passed (about 1 us a buffer on CPU: a donated identity on a
-prioritized state of 1M items took 18.5 us with every level apart, 12.0
-with two buffers, 8.0 for the 4 buffers of a uniform state). The root stays
-apart because a sample reads it for its weights, and a read of `nodes` that
-the next in-place priority update does not depend on makes XLA copy the
-whole array first (193 us a fused step instead of 36, measured).
+lines up every parent's children in one row.
 """
 
 import math
@@ -41,40 +33,8 @@ BRANCHING = 8
 
 @flax.struct.dataclass
 class SumTree:
-  """The levels below the root end to end, and the root; bottom-up."""
-  nodes: jax.Array  # float32 [..., sum(sizes[:-1])]: the levels below the root
-  root: jax.Array   # float32 [..., 1]: the sum of all leaves
-  sizes: tuple[int, ...] = flax.struct.field(pytree_node=False)  # level lengths
-
-  @property
-  def levels(self) -> tuple[jax.Array, ...]:
-    """The levels bottom-up, shapes `[..., K*m_1], [..., K*m_2], ..., [..., 1]`."""
-    below_root = zip(level_starts(self.sizes), self.sizes[:-1])
-    return (*(self.nodes[..., start:start + size] for start, size in below_root),
-            self.root)
-
-  @classmethod
-  def from_levels(cls, levels: tuple[jax.Array, ...]) -> "SumTree":
-    """The tree whose levels, bottom-up, are `levels` (each float32 `[m]`)."""
-    nodes = (jnp.concatenate(levels[:-1], axis=-1) if len(levels) > 1
-             else jnp.zeros((*levels[-1].shape[:-1], 0), jnp.float32))
-    return cls(nodes=nodes, root=levels[-1],
-               sizes=tuple(level.shape[-1] for level in levels))
-
-
-def level_starts(sizes: tuple[int, ...]) -> tuple[int, ...]:
-  """Where each level begins in `SumTree.nodes`."""
-  return tuple(sum(sizes[:depth]) for depth in range(len(sizes)))
-
-
-def _rows(nodes: jax.Array, start: int, nodes_at: jax.Array) -> jax.Array:
-  """The K children of each node, `nodes[start + K * n : ... + K]`: `[S, K]`.
-
-  One gather of contiguous rows, as `level.reshape(-1, K)[n]` is, read
-  straight from the one array (a slice of it taken first could be copied).
-  """
-  return jax.vmap(lambda node: jax.lax.dynamic_slice(
-      nodes, (start + node * BRANCHING,), (BRANCHING,)))(nodes_at)
+  """Levels bottom-up; `levels[0]` are the leaves, `levels[-1]` the root."""
+  levels: tuple[jax.Array, ...]  # each float32; shapes [K*m_1], [K*m_2], ..., [1]
 
 
 def level_sizes(num_leaves: int) -> tuple[int, ...]:
@@ -90,9 +50,8 @@ def level_sizes(num_leaves: int) -> tuple[int, ...]:
 
 def init(num_leaves: int) -> SumTree:
   """An all-zero tree over `num_leaves` leaves."""
-  sizes = level_sizes(num_leaves)
-  return SumTree(nodes=jnp.zeros(sum(sizes[:-1]), jnp.float32),
-                 root=jnp.zeros(1, jnp.float32), sizes=sizes)
+  return SumTree(tuple(jnp.zeros(size, jnp.float32)
+                       for size in level_sizes(num_leaves)))
 
 
 def from_leaves(values: jax.Array) -> SumTree:
@@ -107,12 +66,12 @@ def from_leaves(values: jax.Array) -> SumTree:
   for size in sizes[1:]:
     sums = levels[-1].reshape(-1, BRANCHING).sum(axis=1)
     levels.append(jnp.zeros(size, jnp.float32).at[:sums.shape[0]].set(sums))
-  return SumTree.from_levels(tuple(levels))
+  return SumTree(tuple(levels))
 
 
 def total(tree: SumTree) -> jax.Array:
   """The root: the sum of all leaves, float32 `()`."""
-  return tree.root[..., 0]
+  return tree.levels[-1][0]
 
 
 def leaves(tree: SumTree) -> jax.Array:
@@ -152,8 +111,7 @@ def claim_last_writes(leaf_level: jax.Array, indices: jax.Array,
   """Marks, for each distinct valid index, its last valid occurrence.
 
   Args:
-    leaf_level: float32 `[C]` (or an array that begins with the leaves, as
-      `SumTree.nodes` does), every value below `LEAF_VALUE_LIMIT`.
+    leaf_level: float32 `[C]`, every value below `LEAF_VALUE_LIMIT`.
     indices: int32 `[B]` in `[0, C)`, `B <= MARKED_BATCH_MAX`.
     valid: bool `[B]`.
 
@@ -203,40 +161,32 @@ def set_leaves(tree: SumTree, indices: jax.Array, values: jax.Array,
       chunk = slice(start, start + MARKED_BATCH_MAX)
       tree = set_leaves(tree, indices[chunk], values[chunk], valid[chunk])
     return tree
-  sizes, starts = tree.sizes, level_starts(tree.sizes)
-  # The leaves: the start of `nodes`, or the root itself in a one-leaf tree.
-  leaf_array = tree.nodes if len(sizes) > 1 else tree.root
-  dropped = leaf_array.shape[0]  # an index past every level: writes dropped
+  levels = list(tree.levels)
   if unique_indices:
     write = valid
   else:
-    leaf_array, write = claim_last_writes(leaf_array, indices, valid)
-  leaf_array = leaf_array.at[jnp.where(write, indices, dropped)].set(
+    levels[0], write = claim_last_writes(levels[0], indices, valid)
+  levels[0] = levels[0].at[jnp.where(write, indices, levels[0].shape[0])].set(
       values, mode="drop", unique_indices=True)
-  if len(sizes) == 1:
-    return tree.replace(root=leaf_array)
-  nodes = leaf_array
   # Skipped entries may point anywhere; send them to node 0 so every gather
   # below is in bounds, and drop their scatters.
   node = jnp.where(write, indices, 0)
-  for depth in range(len(sizes) - 2):
+  for depth in range(len(levels) - 1):
     node = node // BRANCHING
-    parent_start = starts[depth + 1]
-    if sizes[depth] <= DENSE_LEVEL_MAX:
+    children = levels[depth].reshape(-1, BRANCHING)
+    parent_level = levels[depth + 1]
+    if children.size <= DENSE_LEVEL_MAX:
       # A small level is cheaper summed whole, in one kernel, than gathered
       # and scattered B rows at a time; only the lowest levels are not small.
-      children = nodes[starts[depth]:parent_start].reshape(-1, BRANCHING)
-      nodes = jax.lax.dynamic_update_slice(
-          nodes, children.sum(axis=1), (parent_start,))
+      levels[depth + 1] = jax.lax.dynamic_update_slice(
+          parent_level, children.sum(axis=1), (0,))
       continue
-    sums = _rows(nodes, starts[depth], node).sum(axis=1)
+    sums = children.at[node].get(mode="promise_in_bounds").sum(axis=1)
     # Siblings written in one batch share a parent; each of them writes the
     # same sum of the already-updated children, so the scatter is exact.
-    nodes = nodes.at[jnp.where(write, parent_start + node, dropped)].set(
-        sums, mode="drop")
-  # The root's children (at most K) summed whole, as every small level is.
-  root = nodes[starts[-2]:].reshape(-1, BRANCHING).sum(axis=1)
-  return tree.replace(nodes=nodes, root=root)
+    levels[depth + 1] = parent_level.at[
+        jnp.where(write, node, parent_level.shape[0])].set(sums, mode="drop")
+  return SumTree(tuple(levels))
 
 
 # A float32 target places itself to within about 2**-24 of the total: fine
@@ -252,7 +202,7 @@ LEVELS_PER_TARGET = 3
 
 def num_redraws(tree: SumTree) -> int:
   """How many fresh uniforms a descent of `tree` takes per target, R."""
-  descent_levels = len(tree.sizes) - 1
+  descent_levels = len(tree.levels) - 1
   return max(0, -(-descent_levels // LEVELS_PER_TARGET) - 1)
 
 
@@ -390,20 +340,19 @@ def find_prefix_sums_and_leaves(tree: SumTree, targets: jax.Array,
     redraws = jnp.zeros(expected, jnp.float32)
   if redraws is None or tuple(jnp.shape(redraws)) != expected:
     raise ValueError(
-        f"find_prefix_sums: a tree of {len(tree.sizes)} levels needs redraws "
+        f"find_prefix_sums: a tree of {len(tree.levels)} levels needs redraws "
         f"of shape {expected} (uniforms in [0, 1); see sample_leaves), given "
         f"{None if redraws is None else tuple(jnp.shape(redraws))}.")
   node = jnp.zeros(targets.shape, jnp.int32)
-  if len(tree.sizes) == 1:  # a single leaf, which is also the root
-    return node, jnp.broadcast_to(tree.root[0], targets.shape)
+  if len(tree.levels) == 1:  # a single leaf, which is also the root
+    return node, jnp.broadcast_to(tree.levels[0][0], targets.shape)
   child_position = jnp.arange(BRANCHING, dtype=jnp.int32)[None, :]
-  starts = level_starts(tree.sizes)
-  for depth, start in enumerate(reversed(starts[:-1])):
+  for depth, level in enumerate(reversed(tree.levels[:-1])):
     if depth and depth % LEVELS_PER_TARGET == 0:
       node_value = jnp.sum(
           jnp.where(child_position == child[:, None], children, 0.0), axis=1)
       targets = redraws[depth // LEVELS_PER_TARGET - 1] * node_value
-    children = _rows(tree.nodes, start, node)
+    children = level.reshape(-1, BRANCHING).at[node].get(mode="promise_in_bounds")
     prefix = row_prefix_sums(children)
     # The first positive child whose prefix sum passes the target, scored
     # j < K; failing that (rounding, or a target outside [0, total)), the
