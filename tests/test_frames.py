@@ -583,3 +583,29 @@ def test_checked_mode_raises_on_empty_samples_and_bad_priorities():
                                      errors=checkify.user_checks))
   with pytest.raises(Exception, match="finite and non-negative"):
     update(state, jnp.array([0]), jnp.array([jnp.nan]))[0].throw()
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_a_last_leaf_marks_the_episode_ends(prioritized):
+  """The stream convention (`help(jaxbuf.streams)`): a step's `last` leaf is
+  its episode-end flag, read as `episode_end` would be; both at once is a
+  `TypeError`."""
+  buffer = make_buffer(prioritized, NUM_ENVS, CAPACITY, num_stack=2)
+  ends = np.zeros((NUM_ENVS, 6), bool)
+  ends[0, 2] = ends[1, 4] = ends[2, 0] = True
+  chunk = {"obs": {"frame": np.arange(NUM_ENVS * 6 * 2, dtype=np.int32)
+                   .reshape(NUM_ENVS, 6, 2),
+                   "tag": np.zeros((NUM_ENVS, 6), np.int32)},
+           "action": np.zeros((NUM_ENVS, 6), np.int32),
+           "reward": np.ones((NUM_ENVS, 6), np.float32),
+           "terminated": ends}
+  with_leaf = buffer.add(buffer.init({**STEP, "last": jnp.bool_(False)}),
+                         {**chunk, "last": ends})
+  with_flag = buffer.add(buffer.init(STEP), chunk, episode_end=ends)
+  for field in ("episode_ends", "episode_positions", "next_positions"):
+    np.testing.assert_array_equal(getattr(with_leaf, field),
+                                  getattr(with_flag, field))
+  np.testing.assert_array_equal(with_leaf.window_tree.levels[0],
+                                with_flag.window_tree.levels[0])
+  with pytest.raises(TypeError, match="do not pass episode_end too"):
+    buffer.add(with_leaf, {**chunk, "last": ends}, episode_end=ends)

@@ -281,8 +281,8 @@ def add_steps(state: FrameStackReplayState, steps: PyTree,
     new_leaf_value: the tree leaf of a transition that becomes sampleable.
   """
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
-  steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
-                                                       episode_end)
+  steps, mask, episode_end = sequence.chunked_add_args(
+      state, steps, mask, sequence.episode_ends_of(steps, episode_end))
   length = episode_end.shape[1]
   positions, after = episode_positions_of(state.next_positions, episode_end,
                                           num_stack=num_stack)
@@ -356,7 +356,9 @@ def add(state: FrameStackReplayState, steps: PyTree,
     mask: bool `[N]`, the envs that stepped; None for all.
     episode_end: bool `[N]` or `[N, T]`, True on each episode's final step
       (the one holding its final observation); the next step of that env
-      starts an episode. None for none.
+      starts an episode. For steps without a `last` leaf, which marks the
+      ends itself (`help(jaxbuf.streams)`; both at once is a `TypeError`);
+      None for none.
     num_stack, n_step: the buffer's settings.
   """
   validation.check_state_kind(state, FrameStackReplayState, what="add",
