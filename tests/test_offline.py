@@ -90,9 +90,10 @@ class GoalEnv(gymnasium.Env):
 
 
 def goal_reward(achieved_goal, desired_goal):
-  """The sparse GoalEnv reward: 0 within 0.5 of the goal, else -1."""
+  """The sparse GoalEnv reward: 0 within 0.5 of the goal, else -1, in the
+  dtype the loaded rewards have (float64 in 64-bit mode)."""
   distance = jnp.linalg.norm(achieved_goal - desired_goal, axis=-1)
-  return -(distance > 0.5).astype(jnp.float32)
+  return -(distance > 0.5).astype(jnp.result_type(float))
 
 
 def _collect(dataset_id, env, num_episodes, seed):
