@@ -263,7 +263,7 @@ def test_dqn_demo_solves_cartpole():
 
 @pytest.mark.slow
 def test_dqn_reaches_450_on_each_of_8_seeds_within_5e5_steps():
-  # Measured: 500.0 500.0 494.5 500.0 500.0 500.0 500.0 500.0 (mean 499.3).
+  # Measured: 500.0 500.0 500.0 500.0 500.0 500.0 493.9 500.0 (mean 499.2).
   result = trained(dqn, dqn.Config(num_seeds=8), "DQN, 8 seeds")
   assert np.all(result["final_returns"] >= 450), result["final_returns"]
 
