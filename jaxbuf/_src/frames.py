@@ -83,7 +83,6 @@ from jaxbuf._src.prioritized_sequence import PrioritizedSequenceReplayState
 STEP_FIELDS = ("obs", "action", "reward", "terminated")
 PAD_MODES = ("zeros", "first")
 MAX_NUM_STACK = 256  # positions are stored as uint8
-_INT32_MAX = jnp.iinfo(jnp.int32).max
 
 
 class FrameStackTransition(NamedTuple):
@@ -590,16 +589,8 @@ def prioritized_update_priorities(
                               what="update_priorities", exact=True)
   valid = valid_priority_updates(state, indices, priorities, item_ids,
                                  n_step=n_step, checked=checked)
-  indices = jnp.asarray(indices).astype(jnp.int32)
-  new_priorities = jnp.where(
-      valid, jnp.abs(jnp.asarray(priorities).astype(jnp.float32)) + eps, 0.0)
-  return state.replace(
-      window_tree=sum_tree.set_leaves(
-          state.window_tree, jnp.where(valid, indices, 0),
-          prioritized.capped_leaf_values(new_priorities, alpha,
-                                         state.window_tree), valid),
-      max_priority=jnp.maximum(state.max_priority, jnp.max(new_priorities)),
-      beta_step=jnp.minimum(state.beta_step, _INT32_MAX - 1) + 1)
+  return prioritized_sequence.with_window_priorities(
+      state, indices, priorities, valid, alpha=alpha, eps=eps)
 
 
 def can_sample(state: FrameStackReplayState, batch_size: int) -> jax.Array:

@@ -155,6 +155,16 @@ def update_priorities(state: PrioritizedSequenceReplayState,
   valid = sequence.valid_priority_updates(
       state, indices, priorities, item_ids, sequence_length=sequence_length,
       period=period, within=within, checked=checked)
+  return with_window_priorities(state, indices, priorities, valid,
+                                alpha=alpha, eps=eps)
+
+
+def with_window_priorities(state: PyTree, indices: jax.Array,
+                           priorities: jax.Array, valid: jax.Array, *,
+                           alpha: float, eps: float) -> PyTree:
+  """`state` with windows `indices [S]` at `|priorities [S]| + eps` where
+  `valid [S]`: its window tree, running maximum and beta step updated (for
+  every kind whose state holds those three, frame stacks included)."""
   indices = jnp.asarray(indices).astype(jnp.int32)
   new_priorities = jnp.where(
       valid, jnp.abs(jnp.asarray(priorities).astype(jnp.float32)) + eps, 0.0)
