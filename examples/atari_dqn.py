@@ -181,7 +181,7 @@ def make_step(config: Config, num_actions: int):
 
 def main(argv: list[str] | None = None) -> None:
   from ale_py.vector_env import AtariVectorEnv  # pylint: disable=import-outside-toplevel
-  config, _ = common.parse_config(Config, __doc__.split("\n")[0], argv)
+  config, plot = common.parse_config(Config, __doc__.split("\n")[0], argv)
   envs = AtariVectorEnv(config.game, config.num_envs, stack_num=1,
                         autoreset_mode="NextStep")
   frames, _ = envs.reset(seed=config.seed)
@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
   state = jax.jit(init)(jax.random.key(config.seed), jnp.asarray(frames[:, 0]))
   returns = np.zeros(config.num_envs)
   finished = []
+  ended = []  # (env step, return), for --plot
   start = time.perf_counter()
   compile_seconds = 0.0
   vector_steps = config.total_steps // config.num_envs
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     returns += rewards
     done = terminated | truncated
     finished.extend(returns[done].tolist())
+    ended.extend([(iteration * config.num_envs, r) for r in returns[done]])
     returns[done] = 0
     if (iteration + 1) % config.report_every == 0:
       recent = np.mean(finished[-20:]) if finished else float("nan")
@@ -222,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{peak / 2**30:.2f} GiB")
   print(f"episodes finished: {len(finished)}; mean return "
         f"{np.mean(finished) if finished else float('nan'):.1f}")
+  if plot:
+    common.plot_episode_returns(ended, plot, f"DQN on ALE {config.game}",
+                                "tab:green")
 
 
 if __name__ == "__main__":

@@ -301,6 +301,36 @@ def plot_learning_curve(result: dict[str, Any], path: str, title: str,
   figure.savefig(path, dpi=100)
 
 
+def plot_episode_returns(episode_returns: list[tuple[int, float]], path: str,
+                         title: str, color: str, num_points: int = 50) -> None:
+  """Saves each episode's return (faint dots, at the env step it ended) and
+  their mean over `num_points` equal windows of env steps, to `path`.
+
+  For the host-stepped examples, which tally episodes on the host as
+  `(env step, return)` rather than in per-seed arrays.
+  """
+  from matplotlib.figure import Figure  # no pyplot: no GUI backend needed
+  steps = np.array([step for step, _ in episode_returns], np.float64)
+  returns = np.array([value for _, value in episode_returns], np.float64)
+  figure = Figure(figsize=(6, 3.5))
+  axes = figure.subplots()
+  axes.scatter(steps, returns, s=2, color=color, alpha=0.2,
+               label="one episode")
+  if steps.size:
+    edges = np.linspace(0, steps.max() + 1, num_points + 1)
+    window = np.digitize(steps, edges) - 1
+    counts = np.bincount(window, minlength=num_points)[:num_points]
+    sums = np.bincount(window, returns, minlength=num_points)[:num_points]
+    centres = (edges[:-1] + edges[1:]) / 2
+    ended = counts > 0
+    axes.plot(centres[ended], sums[ended] / counts[ended], color=color,
+              label=f"mean over windows of {edges[1]:,.0f} env steps")
+  axes.set(xlabel="env steps", ylabel="episodic return", title=title)
+  axes.legend()
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+
+
 def parse_config(config_type: type, description: str,
                  argv: list[str] | None = None) -> tuple[Any, str | None]:
   """`config_type(...)` from one flag per field, and the `--plot` path.

@@ -22,6 +22,7 @@ CleanRL's network and hyperparameters) in two ways:
   python examples/gymnasium_dqn.py                  # the recipe, 5e5 env steps
   python examples/gymnasium_dqn.py --natural        # plain calls
   python examples/gymnasium_dqn.py --replay prioritized
+  python examples/gymnasium_dqn.py --plot gymnasium_dqn.png  # returns curve
 
 Autoreset: the vector env resets an ended episode within the same step
 (`AutoresetMode.SAME_STEP`); the observation it returns is the new
@@ -333,8 +334,14 @@ def natural_loop(config: Config, agent: Agent, key: jax.Array,
 
 
 def main(argv: list[str] | None = None) -> None:
-  config, _ = common.parse_config(Config, __doc__.split("\n")[0], argv)
+  config, plot = common.parse_config(Config, __doc__.split("\n")[0], argv)
   result = train(config)
+  if plot:
+    common.plot_episode_returns(
+        result["episode_returns"], plot,
+        f"DQN on gymnasium {config.env_id}, "
+        f"{'natural calls' if config.natural else 'the recipe'} "
+        f"({config.replay} replay)", "tab:blue")
   print(f"env steps per second: {result['steps_per_second']:,.0f} "
         f"({config.num_envs} envs, {result['env_steps']:,} env steps, "
         f"compilation included)")

@@ -250,8 +250,30 @@ def run(config: Config, datasets_path: str | None = None) -> dict[str, Any]:
   return results
 
 
+def plot_returns(results: dict[str, Any], path: str) -> None:
+  """Saves each seed's evaluation return of CQL and BC (dots) against the
+  dataset's mean return (a line), to `path`: offline training has no
+  learning curve in env steps."""
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+  figure = Figure(figsize=(5, 3.5))
+  axes = figure.subplots()
+  for position, (name, color) in enumerate((("cql", "tab:red"),
+                                            ("bc", "tab:gray"))):
+    returns = results[f"{name}_returns"]
+    axes.scatter(np.full(len(returns), position), returns, color=color,
+                 label=f"{name.upper()}, one dot a seed")
+  axes.axhline(results["dataset_mean_return"], color="black", linestyle="--",
+               label="dataset mean return")
+  axes.set(xticks=[0, 1], xticklabels=["CQL", "BC"], xlim=(-0.5, 1.5),
+           ylabel="evaluation return",
+           title=f"Offline CartPole from {results['dataset_episodes']} episodes")
+  axes.legend()
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  config, _ = common.parse_config(Config, __doc__.splitlines()[0], argv)
+  config, plot = common.parse_config(Config, __doc__.splitlines()[0], argv)
   with tempfile.TemporaryDirectory() as scratch:
     results = run(config, os.environ.get("MINARI_DATASETS_PATH", scratch))
   print(f"dataset: {results['dataset_episodes']} episodes, "
@@ -265,6 +287,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   print(f"bar (CQL > max(dataset mean, BC mean) + {config.margin:g} on every "
         f"seed): "
         f"{'met' if results['bar_met'] else 'NOT met'}")
+  if plot:
+    plot_returns(results, plot)
   return results
 
 

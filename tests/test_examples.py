@@ -376,10 +376,12 @@ def test_offline_cql_runs_end_to_end(tmp_path, monkeypatch, capsys):
   pytest.importorskip("minari")
   from examples import offline_cql  # pylint: disable=import-outside-toplevel
   monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path))
+  plot = tmp_path / "returns.png"
   results = offline_cql.main([
       "--dataset-steps", "300", "--num-updates", "10", "--batch-size", "8",
       "--eval-episodes", "2", "--time-limit", "20", "--hidden-size", "8",
-      "--target-update-interval", "4"])
+      "--target-update-interval", "4", "--plot", str(plot)])
+  assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
   lines = capsys.readouterr().out.strip().splitlines()
   assert lines[0].startswith("dataset: ")
   assert lines[-1].startswith("bar (CQL > max(dataset mean, BC mean)")

@@ -251,14 +251,16 @@ def test_host_transition_keeps_the_final_observation():
 @pytest.mark.parametrize("mode", [[], ["--natural"],
                                   ["--natural", "--replay", "prioritized"]],
                          ids=["recipe", "natural", "natural-prioritized"])
-def test_gymnasium_dqn_runs(mode, capsys):
+def test_gymnasium_dqn_runs(mode, capsys, tmp_path):
+  plot = tmp_path / "returns.png"
   gymnasium_dqn.main(["--total-steps", "240", "--learning-starts", "40",
                       "--buffer-size", "64", "--batch-size", "8",
                       "--hidden-size", "8", "--target-update-interval", "16",
-                      "--no-progress", *mode])
+                      "--no-progress", "--plot", str(plot), *mode])
   last_line = capsys.readouterr().out.strip().splitlines()[-1]
   assert last_line.startswith("final mean return: ")
   assert float(last_line.split(": ")[1]) > 0
+  assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 @pytest.mark.slow
