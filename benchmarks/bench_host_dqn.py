@@ -24,9 +24,12 @@ that ended in the last 10% of env steps.
 Usage:
   python benchmarks/bench_host_dqn.py            # 5e5 env steps each, minutes
   python benchmarks/bench_host_dqn.py --quick    # 2e4 env steps each
+  python benchmarks/bench_host_dqn.py --seeds 4  # seeds 0-3: final returns
+                                                 # compared over seeds
 """
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 import time
@@ -148,34 +151,52 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--total-steps", type=int, default=None)
-  parser.add_argument("--repeats", type=int, default=1)
+  parser.add_argument("--repeats", type=int, default=1,
+                      help="runs per contender with the same seed (speed)")
+  parser.add_argument("--seeds", type=int, default=1,
+                      help="seeds 0 .. N-1, each run once per repeat; one "
+                      "seed's final return says little")
+  parser.add_argument("--contenders", nargs="+", default=CONTENDERS,
+                      choices=CONTENDERS)
   args = parser.parse_args()
+  contenders = tuple(args.contenders)
   harness.print_machine(PACKAGES)
   total_steps = args.total_steps or (20_000 if args.quick else 500_000)
   config = gymnasium_dqn.Config(
       total_steps=total_steps, progress=False,
       learning_starts=min(10_000, total_steps // 10))
-  results = {name: [] for name in CONTENDERS}
+  results = {name: [] for name in contenders}
   for repeat in range(args.repeats):
-    for name in CONTENDERS:
-      result = run(name, config)
-      results[name].append(result)
-      print(f"repeat {repeat}: {name:8s} {result['steps_per_second']:8,.0f} "
-            f"env steps/s, final return {result['final_mean_return']:.1f} "
-            f"(load {harness.load_average()})", flush=True)
+    for seed in range(args.seeds):
+      for name in contenders:
+        result = run(name, dataclasses.replace(config, seed=seed))
+        results[name].append(result)
+        print(f"repeat {repeat} seed {seed}: {name:8s} "
+              f"{result['steps_per_second']:8,.0f} env steps/s, final return "
+              f"{result['final_mean_return']:.1f} "
+              f"(load {harness.load_average()})", flush=True)
 
   def median(name, field):
     return float(np.median([r[field] for r in results[name]]))
 
-  sb3_speed = median("sb3", "steps_per_second")
-  print(f"\n{total_steps:,} env steps each, {args.repeats} repeat(s); "
-        f"medians; load at end {harness.load_average()}")
+  def final_returns(name):
+    values = [r["final_mean_return"] for r in results[name]]
+    return (f"{np.mean(values):.1f} (min {np.min(values):.1f})"
+            if len(values) > 1 else f"{values[0]:.1f}")
+
+  sb3_speed = median("sb3", "steps_per_second") if "sb3" in results else None
+  print(f"\n{total_steps:,} env steps each, {args.seeds} seed(s) x "
+        f"{args.repeats} repeat(s); env steps/s: medians; final return: mean "
+        f"over runs; load at end {harness.load_average()}")
   harness.print_table(
       [("contender", -9), ("env steps/s", 12), ("vs SB3", 8),
-       ("final return", 13)],
+       ("final return", 22)],
       [(name, f"{median(name, 'steps_per_second'):,.0f}",
-        harness.ratio_text(median(name, "steps_per_second") / sb3_speed),
-        f"{median(name, 'final_mean_return'):.1f}") for name in CONTENDERS])
+        harness.ratio_text(median(name, "steps_per_second") / sb3_speed)
+        if sb3_speed else "-",
+        final_returns(name)) for name in contenders])
+  if sb3_speed is None or not {"recipe", "natural", "cpprb"} <= set(results):
+    return
   verdicts = harness.Verdicts()
   verdicts.judge("recipe env steps/s vs SB3",
                  median("recipe", "steps_per_second") / sb3_speed, 1.3)
