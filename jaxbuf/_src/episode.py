@@ -123,8 +123,8 @@ def add(state: EpisodeReplayState, steps: PyTree,
                                new_leaf_value=jnp.float32(0.0))
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
   length = episode_end.shape[1]
-  kept = min(length, per_env)
-  dropped = length - kept
+  chunk = sequence.chunk_slots(state, length, mask)
+  kept, dropped, slots = chunk.kept, chunk.dropped, chunk.slots
   offsets = jnp.arange(length, dtype=jnp.int32)[None, :]
   # Positions count from the latest episode start, modulo M: the splits.
   starts = jnp.concatenate([jnp.zeros((num_envs, 1), bool),
@@ -135,8 +135,6 @@ def add(state: EpisodeReplayState, steps: PyTree,
                         ) % max_episode_length
   piece_ends = episode_end | (positions == max_episode_length - 1)
   positions, piece_ends = positions[:, dropped:], piece_ends[:, dropped:]
-  slots = (state.write_heads[:, None] + dropped % per_env
-           + jnp.arange(kept, dtype=jnp.int32)[None, :]) % per_env
   first_slots = (slots - positions) % per_env
   # A piece ended early in a chunk may have lost its first step to a later
   # step of the same chunk.

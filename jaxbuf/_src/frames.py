@@ -282,34 +282,14 @@ def add_steps(state: FrameStackReplayState, steps: PyTree,
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
   steps, mask, episode_end = sequence.chunked_add_args(
       state, steps, mask, sequence.episode_ends_of(steps, episode_end))
-  length = episode_end.shape[1]
   positions, after = episode_positions_of(state.next_positions, episode_end,
                                           num_stack=num_stack)
-  # A chunk longer than R keeps its newest R steps; each slot is written once.
-  kept = min(length, per_env)
-  dropped = length - kept
-  steps = jax.tree.map(lambda x: x[:, dropped:], steps)
-  episode_end = episode_end[:, dropped:]
-  positions = positions[:, dropped:]
-  slots = (state.write_heads[:, None] + dropped % per_env
-           + jnp.arange(kept, dtype=jnp.int32)[None, :]) % per_env
-  rows = jnp.broadcast_to(
-      jnp.where(mask, jnp.arange(num_envs, dtype=jnp.int32), num_envs)[:, None],
-      slots.shape)
-  write = lambda column, new: column.at[rows, slots].set(
-      new, mode="drop", unique_indices=True)
-  new_state = state.replace(
-      storage=jax.tree.map(write, state.storage, steps),
-      episode_ends=write(state.episode_ends, episode_end),
-      episode_positions=write(state.episode_positions,
-                              positions.astype(jnp.uint8)),
-      next_positions=jnp.where(mask, after, state.next_positions),
-      write_heads=jnp.where(mask, (state.write_heads + length % per_env)
-                            % per_env, state.write_heads),
-      steps_held=jnp.where(mask, jnp.minimum(state.steps_held + kept, per_env),
-                           state.steps_held),
-      step_counts=jnp.where(mask, state.step_counts + jnp.uint32(length % 2**32),
-                            state.step_counts))
+  new_state, chunk = sequence.write_chunk(
+      state, steps, mask, episode_end,
+      episode_positions=positions.astype(jnp.uint8))
+  kept = chunk.kept
+  new_state = new_state.replace(
+      next_positions=jnp.where(mask, after, state.next_positions))
   # Transitions that can change, by steps ago after the write: those written
   # (0..K'-1), those whose n-th next step was written (n..n+K'-1), and the
   # K - 1 oldest, whose history the write may have overwritten. Every other

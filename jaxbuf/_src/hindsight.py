@@ -237,8 +237,9 @@ def record_episodes(state: HindsightReplayState, written: HindsightReplayState,
   """
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
   length = episode_end.shape[1]
-  kept = min(length, per_env)
-  dropped = length - kept
+  # The chunk's newest steps are the ones written (`add_steps`).
+  chunk = sequence.chunk_slots(state, length, mask)
+  dropped = chunk.dropped
   positions = jnp.arange(length, dtype=jnp.int32)[None, :]
   # A step starts an episode when the step before it ended one; the chunk's
   # first step, when no episode is running.
@@ -251,13 +252,8 @@ def record_episodes(state: HindsightReplayState, written: HindsightReplayState,
   firsts = jnp.where(latest_start >= 0,
                      state.step_counts[:, None] + latest_start.astype(jnp.uint32),
                      state.current_firsts[:, None])
-  # The chunk's newest `kept` steps are the ones written (`add_steps`).
-  slots = (state.write_heads[:, None] + dropped % per_env
-           + jnp.arange(kept, dtype=jnp.int32)[None, :]) % per_env
+  write = chunk.write
   envs = jnp.arange(num_envs, dtype=jnp.int32)[:, None]
-  rows = jnp.broadcast_to(jnp.where(mask[:, None], envs, num_envs), slots.shape)
-  write = lambda column, new: column.at[rows, slots].set(
-      new[:, dropped:], mode="drop", unique_indices=True)
   # The kept steps' episodes are consecutive, at most R: distinct keys.
   end_rows = jnp.where(mask[:, None] & episode_end[:, dropped:], envs,
                        num_envs)

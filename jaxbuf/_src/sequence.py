@@ -52,7 +52,7 @@ The module-level functions take every setting explicitly;
 """
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -375,6 +375,73 @@ def chunked_add_args(state: SequenceReplayState, steps: PyTree,
   return steps, mask, episode_end
 
 
+class ChunkSlots(NamedTuple):
+  """Where the steps of a chunk of T steps per env go in the ring.
+
+  A chunk longer than R keeps its newest `kept` = min(T, R) steps; the older
+  `dropped` ones are never written, so each written slot is written once
+  (scatters with duplicate indices have no defined order).
+  """
+  kept: int
+  dropped: int
+  slots: jax.Array  # int32 [N, kept], the ring slots of the kept steps
+  rows: jax.Array   # int32 [N, kept], the env, or N for an env masked out
+
+  def write(self, column: jax.Array, chunk: jax.Array) -> jax.Array:
+    """`column [N, R, ...]` with the kept steps of `chunk [N, T, ...]`
+    written; envs masked out are dropped."""
+    return column.at[self.rows, self.slots].set(
+        chunk[:, self.dropped:], mode="drop", unique_indices=True)
+
+
+def chunk_slots(state: SequenceReplayState, length: int,
+                mask: jax.Array) -> ChunkSlots:
+  """The slots and rows of a chunk of `length` steps per env, `mask [N]`
+  the envs that stepped (`state.write_heads` as before the chunk)."""
+  num_envs, per_env = num_envs_of(state), steps_per_env(state)
+  kept = min(length, per_env)
+  dropped = length - kept
+  slots = (state.write_heads[:, None] + dropped % per_env
+           + jnp.arange(kept, dtype=jnp.int32)[None, :]) % per_env
+  rows = jnp.broadcast_to(
+      jnp.where(mask, jnp.arange(num_envs, dtype=jnp.int32), num_envs)[:, None],
+      slots.shape)
+  return ChunkSlots(kept=kept, dropped=dropped, slots=slots, rows=rows)
+
+
+def write_chunk(state: SequenceReplayState, steps: PyTree, mask: jax.Array,
+                episode_end: jax.Array, **columns: jax.Array
+                ) -> tuple[SequenceReplayState, ChunkSlots]:
+  """Writes a chunk's steps, episode ends and per-step `columns` (fields of
+  `state` shaped `[N, R]`, given `[N, T]`), and advances each env that
+  stepped: write head, steps held, step count. Every kind built on the
+  per-env rings writes its steps here.
+
+  Args:
+    state: the buffer.
+    steps: leaves `[N, T, ...]`; mask: bool `[N]`; episode_end: bool
+      `[N, T]` (`chunked_add_args`).
+    **columns: more per-step fields to write, by name.
+
+  Returns:
+    The state written, and where the chunk went.
+  """
+  per_env = steps_per_env(state)
+  length = episode_end.shape[1]
+  chunk = chunk_slots(state, length, mask)
+  return state.replace(
+      storage=jax.tree.map(chunk.write, state.storage, steps),
+      episode_ends=chunk.write(state.episode_ends, episode_end),
+      **{name: chunk.write(getattr(state, name), value)
+         for name, value in columns.items()},
+      write_heads=jnp.where(mask, (state.write_heads + length % per_env)
+                            % per_env, state.write_heads),
+      steps_held=jnp.where(mask, jnp.minimum(state.steps_held + chunk.kept,
+                                             per_env), state.steps_held),
+      step_counts=jnp.where(mask, state.step_counts + jnp.uint32(length % 2**32),
+                            state.step_counts)), chunk
+
+
 def add_steps(state: SequenceReplayState, steps: PyTree,
               mask: jax.Array | None, episode_end: jax.Array | None, *,
               sequence_length: int, period: int, within: bool,
@@ -393,30 +460,9 @@ def add_steps(state: SequenceReplayState, steps: PyTree,
   num_envs, per_env = num_envs_of(state), steps_per_env(state)
   steps, mask, episode_end = chunked_add_args(state, steps, mask, episode_end)
   length = episode_end.shape[1]
-  # A chunk longer than R keeps its newest R steps; the older ones are never
-  # written, so each written slot is written once (scatters with duplicate
-  # indices have no defined order).
-  kept = min(length, per_env)
-  dropped = length - kept
-  steps = jax.tree.map(lambda x: x[:, dropped:], steps)
-  episode_end = episode_end[:, dropped:]
-  slots = (state.write_heads[:, None] + dropped % per_env
-           + jnp.arange(kept, dtype=jnp.int32)[None, :]) % per_env
-  # Envs that did not step scatter out of bounds, and are dropped.
-  rows = jnp.broadcast_to(
-      jnp.where(mask, jnp.arange(num_envs, dtype=jnp.int32), num_envs)[:, None],
-      slots.shape)
-  write = lambda column, new: column.at[rows, slots].set(
-      new, mode="drop", unique_indices=True)
-  new_state = state.replace(
-      storage=jax.tree.map(write, state.storage, steps),
-      episode_ends=write(state.episode_ends, episode_end),
-      write_heads=jnp.where(mask, (state.write_heads + length % per_env)
-                            % per_env, state.write_heads),
-      steps_held=jnp.where(mask, jnp.minimum(state.steps_held + kept, per_env),
-                           state.steps_held),
-      step_counts=jnp.where(mask, state.step_counts + jnp.uint32(length % 2**32),
-                            state.step_counts),
+  new_state, chunk = write_chunk(state, steps, mask, episode_end)
+  kept = chunk.kept
+  new_state = new_state.replace(
       period_phases=jnp.where(mask, (state.period_phases + length % period)
                               % period, state.period_phases))
   # Only windows whose first or last step was written can change: starts
