@@ -37,10 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import jaxbuf
-
 if __package__ in (None, ""):
+  # Run as a script: the checkout goes first on the path before `import
+  # jaxbuf`, as in examples/dqn.py (from the folder holding a clone named
+  # jaxbuf, the clone would import as an empty namespace package).
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import jaxbuf  # noqa: E402  pylint: disable=wrong-import-position
 from examples import common  # noqa: E402
 
 PyTree = Any

@@ -49,12 +49,12 @@ import numpy as np
 import optax
 import tqdm
 
-import jaxbuf
-
 if __package__ in (None, ""):
-  # Run as `python examples/gymnasium_dqn.py`: import `examples` from the
-  # checkout, as the tests and benchmarks do.
+  # Run as a script: the checkout goes first on the path before `import
+  # jaxbuf`, as in examples/dqn.py (from the folder holding a clone named
+  # jaxbuf, the clone would import as an empty namespace package).
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import jaxbuf  # noqa: E402  pylint: disable=wrong-import-position
 from examples import common  # noqa: E402
 from examples.dqn import QNetwork  # noqa: E402
 

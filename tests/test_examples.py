@@ -224,21 +224,28 @@ def test_script_runs_end_to_end(module, flags, tmp_path, capsys):
   assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
-def test_script_runs_from_the_folder_holding_a_clone_named_jaxbuf(tmp_path):
-  """`cd parent && python jaxbuf/examples/dqn.py`, `parent` on the path.
+def test_scripts_run_from_the_folder_holding_a_clone_named_jaxbuf(tmp_path):
+  """`cd parent && python jaxbuf/examples/X.py --help`, `parent` on the path.
 
   There the clone is a folder `jaxbuf` without an `__init__.py`, which
   Python imports as an empty namespace package `jaxbuf` rather than look
-  further; the script must import the checkout's own package instead.
+  further; every script must import the checkout's own package instead.
+  The scripts start together: each spends its seconds importing JAX.
   """
   repository = pathlib.Path(dqn.__file__).resolve().parent.parent
   (tmp_path / "jaxbuf").symlink_to(repository, target_is_directory=True)
-  run = subprocess.run(
-      [sys.executable, os.path.join("jaxbuf", "examples", "dqn.py"), "--help"],
+  scripts = sorted(path.name for path in (repository / "examples").glob("*.py")
+                   if path.name not in ("__init__.py", "common.py"))
+  assert len(scripts) >= 9, scripts
+  runs = {script: subprocess.Popen(
+      [sys.executable, os.path.join("jaxbuf", "examples", script), "--help"],
       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(tmp_path)),
-      capture_output=True, text=True, check=False)
-  assert run.returncode == 0, run.stderr
-  assert "--plot" in run.stdout
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+          for script in scripts}
+  for script, run in runs.items():
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, (script, stderr)
+    assert "--plot" in stdout, script
 
 
 def trained(module, config, label: str) -> dict:
