@@ -1168,6 +1168,24 @@ def test_an_unsharded_ring_that_does_not_split_evenly_says_why(tmp_path):
   assert held_items_and_leaves(restored) == held_items_and_leaves(state)
 
 
+def test_a_sharded_checkpoint_of_another_capacity_names_the_capacity(tmp_path):
+  """Into a plain state of another capacity, the error spoke of stacks of
+  states "as made under jax.vmap" to a user who never vmapped."""
+  sharded = BUFFERS[("prioritized", "global", "sharded")]
+  jaxbuf.save(tmp_path / "sharded", sharded.add(
+      sharded.init(example_item()), make_items(0, 8)))
+  like = jaxbuf.prioritized_replay(2 * CAPACITY).init(example_item())
+  with pytest.raises(ValueError, match=(
+      rf"capacity: the checkpoint has {CAPACITY}, `like` has {2 * CAPACITY}"
+      )) as raised:
+    jaxbuf.load(tmp_path / "sharded", like=like)
+  assert "vmap" not in str(raised.value)
+  assert int(like.add_count) == 0  # `like` untouched, still usable
+  restored = jaxbuf.load(tmp_path / "sharded", like=base("prioritized").init(
+      example_item()))
+  assert int(restored.add_count) == 8
+
+
 def test_a_regrouped_ring_keeps_its_add_count(tmp_path):
   """9 items in a ring of 8 over 2 devices and back: add_count stays 9 (it
   came back as 8, so offline export took the partly overwritten oldest

@@ -172,7 +172,7 @@ def _checking_settings(function: Callable, kind: kind_protocol.Kind,
   return checking
 
 
-def _listed_array(value: Any) -> Any:
+def listed_array(value: Any) -> Any:
   """A plain Python list or tuple as a NumPy array; anything else as given
   (a NamedTuple is a pytree, not a list of numbers)."""
   if type(value) in (list, tuple):  # pylint: disable=unidiomatic-typecheck
@@ -380,8 +380,8 @@ def bind(init: Callable, add: Callable, sample: Callable,
 
   @functools.wraps(add)
   def add_from_host(state, items, *args, **kwargs):
-    return add_items(state, items, *map(_listed_array, args),
-                     **{name: _listed_array(value)
+    return add_items(state, items, *map(listed_array, args),
+                     **{name: listed_array(value)
                         for name, value in kwargs.items()})
 
   @functools.wraps(update_priorities)
@@ -389,9 +389,9 @@ def bind(init: Callable, add: Callable, sample: Callable,
     validation.check_on_the_states_devices(
         state, (indices, *args, *kwargs.values()), what="update_priorities")
     return jitted_update(
-        state, validation.host_indices(_listed_array(indices)),
-        *map(_listed_array, args),
-        **{name: _listed_array(value) for name, value in kwargs.items()})
+        state, validation.host_indices(listed_array(indices)),
+        *map(listed_array, args),
+        **{name: listed_array(value) for name, value in kwargs.items()})
 
   return Buffer(
       init=init,

@@ -204,6 +204,9 @@ def show_box(box: list[list[int]]) -> str:
   return "[" + ", ".join(f"{start}:{stop}" for start, stop in box) + "]"
 
 
+STACK_DIM = "vmapped buffers"  # the leading axes of a stack of states
+
+
 def _stack_words(stack: Any) -> str:
   """A stack of states (leading axes), as `check_layout` names it."""
   if not stack:
@@ -217,18 +220,18 @@ def check_layout(stored: dict[str, Any], expected: dict[str, Any],
   if stored["state_type"] != expected["state_type"]:
     raise TypeError(f"{where} holds a {stored['state_type']}, but `like` is a "
                     f"{expected['state_type']}.")
+  stored_stack = stored["buffer_dims"].get(STACK_DIM)
+  expected_stack = expected["buffer_dims"].get(STACK_DIM)
+  stacks_agree = (stored_stack or None) == (list(expected_stack)
+                                            if expected_stack else None)
+  # Over other stackings the sizes are per stacked state (a sharded buffer's
+  # per device), not the sizes a user chose: then the settings speak first.
   for name, size in expected["buffer_dims"].items():
     stored_size = stored["buffer_dims"].get(name)
-    if stored_size != (list(size) if isinstance(size, tuple) else size):
+    if stacks_agree and stored_size != (
+        list(size) if isinstance(size, tuple) else size):
       shown = [tuple(value) if isinstance(value, (list, tuple)) else value
                for value in (stored_size, size)]
-      if name == "vmapped buffers":
-        raise ValueError(
-            f"{where}: stacked states mismatch: the checkpoint holds "
-            f"{_stack_words(shown[0])}, `like` {_stack_words(shown[1])}. A "
-            f"jaxbuf.sharded state is a stack of one state per device, as is "
-            f"a state made under jax.vmap: make `like` with the buffer that "
-            f"saved it (e.g. the sharded buffer's init, on as many devices).")
       raise ValueError(f"{where}: {name} mismatch: the checkpoint has {name} "
                        f"{shown[0]}, `like` has {name} {shown[1]}.")
   stored_settings = stored.get("settings", {})
@@ -241,6 +244,14 @@ def check_layout(stored: dict[str, Any], expected: dict[str, Any],
         f"{where} was saved from a buffer with other settings than `like`'s "
         f"({differences}); the state's bookkeeping depends on them: load it "
         f"into a state of a buffer made with the checkpoint's settings.")
+  if not stacks_agree:
+    raise ValueError(
+        f"{where}: stacked states mismatch: the checkpoint holds "
+        f"{_stack_words(stored_stack)}, `like` "
+        f"{_stack_words(expected_stack)}. A jaxbuf.sharded state is a stack "
+        f"of one state per device, as is a state made under jax.vmap: make "
+        f"`like` with the buffer that saved it (e.g. the sharded buffer's "
+        f"init, on as many devices).")
   stored_leaves, expected_leaves = stored["leaves"], expected["leaves"]
   if list(stored_leaves) != list(expected_leaves):
     missing = [p for p in expected_leaves if p not in stored_leaves]

@@ -48,7 +48,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from jaxbuf._src import validation
-from jaxbuf._src.base import BufferState, PyTree
+from jaxbuf._src.base import BufferState, PyTree, listed_array
 
 
 def valid_mask(step_counts: jax.Array, num_steps: int) -> jax.Array:
@@ -251,6 +251,16 @@ def rollout_buffer(num_steps: int, num_envs: int, *,
       functools.partial(add, checked=checked), add)
   if checked:
     return RolloutBuffer(init=bound_init, add=bound_add, reset=reset)
-  return RolloutBuffer(init=bound_init,
-                       add=jax.jit(bound_add, donate_argnums=0),
+  jitted_add = jax.jit(bound_add, donate_argnums=0)
+
+  # A Python list given as the mask would reach the jit as one leaf per
+  # entry; it becomes the array it stands for first, as for every buffer.
+  @functools.wraps(add)
+  def add_from_host(state, steps, mask=None):
+    return jitted_add(state, steps, listed_array(mask))
+
+  # The jitted function's own tools stay reachable (`rollout.add.lower(...)`).
+  for name in ("lower", "trace", "eval_shape", "clear_cache", "_cache_size"):
+    setattr(add_from_host, name, getattr(jitted_add, name))
+  return RolloutBuffer(init=bound_init, add=add_from_host,
                        reset=jax.jit(reset, donate_argnums=0))

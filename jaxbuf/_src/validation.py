@@ -57,8 +57,9 @@ def check_same_structure(expected: PyTree, given: PyTree, *, what: str) -> None:
   expected_paths, given_paths = _paths(expected), _paths(given)
   missing = [p for p in expected_paths if p not in given_paths]
   unexpected = [p for p in given_paths if p not in expected_paths]
-  detail = (f"missing leaves {_listed(missing)}, unexpected leaves "
-            f"{_listed(unexpected)}" if missing or unexpected else
+  parts = [f"{name} leaves {_listed(paths)}" for name, paths in (
+      ("missing", missing), ("unexpected", unexpected)) if paths]
+  detail = (", ".join(parts) if parts else
             f"expected {expected_def}, given {given_def}")
   raise TypeError(f"{what}: tree structure differs from the buffer's item: "
                   f"{detail}.")
