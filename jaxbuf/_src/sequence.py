@@ -736,6 +736,11 @@ def add(state: SequenceReplayState, steps: PyTree,
                                           padding_action, 0.0, no_env,
                                           last=terminated | truncated))
 
+  Final observations given in a separate plain `add` instead are a step of
+  every env not masked out, which no buffer can tell from an env step: an
+  env whose episode did not end would store one step too many. Give them as
+  `final_steps`.
+
   Steps follow the stream convention: `help(jaxbuf.streams)`.
 
   Args:
