@@ -182,8 +182,9 @@ def make_step(config: Config, num_actions: int):
 
 
 def main(argv: list[str] | None = None) -> None:
-  from ale_py.vector_env import AtariVectorEnv  # pylint: disable=import-outside-toplevel
   config, plot = common.parse_config(Config, __doc__.split("\n")[0], argv)
+  # After the flags: `--help` works without the atari extra installed.
+  from ale_py.vector_env import AtariVectorEnv  # pylint: disable=import-outside-toplevel
   envs = AtariVectorEnv(config.game, config.num_envs, stack_num=1,
                         autoreset_mode="NextStep")
   frames, _ = envs.reset(seed=config.seed)
