@@ -191,8 +191,7 @@ def main(argv: list[str] | None = None) -> None:
   init, step = make_step(config, int(envs.single_action_space.n))
   state = jax.jit(init)(jax.random.key(config.seed), jnp.asarray(frames[:, 0]))
   returns = np.zeros(config.num_envs)
-  finished = []
-  ended = []  # (env step, return), for --plot
+  finished = []  # (env step, return) of each episode that ended
   start = time.perf_counter()
   compile_seconds = 0.0
   vector_steps = config.total_steps // config.num_envs
@@ -208,11 +207,11 @@ def main(argv: list[str] | None = None) -> None:
       compile_seconds = time.perf_counter() - before
     returns += rewards
     done = terminated | truncated
-    finished.extend(returns[done].tolist())
-    ended.extend([(iteration * config.num_envs, r) for r in returns[done]])
+    finished.extend((iteration * config.num_envs, r) for r in returns[done])
     returns[done] = 0
     if (iteration + 1) % config.report_every == 0:
-      recent = np.mean(finished[-20:]) if finished else float("nan")
+      recent = (np.mean([r for _, r in finished[-20:]]) if finished
+                else float("nan"))
       print(f"{(iteration + 1) * config.num_envs:,} env steps, "
             f"{len(finished)} episodes, recent return {recent:.1f}, "
             f"loss {float(loss):.4f}", flush=True)
@@ -225,10 +224,11 @@ def main(argv: list[str] | None = None) -> None:
         f" first call {compile_seconds:.1f} s not counted)")
   print(f"frames held {held:,} of {config.buffer_size:,}; peak RSS "
         f"{peak / 2**30:.2f} GiB")
-  print(f"episodes finished: {len(finished)}; mean return "
-        f"{np.mean(finished) if finished else float('nan'):.1f}")
+  mean_return = (np.mean([r for _, r in finished]) if finished
+                 else float("nan"))
+  print(f"episodes finished: {len(finished)}; mean return {mean_return:.1f}")
   if plot:
-    common.plot_episode_returns(ended, plot, f"DQN on ALE {config.game}",
+    common.plot_episode_returns(finished, plot, f"DQN on ALE {config.game}",
                                 "tab:green")
 
 
