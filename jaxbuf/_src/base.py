@@ -147,8 +147,13 @@ def _explained(what: str, jitted: Callable, *,
     # Outside the handler, so that JAX's message is not printed above ours.
     raise ours
 
-  # A jitted function's own tools (`buffer.sample.lower(...)`) stay reachable.
-  for name in ("lower", "trace", "eval_shape", "clear_cache"):
+  return with_jit_tools(call, jitted)
+
+
+def with_jit_tools(call: Callable, jitted: Callable) -> Callable:
+  """`call`, a wrapper of `jitted`, with the jitted function's own tools
+  (`buffer.sample.lower(...)`, its cache size) reachable on it."""
+  for name in ("lower", "trace", "eval_shape", "clear_cache", "_cache_size"):
     if hasattr(jitted, name):
       setattr(call, name, getattr(jitted, name))
   return call

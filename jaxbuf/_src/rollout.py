@@ -48,7 +48,8 @@ import numpy as np
 from jax.experimental import checkify
 
 from jaxbuf._src import validation
-from jaxbuf._src.base import BufferState, PyTree, listed_array
+from jaxbuf._src.base import (BufferState, PyTree, listed_array,
+                               with_jit_tools)
 
 
 def valid_mask(step_counts: jax.Array, num_steps: int) -> jax.Array:
@@ -259,8 +260,6 @@ def rollout_buffer(num_steps: int, num_envs: int, *,
   def add_from_host(state, steps, mask=None):
     return jitted_add(state, steps, listed_array(mask))
 
-  # The jitted function's own tools stay reachable (`rollout.add.lower(...)`).
-  for name in ("lower", "trace", "eval_shape", "clear_cache", "_cache_size"):
-    setattr(add_from_host, name, getattr(jitted_add, name))
-  return RolloutBuffer(init=bound_init, add=add_from_host,
+  return RolloutBuffer(init=bound_init,
+                       add=with_jit_tools(add_from_host, jitted_add),
                        reset=jax.jit(reset, donate_argnums=0))
