@@ -25,6 +25,18 @@ _Forwarding = list[int | None]
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
 
 
+def _scan_consts_and_carry(params: dict[str, Any]) -> tuple[int, int]:
+  """How many of a `scan` equation's inputs are constants and carries.
+
+  JAX up to 0.10 names the counts (`num_consts`, `num_carry`); later
+  versions give the inputs' flat tree of (consts, carry, xs) as `ft_in`.
+  """
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
+
+
 def _inner_source(eqn: Any, index: int,
                   forwarding: Callable[[Any], _Forwarding]) -> int | None:
   """The input of `eqn` that its output `index` is, unchanged, or None.
@@ -41,7 +53,7 @@ def _inner_source(eqn: Any, index: int,
       return None
     return forwarding(inner)[index]
   if name == "scan":
-    num_consts, num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    num_consts, num_carry = _scan_consts_and_carry(eqn.params)
     carry_input = num_consts + index
     if index < num_carry and (
         forwarding(eqn.params["jaxpr"])[index] == carry_input):
