@@ -12,7 +12,9 @@ stacks of 4.
   from the resident set a fresh process adds filling C = 100k, scaled.
 * `fill`: a fresh process fills a 1M-step jaxbuf buffer with synthetic
   frames (a jitted, donated add of 8 envs x 1000 steps per call) and prints
-  its peak resident set.
+  its peak memory (the resident set on CPU, the device allocator's peak on
+  an accelerator) and the median time of one jitted sample of 32 stacks
+  from the full buffer, called from Python.
 * `speed`: one jitted program of 100 fused steps (add one step per env,
   sample 32 stacked transitions), jaxbuf against flashbax's flat buffer of
   stacked observations, interleaved, at the largest capacity both fit here.
@@ -113,10 +115,12 @@ def cpprb_child(capacity: int) -> dict:
 
 
 def fill_child(capacity: int) -> dict:
-  """In a fresh process: fill a jaxbuf pixel buffer, report peak RSS."""
+  """In a fresh process: fill a jaxbuf pixel buffer; its peak memory (the
+  device allocator's on an accelerator, the resident set on CPU) and the
+  cost of one jitted sample of `SAMPLE` stacks from it."""
   buffer = jaxbuf_buffer(capacity)
-  chunk_length = 1000
-  baseline = harness.resident_bytes()
+  chunk_length = min(1000, capacity // NUM_ENVS)
+  memory = harness.PeakMemory().start()
 
   def add(state, start):
     frames = (start + jnp.arange(chunk_length, dtype=jnp.int32)) % 251
@@ -135,13 +139,17 @@ def fill_child(capacity: int) -> dict:
   for start in range(0, capacity // NUM_ENVS, chunk_length):
     state = add(state, jnp.int32(start))
   harness.block(state)
-  sample = buffer.sample(state, jax.random.key(0), SAMPLE)
-  harness.block(sample)
+  keys = iter(jax.random.split(jax.random.key(0), 1000))
+  sample_seconds = harness.time_call(
+      lambda: checksum(buffer.sample(state, next(keys), SAMPLE).items.obs),
+      repeats=20, warmup=2)
+  memory.stop()
   held = int(np.sum(state.steps_held))
   return {"capacity": capacity, "steps_held": held,
           "sampleable": int(np.sum(state.window_counts)),
-          "state_bytes": tree_bytes(state),
-          "baseline_rss": baseline, "peak_rss": harness.peak_resident_bytes()}
+          "state_bytes": tree_bytes(state), "measured": memory.measured,
+          "baseline_bytes": memory.baseline, "peak_bytes": memory.peak,
+          "sample_seconds": sample_seconds}
 
 
 def bytes_case() -> None:
@@ -188,9 +196,13 @@ def fill_case(capacity: int) -> None:
     print("fill failed:", result["error"])
     return
   print(json.dumps(result))
-  peak = result["peak_rss"] / 2**30
-  print(f"{'PASS' if peak < 8 else 'FAIL'}: peak RSS {peak:.2f} GiB "
-        f"(state {result['state_bytes'] / 2**30:.2f} GiB, goal < 8 GiB)")
+  peak = result["peak_bytes"] / 2**30
+  print(f"{'PASS' if peak < 8 else 'FAIL'}: peak {result['measured']} "
+        f"{peak:.2f} GiB (state {result['state_bytes'] / 2**30:.2f} GiB, "
+        "goal < 8 GiB)")
+  print(f"info: sample of {SAMPLE} stacks of {NUM_STACK} from "
+        f"{result['steps_held']:,} frames: "
+        f"{harness.microseconds(result['sample_seconds'])} us per call")
 
 
 def speed_case(capacity: int, repeats: int, parts: bool = False) -> None:
@@ -278,6 +290,11 @@ def speed_case(capacity: int, repeats: int, parts: bool = False) -> None:
       [(name, harness.microseconds(seconds / steps_per_call),
         harness.ratio_text(harness.ratio(seconds, times["jaxbuf"])))
        for name, seconds in times.items()])
+  for name, seconds in times.items():
+    print(f"info  fused add + sample, C={capacity:,}: {name} "
+          f"{harness.microseconds(seconds / steps_per_call)} us per step "
+          f"({harness.ratio_text(harness.ratio(seconds, times['jaxbuf']))} "
+          "jaxbuf's)")
 
 
 def main() -> None:

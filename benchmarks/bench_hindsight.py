@@ -225,6 +225,9 @@ def main() -> None:
           ("cpprb HindsightReplayBuffer (k=4)", cpprb_bytes))])
 
   verdicts = harness.Verdicts()
+  for name, seconds in times.items():
+    verdicts.info(f"{name} sample of {args.batch_size}, C={capacity:,}: "
+                  f"{harness.microseconds(seconds)} us per call")
   verdicts.judge("HER sample / item replay sample",
                  harness.ratio(times["hindsight_replay"],
                                times["uniform_replay (items)"]), 1.5,

@@ -70,6 +70,9 @@ def main() -> None:
   harness.print_table([("call", -38), ("us per call", 12)],
                       [(name, harness.microseconds(value))
                        for name, value in seconds.items()])
+  for name, value in seconds.items():
+    print(f"info  {name}: {harness.microseconds(value)} us per call "
+          f"({jax.default_backend()})")
   print(f"load average at end: {harness.load_average()}")
 
 

@@ -11,6 +11,7 @@ round trips and of the Python loop around them.
 
   .venv/bin/python benchmarks/bench_loops.py            # about a minute on 2 cores
   .venv/bin/python benchmarks/bench_loops.py --quick    # fewer timed iterations
+  .venv/bin/python benchmarks/bench_loops.py --num-envs 1024 4096   # wide (GPU)
 
 Each loop runs with the examples' default CartPole-v1 settings (DQN: 10 envs,
 one update of batch 128 per vectorized step; PPO: 4 envs x 128 steps, 4
@@ -237,12 +238,44 @@ def time_ppo_host(config: ppo.Config, num_updates: int) -> float:
   return num_updates * config.num_steps * config.num_envs / seconds
 
 
+def wide_rows(num_envs: int, scale: int) -> list[tuple[str, float]]:
+  """The fused DQN and PPO loops at N vmapped envs (one seed).
+
+  DQN: one update of batch 128 per vector step of N envs, a replay buffer of
+  100 N steps (at least 10,000) filled past 10 N steps before timing; PPO:
+  N envs x 128 steps per update, 4 epochs of 4 minibatches.
+  """
+  dqn_config = dataclasses.replace(
+      dqn.Config(), num_envs=num_envs, buffer_size=max(10_000, 100 * num_envs),
+      learning_starts=10 * num_envs)
+  ppo_config = dataclasses.replace(ppo.Config(), num_envs=num_envs)
+  return [
+      (f"DQN prioritized, fused, {num_envs} envs", time_fused(
+          dqn, dqn_config, iterations_per_chunk=50, num_chunks=2 * scale)),
+      (f"DQN uniform, fused, {num_envs} envs", time_fused(
+          dqn, dataclasses.replace(dqn_config, replay="uniform"),
+          iterations_per_chunk=50, num_chunks=2 * scale)),
+      (f"PPO, fused, {num_envs} envs", time_fused(
+          ppo, ppo_config, iterations_per_chunk=2, num_chunks=scale)),
+  ]
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true",
                       help="fewer timed iterations (noisier)")
+  parser.add_argument("--num-envs", type=int, nargs="+", metavar="N",
+                      help="instead of the default settings: the fused DQN "
+                      "and PPO loops at each N vmapped envs (wide_rows)")
   args = parser.parse_args()
   scale = 1 if args.quick else 4
+  if args.num_envs:
+    harness.print_machine(("jax", "jaxlib", "numpy", "flax", "optax",
+                           "gymnax"))
+    print_rows(f"loop ({ppo.Config.env_name}, N vmapped envs)",
+               [row for num_envs in args.num_envs
+                for row in wide_rows(num_envs, scale)])
+    return
   dqn_config = dqn.Config()
   ppo_config = ppo.Config()
   harness.print_machine(("jax", "jaxlib", "numpy", "flax", "optax", "gymnax"))
@@ -264,10 +297,16 @@ def main() -> None:
       num_seeds=4)))
   rows.append(("PPO, host NumPy rollout", time_ppo_host(
       ppo_config, num_updates=2 * scale)))
-  width = max(len(name) for name, _ in rows)
-  print(f"{'loop (CartPole-v1, default example settings)':<{width}}  env steps/s")
+  print_rows("loop (CartPole-v1, default example settings)", rows)
+
+
+def print_rows(title: str, rows: list[tuple[str, float]]) -> None:
+  width = max(len(name) for name, _ in rows + [(title, 0)])
+  print(f"{title:<{width}}  env steps/s")
   for name, steps_per_second in rows:
     print(f"{name:<{width}}  {steps_per_second:>11,.0f}")
+  for name, steps_per_second in rows:
+    print(f"info  {name}: {steps_per_second:,.0f} env steps/s")
 
 
 if __name__ == "__main__":

@@ -111,6 +111,10 @@ def report(results: dict, settings: Settings) -> list[str]:
             f"{row['kind']} fused, C={row['capacity']}, {peer}/jaxbuf",
             harness.ratio(times[peer], times["jaxbuf"]),
             targets[(row["kind"], peer)])
+  for row in results["rows"]:
+    verdicts.info(f"{row['kind']} {row['mode']}, C={row['capacity']}: " + ", ".join(
+        f"{library} {harness.microseconds(seconds)} us"
+        for library, seconds in row["seconds"].items()) + " per iteration")
   fused = {(row["capacity"], row["kind"]): row["seconds"].get("jaxbuf")
            for row in results["rows"] if row["mode"] == "fused"}
   for capacity in settings.capacities:

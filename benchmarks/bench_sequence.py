@@ -175,6 +175,10 @@ def run(settings: Settings) -> dict:
       print(f"fused: {kind}, period {period}", flush=True)
       seconds = time_fused(settings, kind, period)
       results["rows"].append(dict(kind=kind, period=period, seconds=seconds))
+      verdicts.info(f"{kind} fused, period {period}, C={capacity:,}: " +
+                    ", ".join(f"{library} {harness.microseconds(value)} us"
+                              for library, value in seconds.items()) +
+                    " per iteration")
       if "jaxbuf" in seconds and "floor" in seconds:
         verdicts.judge(f"{kind} fused, period {period}, C={capacity:,}, "
                        "jaxbuf/floor",

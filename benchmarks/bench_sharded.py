@@ -162,11 +162,12 @@ OVERHEAD_ITERATIONS = 100
 OVERHEAD_CAPACITY = 2 ** 17
 
 
-def single_device_overhead(kind: str) -> dict[str, float]:
+def single_device_overhead(kind: str, capacity: int = OVERHEAD_CAPACITY,
+                           repeats: int = 7) -> dict[str, float]:
   """Seconds per fused iteration, plain buffer and sharded over 1 device."""
   mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-  plain = (jaxbuf.uniform_replay(OVERHEAD_CAPACITY) if kind == "uniform"
-           else jaxbuf.prioritized_replay(OVERHEAD_CAPACITY))
+  plain = (jaxbuf.uniform_replay(capacity) if kind == "uniform"
+           else jaxbuf.prioritized_replay(capacity))
   buffers = {"plain": plain, "sharded": jaxbuf.sharded(plain, mesh)}
   rows = {"obs": jax.random.normal(jax.random.key(1), (BATCH, OBS)),
           "action": jnp.zeros(BATCH, jnp.int32)}
@@ -187,22 +188,24 @@ def single_device_overhead(kind: str) -> dict[str, float]:
   for name, buffer in buffers.items():
     state = buffer.init({"obs": jnp.zeros(OBS, jnp.float32),
                          "action": jnp.int32(0)})
-    for start in range(0, OVERHEAD_CAPACITY, 2 ** 14):   # full, wrapped
+    fill = min(2 ** 14, capacity)
+    for start in range(0, capacity, fill):   # full, wrapped
       state = buffer.add(state, {
-          "obs": jnp.full((2 ** 14, OBS), start, jnp.float32),
-          "action": jnp.zeros(2 ** 14, jnp.int32)})
+          "obs": jnp.full((fill, OBS), start, jnp.float32),
+          "action": jnp.zeros(fill, jnp.int32)})
     calls[name] = harness.carrying(
         lambda state, loop=loop_for(buffer): loop(state, jax.random.key(0)),
         state)
-  seconds = harness.time_interleaved(calls, repeats=7, warmup=2)
+  seconds = harness.time_interleaved(calls, repeats=repeats, warmup=2)
   return {name: value / OVERHEAD_ITERATIONS for name, value in seconds.items()}
 
 
-def report_overhead(verdicts) -> None:
-  print(f"\noverhead on one device: capacity {OVERHEAD_CAPACITY}, add + sample "
+def report_overhead(verdicts, quick: bool = False) -> None:
+  capacity = 2 * BATCH if quick else OVERHEAD_CAPACITY
+  print(f"\noverhead on one device: capacity {capacity}, add + sample "
         f"+ update of {BATCH} items per iteration, us per iteration\n")
   for kind in ("uniform", "prioritized"):
-    seconds = single_device_overhead(kind)
+    seconds = single_device_overhead(kind, capacity, repeats=1 if quick else 7)
     ratio = seconds["sharded"] / seconds["plain"]
     print(f"  {kind:12s} plain {seconds['plain'] * 1e6:8.1f}  sharded (D=1) "
           f"{seconds['sharded'] * 1e6:8.1f}  {ratio:.2f}x")
@@ -216,11 +219,14 @@ def main():
   parser.add_argument("--devices", type=int, nargs="+", default=[2, 4, 8])
   parser.add_argument("--cases", nargs="+", default=["items", "sequences"],
                       choices=["items", "sequences", "overhead"])
+  parser.add_argument("--quick", action="store_true",
+                      help="overhead at a tiny capacity, one repeat: a smoke "
+                      "run")
   args = parser.parse_args()
   harness.print_machine()
   verdicts = harness.Verdicts()
   if "overhead" in args.cases:
-    report_overhead(verdicts)
+    report_overhead(verdicts, args.quick)
   cases = []
   if "items" in args.cases:
     row_bytes = OBS * 4 + 4

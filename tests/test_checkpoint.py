@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jaxbuf
+from tests import devices
 from jaxbuf._src import checkpoint_agreement
 from jaxbuf._src import checkpoint_arrays
 from jaxbuf._src import checkpoint_files
@@ -122,6 +123,7 @@ def test_rollout_state_round_trips(tmp_path):
   np.testing.assert_array_equal(np.asarray(restored.valid), np.asarray(state.valid))
 
 
+@devices.needs(4)
 def test_sharded_state_saves_and_loads_with_the_sharding_of_like(tmp_path):
   assert jax.device_count() == 4
   mesh = jax.make_mesh((4,), ("slots",))
@@ -144,6 +146,7 @@ def test_sharded_state_saves_and_loads_with_the_sharding_of_like(tmp_path):
   assert len(single.storage["obs"].sharding.device_set) == 1
 
 
+@devices.needs(4)
 def test_vmapped_buffers_sharded_over_devices_round_trip(tmp_path):
   """8 independent buffers, one vmapped state, split over the 4 devices."""
   buffer = BUFFERS["prioritized"]
@@ -539,6 +542,7 @@ def _sharded_state(devices):
   return buffer, state.replace(storage=jax.device_put(state.storage, rows)), rows
 
 
+@devices.needs(4)
 def test_each_shard_is_checksummed_and_a_corrupted_one_is_named(tmp_path):
   buffer, state, rows = _sharded_state(4)
   path = tmp_path / "ckpt"
@@ -563,6 +567,7 @@ def test_each_shard_is_checksummed_and_a_corrupted_one_is_named(tmp_path):
       jaxbuf.load(path, like=target)
 
 
+@devices.needs(4)
 def test_a_state_saved_on_one_device_verifies_when_loaded_split(tmp_path):
   """Saved whole, loaded over 4 devices: the one piece is checked on the host."""
   buffer, state = _small_state()

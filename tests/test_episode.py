@@ -17,6 +17,7 @@ import pytest
 from scipy import stats
 
 import jaxbuf
+from tests import devices
 from tests.reference import add_random_stream_steps
 
 NUM_ENVS, CAPACITY, MAX_LENGTH = 2, 16, 3
@@ -279,6 +280,7 @@ def test_bad_add_raises_and_the_state_survives():
     np.testing.assert_array_equal(got, want)
 
 
+@devices.needs(4)
 @pytest.mark.parametrize("weight_by_length", [False, True])
 def test_sharded_over_four_devices_samples_as_the_unsharded_buffer(
     weight_by_length, tmp_path):

@@ -27,6 +27,7 @@ from examples import her_bitflip
 from examples import nstep_dqn
 from examples import ppo
 from examples import r2d2
+from tests import devices
 
 # A 5-step time limit makes every env truncate during the tests.
 TINY_DQN = dqn.Config(replay="uniform", total_steps=400, num_envs=4,
@@ -377,6 +378,7 @@ def test_episode_statistics_from_whole_episodes():
       abs=1e-5)
 
 
+@devices.needs(2)
 @pytest.mark.usefixtures("x64_mode")
 def test_dqn_data_parallel_over_two_devices():
   """`--devices 2`: the buffer and the envs split over 2 devices, learning."""

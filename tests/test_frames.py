@@ -18,6 +18,7 @@ import pytest
 from scipy import stats
 
 import jaxbuf
+from tests import devices
 
 NUM_ENVS, PER_ENV = 3, 8
 CAPACITY = NUM_ENVS * PER_ENV
@@ -426,6 +427,7 @@ def test_every_function_under_jit_vmap_scan_and_cond_without_retracing():
   np.testing.assert_array_equal(states.window_counts, [[4, 4]] * 5)
 
 
+@devices.needs(4)
 @pytest.mark.parametrize("prioritized", [True])
 def test_sharded_over_four_devices_samples_whole_transitions(prioritized):
   mesh = jax.make_mesh((4,), ("data",))

@@ -20,6 +20,7 @@ import pytest
 from scipy import stats
 
 import jaxbuf
+from tests import devices
 from tests.reference import add_random_stream_steps
 
 NUM_ENVS, CAPACITY = 2, 16
@@ -443,7 +444,7 @@ def test_the_kind_records_the_settings_its_bookkeeping_depends_on():
 # --- Under jaxbuf.sharded: 8 envs of 6 steps over 4 devices, 2 envs each ------------
 
 SHARDED_ENVS, SHARDED_PER_ENV = 8, 6
-MESH = jax.make_mesh((4,), ("data",))
+MESH = devices.mesh(4)
 
 
 @functools.cache
@@ -488,6 +489,7 @@ def contents(state):
 
 
 # Two settings, shared by the tests below so that each compiles once.
+@devices.needs(4)
 @pytest.mark.parametrize("strategy,prioritized", [("future", False),
                                                   ("episode", True)])
 def test_sharded_state_splits_envs_and_goals_stay_in_their_episode(
@@ -511,6 +513,7 @@ def test_sharded_state_splits_envs_and_goals_stay_in_their_episode(
     np.testing.assert_array_equal(owners, np.repeat(np.arange(4), 8))
 
 
+@devices.needs(4)
 def test_sharded_sampling_matches_the_unsharded_buffer():
   """Two-sample chi-square over (transition, goal) pairs between 12,800
   rows of each buffer holding the same steps: the sharded draw (the window
@@ -535,6 +538,7 @@ def test_sharded_sampling_matches_the_unsharded_buffer():
   assert stats.chi2_contingency(table).pvalue > 1e-3
 
 
+@devices.needs(4)
 def test_sharded_save_load_and_reshard(tmp_path):
   buffer = sharded_buffer("episode", 1.0, True)
   unsharded = unsharded_buffer("episode", 1.0, True)
@@ -559,6 +563,7 @@ def test_sharded_save_load_and_reshard(tmp_path):
       contents(state))
 
 
+@devices.needs(4)
 def test_sharded_inside_a_jitted_scan_with_donation_and_no_retrace():
   buffer = sharded_buffer("episode", 1.0, True)
   chex.clear_trace_counter()

@@ -22,6 +22,9 @@ import pytest
 import scipy.stats
 
 import jaxbuf
+from tests import devices
+
+devices.skip_module_unless(4)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")

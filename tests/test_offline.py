@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxbuf
+from tests import devices
 
 minari = pytest.importorskip("minari")
 from minari.data_collector import EpisodeBuffer  # noqa: E402
@@ -429,9 +430,10 @@ def test_hindsight_replay_holds_the_goal_episodes_exactly(datasets):
 
 # A jaxbuf.sharded buffer over the 4 CPU devices of the test session
 # (conftest.py).
-MESH = jax.make_mesh((4,), ("data",))
+MESH = devices.mesh(4)
 
 
+@devices.needs(4)
 @pytest.mark.parametrize("kind", ["sequence", "episode"])
 def test_sharded_stream_buffers_hold_the_episodes_exactly(datasets, kind):
   dataset = datasets["dict"]
@@ -451,6 +453,7 @@ def test_sharded_stream_buffers_hold_the_episodes_exactly(datasets, kind):
       _by_rewards(_episodes(minari.load_dataset(written.id))), expected)
 
 
+@devices.needs(4)
 def test_sharded_item_replay_holds_the_newest_episodes_exactly(datasets):
   dataset = datasets["dict"]
   episodes = _episodes(dataset)

@@ -18,6 +18,7 @@ import pytest
 import scipy.stats
 
 import jaxbuf
+from tests import devices
 from tests.reference import ReferenceReplay
 
 CAPACITY = 8
@@ -482,6 +483,7 @@ def vmapped_step(buffer):
   return step
 
 
+@devices.needs(4)
 def test_buffers_sharded_over_four_devices(kind):
   assert jax.device_count() == 4
   buffer, _ = fresh(kind)
@@ -499,6 +501,7 @@ def test_buffers_sharded_over_four_devices(kind):
                                 np.asarray(samples.indices) + np.arange(8)[:, None])
 
 
+@devices.needs(4)
 def test_buffers_per_device_inside_shard_map(kind):
   """Each device steps its own buffers inside `shard_map`, as in a data-
   parallel learner; results equal the same steps run unsharded."""
@@ -517,6 +520,7 @@ def test_buffers_per_device_inside_shard_map(kind):
   chex.assert_trees_all_equal(states_sharded, states_plain)
 
 
+@devices.needs(4)
 @pytest.mark.usefixtures("x64_mode")  # same behaviour with x64 on
 def test_one_buffer_with_storage_sharded_over_capacity(kind):
   capacity = 16

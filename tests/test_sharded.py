@@ -13,6 +13,9 @@ import pytest
 import scipy.stats
 
 import jaxbuf
+from tests import devices
+
+devices.skip_module_unless(4)
 
 D = 4
 CAPACITY = 32          # 8 slots per device

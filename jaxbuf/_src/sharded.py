@@ -534,11 +534,12 @@ def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
     update refuses them with a `TypeError`).
 
   >>> import jax, jax.numpy as jnp, jaxbuf
-  >>> mesh = jax.make_mesh((4,), ("data",))
+  >>> devices = jax.device_count()   # 4 fake CPU devices in the tests
+  >>> mesh = jax.make_mesh((devices,), ("data",))
   >>> buffer = jaxbuf.sharded(jaxbuf.prioritized_replay(1024), mesh)
   >>> state = buffer.init({"obs": jnp.zeros(3)})
-  >>> state.storage["obs"].shape
-  (4, 256, 3)
+  >>> state.storage["obs"].shape == (devices, 1024 // devices, 3)
+  True
   >>> state = buffer.add(state, {"obs": jnp.ones((8, 3))})
   >>> batch = buffer.sample(state, jax.random.key(0), 4)
   >>> int(state.size.sum()), batch.items["obs"].shape
