@@ -34,7 +34,7 @@ def x64_mode(request):
 # The doctests of `jaxbuf.from_minari` and `jaxbuf.to_minari` record their
 # own tiny Minari datasets (no dataset hub is reachable from the test
 # machines).
-_MINARI_DOCTESTS = "jaxbuf/_src/minari_datasets.py::"
+_MINARI_DOCTESTS = "jaxbuf/_src/offline/minari_datasets.py::"
 
 
 def pytest_collection_modifyitems(items):

@@ -12,7 +12,7 @@ layout check on load, and since issue 12 for a CRC-32 of every array at save,
 verified at load. Each measurement is the median of `--repeats` runs.
 
 `--baseline FILE` also times the `save`/`load` of another checkpoint module
-(e.g. the previous version: `git show HEAD~1:jaxbuf/_src/checkpoint.py >
+(e.g. the previous version: `git show HEAD~1:jaxbuf/_src/checkpoint/saving.py >
 /tmp/old_checkpoint.py`), rounds interleaved with the current one in the same
 process, and prints current / baseline ratios. The file is loaded alone and
 takes the rest of jaxbuf from the current tree, so it must hold the whole of

@@ -27,7 +27,7 @@ policy) adding each to a `jaxbuf.rollout_buffer` (state donated), then
 loss). The baseline is PureJaxRL's way: the scan stacks its outputs as `ys`
 (no buffer), its GAE, a global normalisation, and the same permutation
 gather (`jax.random.permutation`; jaxbuf's own permutation sorts once by
-64 random bits, see `jaxbuf._src.random.permutation`). The "collect" columns
+64 random bits, see `jaxbuf._src.core.random.permutation`). The "collect" columns
 time the collection alone: the cost of writing into the buffer against
 stacking scan outputs.
 

@@ -4,7 +4,7 @@
   python benchmarks/bench_hindsight.py --capacity 100000 --repeats 5
   python benchmarks/bench_hindsight.py --before bec42e4  # and that commit's
 
-`--before REV` adds the `hindsight_replay` of `jaxbuf/_src/hindsight.py` as
+`--before REV` adds the `hindsight_replay` of `jaxbuf/_src/streams/hindsight.py` as
 it was at git revision REV (the rest of the library as it is now), holding
 the same steps, to the interleaved calls: a change's before and after side
 by side in one process.
@@ -71,10 +71,10 @@ def tree_bytes(tree) -> int:
 
 
 def hindsight_at(revision: str):
-  """`jaxbuf/_src/hindsight.py` as it was at git `revision`, as a module."""
+  """`jaxbuf/_src/streams/hindsight.py` as it was at git `revision`, as a module."""
   root = pathlib.Path(__file__).resolve().parent.parent
   source = subprocess.run(
-      ["git", "show", f"{revision}:jaxbuf/_src/hindsight.py"], cwd=root,
+      ["git", "show", f"{revision}:jaxbuf/_src/streams/hindsight.py"], cwd=root,
       capture_output=True, text=True, check=True).stdout
   path = pathlib.Path(tempfile.mkdtemp()) / f"hindsight_{revision}.py"
   path.write_text(source)

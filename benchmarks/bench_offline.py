@@ -70,7 +70,7 @@ def child(kind: str, dataset_id: str) -> dict:
     # The dataset's own cost: Minari (h5py) reading every episode once, as
     # from_minari does (its reader: the file reopened every few episodes),
     # with no buffer.
-    from jaxbuf._src import minari_datasets  # pylint: disable=import-outside-toplevel
+    from jaxbuf._src.offline import minari_datasets  # pylint: disable=import-outside-toplevel
     memory = harness.PeakMemory(host=True).start()
     start = time.perf_counter()
     for _ in minari_datasets.episode_reader(dataset)(range(episodes)):

@@ -17,7 +17,7 @@ import numpy as np
 
 import harness
 import jaxbuf
-from jaxbuf._src import random, sum_tree
+from jaxbuf._src.core import random, sum_tree
 
 CAPACITY, ADD_BATCH, SAMPLE_BATCH, OBS_SIZE = 1_000_000, 128, 256, 84
 ITERATIONS, REPEATS = 200, 25

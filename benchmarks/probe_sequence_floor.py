@@ -20,7 +20,7 @@ import numpy as np
 
 import harness
 import sequence_adapters as sequence
-from jaxbuf._src import random
+from jaxbuf._src.core import random
 
 # bench_sequence's shapes: the probes explain its floor.
 NUM_ENVS, OBS_SIZE = sequence.NUM_ENVS, sequence.OBS_SIZE

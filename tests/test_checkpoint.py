@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import jaxbuf
+from jaxbuf._src.checkpoint import agreement as checkpoint_agreement
+from jaxbuf._src.checkpoint import arrays as checkpoint_arrays
+from jaxbuf._src.checkpoint import files as checkpoint_files
+from jaxbuf._src.checkpoint import layout as checkpoint_layout
 from tests import devices
-from jaxbuf._src import checkpoint_agreement
-from jaxbuf._src import checkpoint_arrays
-from jaxbuf._src import checkpoint_files
-from jaxbuf._src import checkpoint_layout
 
 
 # Made once: each new buffer has new jitted functions, compiled afresh.

@@ -150,7 +150,7 @@ def test_permutations_are_uniform():
   # The threshold p > 1e-3 fails a correct sampler for 1 seed in 1000.
   scipy_stats = pytest.importorskip("scipy.stats")
   keys = jax.random.split(jax.random.key(11), 4800)
-  orders = np.asarray(jax.vmap(lambda key: jaxbuf._src.random.permutation(key, 4))(
+  orders = np.asarray(jax.vmap(lambda key: jaxbuf._src.core.random.permutation(key, 4))(
       keys))
   codes = orders @ np.array([64, 16, 4, 1])
   _, counts = np.unique(codes, return_counts=True)

@@ -35,7 +35,7 @@ def test_counts_and_names_the_functions_of_a_buffer():
   text = "\n".join(markdown_cells())
   counted = re.search(r"the same (\w+) functions([^.]*)", text)
   assert counted, "the notebook no longer says how many functions"
-  # `kind` is the buffer's description (jaxbuf._src.kind), not a function.
+  # `kind` is the buffer's description (jaxbuf._src.core.kind), not a function.
   functions = [name for name in jaxbuf.Buffer._fields if name != "kind"]
   assert counted.group(1) == NUMBER_WORDS[len(functions)]
   for name in functions:

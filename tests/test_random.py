@@ -8,7 +8,7 @@ import pytest
 import scipy.stats
 
 import jaxbuf
-from jaxbuf._src import random as jaxbuf_random
+from jaxbuf._src.core import random as jaxbuf_random
 
 KEYS = {
     "typed": lambda: jax.random.key(3),

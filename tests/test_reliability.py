@@ -16,8 +16,8 @@ import optax
 import pytest
 
 import jaxbuf
-from jaxbuf._src import prioritized
-from jaxbuf._src import sum_tree
+from jaxbuf._src.items import prioritized
+from jaxbuf._src.core import sum_tree
 from tests.reference import ReferenceReplay
 
 CAPACITY = 8

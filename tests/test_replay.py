@@ -573,10 +573,10 @@ def test_dataclass_items_round_trip(kind):
 
 def test_computed_once_returns_the_computation_whatever_the_guard():
   compute = lambda: jnp.arange(5) * 3
-  run = jax.jit(lambda guard: jaxbuf._src.random.computed_once(compute, guard))
+  run = jax.jit(lambda guard: jaxbuf._src.core.random.computed_once(compute, guard))
   for guard in (7, 0, -2):  # a negative guard only costs a second trip
     np.testing.assert_array_equal(run(jnp.int32(guard)), np.arange(5) * 3)
-  doubled = jax.vmap(lambda guard, x: jaxbuf._src.random.computed_once(
+  doubled = jax.vmap(lambda guard, x: jaxbuf._src.core.random.computed_once(
       lambda: x * 2, guard))(jnp.array([0, 5, -1]), jnp.arange(3))
   assert doubled.tolist() == [0, 2, 4]
 
@@ -588,7 +588,7 @@ def _fused_computations_with(text: str, opcode: str) -> list[str]:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu"
-                    or jaxbuf._src.random.plain_random(),
+                    or jaxbuf._src.core.random.plain_random(),
                     reason="computed_once is a CPU trick (off elsewhere, and "
                     "with JAXBUF_PLAIN_RANDOM=1); reads CPU program text")
 @pytest.mark.parametrize("kind", ["uniform", "prioritized"])
@@ -623,7 +623,7 @@ def test_capacity_one_holds_the_newest_item(kind):
                                    jnp.array([1.0, 2.0, 3.0, 4.0]), batch.item_ids)
   assert int(state.size) == 1
   if kind == "prioritized":  # duplicates: the last update wins
-    np.testing.assert_allclose(jaxbuf._src.sum_tree.total(state.sum_tree),
+    np.testing.assert_allclose(jaxbuf._src.core.sum_tree.total(state.sum_tree),
                                (4.0 + 1e-6) ** 0.7, rtol=1e-6)
 
 
@@ -640,7 +640,7 @@ def test_help_shows_each_functions_own_docstring_and_signature(kind, checked):
              "prioritized": jaxbuf.prioritized_replay(CAPACITY, checked=True)}[kind])
   for name in BOUND:
     function = getattr(buffer, name)
-    raw = getattr(RAW_MODULES[kind], name, None) or getattr(jaxbuf._src.ring, name)
+    raw = getattr(RAW_MODULES[kind], name, None) or getattr(jaxbuf._src.core.ring, name)
     assert function.__doc__ == raw.__doc__, name
     assert function.__name__ == name
     assert inspect.unwrap(function) is raw

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from jaxbuf._src import sum_tree
+from jaxbuf._src.core import sum_tree
 
 
 def _numpy_levels(leaf_values: np.ndarray) -> list[np.ndarray]:

@@ -74,14 +74,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxbuf._src import kind as kind_protocol
-from jaxbuf._src import prioritized
-from jaxbuf._src import random
-from jaxbuf._src import ring
-from jaxbuf._src import sum_tree
-from jaxbuf._src import validation
-from jaxbuf._src.base import Buffer, PyTree, ReplaySample, bind
-from jaxbuf._src.kind import Split
+from jaxbuf._src.core import kind as kind_protocol
+from jaxbuf._src.items import prioritized
+from jaxbuf._src.core import random
+from jaxbuf._src.core import ring
+from jaxbuf._src.core import sum_tree
+from jaxbuf._src.core import validation
+from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, bind
+from jaxbuf._src.core.kind import Split
 
 SAMPLING_MODES = ("global", "local")
 _ROWS_KEY_DATA = np.uint32(2**32 - 1)

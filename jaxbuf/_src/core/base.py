@@ -1,0 +1,413 @@
+"""The types every buffer kind shares (`BufferState`, `Buffer`,
+`ReplaySample`) and `bind`, which makes a kind's functions into a `Buffer`.
+
+Shape key: S sample size.
+"""
+
+import functools
+import inspect
+from typing import Any, Callable, NamedTuple
+
+import flax.struct
+import jax
+import numpy as np
+
+from jaxbuf._src.core import kind as kind_protocol
+from jaxbuf._src.core import random
+from jaxbuf._src.core import validation
+from jaxbuf._src.core.kind import BufferState  # pylint: disable=unused-import
+from jaxbuf._src.core.pytypes import PyTree, Schedule  # pylint: disable=unused-import
+
+
+def regrouped(state: BufferState, devices: int | None) -> BufferState:
+  """`state` laid out for `devices` devices (None: one unsharded buffer).
+
+  Exact: every item, priority and counter is kept and sampling draws from
+  the same distribution; what keeps it exact for each kind is in its
+  `joined` and `divided`. Indices of samples drawn before are not
+  meaningful after (the slots or window ids are numbered anew).
+  """
+  settings = dict(state.settings)
+  whole = state.joined() if settings.pop("devices", None) else state
+  whole = whole.replace(settings=kind_protocol.settings_of(**settings))
+  if not devices:
+    return whole
+  return whole.divided(devices).replace(
+      settings=kind_protocol.settings_of(**settings, devices=devices))
+
+
+@flax.struct.dataclass
+class ReplaySample:
+  """A batch drawn from a replay buffer."""
+  items: PyTree          # each leaf [S, *item_shape]
+  indices: jax.Array     # int32 [S]: slots in the storage
+  weights: jax.Array     # float32 [S]: importance weights, largest at most 1
+  item_ids: jax.Array    # uint32 [S]: which write filled each slot; pass to
+                         # update_priorities so stale updates are skipped
+
+
+class Buffer(NamedTuple):
+  """The functions of one replay buffer kind, hyperparameters bound.
+
+  Every replay kind has the same fields, so a training script switches between
+  them by changing the line that makes the buffer. `kind` describes the kind
+  to the code around it (`jaxbuf.sharded`, checkpoints): `jaxbuf._src.core.kind`.
+
+  `sample(state, key, batch_size, step=None)` also takes `step=`, an integer
+  scalar (a Python int, say the loop counter): it draws with
+  `jax.random.fold_in(key, step)`, folded inside the call, so a Python loop
+  passes one key and its counter rather than calling `jax.random.split`
+  every step. Distinct steps give independent draws.
+  """
+  init: Callable[[PyTree], Any]
+  add: Callable[..., Any]
+  sample: Callable[..., ReplaySample]
+  update_priorities: Callable[..., Any]
+  can_sample: Callable[..., jax.Array]
+  clear: Callable[[Any], Any]
+  kind: kind_protocol.Kind | None = None
+
+
+def documented(function: Callable) -> Callable:
+  """`function`, or for a `functools.partial` a plain function calling it,
+  named, documented and signed as the function it binds.
+
+  `help(buffer.sample)` then shows the real docstring, with its Args and
+  shapes, and the signature without the bound settings, rather than
+  `functools.partial`'s docstring; `jax.jit` copies these onto what it returns.
+  Passing a bound setting again is a `TypeError` naming it.
+  """
+  if not isinstance(function, functools.partial):
+    return function
+  settings = dict(function.keywords)
+
+  def bound(*args, **kwargs):
+    # A setting passed again would be traced by the jitted functions (JAX's
+    # errors then speak of tracers), and a checked mode switched per call
+    # would stage checks that jit cannot run.
+    given = sorted(settings.keys() & kwargs.keys())
+    if given:
+      raise TypeError(
+          f"{function.func.__name__}: {', '.join(given)} "
+          f"{'is a setting' if len(given) == 1 else 'are settings'} of the "
+          f"buffer, bound when it was made; make another buffer to change "
+          f"{'it' if len(given) == 1 else 'them'}.")
+    return function(*args, **kwargs)
+
+  functools.update_wrapper(bound, function.func)
+  signature = inspect.signature(function)
+  bound.__signature__ = signature.replace(parameters=[
+      parameter for name, parameter in signature.parameters.items()
+      if name not in settings])
+  # Read by `bound_settings` (e.g. `jaxbuf.sharded` rebinding a buffer's
+  # module functions with its settings).
+  bound.bound_settings = settings
+  return bound
+
+
+def bound_settings(function: Callable) -> dict[str, Any]:
+  """The settings a buffer's function was bound with (`documented`), found
+  through the wrappers around it (jit, the error explanations)."""
+  carrier = inspect.unwrap(
+      function, stop=lambda f: "bound_settings" in getattr(f, "__dict__", {}))
+  return dict(getattr(carrier, "__dict__", {}).get("bound_settings", {}))
+
+
+def _explained(what: str, jitted: Callable, *,
+               batch_size_position: int | None = None) -> Callable:
+  """`jitted`, where JAX's error for a common mistake becomes jaxbuf's.
+
+  The mistakes are recognised only after the call failed, so the usual call
+  costs one Python frame: a state whose arrays were donated to an earlier
+  call (JAX: "Array has been deleted"), and a `batch_size` that is an array
+  or traced (JAX: "Non-hashable static arguments").
+  """
+  def explanation(args, kwargs) -> Exception | None:
+    try:
+      if args:
+        validation.check_not_donated(args[0], what=what)
+      if kwargs.get("step") is not None:  # checked traced, named better here
+        validation.check_step(kwargs["step"], what=what)
+      if batch_size_position is not None:
+        validation.check_batch_size(
+            args[batch_size_position] if len(args) > batch_size_position
+            else kwargs.get("batch_size"), what=what)
+    except (TypeError, ValueError) as ours:
+      return ours
+    return None
+
+  @functools.wraps(jitted)
+  def call(*args, **kwargs):
+    try:
+      return jitted(*args, **kwargs)
+    except Exception:  # pylint: disable=broad-exception-caught
+      ours = explanation(args, kwargs)
+      if ours is None:
+        raise
+    # Outside the handler, so that JAX's message is not printed above ours.
+    raise ours
+
+  return with_jit_tools(call, jitted)
+
+
+def with_jit_tools(call: Callable, jitted: Callable) -> Callable:
+  """`call`, a wrapper of `jitted`, with the jitted function's own tools
+  (`buffer.sample.lower(...)`, its cache size) reachable on it."""
+  for name in ("lower", "trace", "eval_shape", "clear_cache", "_cache_size"):
+    if hasattr(jitted, name):
+      setattr(call, name, getattr(jitted, name))
+  return call
+
+
+def _recording_settings(init: Callable, kind: kind_protocol.Kind) -> Callable:
+  """`init`, whose states record the kind's settings."""
+  @functools.wraps(init)
+  def recording(*args, **kwargs):
+    return init(*args, **kwargs).replace(settings=kind.settings)
+  return recording
+
+
+def _checking_settings(function: Callable, kind: kind_protocol.Kind,
+                       what: str) -> Callable:
+  """`function`, refusing a state made with other settings while tracing."""
+  @functools.wraps(function)
+  def checking(state, *args, **kwargs):
+    kind_protocol.check_settings(state, kind, what=what)
+    return function(state, *args, **kwargs)
+  return checking
+
+
+def listed_array(value: Any) -> Any:
+  """A plain Python list or tuple as a NumPy array; anything else as given
+  (a NamedTuple is a pytree, not a list of numbers)."""
+  if type(value) in (list, tuple):  # pylint: disable=unidiomatic-typecheck
+    return np.asarray(value)
+  return value
+
+
+def _host_layout(leaves: list[Any]) -> tuple[int, tuple] | None:
+  """How NumPy leaves `[B, ...]` travel as one flat byte array.
+
+  The leaves' bytes follow one another, each leaf whole and C-ordered: the
+  array is `b"".join(leaf.tobytes() ...)`, which NumPy builds in a fraction
+  of a microsecond where interleaving rows (`np.concatenate(..., axis=1)`)
+  took several.
+
+  Returns `(B, columns)`, a column `(dtype, start, stop, row shape)` per
+  leaf, where `dtype` is the one JAX would give the leaf (int64 becomes
+  int32 with 64-bit mode off) and `B * start`, `B * stop` bound its bytes;
+  None where the leaves cannot be cut so (a leaf without a batch axis, batch
+  sizes that differ, an empty batch or row), which the unpacked path then
+  reports or handles.
+  """
+  if not leaves or any(leaf.ndim == 0 for leaf in leaves):
+    return None
+  batch_size = leaves[0].shape[0]
+  if batch_size == 0:
+    return None
+  columns, start = [], 0
+  for leaf in leaves:
+    dtype = np.dtype(jax.dtypes.canonicalize_dtype(leaf.dtype))
+    row_bytes = int(np.prod(leaf.shape[1:], dtype=np.int64)) * dtype.itemsize
+    if leaf.shape[0] != batch_size or row_bytes == 0:
+      return None
+    columns.append((dtype, start, start + row_bytes, leaf.shape[1:]))
+    start += row_bytes
+  return batch_size, tuple(columns)
+
+
+def _unpack(packed: jax.Array, batch_size: int,
+            columns: tuple) -> list[jax.Array]:
+  """The leaves `[B, ...]` of a flat byte array (`_host_layout`)."""
+  leaves = []
+  for dtype, start, stop, row_shape in columns:
+    column = packed[batch_size * start:batch_size * stop].reshape(
+        batch_size, stop - start)
+    batch_shape = (batch_size, *row_shape)
+    if dtype == np.bool_:
+      leaves.append((column != 0).reshape(batch_shape))
+    elif dtype.itemsize == 1:
+      leaves.append(jax.lax.bitcast_convert_type(column, dtype)
+                    .reshape(batch_shape))
+    else:
+      leaves.append(jax.lax.bitcast_convert_type(
+          column.reshape(batch_size, -1, dtype.itemsize), dtype)
+                    .reshape(batch_shape))
+  return leaves
+
+
+def _packed_add_from_host(add: Callable, jitted_add: Callable) -> Callable:
+  """`add(state, items, ...)` that sends NumPy items as one array.
+
+  A jitted call pays for each array argument it converts (about 1.5 us a
+  leaf on CPU) and checks host integers leaf by leaf. Here the NumPy leaves
+  are converted to the dtypes JAX would give them, joined as bytes into one
+  flat array, and split again inside the jit, where
+  `add`'s trace-time checks see the same shapes and dtypes as unpacked
+  (so their messages are unchanged). Int64 leaves narrowed to int32 (64-bit
+  mode off) are compared with their narrowed copy, so a value that would
+  wrap still raises. Anything other than NumPy arrays takes `jitted_add`.
+  """
+  # Per tree structure, 64-bit mode, leaf shapes and dtypes: the dtype each
+  # leaf converts to (None: kept) and the jitted add that unpacks them;
+  # None: not packable.
+  plans = {}
+
+  def plan(leaves: list[np.ndarray], treedef: Any) -> tuple | None:
+    layout = _host_layout(leaves)
+    if layout is None:
+      return None
+    batch_size, columns = layout
+
+    def unpacking_add(state, packed, *args, **kwargs):
+      items = jax.tree_util.tree_unflatten(
+          treedef, _unpack(packed, batch_size, columns))
+      return add(state, items, *args, **kwargs)
+
+    conversions = tuple(None if leaf.dtype == dtype else dtype
+                        for leaf, (dtype, *_) in zip(leaves, columns))
+    return conversions, jax.jit(unpacking_add, donate_argnums=0)
+
+  def add_from_host(state, items, *args, **kwargs):
+    leaves, treedef = jax.tree_util.tree_flatten(items)
+    try:
+      signature = (treedef, jax.config.jax_enable_x64, tuple([
+          (type(leaf), leaf.shape, leaf.dtype) for leaf in leaves]))
+      found = plans.get(signature, False)
+    except AttributeError:  # a Python number or list: not packable
+      found = None
+    if found is False:
+      packable = all(type(leaf) is np.ndarray for leaf in leaves)  # pylint: disable=unidiomatic-typecheck
+      found = plans[signature] = plan(leaves, treedef) if packable else None
+    if found is None:
+      validation.check_host_integers(items, what="add")
+      return jitted_add(state, items, *args, **kwargs)
+    conversions, unpacking_add = found
+    parts = []
+    for leaf, dtype in zip(leaves, conversions):
+      if dtype is not None:
+        converted = leaf.astype(dtype)
+        # Integers narrowed (int64 to int32) must survive the round trip;
+        # bytes compare faster than np.array_equal at these sizes.
+        if dtype.kind in "iu" and (converted.astype(leaf.dtype).tobytes()
+                                   != leaf.tobytes()):
+          validation.check_host_integers(items, what="add")  # raises
+        leaf = converted
+      parts.append(leaf.tobytes())
+    return unpacking_add(state, np.frombuffer(b"".join(parts), np.uint8),
+                         *args, **kwargs)
+
+  return add_from_host
+
+
+def _sampled_at_step(sample: Callable) -> Callable:
+  """`sample` that also takes `step=`: draws with `fold_in(key, step)`.
+
+  A Python loop then passes one key and its loop counter to every call, and
+  never calls `jax.random.split` from Python (20-80 us a call): the fold
+  runs inside the sample's own jit. The key stays an argument.
+  """
+  def sample_at_step(state, key, batch_size, *args, step=None, **kwargs):
+    if step is not None:
+      validation.check_key(key, what="sample")
+      validation.check_step(step, what="sample")
+      key = random.fold_in(key, step)
+    return sample(state, key, batch_size, *args, **kwargs)
+
+  functools.update_wrapper(sample_at_step, sample)
+  signature = inspect.signature(sample)
+  sample_at_step.__signature__ = signature.replace(parameters=[
+      *signature.parameters.values(),
+      inspect.Parameter("step", inspect.Parameter.KEYWORD_ONLY, default=None,
+                        annotation=int | jax.Array | None)])
+  return sample_at_step
+
+
+def bind(init: Callable, add: Callable, sample: Callable,
+         update_priorities: Callable, can_sample: Callable, clear: Callable, *,
+         kind: kind_protocol.Kind, checked: bool,
+         jit_update_priorities: bool = True,
+         init_shardings: Any = None, pack_host_items: bool = True) -> Buffer:
+  """Makes a `Buffer` whose default functions are jitted with donated state.
+
+  `kind` describes the buffer (`jaxbuf._src.core.kind`): `init` records its
+  settings in the state, and every other function refuses, while tracing, a
+  state that records other settings.
+
+  `jit_update_priorities=False` leaves `update_priorities` as given, for an
+  update that computes nothing (uniform replay's identity). `init_shardings`
+  jits `init` with these output shardings (`jaxbuf.sharded`'s), so that
+  `jax.eval_shape(buffer.init, example)` carries them too.
+  `pack_host_items=False` sends NumPy items to `add` leaf by leaf rather
+  than as one byte array (`_packed_add_from_host`), for an add that places
+  them itself (a sharded buffer's, over its devices).
+
+  Donation is what lets a notebook user call `buffer.add` in a plain Python
+  loop without paying a copy of the whole storage per call: the state passed
+  in is consumed and its arrays are reused for the result. Inside a user's own
+  jit the wrappers inline and the user's donation decides.
+
+  Every `sample` also takes `step=` (`_sampled_at_step`).
+
+  Checked mode keeps the functions unjitted: called eagerly, a failed check
+  raises at once; staged inside a jit, it needs `checkify.checkify`.
+  """
+  init, add, sample, update_priorities, can_sample, clear = map(
+      documented, (init, add, sample, update_priorities, can_sample, clear))
+  kind = kind._replace(checked=checked)
+  init = _recording_settings(init, kind)
+  if init_shardings is not None:
+    init = jax.jit(init, out_shardings=init_shardings)
+  add, sample, update_priorities, can_sample, clear = (
+      _checking_settings(function, kind, what) for function, what in (
+          (add, "add"), (sample, "sample"),
+          (update_priorities, "update_priorities"),
+          (can_sample, "can_sample"), (clear, "clear")))
+  sample = _sampled_at_step(sample)
+  if checked:
+    return Buffer(init, add, sample, update_priorities, can_sample, clear,
+                  kind)
+  jitted_add = jax.jit(add, donate_argnums=0)
+  jitted_update = (jax.jit(update_priorities, donate_argnums=0)
+                   if jit_update_priorities else update_priorities)
+
+  # A jit converts host int64 data to int32 by wrapping before any check
+  # inside can see it, so host integers are checked on the way in (NumPy
+  # items as one packed array, `_packed_add_from_host`). A Python list given
+  # for an array (a mask) would reach the jit as one leaf per entry: it
+  # becomes the array it stands for first.
+  if pack_host_items:
+    add_items = _packed_add_from_host(add, jitted_add)
+  else:
+    def add_items(state, items, *args, **kwargs):
+      validation.check_host_integers(items, what="add")
+      return jitted_add(state, items, *args, **kwargs)
+
+  @functools.wraps(add)
+  def add_from_host(state, items, *args, **kwargs):
+    return add_items(state, items, *map(listed_array, args),
+                     **{name: listed_array(value)
+                        for name, value in kwargs.items()})
+
+  @functools.wraps(update_priorities)
+  def update_priorities_from_host(state, indices, *args, **kwargs):
+    validation.check_on_the_states_devices(
+        state, (indices, *args, *kwargs.values()), what="update_priorities")
+    return jitted_update(
+        state, validation.host_indices(listed_array(indices)),
+        *map(listed_array, args),
+        **{name: listed_array(value) for name, value in kwargs.items()})
+
+  return Buffer(
+      init=init,
+      add=_explained("add", add_from_host),
+      sample=_explained("sample", jax.jit(sample, static_argnames="batch_size"),
+                        batch_size_position=2),
+      update_priorities=_explained("update_priorities",
+                                   update_priorities_from_host),
+      can_sample=_explained("can_sample",
+                            jax.jit(can_sample, static_argnames="batch_size"),
+                            batch_size_position=1),
+      clear=_explained("clear", jax.jit(clear, donate_argnums=0)),
+      kind=kind,
+  )

@@ -1,0 +1,8 @@
+"""Replay of per-env streams of steps, sampled as windows, transitions or
+whole episodes: sequence replay (`sequence`) and its prioritized form
+(`prioritized_sequence`), episode (`episode`), frame-stack (`frames`) and
+hindsight (`hindsight`) replay, the n-step transitions read from sampled
+windows (`transitions`), and the stream convention they all follow
+(`convention`, public as `jaxbuf.streams`). Above `core` and `items` (the
+prioritized kinds use `items.prioritized`); `offline` builds on `sequence`.
+"""

@@ -1,0 +1,768 @@
+"""Frame-stack replay: pixel transitions whose frames are stored once.
+
+Why one module of this size: it holds one rule, which stored frames make up
+a transition's two stacks (its own episode's, padded, never another's). The
+add path keeps each transition's sampleability by that rule (its leaf in the
+sum tree, from `episode_positions`) and the gather reads stacks by it; the
+two halves, the uniform and prioritized variant of each function and the
+two factories stay together so the rule is read and changed in one place.
+The stream underneath is sequence replay's (`sequence.py`), not repeated.
+
+Shape key: N envs, R = C // N steps held per env, C capacity (steps over all
+envs), T steps per env in one add, K num_stack, n n_step, S sample size.
+
+Storage. Each env's experience is one stream of steps (sequence replay's
+per-env rings, `sequence.py`), in the stream convention of `transitions.py`:
+step i holds `obs[i]` (one frame, not a stack), `action[i]`, `reward[i]` and
+`terminated[i]`; an episode's final observation gets a step of its own,
+flagged by `add(..., episode_end=...)`, whose action and reward are padding.
+So each frame is stored once: never K times, never again as a next
+observation. Beside each step the buffer keeps one byte, its position in its
+episode saturated at K - 1 (`episode_positions`), so a sample knows how many
+of the K - 1 frames before a step belong to its episode. For 84x84 uint8
+frames a step costs 7056 bytes of frame, the user's action, reward and
+terminated, 2 bytes of flags and position, and about 4.6 bytes of sum tree.
+
+Transitions. Transition t (a step that is not an episode's final step) has
+the n-step reward and discount of `n_step_transitions` (a termination stops
+the sum with discount 0; an episode's final step stops it and the target
+bootstraps from that step, the TRUE final observation). Its `obs` stacks the
+frames of steps t - K + 1 .. t, its `next_obs` those of t' - K + 1 .. t'
+(t' = t + k, k <= n), oldest first. A frame before its stack's episode's
+first step is padding: zeros (`pad="zeros"`) or that first step's frame
+(`pad="first"`, gymnasium's FrameStack after reset); never a frame of
+another episode, of an overwritten or of an unwritten slot.
+
+Which transitions can be sampled. Transition t of env n is sampleable while
+the steps t .. t + n are held (so the newest n steps of an env start none
+yet, as in n-step sequence replay) and so are the frames of its own episode
+before it that its stack needs (`min(position, K - 1)` of them). The first
+steps of an episode need none, so they are sampleable as soon as their n
+next steps are held, also as the very first steps of a stream and right
+after a wrap of the ring; only the at most K - 1 oldest steps of an env,
+whose episode started before the oldest frame held, have lost part of their
+stack and are not sampled. A sum tree has a leaf per transition id `n * R +
+j` (the step in slot j of env n): 1 (uniform) or `(priority + eps) **
+alpha` (prioritized) while sampleable, else 0, kept by every `add` for the
+transitions it completes or breaks, O(N (2 T + K) log C).
+
+Sampling gathers, for each of the S transitions, the n + 1 small step
+records its n-step target reads, then the 2K frames of its two stacks in one
+gather from the storage (zeros for padding frames), so the cost follows S
+and K, not the capacity. Only the leaves named by `stack_keys` are stacked
+(every leaf of `obs` by default); other leaves of `obs` come from steps t
+and t' alone, unstacked.
+
+The module-level functions take every setting explicitly;
+`frame_stack_replay` and `prioritized_frame_stack_replay` bind them into a
+`Buffer`.
+"""
+
+import collections.abc
+import functools
+from typing import Any, Callable, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from jaxbuf._src.core import kind
+from jaxbuf._src.items import prioritized
+from jaxbuf._src.streams import prioritized_sequence
+from jaxbuf._src.core import random
+from jaxbuf._src.core import ring
+from jaxbuf._src.streams import sequence
+from jaxbuf._src.core import sum_tree
+from jaxbuf._src.streams import transitions
+from jaxbuf._src.core import validation
+from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, Schedule, bind
+from jaxbuf._src.streams.prioritized_sequence import PrioritizedSequenceReplayState
+
+STEP_FIELDS = ("obs", "action", "reward", "terminated")
+PAD_MODES = ("zeros", "first")
+MAX_NUM_STACK = 256  # positions are stored as uint8
+
+
+class FrameStackTransition(NamedTuple):
+  """n-step transitions with stacked observations."""
+  obs: PyTree          # leaves [S, ...]; stacked leaves with K inserted at
+                       # stack_axis, oldest frame first
+  action: PyTree       # leaves [S, ...]
+  reward: jax.Array    # [S]: n-step discounted reward, the reward's dtype
+  discount: jax.Array  # [S]: gamma^k, 0 after a termination
+  next_obs: PyTree     # like obs: the stack at step t + k (k <= n)
+
+
+@flax.struct.dataclass
+class FrameStackReplayState(PrioritizedSequenceReplayState):
+  """Per-env streams of single frames. Arrays only.
+
+  `window_tree` holds a leaf per transition id, `window_counts` the
+  transitions sampleable per env; `max_priority` and `beta_step` stay at 1
+  and 0 without priorities.
+  """
+  episode_positions: jax.Array  # uint8 [N, R]: each step's index in its
+                                # episode, saturated at K - 1
+  next_positions: jax.Array     # int32 [N]: the index the next step of each
+                                # env will have, saturated at K - 1
+
+  def per_env_fields(self) -> tuple[str, ...]:
+    return super().per_env_fields() + ("episode_positions", "next_positions")
+
+
+def _field(tree: Any, name: str) -> Any:
+  if isinstance(tree, collections.abc.Mapping):
+    return tree[name]
+  return getattr(tree, name)
+
+
+def _stacked_mask(obs: PyTree, stack_keys: tuple[str, ...] | None) -> PyTree:
+  """A bool per leaf of `obs`: whether it is stacked."""
+  if stack_keys is None:
+    return jax.tree.map(lambda _: True, obs)
+  names = (list(obs) if isinstance(obs, collections.abc.Mapping)
+           else list(getattr(obs, "_fields", ())))
+  missing = [key for key in stack_keys if key not in names]
+  if missing:
+    raise ValueError(
+        f"stack_keys names {missing}, which obs does not have; obs "
+        f"{'has the keys ' + str(names) if names else 'is not a dict or NamedTuple'}"
+        f" (stack_keys=None stacks every leaf).")
+  if isinstance(obs, collections.abc.Mapping):
+    return type(obs)({key: jax.tree.map(lambda _, k=key: k in stack_keys,
+                                        value) for key, value in obs.items()})
+  return type(obs)(**{key: jax.tree.map(lambda _, k=key: k in stack_keys,
+                                        getattr(obs, key)) for key in names})
+
+
+def check_step(example_step: PyTree, *, stack_keys: tuple[str, ...] | None,
+               stack_axis: int) -> None:
+  """Raises naming what is wrong with a step of the frame stream."""
+  for name in STEP_FIELDS:
+    try:
+      _field(example_step, name)
+    except (KeyError, AttributeError, TypeError):
+      raise ValueError(
+          f"frame_stack_replay: the step has no field {name!r}; a step holds "
+          f"{STEP_FIELDS} (a dict or a NamedTuple).") from None
+  validation.check_reward_and_terminated(
+      _field(example_step, "reward"), _field(example_step, "terminated"),
+      what="frame_stack_replay")
+  obs = _field(example_step, "obs")
+  stacked = _stacked_mask(obs, stack_keys)
+  for (path, leaf), is_stacked in zip(
+      jax.tree_util.tree_flatten_with_path(obs)[0], jax.tree.leaves(stacked)):
+    rank = np.ndim(leaf)
+    if is_stacked and not -(rank + 1) <= stack_axis <= rank:
+      raise ValueError(
+          f"stack_axis {stack_axis} is out of range for obs leaf "
+          f"{jax.tree_util.keystr(path) or '<root>'} of shape "
+          f"{np.shape(leaf)}: the stack axis goes in [{-(rank + 1)}, {rank}].")
+
+
+def check_settings(num_envs: Any, capacity: Any, num_stack: Any, n_step: Any,
+                   gamma: Any = 0.99, pad: Any = "zeros", stack_axis: Any = -1,
+                   stack_keys: Any = None) -> None:
+  """Raises naming the setting; a capacity is never rounded silently."""
+  validation.check_positive_int(num_stack, "num_stack")
+  validation.check_positive_int(n_step, "n_step")
+  if num_stack > MAX_NUM_STACK:
+    raise ValueError(f"num_stack must be at most {MAX_NUM_STACK}, given "
+                     f"{num_stack}.")
+  sequence.check_sizes(num_envs, capacity, 1, 1)
+  per_env = capacity // num_envs
+  if per_env < num_stack + n_step:
+    raise ValueError(
+        f"capacity {capacity} holds {per_env} steps per env; a stacked "
+        f"n-step transition reads num_stack + n_step = {num_stack + n_step}: "
+        f"use capacity >= {(num_stack + n_step) * num_envs}.")
+  validation.check_hyperparameter(gamma, "gamma")
+  if float(gamma) > 1:
+    raise ValueError(f"gamma must be in [0, 1], given {gamma}.")
+  if pad not in PAD_MODES:
+    raise ValueError(f"pad must be one of {PAD_MODES}, given {pad!r}.")
+  validation.check_python_int(stack_axis, "stack_axis")
+  if stack_keys is not None and (
+      isinstance(stack_keys, str) or not all(
+          isinstance(key, str) for key in stack_keys)):
+    raise TypeError(f"stack_keys must be None or a tuple of key names, "
+                    f"given {stack_keys!r}.")
+
+
+def init(example_step: PyTree, *, num_envs: int, capacity: int,
+         stack_keys: tuple[str, ...] | None = None,
+         stack_axis: int = -1) -> FrameStackReplayState:
+  """An empty buffer for steps shaped like `example_step` (one env, unbatched).
+
+  Args:
+    example_step: a dict or NamedTuple with fields obs (any pytree: one
+      frame, not a stack), action, reward (float scalar) and terminated
+      (bool scalar): arrays or `jax.ShapeDtypeStruct`s.
+    num_envs: N.
+    capacity: C, steps over all envs, a multiple of N.
+    stack_keys, stack_axis: checked against `obs` (see
+      `frame_stack_replay`).
+  """
+  check_step(example_step, stack_keys=stack_keys, stack_axis=stack_axis)
+  base = prioritized_sequence.init(example_step, num_envs=num_envs,
+                                   capacity=capacity)
+  return FrameStackReplayState(
+      **{name: getattr(base, name) for name in base.__dataclass_fields__},
+      episode_positions=jnp.zeros((num_envs, capacity // num_envs),
+                                  jnp.uint8),
+      next_positions=jnp.zeros((num_envs,), jnp.int32))
+
+
+def transitions_valid(state: FrameStackReplayState, envs: jax.Array,
+                      slots: jax.Array, *, n_step: int) -> jax.Array:
+  """Whether the transition at each `(env, slot)` can be sampled: bool.
+
+  Its step and the n after it are held, its step is no episode's final
+  step, and the frames of its episode its stack reads are held.
+  """
+  ago = sequence.steps_ago(state, envs, slots)
+  history = state.episode_positions[envs, slots].astype(jnp.int32)
+  return ((ago >= n_step) & (ago + history < state.steps_held[envs])
+          & ~state.episode_ends[envs, slots])
+
+
+def transition_ids_valid(state: FrameStackReplayState, ids: jax.Array, *,
+                         n_step: int) -> jax.Array:
+  """`transitions_valid` for ids `[S]` (any ints; out of range is False)."""
+  per_env = sequence.steps_per_env(state)
+  ids = ids.astype(jnp.int32)
+  in_range = (ids >= 0) & (ids < sequence.num_envs_of(state) * per_env)
+  safe = jnp.where(in_range, ids, 0)
+  return in_range & transitions_valid(state, safe // per_env, safe % per_env,
+                                      n_step=n_step)
+
+
+def episode_positions_of(next_positions: jax.Array, episode_end: jax.Array,
+                         *, num_stack: int) -> tuple[jax.Array, jax.Array]:
+  """Each chunk step's position in its episode, saturated at K - 1.
+
+  Args:
+    next_positions: int32 `[N]`, the position the chunk's first step has.
+    episode_end: bool `[N, T]`.
+
+  Returns:
+    int32 `[N, T]` positions and int32 `[N]` the position of the step after
+    the chunk.
+  """
+  length = episode_end.shape[1]
+  index = jnp.arange(length, dtype=jnp.int32)[None, :]
+  # Step i starts an episode when step i - 1 ended one.
+  starts = jnp.concatenate(
+      [jnp.zeros_like(episode_end[:, :1]), episode_end[:, :-1]], axis=1)
+  last_start = jax.lax.cummax(jnp.where(starts, index, -1), axis=1)
+  positions = jnp.where(last_start >= 0, index - last_start,
+                        next_positions[:, None] + index)
+  positions = jnp.minimum(positions, num_stack - 1)
+  after = jnp.where(episode_end[:, -1], 0,
+                    jnp.minimum(positions[:, -1] + 1, num_stack - 1))
+  return positions, after
+
+
+def add_steps(state: FrameStackReplayState, steps: PyTree,
+              mask: jax.Array | None, episode_end: jax.Array | None, *,
+              num_stack: int, n_step: int,
+              new_leaf_value: jax.Array) -> FrameStackReplayState:
+  """Writes steps and updates the transitions they complete or break.
+
+  Args:
+    state: the buffer.
+    steps: leaves `[N, ...]` or `[N, T, ...]`.
+    mask: bool `[N]`, the envs that stepped; None for all.
+    episode_end: bool `[N]` or `[N, T]` like `steps`; None for no ends.
+    num_stack, n_step: the buffer's settings.
+    new_leaf_value: the tree leaf of a transition that becomes sampleable.
+  """
+  num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
+  steps, mask, episode_end = sequence.chunked_add_args(
+      state, steps, mask, sequence.episode_ends_of(steps, episode_end))
+  positions, after = episode_positions_of(state.next_positions, episode_end,
+                                          num_stack=num_stack)
+  new_state, chunk = sequence.write_chunk(
+      state, steps, mask, episode_end,
+      episode_positions=positions.astype(jnp.uint8))
+  kept = chunk.kept
+  new_state = new_state.replace(
+      next_positions=jnp.where(mask, after, state.next_positions))
+  # Transitions that can change, by steps ago after the write: those written
+  # (0..K'-1), those whose n-th next step was written (n..n+K'-1), and the
+  # K - 1 oldest, whose history the write may have overwritten. Every other
+  # keeps its steps, its history and its validity.
+  touched_ago = np.unique(np.concatenate([
+      np.arange(kept), n_step + np.arange(kept),
+      per_env - 1 - np.arange(num_stack - 1)]))
+  touched_ago = touched_ago[(touched_ago >= 0) & (touched_ago < per_env)]
+  touched_slots = (new_state.write_heads[:, None] - 1
+                   - jnp.asarray(touched_ago, jnp.int32)[None, :]) % per_env
+  envs = jnp.broadcast_to(jnp.arange(num_envs, dtype=jnp.int32)[:, None],
+                          touched_slots.shape)
+  before = transitions_valid(state, envs, touched_slots, n_step=n_step)
+  after_valid = transitions_valid(new_state, envs, touched_slots,
+                                  n_step=n_step)
+  change = (jnp.sum(after_valid, axis=1, dtype=jnp.int32)
+            - jnp.sum(before, axis=1, dtype=jnp.int32))
+  # A rewritten slot holds a new transition: its leaf is set whenever either
+  # is sampleable. Another keeps its leaf (its priority) unless it became
+  # sampleable or stopped being so.
+  rewritten = jnp.asarray(touched_ago < kept)[None, :]
+  changed = mask[:, None] & jnp.where(rewritten, before | after_valid,
+                                      before != after_valid)
+  leaves = jnp.where(after_valid, new_leaf_value, 0.0).astype(jnp.float32)
+  return new_state.replace(
+      window_counts=state.window_counts + jnp.where(mask, change, 0),
+      window_tree=sum_tree.set_leaves(
+          state.window_tree, (envs * per_env + touched_slots).reshape(-1),
+          leaves.reshape(-1), changed.reshape(-1), unique_indices=True))
+
+
+def add(state: FrameStackReplayState, steps: PyTree,
+        mask: jax.Array | None = None, episode_end: jax.Array | None = None,
+        *, num_stack: int, n_step: int) -> FrameStackReplayState:
+  """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`).
+
+  Args:
+    state: the buffer.
+    steps: the step pytree with leaves `[N, *step_shape]` or `[N, T,
+      *step_shape]` (obs a single frame per step); T may exceed R (the newest
+      R steps are kept). Shapes, dtypes and structure are checked while
+      tracing; no value is cast.
+    mask: bool `[N]`, the envs that stepped; None for all.
+    episode_end: bool `[N]` or `[N, T]`, True on each episode's final step
+      (the one holding its final observation); the next step of that env
+      starts an episode. For steps without a `last` leaf, which marks the
+      ends itself (`help(jaxbuf.streams)`; both at once is a `TypeError`);
+      None for none.
+    num_stack, n_step: the buffer's settings.
+  """
+  validation.check_state_kind(state, FrameStackReplayState, what="add",
+                              exact=True)
+  return add_steps(state, steps, mask, episode_end, num_stack=num_stack,
+                   n_step=n_step, new_leaf_value=jnp.float32(1.0))
+
+
+def prioritized_add(state: FrameStackReplayState, steps: PyTree,
+                    mask: jax.Array | None = None,
+                    episode_end: jax.Array | None = None, *, num_stack: int,
+                    n_step: int, alpha: float) -> FrameStackReplayState:
+  """`add`; transitions completed enter at the running maximum priority."""
+  validation.check_state_kind(state, FrameStackReplayState, what="add",
+                              exact=True)
+  return add_steps(state, steps, mask, episode_end, num_stack=num_stack,
+                   n_step=n_step,
+                   new_leaf_value=prioritized.capped_leaf_values(
+                       state.max_priority, alpha, state.window_tree))
+
+
+def _move_stack_axis(leaf: jax.Array, stack_axis: int) -> jax.Array:
+  """`[S, K, *frame]` -> the stack at `stack_axis` of each `[*frame]`."""
+  rank = leaf.ndim - 2
+  return jnp.moveaxis(leaf, 1, 1 + stack_axis % (rank + 1))
+
+
+def gather_transitions(state: FrameStackReplayState, ids: jax.Array, *,
+                       num_stack: int, n_step: int, gamma: Any, pad: str,
+                       stack_keys: tuple[str, ...] | None,
+                       stack_axis: int) -> FrameStackTransition:
+  """The stacked n-step transitions of ids `[S]` (each a sampleable one)."""
+  per_env = sequence.steps_per_env(state)
+  num_rows = sequence.num_envs_of(state) * per_env
+  ids = ids.astype(jnp.int32)
+  env_firsts = ids - ids % per_env
+  slots = ids % per_env
+
+  def rows_at(offsets):
+    """Flat rows of the steps `offsets` (int32 `[S, M]`) after each step."""
+    return env_firsts[:, None] + (slots[:, None] + offsets) % per_env
+
+  def flat(column):
+    return column.reshape((num_rows,) + column.shape[2:])
+
+  step = lambda name: _field(state.storage, name)
+  ahead = rows_at(jnp.arange(n_step + 1, dtype=jnp.int32)[None, :])
+  take = lambda column, rows: flat(column).at[rows].get(
+      mode="promise_in_bounds")
+  rewards = take(step("reward"), ahead)
+  targets = transitions.n_step_targets(
+      rewards, take(step("terminated"), ahead),
+      take(state.episode_ends, ahead), n=n_step,
+      gamma=jnp.asarray(gamma, rewards.dtype))
+  next_offsets = targets.next_index[:, 0]
+  positions = take(state.episode_positions, ahead).astype(jnp.int32)
+  next_positions = jnp.take_along_axis(positions, next_offsets[:, None],
+                                       axis=1)[:, 0]
+
+  def stack_offsets(anchor, position):
+    """Offsets `[S, K]` of a stack's frames, oldest first, and which are real."""
+    back = jnp.arange(num_stack - 1, -1, -1, dtype=jnp.int32)[None, :]
+    real = back <= position[:, None]
+    if pad == "first":
+      back = jnp.minimum(back, position[:, None])
+    return anchor[:, None] - back, real
+
+  def frame_rows():
+    obs_offsets, _ = stack_offsets(jnp.zeros_like(next_offsets),
+                                   positions[:, 0])
+    next_stack, _ = stack_offsets(next_offsets, next_positions)
+    return rows_at(jnp.concatenate([obs_offsets, next_stack], axis=1))
+
+  # Kept out of the gathers' fusion, as sequence.gather_windows does.
+  stack_rows = random.computed_once(frame_rows, ids[0])
+  _, obs_real = stack_offsets(jnp.zeros_like(next_offsets), positions[:, 0])
+  _, next_real = stack_offsets(next_offsets, next_positions)
+  real = jnp.concatenate([obs_real, next_real], axis=1)
+  single_rows = rows_at(jnp.stack([jnp.zeros_like(next_offsets),
+                                   next_offsets], axis=1))
+
+  def gather_obs(leaf, is_stacked):
+    if not is_stacked:
+      both = take(leaf, single_rows)
+      return both[:, 0], both[:, 1]
+    frames = take(leaf, stack_rows)
+    if pad == "zeros":
+      shown = real.reshape(real.shape + (1,) * (frames.ndim - 2))
+      frames = jnp.where(shown, frames, jnp.zeros((), frames.dtype))
+    return (_move_stack_axis(frames[:, :num_stack], stack_axis),
+            _move_stack_axis(frames[:, num_stack:], stack_axis))
+
+  obs_column = step("obs")
+  leaves, structure = jax.tree.flatten(obs_column)
+  pairs = [gather_obs(leaf, is_stacked) for leaf, is_stacked in zip(
+      leaves, jax.tree.leaves(_stacked_mask(obs_column, stack_keys)))]
+  obs = jax.tree.unflatten(structure, [pair[0] for pair in pairs])
+  next_obs = jax.tree.unflatten(structure, [pair[1] for pair in pairs])
+  action = jax.tree.map(lambda leaf: take(leaf, ahead[:, 0]), step("action"))
+  return FrameStackTransition(
+      obs=obs, action=action, reward=targets.rewards[:, 0],
+      discount=targets.discounts[:, 0], next_obs=next_obs)
+
+
+def transition_item_ids(state: FrameStackReplayState,
+                        ids: jax.Array) -> jax.Array:
+  """The absolute step id of each transition's step, modulo 2**32: uint32."""
+  return sequence.window_item_ids(state, ids)
+
+
+def _check_sample(state: FrameStackReplayState, key: jax.Array,
+                  batch_size: int, *, checked: bool) -> jax.Array:
+  total = jnp.sum(state.window_counts)
+  validation.check_key(key, what="sample")
+  validation.check_batch_size(batch_size, what="sample")
+  if checked:
+    checkify.check(total > 0, "sample: the buffer holds no sampleable "
+                   "transition; add steps before sampling (guard with "
+                   "can_sample).")
+  return total
+
+
+def sample(state: FrameStackReplayState, key: jax.Array, batch_size: int, *,
+           num_stack: int, n_step: int, gamma: Any, pad: str,
+           stack_keys: tuple[str, ...] | None, stack_axis: int,
+           checked: bool = False) -> ReplaySample:
+  """Draws `batch_size` transitions uniformly, with replacement.
+
+  With no sampleable transition it returns transition 0 (whatever its slots
+  hold) with weight 0; checked mode raises instead.
+
+  Returns:
+    A `ReplaySample`: items a `FrameStackTransition` `[S, ...]`, indices
+    int32 `[S]` (transition ids `n * R + j`), weights float32 `[S]` (1, or 0
+    when empty), item_ids uint32 `[S]`.
+  """
+  validation.check_state_kind(state, FrameStackReplayState, what="sample",
+                              exact=True)
+  total = _check_sample(state, key, batch_size, checked=checked)
+  found, _ = sum_tree.sample_leaves(state.window_tree, key, batch_size,
+                                    stratified=False)
+  ids = jnp.where(total > 0, found, 0)
+  return ReplaySample(
+      items=gather_transitions(state, ids, num_stack=num_stack, n_step=n_step,
+                               gamma=gamma, pad=pad, stack_keys=stack_keys,
+                               stack_axis=stack_axis),
+      indices=ids, weights=jnp.full((batch_size,), total > 0, jnp.float32),
+      item_ids=transition_item_ids(state, ids))
+
+
+def prioritized_sample(state: FrameStackReplayState, key: jax.Array,
+                       batch_size: int, *, num_stack: int, n_step: int,
+                       gamma: Any, pad: str,
+                       stack_keys: tuple[str, ...] | None, stack_axis: int,
+                       beta: float | Schedule, stratified: bool = True,
+                       checked: bool = False) -> ReplaySample:
+  """Draws `batch_size` transitions in proportion to `(priority + eps) ** alpha`.
+
+  Importance weights `(N P(i)) ** -beta`, N the sampleable transitions,
+  normalised so the largest is 1; stratification as `prioritized_replay`'s.
+  With nothing sampleable (or every leaf underflowed) it returns transition
+  0 with weight 0; checked mode raises when nothing is sampleable.
+  """
+  validation.check_state_kind(state, FrameStackReplayState, what="sample",
+                              exact=True)
+  num_held = _check_sample(state, key, batch_size, checked=checked)
+  ids, weights, _ = prioritized_sequence.draw_by_priority(
+      state, key, batch_size, num_held, beta=beta, stratified=stratified)
+  return ReplaySample(
+      items=gather_transitions(state, ids, num_stack=num_stack, n_step=n_step,
+                               gamma=gamma, pad=pad, stack_keys=stack_keys,
+                               stack_axis=stack_axis),
+      indices=ids, weights=weights, item_ids=transition_item_ids(state, ids))
+
+
+def valid_priority_updates(state: FrameStackReplayState, indices: jax.Array,
+                           priorities: jax.Array, item_ids: jax.Array | None,
+                           *, n_step: int, checked: bool) -> jax.Array:
+  """Which updates apply: bool `[S]`, as `sequence.valid_priority_updates`
+  with transitions for windows. Reads no storage leaf."""
+  validation.check_priority_update_args(indices, priorities, item_ids)
+  num_ids = sequence.num_envs_of(state) * sequence.steps_per_env(state)
+  indices = jnp.asarray(validation.host_indices(indices))
+  priorities = jnp.asarray(priorities)
+  in_range = ring.indices_in_range(indices, jnp.int32(num_ids))
+  finite = jnp.isfinite(priorities)
+  if checked:
+    checkify.check(jnp.all(in_range), "update_priorities: indices must be "
+                   "transition ids, in [0, capacity={capacity}); given "
+                   "{indices}", capacity=jnp.int32(num_ids), indices=indices)
+    checkify.check(jnp.all(finite & (priorities >= 0)), "update_priorities: "
+                   "priorities must be finite and non-negative (pass "
+                   "|TD error|); given {priorities}", priorities=priorities)
+  valid = in_range & finite & transition_ids_valid(
+      state, indices.astype(jnp.int32), n_step=n_step)
+  if item_ids is not None:
+    safe = jnp.where(in_range, indices.astype(jnp.int32), 0)
+    valid &= transition_item_ids(state, safe) == item_ids
+  return valid
+
+
+def update_priorities(state: FrameStackReplayState, indices: jax.Array,
+                      priorities: jax.Array, item_ids: jax.Array | None = None,
+                      *, n_step: int,
+                      checked: bool = False) -> FrameStackReplayState:
+  """The identity: uniform replay keeps no priorities (arguments validated
+  as for prioritized replay, so switching kinds surfaces no new errors)."""
+  validation.check_state_kind(state, FrameStackReplayState,
+                              what="update_priorities", exact=True)
+  if checked:
+    valid_priority_updates(state, indices, priorities, item_ids,
+                           n_step=n_step, checked=True)
+  else:
+    validation.check_priority_update_args(indices, priorities, item_ids)
+  return state
+
+
+def prioritized_update_priorities(
+    state: FrameStackReplayState, indices: jax.Array, priorities: jax.Array,
+    item_ids: jax.Array | None = None, *, n_step: int, alpha: float,
+    eps: float, checked: bool = False) -> FrameStackReplayState:
+  """Sets the priorities of transitions `indices [S]` to `|priorities| + eps`.
+
+  Skips, duplicates and checked mode as `prioritized_sequence_replay`'s
+  (an id naming no sampleable transition, a priority not finite, a
+  transition overwritten since it was sampled). Cost O(S log C).
+  """
+  validation.check_state_kind(state, FrameStackReplayState,
+                              what="update_priorities", exact=True)
+  valid = valid_priority_updates(state, indices, priorities, item_ids,
+                                 n_step=n_step, checked=checked)
+  return prioritized_sequence.with_window_priorities(
+      state, indices, priorities, valid, alpha=alpha, eps=eps)
+
+
+def can_sample(state: FrameStackReplayState, batch_size: int) -> jax.Array:
+  """Whether a transition can be sampled: bool `()` (with replacement)."""
+  validation.check_batch_size(batch_size, what="can_sample")
+  return jnp.sum(state.window_counts) > 0
+
+
+def clear(state: FrameStackReplayState) -> FrameStackReplayState:
+  """Empties the buffer without reallocating or zeroing its storage.
+
+  Step counts and each env's position in its running episode go on: the
+  next steps' stacks would read frames that are gone, so (as after an
+  overwrite) a transition whose stack needs them is not sampled.
+  """
+  validation.check_state_kind(state, FrameStackReplayState, what="clear",
+                              exact=True)
+  return prioritized_sequence.clear(state)
+
+
+def _frame_settings(num_envs: int, capacity: int, num_stack: int,
+                    n_step: int, **more: Any) -> kind.Settings:
+  return kind.settings_of(num_envs=num_envs, capacity=capacity,
+                          num_stack=num_stack, n_step=n_step, **more)
+
+
+def _split(num_devices: int, *, num_envs: int, capacity: int, init_fn: Callable,
+           add_fn: Callable, sample_fn: Callable,
+           update_fn: Callable | None, gather: Callable, beta: Any,
+           stratified: bool) -> kind.Split:
+  """Split over devices as sequence replay is (envs in blocks of N / D, a
+  transition never spans devices), drawing by the transition tree."""
+  split = sequence.split_over_devices(
+      num_devices, num_envs=num_envs, capacity=capacity, init=init_fn,
+      add=add_fn, sample=sample_fn, update_priorities=update_fn, clear=clear,
+      beta=beta, stratified=stratified, sequence_length=1, period=1,
+      within=True)
+
+  def at_rank(local, ranks):
+    # Unused while `masses` is set: the rank-th leaf of the 0/1 tree.
+    return sum_tree.find_prefix_sums(local.window_tree,
+                                     ranks.astype(jnp.float32) + 0.5)
+
+  return split._replace(
+      at_rank=at_rank, rows=lambda local, ids, key: gather(local, ids),
+      item_ids=transition_item_ids,
+      as_sample=lambda rows, indices, weights, item_ids, drawn: ReplaySample(
+          items=rows, indices=indices, weights=weights, item_ids=item_ids))
+
+
+def _factory(name: str, num_envs: int, capacity: int, num_stack: int, *,
+             n_step: int, gamma: Any, stack_keys: Any, stack_axis: int,
+             pad: str, checked: bool, priorities: dict | None) -> Buffer:
+  check_settings(num_envs, capacity, num_stack, n_step, gamma, pad,
+                 stack_axis, stack_keys)
+  stack_keys = None if stack_keys is None else tuple(stack_keys)
+  layout = dict(num_stack=num_stack, n_step=n_step, gamma=gamma, pad=pad,
+                stack_keys=stack_keys, stack_axis=stack_axis)
+  bound_init = functools.partial(init, stack_keys=stack_keys,
+                                 stack_axis=stack_axis)
+  if priorities is None:
+    bound_add = functools.partial(add, num_stack=num_stack, n_step=n_step)
+    bound_sample = functools.partial(sample, **layout)
+    bound_update = functools.partial(update_priorities, n_step=n_step)
+    split_update, beta, stratified, more = None, None, False, {}
+  else:
+    alpha, eps = priorities["alpha"], priorities["eps"]
+    beta, stratified = priorities["beta"], priorities["stratified"]
+    bound_add = functools.partial(prioritized_add, num_stack=num_stack,
+                                  n_step=n_step, alpha=alpha)
+    bound_sample = functools.partial(prioritized_sample, **layout, beta=beta,
+                                     stratified=stratified)
+    bound_update = functools.partial(prioritized_update_priorities,
+                                     n_step=n_step, alpha=alpha, eps=eps)
+    split_update = bound_update
+    more = dict(alpha=float(alpha), eps=float(eps))
+  gather = functools.partial(gather_transitions, **layout)
+  split = functools.partial(
+      _split, num_envs=num_envs, capacity=capacity, init_fn=bound_init,
+      add_fn=bound_add, sample_fn=bound_sample, update_fn=split_update,
+      gather=gather, beta=beta, stratified=stratified)
+  return bind(
+      init=functools.partial(bound_init, num_envs=num_envs, capacity=capacity),
+      add=bound_add,
+      sample=functools.partial(bound_sample, checked=checked),
+      update_priorities=functools.partial(bound_update, checked=checked),
+      can_sample=can_sample,
+      clear=clear,
+      kind=kind.Kind(
+          name=name, state_type=FrameStackReplayState, exact_type=True,
+          settings=_frame_settings(num_envs, capacity, num_stack, n_step,
+                                   **more),
+          split=split),
+      checked=checked,
+      jit_update_priorities=priorities is not None)
+
+
+def frame_stack_replay(num_envs: int, capacity: int, num_stack: int, *,
+                       n_step: int = 1, gamma: float = 0.99,
+                       stack_keys: tuple[str, ...] | None = None,
+                       stack_axis: int = -1, pad: str = "zeros",
+                       checked: bool = False) -> Buffer:
+  """A uniform replay buffer of stacked n-step transitions, frames stored once.
+
+  Steps follow the stream convention: `help(jaxbuf.streams)`.
+
+  Args:
+    num_envs: N, the number of streams.
+    capacity: C, steps (frames) held over all envs; a multiple of N, with
+      C // N >= num_stack + n_step.
+    num_stack: K, frames per stacked observation (4 for Atari).
+    n_step: n, steps summed in a transition's reward.
+    gamma: the discount in [0, 1] of the n-step reward and `discount`.
+    stack_keys: the keys (or NamedTuple fields) of a dict obs whose leaves
+      are stacked, e.g. `("pixels",)`; the others are returned unstacked.
+      None stacks every leaf of obs.
+    stack_axis: where K goes in each stacked leaf, an axis of the frame
+      shape with K inserted: -1 gives `[..., K]` (`[84, 84, 4]`), 0 gives
+      `[K, ...]` (channels first).
+    pad: frames before an episode's first step: "zeros", or "first" (that
+      first frame repeated).
+    checked: as for `uniform_replay`.
+
+  Returns:
+    A `Buffer`: `init(example_step)` with a step holding obs (one frame),
+    action, reward (float scalar) and terminated (bool scalar);
+    `add(state, steps, mask=None, episode_end=None)` as `sequence_replay`'s;
+    `sample` returns a `ReplaySample` whose items are a
+    `FrameStackTransition` `[S, ...]` and whose indices are transition ids.
+
+  >>> import jax, jax.numpy as jnp, jaxbuf
+  >>> buffer = jaxbuf.frame_stack_replay(num_envs=2, capacity=64,
+  ...                                    num_stack=4, n_step=3, gamma=0.9)
+  >>> step = {"obs": jnp.zeros((84, 84), jnp.uint8), "action": jnp.int32(0),
+  ...         "reward": jnp.float32(0), "terminated": jnp.bool_(False)}
+  >>> state = buffer.init(step)
+  >>> for t in range(6):
+  ...   state = buffer.add(state, jax.tree.map(
+  ...       lambda x: jnp.full((2, *x.shape), t + 1, x.dtype), step))
+  >>> batch = buffer.sample(state, jax.random.key(0), 32)
+  >>> batch.items.obs.shape, batch.items.next_obs.shape
+  ((32, 84, 84, 4), (32, 84, 84, 4))
+  >>> batch.items.obs[0, 0, 0].tolist() in ([0, 0, 0, 1], [0, 0, 1, 2],
+  ...                                       [0, 1, 2, 3])   # zero padded
+  True
+  """
+  return _factory("frame_stack_replay", num_envs, capacity, num_stack,
+                  n_step=n_step, gamma=gamma, stack_keys=stack_keys,
+                  stack_axis=stack_axis, pad=pad, checked=checked,
+                  priorities=None)
+
+
+def prioritized_frame_stack_replay(
+    num_envs: int, capacity: int, num_stack: int, *, n_step: int = 1,
+    gamma: float = 0.99, stack_keys: tuple[str, ...] | None = None,
+    stack_axis: int = -1, pad: str = "zeros", alpha: float = 0.6,
+    beta: float | Schedule = 0.4, eps: float = 1e-6, stratified: bool = True,
+    checked: bool = False) -> Buffer:
+  """A prioritized replay buffer of stacked n-step transitions.
+
+  Steps follow the stream convention: `help(jaxbuf.streams)`.
+
+  Args:
+    num_envs, capacity, num_stack, n_step, gamma, stack_keys, stack_axis,
+      pad, checked: as for `frame_stack_replay`.
+    alpha, beta, eps, stratified: as for `prioritized_replay`; N in the
+      importance weights is the number of sampleable transitions.
+
+  Returns:
+    A `Buffer` with `frame_stack_replay`'s functions; pass `sample.indices`
+    and `sample.item_ids` to `update_priorities`.
+
+  >>> import jax, jax.numpy as jnp, jaxbuf
+  >>> buffer = jaxbuf.prioritized_frame_stack_replay(1, 16, 2)
+  >>> step = {"obs": jnp.zeros(3), "action": jnp.int32(0),
+  ...         "reward": jnp.float32(1), "terminated": jnp.bool_(False)}
+  >>> state = buffer.init(step)
+  >>> state = buffer.add(state, jax.tree.map(
+  ...     lambda x: jnp.broadcast_to(x, (1, 5, *x.shape)), step))
+  >>> batch = buffer.sample(state, jax.random.key(0), 4)
+  >>> state = buffer.update_priorities(state, batch.indices,
+  ...                                  jnp.array([0.1, 2.0, 0.5, 1.0]),
+  ...                                  batch.item_ids)
+  >>> batch.items.obs.shape, float(batch.weights.max())
+  ((4, 3, 2), 1.0)
+  """
+  if not callable(beta):
+    validation.check_hyperparameter(beta, "beta")
+  validation.check_hyperparameter(alpha, "alpha")
+  validation.check_hyperparameter(eps, "eps", positive=True)
+  return _factory("prioritized_frame_stack_replay", num_envs, capacity,
+                  num_stack, n_step=n_step, gamma=gamma, stack_keys=stack_keys,
+                  stack_axis=stack_axis, pad=pad, checked=checked,
+                  priorities=dict(alpha=alpha, beta=beta, eps=eps,
+                                  stratified=stratified))

@@ -1,0 +1,706 @@
+"""Hindsight experience replay (Andrychowicz et al. 2017) over per-env streams.
+
+Why one module of this size: it holds one rule, where a transition's goal
+may come from (its own env and episode, after it, never an overwritten or
+unwritten step). The episode bookkeeping that add keeps, the goal draw of
+each strategy, the relabelled sample and the split over devices all read
+that bookkeeping, so they stay together; the stream underneath is sequence
+replay's (`sequence.py`), not repeated.
+
+Shape key: N envs, R = C // N steps held per env, C capacity (steps over all
+envs), T steps per env in one add, S sample size.
+
+Storage. The steps are sequence replay's per-env streams (`sequence.py`), in
+the stream convention of `transitions.py`: step i holds `obs[i]` (a
+gymnasium-robotics GoalEnv dict of "observation", "achieved_goal",
+"desired_goal"), `action[i]`, `reward[i]` and `terminated[i]`; an episode's
+final observation gets a step of its own, flagged by the step's `last`
+leaf (or `add(..., episode_end=...)` for steps without one), whose action
+and reward are padding. Each observation is
+stored once: transition t is the window of the two steps t, t + 1 of one env
+(sequence replay with `sequence_length=2, episodes="within"`), so it is held
+while both steps are, and a step flagged `episode_end` starts none.
+The window tree has a leaf per transition: 1 for uniform replay (which
+draws pairs of held steps without it, and needs it only for the rare row
+whose candidates all start at a final observation: `uniform_transition_ids`),
+`(priority + eps) ** alpha` for prioritized replay (`prioritized_sequence.py`).
+
+Episodes. Each step also stores its episode's key (the env's episode count
+modulo R: the at most R episodes with a held step have distinct keys) and the
+absolute id of its episode's first step; a table indexed by key holds the id
+of each ended episode's last step. The episode still running at the write head
+has no last step yet: its transitions are sampleable, with the steps held so
+far. Step ids are uint32 and wrap modulo 2**32, as `item_ids` do.
+
+Goals. A sampled transition t of an episode whose transitions t0..T-1 are
+held (t0 > 0 when its first steps were overwritten) is relabelled with
+probability `relabel_fraction`: its new desired goal is
+`next_obs["achieved_goal"]` of transition t' (the "achieved_goal" of step
+t' + 1), t' uniform over t..T-1 ("future"), t' = T - 1 ("final") or t'
+uniform over t0..T-1 ("episode"), drawn exactly (64 random bits scaled to
+the span, `random.scale_to_span`). So the goal step lies in the same env and
+episode, between the transition's next step and the episode's last held
+step: never another episode, an overwritten or an unwritten slot.
+
+Writes touch the N * min(T, R) rows written and their windows, as sequence
+replay's. A sample reads S transitions' steps and next steps (next
+observations without their desired goal, which the transition's replaces)
+and S goal achieved goals, at rows computed once from one call to the
+generator (`gather_steps`); nothing it computes has the capacity's size.
+
+Devices. `jaxbuf.sharded` splits the envs over devices in blocks of N / D,
+each env whole with its episode bookkeeping (`split_over_devices`), so every
+step a transition's goal may come from is on the transition's device: that
+device draws the goal, with the key `jaxbuf.sharded` hands to a kind's
+`Split.rows`, and the rewards are recomputed once the rows are joined.
+
+The module-level functions take every setting explicitly;
+`hindsight_replay` binds them into a `Buffer`.
+"""
+
+import collections.abc
+import functools
+import math
+from typing import Any, Callable, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from jaxbuf._src.core import kind
+from jaxbuf._src.items import prioritized
+from jaxbuf._src.streams import prioritized_sequence
+from jaxbuf._src.core import random
+from jaxbuf._src.streams import sequence
+from jaxbuf._src.core import sum_tree
+from jaxbuf._src.core import validation
+from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, Schedule, bind
+from jaxbuf._src.streams.prioritized_sequence import PrioritizedSequenceReplayState
+
+STRATEGIES = ("future", "final", "episode")
+GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
+STEP_FIELDS = ("obs", "action", "reward", "terminated")
+# A transition is the window of its step and the next one, never across an
+# episode end.
+_WINDOW = dict(sequence_length=2, period=1, within=True)
+_WINDOW_SIZES = dict(sequence_length=2, period=1, episodes="within")
+# Uniform draws: pairs of steps drawn per row before the tree is needed.
+CANDIDATES = 3
+
+
+class HindsightTransition(NamedTuple):
+  """One-step transitions, the goal maybe relabelled."""
+  obs: PyTree          # GoalEnv dict, leaves [S, ...]
+  action: PyTree       # leaves [S, ...]
+  reward: jax.Array    # [S], the stored reward's dtype
+  discount: jax.Array  # [S], the reward's dtype: 0 where the transition
+                       # terminated the episode, else 1 (multiply by gamma)
+  next_obs: PyTree     # GoalEnv dict, leaves [S, ...]; the same desired_goal
+
+
+@flax.struct.dataclass
+class HindsightSample(ReplaySample):
+  """A `ReplaySample` of `HindsightTransition`s, with the relabelled rows."""
+  relabelled: jax.Array  # bool [S]: the row carries a hindsight goal
+
+
+@flax.struct.dataclass
+class HindsightReplayState(PrioritizedSequenceReplayState):
+  """Per-env streams of steps with their episodes. Arrays only.
+
+  `max_priority` and `beta_step` stay at 1 and 0 without priorities.
+  """
+  episode_keys: jax.Array     # int32 [N, R]: each step's episode count mod R
+  episode_firsts: jax.Array   # uint32 [N, R]: each step's episode's first
+                              # step id (mod 2**32)
+  episode_lasts: jax.Array    # uint32 [N, R]: by episode key, the id of the
+                              # episode's last step, once it ended
+  current_keys: jax.Array     # int32 [N]: key of each env's newest episode
+  current_firsts: jax.Array   # uint32 [N]: first step id of that episode
+  episode_running: jax.Array  # bool [N]: the next step continues it
+
+  def per_env_fields(self) -> tuple[str, ...]:
+    """The sequence fields and each env's episode bookkeeping, which
+    `joined` and `divided` move with its steps."""
+    return super().per_env_fields() + _EPISODE_FIELDS
+
+
+# The episode fields, one row per env `[N, ...]`.
+_EPISODE_FIELDS = ("episode_keys", "episode_firsts", "episode_lasts",
+                   "current_keys", "current_firsts", "episode_running")
+
+
+def _field(tree: Any, name: str) -> Any:
+  if isinstance(tree, collections.abc.Mapping):
+    return tree[name]
+  return getattr(tree, name)
+
+
+def check_step(example_step: PyTree) -> None:
+  """Raises naming what is missing from a step of the GoalEnv stream."""
+  for name in STEP_FIELDS:
+    try:
+      _field(example_step, name)
+    except (KeyError, AttributeError):
+      raise ValueError(
+          f"hindsight_replay: the step has no field {name!r}; a step holds "
+          f"{STEP_FIELDS} (obs a dict of {GOAL_KEYS}).") from None
+  obs = _field(example_step, "obs")
+  if not isinstance(obs, collections.abc.Mapping) or any(
+      key not in obs for key in GOAL_KEYS):
+    given = sorted(obs) if isinstance(obs, collections.abc.Mapping) else (
+        type(obs).__name__)
+    raise ValueError(f"hindsight_replay: step obs must be a dict with keys "
+                     f"{GOAL_KEYS} (the GoalEnv layout), given {given}.")
+  achieved = jax.tree.map(jnp.shape, obs["achieved_goal"])
+  desired = jax.tree.map(jnp.shape, obs["desired_goal"])
+  if achieved != desired or jax.tree.map(
+      validation.canonical_dtype, obs["achieved_goal"]) != jax.tree.map(
+          validation.canonical_dtype, obs["desired_goal"]):
+    raise ValueError("hindsight_replay: obs['achieved_goal'] and "
+                     "obs['desired_goal'] must have the same shapes and "
+                     f"dtypes, given shapes {achieved} and {desired}.")
+  validation.check_reward_and_terminated(
+      _field(example_step, "reward"), _field(example_step, "terminated"),
+      what="hindsight_replay")
+
+
+def check_settings(num_envs: Any, capacity: Any, reward_fn: Any,
+                   strategy: Any, relabel_fraction: Any,
+                   terminated_fn: Any = None) -> None:
+  """Raises naming the setting."""
+  validation.check_positive_int(num_envs, "num_envs")
+  validation.check_capacity(capacity)
+  if capacity % num_envs == 0 and capacity // num_envs < 2:
+    raise ValueError(
+        f"capacity {capacity} holds {capacity // num_envs} step per env; a "
+        f"transition needs 2 steps: use capacity >= {2 * num_envs}.")
+  sequence.check_sizes(num_envs, capacity, **_WINDOW_SIZES)
+  if not callable(reward_fn):
+    raise TypeError(f"reward_fn must be callable (achieved_goal, "
+                    f"desired_goal) -> reward, given "
+                    f"{type(reward_fn).__name__}.")
+  if terminated_fn is not None and not callable(terminated_fn):
+    raise TypeError(f"terminated_fn must be callable or None, given "
+                    f"{type(terminated_fn).__name__}.")
+  if strategy not in STRATEGIES:
+    raise ValueError(f"strategy must be one of {STRATEGIES}, given "
+                     f"{strategy!r}.")
+  try:
+    fraction = float(relabel_fraction)
+  except (TypeError, ValueError):
+    raise TypeError(f"relabel_fraction must be a real number in [0, 1], "
+                    f"given {type(relabel_fraction).__name__}.") from None
+  if isinstance(relabel_fraction, bool) or not (
+      math.isfinite(fraction) and 0 <= fraction <= 1):
+    raise ValueError(f"relabel_fraction must be in [0, 1], given "
+                     f"{relabel_fraction}.")
+
+
+def init(example_step: PyTree, *, num_envs: int,
+         capacity: int) -> HindsightReplayState:
+  """An empty buffer for steps shaped like `example_step` (one env, unbatched).
+
+  Args:
+    example_step: a pytree with fields obs (a dict of "observation",
+      "achieved_goal", "desired_goal"), action, reward (float scalar) and
+      terminated (bool scalar): arrays or `jax.ShapeDtypeStruct`s.
+    num_envs: N.
+    capacity: C, steps over all envs, a multiple of N.
+  """
+  check_step(example_step)
+  base = prioritized_sequence.init(example_step, num_envs=num_envs,
+                                   capacity=capacity)
+  per_env = capacity // num_envs
+  return HindsightReplayState(
+      **{name: getattr(base, name) for name in base.__dataclass_fields__},
+      episode_keys=jnp.zeros((num_envs, per_env), jnp.int32),
+      episode_firsts=jnp.zeros((num_envs, per_env), jnp.uint32),
+      episode_lasts=jnp.zeros((num_envs, per_env), jnp.uint32),
+      current_keys=jnp.zeros((num_envs,), jnp.int32),
+      current_firsts=jnp.zeros((num_envs,), jnp.uint32),
+      episode_running=jnp.zeros((num_envs,), bool))
+
+
+def record_episodes(state: HindsightReplayState, written: HindsightReplayState,
+                    mask: jax.Array,
+                    episode_end: jax.Array) -> HindsightReplayState:
+  """`written` (`state` after its steps were written) with their episodes.
+
+  Args:
+    state: the buffer before the add.
+    written: the buffer after `sequence.add_steps`.
+    mask: bool `[N]`, the envs that stepped.
+    episode_end: bool `[N, T]`, the chunk's episode ends.
+  """
+  num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
+  length = episode_end.shape[1]
+  # The chunk's newest steps are the ones written (`add_steps`).
+  chunk = sequence.chunk_slots(state, length, mask)
+  dropped = chunk.dropped
+  positions = jnp.arange(length, dtype=jnp.int32)[None, :]
+  # A step starts an episode when the step before it ended one; the chunk's
+  # first step, when no episode is running.
+  starts = jnp.concatenate([~state.episode_running[:, None],
+                            episode_end[:, :-1]], axis=1)
+  keys = (state.current_keys[:, None]
+          + jnp.cumsum(starts, axis=1, dtype=jnp.int32)) % per_env
+  ids = state.step_counts[:, None] + positions.astype(jnp.uint32)
+  latest_start = jax.lax.cummax(jnp.where(starts, positions, -1), axis=1)
+  firsts = jnp.where(latest_start >= 0,
+                     state.step_counts[:, None] + latest_start.astype(jnp.uint32),
+                     state.current_firsts[:, None])
+  write = chunk.write
+  envs = jnp.arange(num_envs, dtype=jnp.int32)[:, None]
+  # The kept steps' episodes are consecutive, at most R: distinct keys.
+  end_rows = jnp.where(mask[:, None] & episode_end[:, dropped:], envs,
+                       num_envs)
+  return written.replace(
+      episode_keys=write(state.episode_keys, keys),
+      episode_firsts=write(state.episode_firsts, firsts),
+      episode_lasts=state.episode_lasts.at[end_rows, keys[:, dropped:]].set(
+          ids[:, dropped:], mode="drop", unique_indices=True),
+      current_keys=jnp.where(mask, keys[:, -1], state.current_keys),
+      current_firsts=jnp.where(mask, firsts[:, -1], state.current_firsts),
+      episode_running=jnp.where(mask, ~episode_end[:, -1],
+                                state.episode_running))
+
+
+def add(state: HindsightReplayState, steps: PyTree,
+        mask: jax.Array | None = None, episode_end: jax.Array | None = None,
+        *, alpha: float | None) -> HindsightReplayState:
+  """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`).
+
+  Args:
+    state: the buffer.
+    steps: leaves `[N, *step_shape]` or `[N, T, *step_shape]`, checked
+      while tracing as for `sequence.add`.
+    mask: bool `[N]`, the envs that stepped; None for all.
+    episode_end: bool `[N]` or `[N, T]`, True on the step holding an
+      episode's final observation (the stream convention); None for none.
+    alpha: the priority exponent, None without priorities.
+  """
+  validation.check_state_kind(state, HindsightReplayState, what="add")
+  steps, mask, episode_end = sequence.chunked_add_args(
+      state, steps, mask, sequence.episode_ends_of(steps, episode_end))
+  new_leaf_value = (jnp.float32(1.0) if alpha is None else
+                    prioritized.capped_leaf_values(state.max_priority, alpha,
+                                                   state.window_tree))
+  written = sequence.add_steps(state, steps, mask, episode_end, **_WINDOW,
+                               new_leaf_value=new_leaf_value)
+  return record_episodes(state, written, mask, episode_end)
+
+
+def goal_steps_ago(state: HindsightReplayState, window_ids: jax.Array,
+                   higher_bits: jax.Array, lower_bits: jax.Array, *,
+                   strategy: str) -> jax.Array:
+  """For transitions `window_ids [S]`, a goal step drawn by `strategy`: how
+  many steps before its env's newest it lies, int32 `[S]`.
+
+  The goal step of transition t' is t' + 1, so the draw is over steps
+  t + 1..E ("future"), E ("final") or t0 + 1..E ("episode"), E the
+  episode's last held step, t0 its first held transition; `higher_bits`,
+  `lower_bits` uint32 `[S]` are the random words (`random.scale_to_span`).
+  """
+  per_env = sequence.steps_per_env(state)
+  envs, slots = window_ids // per_env, window_ids % per_env
+  transition_ago = sequence.steps_ago(state, envs, slots)
+  keys = state.episode_keys[envs, slots]
+  newest = state.step_counts[envs] - jnp.uint32(1)
+  running = state.episode_running[envs] & (keys == state.current_keys[envs])
+  last_ago = jnp.where(running, 0, (newest - state.episode_lasts[envs, keys])
+                       .astype(jnp.int32))
+  if strategy == "final":
+    return last_ago
+  if strategy == "future":
+    latest_ago = transition_ago - 1
+  else:
+    first_ago = jnp.minimum(
+        newest - state.episode_firsts[envs, slots],
+        (state.steps_held[envs] - 1).astype(jnp.uint32)).astype(jnp.int32)
+    latest_ago = first_ago - 1
+  # At least 1 for a sampleable transition; an empty buffer's garbage row
+  # still draws in range.
+  span = jnp.maximum(latest_ago - last_ago + 1, 1).astype(jnp.uint32)
+  return last_ago + random.scale_to_span(higher_bits, lower_bits,
+                                         span).astype(jnp.int32)
+
+
+def _checked_output(name: str, value: Any, shape: tuple[int, ...],
+                    dtype: Any) -> jax.Array:
+  if np.shape(value) != shape or validation.canonical_dtype(value) != dtype:
+    raise ValueError(
+        f"sample: {name} returned shape {np.shape(value)} dtype "
+        f"{validation.canonical_dtype(value)}, expected shape {shape} dtype "
+        f"{np.dtype(dtype)} (one per row, like the stored "
+        f"{'reward' if name == 'reward_fn' else 'terminated'}); it is called "
+        "on achieved_goal and desired_goal leaves [S, ...].")
+  return value
+
+
+def uniform_transition_ids(state: HindsightReplayState, words: jax.Array,
+                           tree_key: jax.Array) -> jax.Array:
+  """Transition ids drawn uniformly over the transitions held: int32 `[S]`.
+
+  Each row takes the first of `CANDIDATES` pairs of consecutive held steps
+  drawn uniformly (`sequence.window_ids_at_ranks`, no tree) whose first step
+  is no episode's final observation; the rare row with none descends the
+  window tree instead, in a `lax.cond` taken only then. The result is exact:
+  a row is a given transition with probability
+  `(1 + q + ... + q**(k-1)) / W + q**k / V = 1 / V` (W pairs, V = W(1 - q)
+  transitions, q the share of pairs that start at a final observation,
+  k = `CANDIDATES`). With episodes of 50 steps (q = 1/51), about 1 batch of
+  256 in 500 takes the tree.
+
+  Args:
+    state: the buffer.
+    words: uint32 `[2 * CANDIDATES, S]` random words.
+    tree_key: the key of the tree's draw, if it is needed.
+  """
+  per_env = sequence.steps_per_env(state)
+  batch_size = words.shape[1]
+  pairs = state.replace(window_counts=jnp.maximum(state.steps_held - 1, 0))
+
+  def candidates():
+    higher_bits, lower_bits = words.reshape(2, CANDIDATES * batch_size)
+    span = jnp.maximum(jnp.sum(pairs.window_counts), 1).astype(jnp.uint32)
+    ranks = random.scale_to_span(higher_bits, lower_bits,
+                                 span).astype(jnp.int32)
+    return sequence.window_ids_at_ranks(
+        pairs, ranks, sequence_length=2, period=1).reshape(CANDIDATES,
+                                                           batch_size)
+  drawn = random.computed_once(candidates, state.steps_held[0])
+  starts_transition = ~state.episode_ends[drawn // per_env, drawn % per_env]
+  first = jnp.argmax(starts_transition, axis=0)
+  chosen = jnp.take_along_axis(drawn, first[None], axis=0)[0]
+  found = jnp.any(starts_transition, axis=0)
+
+  def redraw(chosen):
+    from_tree, _ = sum_tree.sample_leaves(state.window_tree, tree_key,
+                                          batch_size, stratified=False)
+    return jnp.where(found, chosen, from_tree)
+  return jax.lax.cond(jnp.all(found), lambda chosen: chosen, redraw, chosen)
+
+
+class TransitionSteps(NamedTuple):
+  """What a sample reads from the storage for transitions `[S]`: their steps
+  and each one's hindsight goal, before the goals are applied
+  (`relabelled_transitions`). Computed where the steps are held (on the
+  owning device, under `jaxbuf.sharded`)."""
+  obs: PyTree          # GoalEnv dict of the transition's step, leaves [S, ...]
+  next_obs: PyTree     # the same dict of the next step, less "desired_goal"
+  action: PyTree       # leaves [S, ...]
+  reward: jax.Array    # [S], the stored reward
+  terminated: jax.Array  # bool [S], the stored flag
+  goal: PyTree         # "achieved_goal" of the goal step, leaves [S, ...]
+  relabelled: jax.Array  # bool [S]: the row takes `goal` as its desired goal
+
+
+def transition_rows(state: HindsightReplayState, window_ids: jax.Array,
+                    higher_bits: jax.Array, lower_bits: jax.Array, *,
+                    strategy: str) -> jax.Array:
+  """Rows of the flattened storage `[N * R, ...]` that transitions
+  `window_ids [S]` read: int32 `[3, S]`, each transition's step, next step
+  and goal step (`goal_steps_ago`, with the random words given)."""
+  per_env = sequence.steps_per_env(state)
+  envs = window_ids // per_env
+  at_end = window_ids % per_env == per_env - 1
+  goal_slots = (state.write_heads[envs] - 1 - goal_steps_ago(
+      state, window_ids, higher_bits, lower_bits, strategy=strategy)) % per_env
+  return jnp.stack([window_ids, window_ids + jnp.where(at_end, 1 - per_env, 1),
+                    envs * per_env + goal_slots])
+
+
+def gather_steps(state: HindsightReplayState, window_ids: jax.Array,
+                 words: jax.Array, *, strategy: str,
+                 relabel_fraction: float) -> TransitionSteps:
+  """The steps and hindsight goals of transitions `window_ids [S]`.
+
+  `words`: uint32 `[3, S]` random words, two for the goal step and one for
+  whether the row is relabelled. The row numbers are computed once, before
+  the gathers: fused into them, XLA would redo the goal draw for every
+  element of every gathered row (`random.computed_once`).
+  """
+  higher_bits, lower_bits, relabel_bits = words
+  num_rows = sequence.num_envs_of(state) * sequence.steps_per_env(state)
+  rows = random.computed_once(
+      lambda: transition_rows(state, window_ids, higher_bits, lower_bits,
+                              strategy=strategy), window_ids[0])
+  step_rows, next_rows, goal_rows = rows
+
+  def gather(tree, at):
+    return jax.tree.map(
+        lambda column: column.reshape((num_rows,) + column.shape[2:]).at[
+            at].get(mode="promise_in_bounds"), tree)
+  obs = dict(_field(state.storage, "obs"))
+  # P(bits < threshold) = threshold / 2**32: the fraction to within 2**-32.
+  if relabel_fraction >= 1:
+    relabelled = jnp.ones(window_ids.shape, bool)
+  else:
+    relabelled = relabel_bits < np.uint32(int(relabel_fraction * 2**32))
+  return TransitionSteps(
+      obs=gather(obs, step_rows),
+      next_obs=gather({key: value for key, value in obs.items()
+                       if key != "desired_goal"}, next_rows),
+      action=gather(_field(state.storage, "action"), step_rows),
+      reward=gather(_field(state.storage, "reward"), step_rows),
+      terminated=gather(_field(state.storage, "terminated"), step_rows),
+      goal=gather(obs["achieved_goal"], goal_rows),
+      relabelled=relabelled)
+
+
+def relabelled_transitions(steps: TransitionSteps, *, reward_fn: Callable,
+                           terminated_fn: Callable | None
+                           ) -> HindsightTransition:
+  """Transitions from their steps, the relabelled rows given their goal:
+  obs and next_obs carry it as "desired_goal", the reward is recomputed by
+  `reward_fn` and, given `terminated_fn`, the discount by it.
+
+  Returns:
+    `HindsightTransition` with `[S, ...]` leaves.
+  """
+  relabelled = steps.relabelled
+  rows = lambda leaf: relabelled.reshape((-1,) + (1,) * (leaf.ndim - 1))
+  desired = jax.tree.map(lambda goal, given: jnp.where(rows(goal), goal, given),
+                         steps.goal, steps.obs["desired_goal"])
+  next_obs = {**steps.next_obs, "desired_goal": desired}
+  reward = _checked_output("reward_fn", reward_fn(
+      next_obs["achieved_goal"], desired), steps.reward.shape,
+                           steps.reward.dtype)
+  terminated = steps.terminated
+  if terminated_fn is not None:
+    terminated = jnp.where(relabelled, _checked_output(
+        "terminated_fn", terminated_fn(next_obs["achieved_goal"], desired),
+        terminated.shape, jnp.bool_), terminated)
+  return HindsightTransition(
+      obs={**steps.obs, "desired_goal": desired}, action=steps.action,
+      reward=jnp.where(relabelled, reward, steps.reward),
+      discount=jnp.where(terminated, 0, 1).astype(steps.reward.dtype),
+      next_obs=next_obs)
+
+
+def check_sample(state: HindsightReplayState, key: jax.Array, batch_size: int,
+                 *, checked: bool) -> jax.Array:
+  """Validates a sample's arguments; returns the transitions held, int32 `()`."""
+  validation.check_state_kind(state, HindsightReplayState, what="sample")
+  validation.check_key(key, what="sample")
+  validation.check_batch_size(batch_size, what="sample")
+  total = jnp.sum(state.window_counts)
+  if checked:
+    checkify.check(total > 0, "sample: the buffer holds no transition (two "
+                   "consecutive steps of one episode); add steps before "
+                   "sampling (guard with can_sample).")
+  return total
+
+
+def sample(state: HindsightReplayState, key: jax.Array, batch_size: int, *,
+           reward_fn: Callable, strategy: str, relabel_fraction: float,
+           terminated_fn: Callable | None = None, priorities: bool = False,
+           beta: float | Schedule = 0.4, stratified: bool = True,
+           checked: bool = False) -> HindsightSample:
+  """Draws `batch_size` transitions and relabels a `relabel_fraction` of them.
+
+  Transitions are drawn uniformly (or, with `priorities`, in proportion to
+  `(priority + eps) ** alpha`, as `prioritized_sequence.sample`), with
+  replacement. A relabelled row's obs and next_obs carry the hindsight goal
+  as "desired_goal", its reward is `reward_fn(next_obs["achieved_goal"],
+  desired_goal)` and, given `terminated_fn`, its discount is 0 where
+  `terminated_fn` of the same is True. With no transition held it returns
+  transition 0 (whatever its slots hold) with weight 0; checked mode raises.
+
+  Returns:
+    A `HindsightSample`: items a `HindsightTransition` `[S, ...]`, indices
+    int32 `[S]` (transition ids for `update_priorities`), weights float32
+    `[S]`, item_ids uint32 `[S]`, relabelled bool `[S]`.
+  """
+  total = check_sample(state, key, batch_size, checked=checked)
+  # Two keys by the unrolled hash (`random.fold_in`), not `jax.random.split`,
+  # which on CPU is a loop of small kernels; and one call to the generator.
+  draw_key, bits_key = random.fold_in(key, 0), random.fold_in(key, 1)
+  # The words kept in a buffer (`random.computed_once`): fused, the hash was
+  # recomputed for each of the N envs a rank is compared with, and for each
+  # bookkeeping read of the goal draw (100 us of a 200 us sample at 1M).
+  if priorities:
+    window_ids, weights, _ = prioritized_sequence.draw_by_priority(
+        state, draw_key, batch_size, total, beta=beta, stratified=stratified)
+    words = random.computed_once(
+        lambda: random.random_bits(bits_key, (3, batch_size)), total)
+  else:
+    words = random.computed_once(lambda: random.random_bits(
+        bits_key, (2 * CANDIDATES + 3, batch_size)), total)
+    window_ids = jnp.where(total > 0, uniform_transition_ids(
+        state, words[:2 * CANDIDATES], draw_key), 0)
+    weights = jnp.full((batch_size,), total > 0, jnp.float32)
+    words = words[2 * CANDIDATES:]
+  steps = gather_steps(state, window_ids, words, strategy=strategy,
+                       relabel_fraction=relabel_fraction)
+  return HindsightSample(
+      items=relabelled_transitions(steps, reward_fn=reward_fn,
+                                   terminated_fn=terminated_fn),
+      indices=window_ids, weights=weights,
+      item_ids=sequence.window_item_ids(state, window_ids),
+      relabelled=steps.relabelled)
+
+
+def update_priorities(state: HindsightReplayState, indices: jax.Array,
+                      priorities: jax.Array, item_ids: jax.Array | None = None,
+                      *, alpha: float | None, eps: float,
+                      checked: bool = False) -> HindsightReplayState:
+  """Sets transition priorities (`prioritized_sequence.update_priorities`);
+  without priorities (`alpha` None) the identity, arguments validated alike."""
+  validation.check_state_kind(state, HindsightReplayState,
+                              what="update_priorities")
+  if alpha is not None:
+    return prioritized_sequence.update_priorities(
+        state, indices, priorities, item_ids, **_WINDOW, alpha=alpha, eps=eps,
+        checked=checked)
+  if checked:
+    sequence.valid_priority_updates(state, indices, priorities, item_ids,
+                                    **_WINDOW, checked=True)
+  else:
+    validation.check_priority_update_args(indices, priorities, item_ids)
+  return state
+
+
+def clear(state: HindsightReplayState) -> HindsightReplayState:
+  """Empties the buffer; the next step added starts an episode."""
+  validation.check_state_kind(state, HindsightReplayState, what="clear")
+  return prioritized_sequence.clear(state).replace(
+      episode_running=jnp.zeros_like(state.episode_running))
+
+
+def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
+                       add: Callable, sample: Callable,
+                       update_priorities: Callable | None, beta: Any,
+                       stratified: bool, reward_fn: Callable, strategy: str,
+                       relabel_fraction: float,
+                       terminated_fn: Callable | None) -> kind.Split:
+  """Hindsight replay split over D devices as sequence replay is: envs in
+  blocks of N / D, whole with their episode bookkeeping, so a transition and
+  every step its goal may come from lie on one device.
+
+  Transitions are drawn by the mass of each device's window tree (1 per
+  transition, or its priority); the device holding a transition draws its
+  goal step with the key `jaxbuf.sharded` gives to `rows`, and `as_sample`
+  applies the goals and recomputes the rewards on the joined rows (each
+  device on its own block of a sharded batch).
+  """
+  split = sequence.split_over_devices(
+      num_devices, num_envs=num_envs, capacity=capacity, init=init, add=add,
+      sample=sample, update_priorities=update_priorities, clear=clear,
+      beta=beta, stratified=stratified, **_WINDOW)
+
+  def rows(local, window_ids, key):
+    words = random.computed_once(
+        lambda: random.random_bits(key, (3, window_ids.shape[0])),
+        window_ids[0])
+    return gather_steps(local, window_ids, words, strategy=strategy,
+                        relabel_fraction=relabel_fraction)
+
+  def as_sample(steps, indices, weights, item_ids, drawn):
+    del drawn  # Nothing drawn: transition 0, weight 0, as unsharded.
+    return HindsightSample(
+        items=relabelled_transitions(steps, reward_fn=reward_fn,
+                                     terminated_fn=terminated_fn),
+        indices=indices, weights=weights, item_ids=item_ids,
+        relabelled=steps.relabelled)
+  return split._replace(rows=rows, as_sample=as_sample)
+
+
+def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
+                     strategy: str = "future", relabel_fraction: float = 0.8,
+                     terminated_fn: Callable | None = None,
+                     prioritized: bool = False, alpha: float = 0.6,
+                     beta: float | Schedule = 0.4, eps: float = 1e-6,
+                     stratified: bool = True, checked: bool = False) -> Buffer:
+  """A hindsight experience replay buffer over per-env episode streams.
+
+  Steps follow the stream convention: `help(jaxbuf.streams)`.
+
+  Args:
+    num_envs: N, the number of streams.
+    capacity: C, steps held over all envs; a multiple of N with at least 2
+      steps per env.
+    reward_fn: `reward_fn(achieved_goal, desired_goal) -> reward`, pure and
+      batched over a leading axis: leaves `[S, ...]` in, `[S]` out in the
+      stored reward's dtype (else `ValueError` while tracing `sample`).
+    strategy: where a hindsight goal comes from: "future" (a later step of
+      the same episode, or this one), "final" (its last) or "episode" (any
+      of its steps). See the module docstring.
+    relabel_fraction: the probability, in [0, 1], that a sampled row is
+      relabelled.
+    terminated_fn: optional `terminated_fn(achieved_goal, desired_goal) ->
+      bool [S]` for goal-dependent terminations (relabelled rows' discount);
+      None keeps the stored `terminated`.
+    prioritized: one priority per transition (proportional prioritized
+      replay); then alpha, beta, eps, stratified as for
+      `prioritized_replay`.
+    checked: as for `uniform_replay`.
+
+  Returns:
+    A `Buffer`; `add(state, steps, mask=None, episode_end=None)`, `sample`
+    returns a `HindsightSample` whose items are `HindsightTransition`s.
+    `jaxbuf.sharded` splits it over devices as sequence replay, envs in
+    blocks of N / D (`split_over_devices`).
+
+  >>> import jax, jax.numpy as jnp, jaxbuf
+  >>> reward_fn = lambda achieved, desired: -jnp.any(
+  ...     achieved != desired, axis=-1).astype(jnp.float32)
+  >>> buffer = jaxbuf.hindsight_replay(2, 64, reward_fn, strategy="future")
+  >>> goal = jnp.zeros(3)
+  >>> step = {"obs": {"observation": goal, "achieved_goal": goal,
+  ...                 "desired_goal": goal},
+  ...         "action": jnp.int32(0), "reward": jnp.float32(0),
+  ...         "terminated": jnp.bool_(False)}
+  >>> state = buffer.init(step)
+  >>> chunk = jax.tree.map(lambda x: jnp.zeros((2, 5) + x.shape, x.dtype), step)
+  >>> state = buffer.add(state, chunk,
+  ...                    episode_end=jnp.array([[0, 0, 0, 0, 1]] * 2, bool))
+  >>> batch = buffer.sample(state, jax.random.key(0), 8)
+  >>> batch.items.obs["desired_goal"].shape, batch.relabelled.dtype
+  ((8, 3), dtype('bool'))
+  """
+  check_settings(num_envs, capacity, reward_fn, strategy, relabel_fraction,
+                 terminated_fn)
+  if prioritized:
+    validation.check_hyperparameter(alpha, "alpha")
+    validation.check_hyperparameter(eps, "eps", positive=True)
+    if not callable(beta):
+      validation.check_hyperparameter(beta, "beta")
+  priority_alpha = alpha if prioritized else None
+  relabelling = dict(reward_fn=reward_fn, strategy=strategy,
+                     relabel_fraction=float(relabel_fraction),
+                     terminated_fn=terminated_fn)
+  bound_add = functools.partial(add, alpha=priority_alpha)
+  bound_sample = functools.partial(sample, **relabelling,
+                                   priorities=prioritized, beta=beta,
+                                   stratified=stratified)
+  split = functools.partial(
+      split_over_devices, num_envs=num_envs, capacity=capacity, add=bound_add,
+      sample=bound_sample,
+      update_priorities=functools.partial(
+          update_priorities, alpha=priority_alpha, eps=eps) if prioritized
+      else None,
+      # Uniform: independent rows, as the unsharded draw gives.
+      beta=beta if prioritized else None,
+      stratified=stratified and prioritized, **relabelling)
+  return bind(
+      init=functools.partial(init, num_envs=num_envs, capacity=capacity),
+      add=bound_add,
+      sample=functools.partial(bound_sample, checked=checked),
+      update_priorities=functools.partial(update_priorities,
+                                          alpha=priority_alpha, eps=eps,
+                                          checked=checked),
+      can_sample=sequence.can_sample,
+      clear=clear,
+      kind=kind.Kind(
+          name="hindsight_replay", state_type=HindsightReplayState,
+          exact_type=True,
+          settings=kind.settings_of(
+              num_envs=num_envs, capacity=capacity, prioritized=prioritized,
+              **(dict(alpha=float(alpha), eps=float(eps)) if prioritized
+                 else {})),
+          split=split),
+      checked=checked)
