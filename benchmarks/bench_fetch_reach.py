@@ -138,7 +138,7 @@ def sac_update(learner, batch, key, action_size):
   params = learner["params"]
   obs, next_obs = flat(batch.items.obs), flat(batch.items.next_obs)
   action, reward = batch.items.action, batch.items.reward
-  discount = GAMMA * batch.items.discount
+  discount = batch.items.discount  # gamma, 0 where terminated
   next_key, actor_key = jax.random.split(key)
   alpha = jnp.exp(params["log_alpha"])
   next_action, next_log_prob = policy(params["actor"], next_obs, next_key)
@@ -178,7 +178,7 @@ def run_jaxbuf(seed: int, steps: int) -> dict:
   env = make_env()
   action_size = env.action_space.shape[0]
   buffer = jaxbuf.hindsight_replay(1, 1 << 16, reward_fn, strategy="future",
-                                   relabel_fraction=0.8)
+                                   relabel_fraction=0.8, gamma=GAMMA)
   obs, _ = env.reset(seed=seed)
   step = {"obs": {k: jnp.asarray(v, jnp.float32) for k, v in obs.items()},
           "action": jnp.zeros(action_size, jnp.float32),

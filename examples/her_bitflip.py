@@ -122,7 +122,8 @@ def make_trainer(config: Config) -> common.Trainer:
   network = QNetwork(num_bits, config.hidden_size)
   buffer = jaxbuf.hindsight_replay(
       num_envs, config.buffer_size, goal_reward, strategy=config.strategy,
-      relabel_fraction=config.relabel_fraction, terminated_fn=goal_reached)
+      relabel_fraction=config.relabel_fraction, terminated_fn=goal_reached,
+      gamma=config.gamma)
   optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
                           optax.adam(config.learning_rate))
   target_period = max(config.target_update_interval // num_envs, 1)
@@ -148,7 +149,8 @@ def make_trainer(config: Config) -> common.Trainer:
     q_taken = jnp.take_along_axis(q_values, batch.action[:, None],
                                   axis=-1)[:, 0]
     next_q = network.apply(target_params, q_input(batch.next_obs)).max(-1)
-    target = batch.reward + config.gamma * batch.discount * next_q
+    # discount is gamma, 0 where the goal was reached (terminated).
+    target = batch.reward + batch.discount * next_q
     # Returns lie in [-1 / (1 - gamma), 0] (the HER paper clips likewise).
     target = jax.lax.stop_gradient(
         jnp.clip(target, -1.0 / (1.0 - config.gamma), 0.0))

@@ -81,8 +81,14 @@ class ReferenceFrames:
     found = {}
     for env in range(self.num_envs):
       count, oldest = self.count(env), self.count(env) - self.held[env]
-      for step in range(oldest, count - self.n_step):
+      for step in range(oldest, count):
         if self.steps[env][step][0]:
+          continue
+        # The target reads n steps, or up to its episode's final step.
+        horizon = next((j for j in range(1, self.n_step)
+                        if step + j < count and self.steps[env][step + j][0]),
+                       self.n_step)
+        if step + horizon >= count:
           continue
         history = min(step - self.episode_first(env, step), self.num_stack - 1)
         if step - history < oldest:
@@ -325,6 +331,32 @@ def test_a_truncated_transition_bootstraps_from_the_final_observation():
   assert rows[4] == ((5, 6), 1.5, 0.0)    # terminated by step 5's action
   assert rows[5] == ((5, 6), 1.0, 0.0)
   assert 3 not in rows  # a final observation starts no transition
+
+
+def test_an_episodes_last_transitions_need_only_its_final_step():
+  """Issue 32: with n > 1 an episode's last n - 1 transitions waited for n - 1
+  steps of the next episode, although the final step written completes
+  their targets; an env that stopped stepping never had them sampled."""
+  buffer = make_buffer(False, 1, 16, 2, n_step=3, gamma=0.5,
+                       stack_keys=("frame",))
+  # 1, 2, 3 then the final observation 4; the env steps no more.
+  state = _one_env(buffer, buffer.init(STEP), [1, 2, 3, 4], [0, 0, 0, 1])
+  assert int(state.window_counts[0]) == 3
+  sample = buffer.sample(state, jax.random.key(0), 256)
+  rows = {int(t): (int(n), float(r), float(d)) for t, n, r, d in zip(
+      np.asarray(sample.items.obs["tag"]), np.asarray(sample.items.next_obs["tag"]),
+      np.asarray(sample.items.reward), np.asarray(sample.items.discount))}
+  assert rows == {1: (4, 1.75, 0.125), 2: (4, 1.5, 0.25), 3: (4, 1.0, 0.5)}
+  # Episode 5..16 (16 final), then 17, 18 running: steps 3..18 held (3 lost
+  # its stack's frame 2). The newest steps of a running episode still wait
+  # for n more steps: 18 is not completed by the flag of step 4, which an
+  # older lap left two slots past it.
+  state = _one_env(buffer, state, range(5, 17), [0] * 11 + [1])
+  state = _one_env(buffer, state, [17, 18], [0, 0])
+  tags = set(np.asarray(buffer.sample(state, jax.random.key(1), 512)
+                        .items.obs["tag"]).tolist())
+  assert tags == set(range(5, 16))
+  assert int(state.window_counts[0]) == 11
 
 
 def test_stack_axis_and_unstacked_leaves():

@@ -140,7 +140,8 @@ def check_sample(sample, reference, strategy, relabel_fraction,
     else:
       assert goals[row] == -1 - obs_id
       assert float(items.reward[row]) == obs_id + 0.25
-    assert float(items.discount[row]) == 1.0
+    # gamma (the default 0.99): the factor of the bootstrap, as in every kind
+    assert items.discount[row] == np.asarray(0.99, items.discount.dtype)
 
 
 OPERATION = st.one_of(
@@ -260,17 +261,20 @@ def test_the_running_episode_is_sampled_and_its_final_goal_is_the_newest():
 def test_terminated_fn_sets_relabelled_discounts():
   reached = lambda achieved, desired: jnp.all(achieved == desired, axis=-1)
   buffer = jaxbuf.hindsight_replay(1, 64, reward_fn, strategy="future",
-                                   relabel_fraction=0.5, terminated_fn=reached)
+                                   relabel_fraction=0.5, terminated_fn=reached,
+                                   gamma=0.5)
   state, _ = _one_episode_state(buffer, [4], 3)
   sample = buffer.sample(state, jax.random.key(1), 512)
   items = sample.items
   hit = np.asarray(items.next_obs["achieved_goal"][:, 0]
                    == items.obs["desired_goal"][:, 0])
   relabelled = np.asarray(sample.relabelled)
-  np.testing.assert_array_equal(items.discount[relabelled], ~hit[relabelled])
+  # gamma where the relabelled goal was not reached, 0 where it was.
+  np.testing.assert_array_equal(items.discount[relabelled],
+                                0.5 * ~hit[relabelled])
   np.testing.assert_array_equal(items.reward[relabelled],
                                 -(~hit[relabelled]).astype(np.float32))
-  np.testing.assert_array_equal(items.discount[~relabelled], 1.0)
+  np.testing.assert_array_equal(items.discount[~relabelled], 0.5)
 
 
 def test_prioritized_transitions_follow_priorities():
@@ -590,3 +594,9 @@ def test_sharded_inside_a_jitted_scan_with_donation_and_no_retrace():
   assert observed.shape == (3, 8)
   np.testing.assert_array_equal(np.asarray(state.steps_held),
                                 SHARDED_PER_ENV)
+
+
+def test_gamma_out_of_range_is_refused_when_the_buffer_is_made():
+  for gamma in (1.5, float("nan"), -0.1):
+    with pytest.raises(ValueError, match="gamma"):
+      jaxbuf.hindsight_replay(2, 8, reward_fn, gamma=gamma)

@@ -38,11 +38,28 @@ def regrouped(state: BufferState, devices: int | None) -> BufferState:
 
 @flax.struct.dataclass
 class ReplaySample:
-  """A batch drawn from a replay buffer."""
+  """A batch drawn from a replay buffer.
+
+  The shared fields mean the same in every kind's sample (its subclass or
+  its items' docstring says which unit a row is: an item, a window, a
+  transition, an episode piece):
+
+  * `indices`: int32 `[S]`, the id of each row's unit in `[0, C)` (an item
+    replay's slot; a stream kind's `env * (C // N) + slot` of the unit's
+    first step). Pass it to `update_priorities`.
+  * `weights`: float32 `[S]`, the importance weight to multiply each row's
+    loss by: 1 in uniform kinds, `(N P(i)) ** -beta` normalised so the
+    largest is 1 in prioritized kinds, and 0 for a row drawn from a buffer
+    that held nothing to sample (so a weighted loss reads nothing).
+  * `item_ids`: uint32 `[S]`, which write filled the unit (an item's add
+    count; a stream unit's first step's id in its env, mod 2**32). Pass it
+    to `update_priorities` so an update of a unit overwritten since it was
+    sampled is skipped.
+  """
   items: PyTree          # each leaf [S, *item_shape]
-  indices: jax.Array     # int32 [S]: slots in the storage
+  indices: jax.Array     # int32 [S]: ids of the sampled units, in [0, C)
   weights: jax.Array     # float32 [S]: importance weights, largest at most 1
-  item_ids: jax.Array    # uint32 [S]: which write filled each slot; pass to
+  item_ids: jax.Array    # uint32 [S]: which write filled each unit; pass to
                          # update_priorities so stale updates are skipped
 
 
@@ -52,6 +69,24 @@ class Buffer(NamedTuple):
   Every replay kind has the same fields, so a training script switches between
   them by changing the line that makes the buffer. `kind` describes the kind
   to the code around it (`jaxbuf.sharded`, checkpoints): `jaxbuf._src.core.kind`.
+
+  The fields, as every kind binds them (S the sample size; `help()` of a
+  buffer's own function gives its kind's shapes, without the settings bound
+  when it was made):
+
+  * `init(example) -> state`: one unbatched item (item kinds) or env step
+    (stream kinds); storage is preallocated from its shapes and dtypes.
+  * `add(state, items) -> state` (item kinds, items `[B, ...]`) or
+    `add(state, steps, mask=None, episode_end=None, final_steps=None) ->
+    state` (stream kinds, `help(jaxbuf.streams)`).
+  * `sample(state, key, batch_size: int, *, step=None) -> ReplaySample` (or
+    the kind's subclass of it); `batch_size` a Python int, static.
+  * `update_priorities(state, indices [S], priorities [S], item_ids [S] =
+    None) -> state`: `sample(...).indices` and `.item_ids`; the identity
+    for uniform kinds (arguments still validated).
+  * `can_sample(state, batch_size: int) -> jax.Array`, bool `()`: whether
+    `sample(state, key, batch_size)` draws from held items.
+  * `clear(state) -> state`: empty, storage kept.
 
   `sample(state, key, batch_size, step=None)` also takes `step=`, an integer
   scalar (a Python int, say the loop counter): it draws with
@@ -68,12 +103,72 @@ class Buffer(NamedTuple):
   kind: kind_protocol.Kind | None = None
 
 
+# What `help(jaxbuf.Buffer)` shows for each field: the signature a call has.
+_FIELD_DOCS = {
+    "init": "init(example) -> state: an empty buffer shaped like one "
+            "unbatched item or env step.",
+    "add": "add(state, items) -> state (item kinds), or add(state, steps, "
+           "mask=None, episode_end=None, final_steps=None) -> state (stream "
+           "kinds).",
+    "sample": "sample(state, key, batch_size: int, *, step=None) -> "
+              "ReplaySample (or the kind's subclass).",
+    "update_priorities": "update_priorities(state, indices, priorities, "
+                         "item_ids=None) -> state; indices, priorities and "
+                         "item_ids [S], from sample(...).",
+    "can_sample": "can_sample(state, batch_size: int) -> bool jax.Array of "
+                  "shape (): whether sample(state, key, batch_size) draws "
+                  "from held items.",
+    "clear": "clear(state) -> state: empty, the storage kept.",
+    "kind": "The kind's description for jaxbuf.sharded and checkpoints "
+            "(jaxbuf._src.core.kind.Kind).",
+}
+for _name, _doc in _FIELD_DOCS.items():
+  getattr(Buffer, _name).__doc__ = _doc
+
+
+def _without_settings(doc: str | None, settings: dict[str, Any]) -> str | None:
+  """`doc` with the Google-style Args entries that name only bound settings
+  left out (a name shared with others is dropped from its entry), and a
+  closing line naming the settings: `help()` of a bound function then lists
+  only what a caller passes."""
+  if not doc or not settings:
+    return doc
+  lines = inspect.cleandoc(doc).splitlines()
+  kept: list[str] = []
+  args_line, entry_indent, dropping = None, None, False
+  for line in lines:
+    indent = len(line) - len(line.lstrip())
+    if line.strip() == "Args:":
+      args_line, entry_indent = len(kept), indent + 2
+    elif entry_indent is not None:
+      if not line.strip() or indent < entry_indent:
+        entry_indent, dropping = None, False  # the section ended
+      elif indent == entry_indent:
+        names, colon, rest = line.strip().partition(":")
+        listed = [name.strip() for name in names.split(",")]
+        if colon and all(name.isidentifier() for name in listed):
+          remaining = [name for name in listed if name not in settings]
+          dropping = not remaining
+          line = " " * indent + ", ".join(remaining) + colon + rest
+      if dropping:
+        continue
+    kept.append(line)
+  if args_line is not None and (args_line + 1 == len(kept) or not kept[
+      args_line + 1].strip()):
+    del kept[args_line]  # every entry was a setting
+  while kept and not kept[-1].strip():
+    kept.pop()
+  return "\n".join(kept) + (
+      f"\n\nBound when the buffer was made (not arguments): "
+      f"{', '.join(settings)}.")
+
+
 def documented(function: Callable) -> Callable:
   """`function`, or for a `functools.partial` a plain function calling it,
   named, documented and signed as the function it binds.
 
   `help(buffer.sample)` then shows the real docstring, with its Args and
-  shapes, and the signature without the bound settings, rather than
+  shapes, and the signature and Args without the bound settings, rather than
   `functools.partial`'s docstring; `jax.jit` copies these onto what it returns.
   Passing a bound setting again is a `TypeError` naming it.
   """
@@ -95,6 +190,7 @@ def documented(function: Callable) -> Callable:
     return function(*args, **kwargs)
 
   functools.update_wrapper(bound, function.func)
+  bound.__doc__ = _without_settings(function.func.__doc__, settings)
   signature = inspect.signature(function)
   bound.__signature__ = signature.replace(parameters=[
       parameter for name, parameter in signature.parameters.items()

@@ -4,9 +4,10 @@ Shape key: N envs, R = C // N steps held per env, C capacity (steps over all
 envs), T steps per env in one add, M max_episode_length, S sample size.
 
 Storage. The steps are sequence replay's per-env streams (`sequence.py`); an
-episode is the steps from its first to the one flagged `add(...,
-episode_end=...)`, inclusive (with the stream convention of
-`transitions.py`, the step holding the final observation).
+episode is the steps from its first to the one flagged as its end (the
+step's `last` leaf, or `add(..., episode_end=...)`), inclusive (with the
+stream convention, `help(jaxbuf.streams)`, the step holding the final
+observation, added as `add(..., final_steps=...)`).
 
 Long episodes are split, never refused: a piece ends at an episode end or
 after M steps, whichever comes first, and the next step starts a new piece.
@@ -47,7 +48,13 @@ from jaxbuf._src.streams.sequence import SequenceReplayState
 
 @flax.struct.dataclass
 class EpisodeSample(ReplaySample):
-  """A batch of whole episodes (pieces), padded to M steps."""
+  """A batch of whole episodes (pieces), padded to M steps.
+
+  A row is a piece: `indices` the slot id `env * R + slot` of its first
+  step, `item_ids` that step's id. `mask` means what it means in
+  `SequenceSample`: True on the steps of the episode the row was drawn
+  for, False on padding a per-step loss must not read.
+  """
   mask: jax.Array       # bool [S, M]: True on the piece's steps
   lengths: jax.Array    # int32 [S]: steps in each piece, in [1, M]
   continues: jax.Array  # bool [S]: the episode went on after the piece
@@ -101,24 +108,49 @@ def init(example_step: PyTree, *, num_envs: int,
 
 def add(state: EpisodeReplayState, steps: PyTree,
         mask: jax.Array | None = None, episode_end: jax.Array | None = None,
-        *, max_episode_length: int,
+        final_steps: PyTree | None = None, *, max_episode_length: int,
         weight_by_length: bool) -> EpisodeReplayState:
-  """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`).
+  """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`), and the
+  final observations of the envs whose episode ended (`final_steps`).
+
+  The same add as `jaxbuf.sequence.add` (one code path,
+  `sequence.add_stream`); steps follow the stream convention,
+  `help(jaxbuf.streams)`.
 
   Args:
     state: the buffer.
     steps: leaves `[N, *step_shape]` or `[N, T, *step_shape]`, checked while
       tracing as for `sequence.add`.
-    mask: bool `[N]`, the envs that stepped; None for all.
-    episode_end: bool `[N]` or `[N, T]`, True on an episode's last step,
-      for steps without a `last` leaf (which marks the ends itself, as in
-      `help(jaxbuf.streams)`); None for none.
+    mask: bool `[N]`, the envs that stepped (the others write nothing,
+      final steps included); None for all.
+    episode_end: for steps without a `last` leaf (which marks the ends
+      itself, as in `help(jaxbuf.streams)`). Without `final_steps`: bool
+      `[N]` for one step per env, `[N, T]` for a chunk, True on an
+      episode's last step. With `final_steps`: bool `[N]`, the envs whose
+      episode ended after their last step in `steps`. None for none.
+    final_steps: steps like `steps`, one per env `[N, ...]`: each env whose
+      episode ended (its final step's `last`, else `episode_end`) writes its
+      final step after its steps, as its episode's last step; the same
+      state, byte for byte, as a second add of them masked to those envs.
+      None for none.
     max_episode_length, weight_by_length: the buffer's settings.
   """
   validation.check_state_kind(state, EpisodeReplayState, what="add",
                               exact=True)
-  steps, mask, episode_end = sequence.chunked_add_args(
-      state, steps, mask, sequence.episode_ends_of(steps, episode_end))
+  return sequence.add_stream(
+      state, steps, mask, episode_end, final_steps, write=functools.partial(
+          write_steps, max_episode_length=max_episode_length,
+          weight_by_length=weight_by_length))
+
+
+def write_steps(state: EpisodeReplayState, steps: PyTree,
+                mask: jax.Array | None, episode_end: jax.Array | None, *,
+                max_episode_length: int,
+                weight_by_length: bool) -> EpisodeReplayState:
+  """Writes steps (`[N, ...]` or `[N, T, ...]`, episode ends resolved) and
+  the pieces they complete."""
+  steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
+                                                       episode_end)
   written = sequence.add_steps(state, steps, mask, episode_end, **_STEPS,
                                new_leaf_value=jnp.float32(0.0))
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
@@ -258,8 +290,9 @@ def episode_replay(num_envs: int, capacity: int, max_episode_length: int, *,
     checked: as for `uniform_replay`.
 
   Returns:
-    A `Buffer`; `add(state, steps, mask=None, episode_end=None)`, `sample`
-    returns an `EpisodeSample`.
+    A `Buffer`; `add(state, steps, mask=None, episode_end=None,
+    final_steps=None)` (see `jaxbuf.episode.add`), `sample` returns an
+    `EpisodeSample`.
 
   >>> import jax, jax.numpy as jnp, jaxbuf
   >>> buffer = jaxbuf.episode_replay(num_envs=1, capacity=16,

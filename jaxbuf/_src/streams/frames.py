@@ -14,10 +14,11 @@ envs), T steps per env in one add, K num_stack, n n_step, S sample size.
 Storage. Each env's experience is one stream of steps (sequence replay's
 per-env rings, `sequence.py`), in the stream convention of `transitions.py`:
 step i holds `obs[i]` (one frame, not a stack), `action[i]`, `reward[i]` and
-`terminated[i]`; an episode's final observation gets a step of its own,
-flagged by `add(..., episode_end=...)`, whose action and reward are padding.
-So each frame is stored once: never K times, never again as a next
-observation. Beside each step the buffer keeps one byte, its position in its
+`terminated[i]`; an episode's final observation gets a step of its own
+(action and reward padding), flagged by the step's `last` leaf or `add(...,
+episode_end=...)`, and given in the add of its episode's last step as
+`add(..., final_steps=...)`. So each frame is stored once: never K times,
+never again as a next observation. Beside each step the buffer keeps one byte, its position in its
 episode saturated at K - 1 (`episode_positions`), so a sample knows how many
 of the K - 1 frames before a step belong to its episode. For 84x84 uint8
 frames a step costs 7056 bytes of frame, the user's action, reward and
@@ -34,17 +35,21 @@ first step is padding: zeros (`pad="zeros"`) or that first step's frame
 another episode, of an overwritten or of an unwritten slot.
 
 Which transitions can be sampled. Transition t of env n is sampleable while
-the steps t .. t + n are held (so the newest n steps of an env start none
-yet, as in n-step sequence replay) and so are the frames of its own episode
-before it that its stack needs (`min(position, K - 1)` of them). The first
-steps of an episode need none, so they are sampleable as soon as their n
-next steps are held, also as the very first steps of a stream and right
-after a wrap of the ring; only the at most K - 1 oldest steps of an env,
+the steps its n-step target reads are held, t .. t + k: k = n, or the
+distance to its episode's final step when that comes first (so an
+episode's last transitions are sampleable as soon as its final step is
+written, whether or not the env steps again; the newest steps of an
+episode still running wait for n more steps), and so are the frames of its
+own episode before it that its stack needs (`min(position, K - 1)` of
+them). The first steps of an episode need no frames before them, so they
+are sampleable as soon as their target's steps are held, also as the very
+first steps of a stream and right after a wrap of the ring; only the at
+most K - 1 oldest steps of an env,
 whose episode started before the oldest frame held, have lost part of their
 stack and are not sampled. A sum tree has a leaf per transition id `n * R +
 j` (the step in slot j of env n): 1 (uniform) or `(priority + eps) **
 alpha` (prioritized) while sampleable, else 0, kept by every `add` for the
-transitions it completes or breaks, O(N (2 T + K) log C).
+transitions it completes or breaks, O(N (T + n + K) log C).
 
 Sampling gathers, for each of the S transitions, the n + 1 small step
 records its n-step target reads, then the 2K frames of its two stacks in one
@@ -86,12 +91,20 @@ MAX_NUM_STACK = 256  # positions are stored as uint8
 
 
 class FrameStackTransition(NamedTuple):
-  """n-step transitions with stacked observations."""
+  """n-step transitions with stacked observations.
+
+  `discount` means what it means in every jaxbuf transition
+  (`NStepTransitions`, `HindsightTransition`): the factor of the bootstrap,
+  `target = reward + discount * V(next_obs)`, with gamma already in it
+  (rlax's `discount_t`). The sample's `indices` are transition ids
+  (`env * R + slot` of step t), its `item_ids` step t's id.
+  """
   obs: PyTree          # leaves [S, ...]; stacked leaves with K inserted at
                        # stack_axis, oldest frame first
   action: PyTree       # leaves [S, ...]
   reward: jax.Array    # [S]: n-step discounted reward, the reward's dtype
-  discount: jax.Array  # [S]: gamma^k, 0 after a termination
+  discount: jax.Array  # [S], the reward's dtype: gamma^k for the k <= n
+                       # steps summed, 0 after a termination
   next_obs: PyTree     # like obs: the stack at step t + k (k <= n)
 
 
@@ -219,12 +232,25 @@ def transitions_valid(state: FrameStackReplayState, envs: jax.Array,
                       slots: jax.Array, *, n_step: int) -> jax.Array:
   """Whether the transition at each `(env, slot)` can be sampled: bool.
 
-  Its step and the n after it are held, its step is no episode's final
-  step, and the frames of its episode its stack reads are held.
+  The steps its n-step target reads are held (its step and the n after
+  it, or fewer when its episode's final step comes first: that final step
+  completes the target, and no later step of the env is needed), its step
+  is no episode's final step, and the frames of its episode its stack
+  reads are held.
   """
   ago = sequence.steps_ago(state, envs, slots)
   history = state.episode_positions[envs, slots].astype(jnp.int32)
-  return ((ago >= n_step) & (ago + history < state.steps_held[envs])
+  complete = ago >= n_step
+  if n_step > 1:
+    # Step t + j is held when j <= ago; a slot beyond the write head holds
+    # an older lap's flag, which must not count.
+    ahead = jnp.arange(1, n_step, dtype=jnp.int32).reshape(
+        (1,) * slots.ndim + (-1,))
+    ends = state.episode_ends[envs[..., None],
+                              (slots[..., None] + ahead)
+                              % sequence.steps_per_env(state)]
+    complete |= jnp.any(ends & (ahead <= ago[..., None]), axis=-1)
+  return (complete & (ago + history < state.steps_held[envs])
           & ~state.episode_ends[envs, slots])
 
 
@@ -280,8 +306,8 @@ def add_steps(state: FrameStackReplayState, steps: PyTree,
     new_leaf_value: the tree leaf of a transition that becomes sampleable.
   """
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
-  steps, mask, episode_end = sequence.chunked_add_args(
-      state, steps, mask, sequence.episode_ends_of(steps, episode_end))
+  steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
+                                                       episode_end)
   positions, after = episode_positions_of(state.next_positions, episode_end,
                                           num_stack=num_stack)
   new_state, chunk = sequence.write_chunk(
@@ -291,12 +317,12 @@ def add_steps(state: FrameStackReplayState, steps: PyTree,
   new_state = new_state.replace(
       next_positions=jnp.where(mask, after, state.next_positions))
   # Transitions that can change, by steps ago after the write: those written
-  # (0..K'-1), those whose n-th next step was written (n..n+K'-1), and the
-  # K - 1 oldest, whose history the write may have overwritten. Every other
-  # keeps its steps, its history and its validity.
+  # (0..K'-1), those whose j-th next step was written for a j <= n (a final
+  # step completes a target early: 1..n+K'-1), and the K - 1 oldest, whose
+  # history the write may have overwritten. Every other keeps its steps,
+  # its history and its validity.
   touched_ago = np.unique(np.concatenate([
-      np.arange(kept), n_step + np.arange(kept),
-      per_env - 1 - np.arange(num_stack - 1)]))
+      np.arange(n_step + kept), per_env - 1 - np.arange(num_stack - 1)]))
   touched_ago = touched_ago[(touched_ago >= 0) & (touched_ago < per_env)]
   touched_slots = (new_state.write_heads[:, None] - 1
                    - jnp.asarray(touched_ago, jnp.int32)[None, :]) % per_env
@@ -323,8 +349,14 @@ def add_steps(state: FrameStackReplayState, steps: PyTree,
 
 def add(state: FrameStackReplayState, steps: PyTree,
         mask: jax.Array | None = None, episode_end: jax.Array | None = None,
-        *, num_stack: int, n_step: int) -> FrameStackReplayState:
-  """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`).
+        final_steps: PyTree | None = None, *, num_stack: int,
+        n_step: int) -> FrameStackReplayState:
+  """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`), and the
+  final observations of the envs whose episode ended (`final_steps`).
+
+  The same add as `jaxbuf.sequence.add` (one code path,
+  `sequence.add_stream`); steps follow the stream convention,
+  `help(jaxbuf.streams)`.
 
   Args:
     state: the buffer.
@@ -332,31 +364,43 @@ def add(state: FrameStackReplayState, steps: PyTree,
       *step_shape]` (obs a single frame per step); T may exceed R (the newest
       R steps are kept). Shapes, dtypes and structure are checked while
       tracing; no value is cast.
-    mask: bool `[N]`, the envs that stepped; None for all.
-    episode_end: bool `[N]` or `[N, T]`, True on each episode's final step
-      (the one holding its final observation); the next step of that env
-      starts an episode. For steps without a `last` leaf, which marks the
-      ends itself (`help(jaxbuf.streams)`; both at once is a `TypeError`);
+    mask: bool `[N]`, the envs that stepped (the others write nothing,
+      final steps included); None for all.
+    episode_end: for steps without a `last` leaf (which marks the ends
+      itself; both at once is a `TypeError`). Without `final_steps`: bool
+      `[N]` for one step per env, `[N, T]` for a chunk, True on each
+      episode's final step (the one holding its final observation; the next
+      step of that env starts an episode). With `final_steps`: bool `[N]`,
+      the envs whose episode ended after their last step in `steps`. None
+      for none.
+    final_steps: steps like `steps`, one per env `[N, ...]`: each env whose
+      episode ended (its final step's `last`, else `episode_end`) writes its
+      final step after its steps, flagged as the episode's end; the same
+      state, byte for byte, as a second add of them masked to those envs.
       None for none.
     num_stack, n_step: the buffer's settings.
   """
   validation.check_state_kind(state, FrameStackReplayState, what="add",
                               exact=True)
-  return add_steps(state, steps, mask, episode_end, num_stack=num_stack,
-                   n_step=n_step, new_leaf_value=jnp.float32(1.0))
+  return sequence.add_stream(
+      state, steps, mask, episode_end, final_steps, write=functools.partial(
+          add_steps, num_stack=num_stack, n_step=n_step,
+          new_leaf_value=jnp.float32(1.0)))
 
 
 def prioritized_add(state: FrameStackReplayState, steps: PyTree,
                     mask: jax.Array | None = None,
-                    episode_end: jax.Array | None = None, *, num_stack: int,
+                    episode_end: jax.Array | None = None,
+                    final_steps: PyTree | None = None, *, num_stack: int,
                     n_step: int, alpha: float) -> FrameStackReplayState:
   """`add`; transitions completed enter at the running maximum priority."""
   validation.check_state_kind(state, FrameStackReplayState, what="add",
                               exact=True)
-  return add_steps(state, steps, mask, episode_end, num_stack=num_stack,
-                   n_step=n_step,
-                   new_leaf_value=prioritized.capped_leaf_values(
-                       state.max_priority, alpha, state.window_tree))
+  return sequence.add_stream(
+      state, steps, mask, episode_end, final_steps, write=functools.partial(
+          add_steps, num_stack=num_stack, n_step=n_step,
+          new_leaf_value=prioritized.capped_leaf_values(
+              state.max_priority, alpha, state.window_tree)))
 
 
 def _move_stack_axis(leaf: jax.Array, stack_axis: int) -> jax.Array:
@@ -697,7 +741,8 @@ def frame_stack_replay(num_envs: int, capacity: int, num_stack: int, *,
   Returns:
     A `Buffer`: `init(example_step)` with a step holding obs (one frame),
     action, reward (float scalar) and terminated (bool scalar);
-    `add(state, steps, mask=None, episode_end=None)` as `sequence_replay`'s;
+    `add(state, steps, mask=None, episode_end=None, final_steps=None)` as
+    `sequence_replay`'s (see `jaxbuf.frames.add`);
     `sample` returns a `ReplaySample` whose items are a
     `FrameStackTransition` `[S, ...]` and whose indices are transition ids.
 

@@ -91,12 +91,20 @@ CANDIDATES = 3
 
 
 class HindsightTransition(NamedTuple):
-  """One-step transitions, the goal maybe relabelled."""
+  """One-step transitions, the goal maybe relabelled.
+
+  `discount` means what it means in every jaxbuf transition
+  (`FrameStackTransition`, `NStepTransitions`): the factor of the bootstrap,
+  `target = reward + discount * Q(next_obs, ...)`, with gamma already in it
+  (rlax's `discount_t`); do not multiply by gamma again. The sample's
+  `indices` are transition ids (`env * R + slot` of step t), its
+  `item_ids` step t's id.
+  """
   obs: PyTree          # GoalEnv dict, leaves [S, ...]
   action: PyTree       # leaves [S, ...]
   reward: jax.Array    # [S], the stored reward's dtype
-  discount: jax.Array  # [S], the reward's dtype: 0 where the transition
-                       # terminated the episode, else 1 (multiply by gamma)
+  discount: jax.Array  # [S], the reward's dtype: gamma, or 0 where the
+                       # transition terminated the episode
   next_obs: PyTree     # GoalEnv dict, leaves [S, ...]; the same desired_goal
 
 
@@ -169,8 +177,11 @@ def check_step(example_step: PyTree) -> None:
 
 def check_settings(num_envs: Any, capacity: Any, reward_fn: Any,
                    strategy: Any, relabel_fraction: Any,
-                   terminated_fn: Any = None) -> None:
+                   terminated_fn: Any = None, gamma: Any = 0.99) -> None:
   """Raises naming the setting."""
+  validation.check_hyperparameter(gamma, "gamma")
+  if float(gamma) > 1:
+    raise ValueError(f"gamma must be in [0, 1], given {gamma}.")
   validation.check_positive_int(num_envs, "num_envs")
   validation.check_capacity(capacity)
   if capacity % num_envs == 0 and capacity // num_envs < 2:
@@ -268,29 +279,53 @@ def record_episodes(state: HindsightReplayState, written: HindsightReplayState,
                                 state.episode_running))
 
 
+def write_steps(state: HindsightReplayState, steps: PyTree,
+                mask: jax.Array | None, episode_end: jax.Array | None, *,
+                new_leaf_value: jax.Array) -> HindsightReplayState:
+  """Writes steps (`[N, ...]` or `[N, T, ...]`, episode ends resolved) as
+  `sequence.add_steps` does, then records their episodes."""
+  steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
+                                                       episode_end)
+  written = sequence.add_steps(state, steps, mask, episode_end, **_WINDOW,
+                               new_leaf_value=new_leaf_value)
+  return record_episodes(state, written, mask, episode_end)
+
+
 def add(state: HindsightReplayState, steps: PyTree,
         mask: jax.Array | None = None, episode_end: jax.Array | None = None,
-        *, alpha: float | None) -> HindsightReplayState:
-  """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`).
+        final_steps: PyTree | None = None, *,
+        alpha: float | None) -> HindsightReplayState:
+  """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`), and the
+  final observations of the envs whose episode ended (`final_steps`).
+
+  The same add as `jaxbuf.sequence.add` (one code path,
+  `sequence.add_stream`); steps follow the stream convention,
+  `help(jaxbuf.streams)`.
 
   Args:
     state: the buffer.
     steps: leaves `[N, *step_shape]` or `[N, T, *step_shape]`, checked
       while tracing as for `sequence.add`.
-    mask: bool `[N]`, the envs that stepped; None for all.
-    episode_end: bool `[N]` or `[N, T]`, True on the step holding an
-      episode's final observation (the stream convention); None for none.
+    mask: bool `[N]`, the envs that stepped (the others write nothing,
+      final steps included); None for all.
+    episode_end: for steps without a `last` leaf. Without `final_steps`:
+      bool `[N]` for one step per env, `[N, T]` for a chunk, True on the
+      step holding an episode's final observation. With `final_steps`:
+      bool `[N]`, the envs whose episode ended after their last step in
+      `steps`. None for none.
+    final_steps: steps like `steps`, one per env `[N, ...]`: each env whose
+      episode ended (its final step's `last`, else `episode_end`) writes its
+      final step after its steps; the same state, byte for byte, as a
+      second add of them masked to those envs. None for none.
     alpha: the priority exponent, None without priorities.
   """
   validation.check_state_kind(state, HindsightReplayState, what="add")
-  steps, mask, episode_end = sequence.chunked_add_args(
-      state, steps, mask, sequence.episode_ends_of(steps, episode_end))
   new_leaf_value = (jnp.float32(1.0) if alpha is None else
                     prioritized.capped_leaf_values(state.max_priority, alpha,
                                                    state.window_tree))
-  written = sequence.add_steps(state, steps, mask, episode_end, **_WINDOW,
-                               new_leaf_value=new_leaf_value)
-  return record_episodes(state, written, mask, episode_end)
+  return sequence.add_stream(
+      state, steps, mask, episode_end, final_steps,
+      write=functools.partial(write_steps, new_leaf_value=new_leaf_value))
 
 
 def goal_steps_ago(state: HindsightReplayState, window_ids: jax.Array,
@@ -452,11 +487,12 @@ def gather_steps(state: HindsightReplayState, window_ids: jax.Array,
 
 
 def relabelled_transitions(steps: TransitionSteps, *, reward_fn: Callable,
-                           terminated_fn: Callable | None
+                           terminated_fn: Callable | None, gamma: Any
                            ) -> HindsightTransition:
   """Transitions from their steps, the relabelled rows given their goal:
   obs and next_obs carry it as "desired_goal", the reward is recomputed by
-  `reward_fn` and, given `terminated_fn`, the discount by it.
+  `reward_fn` and, given `terminated_fn`, the discount by it (gamma, 0
+  where terminated).
 
   Returns:
     `HindsightTransition` with `[S, ...]` leaves.
@@ -477,7 +513,8 @@ def relabelled_transitions(steps: TransitionSteps, *, reward_fn: Callable,
   return HindsightTransition(
       obs={**steps.obs, "desired_goal": desired}, action=steps.action,
       reward=jnp.where(relabelled, reward, steps.reward),
-      discount=jnp.where(terminated, 0, 1).astype(steps.reward.dtype),
+      discount=jnp.where(terminated, jnp.zeros((), steps.reward.dtype),
+                         jnp.asarray(gamma, steps.reward.dtype)),
       next_obs=next_obs)
 
 
@@ -497,7 +534,8 @@ def check_sample(state: HindsightReplayState, key: jax.Array, batch_size: int,
 
 def sample(state: HindsightReplayState, key: jax.Array, batch_size: int, *,
            reward_fn: Callable, strategy: str, relabel_fraction: float,
-           terminated_fn: Callable | None = None, priorities: bool = False,
+           terminated_fn: Callable | None = None, gamma: Any = 0.99,
+           priorities: bool = False,
            beta: float | Schedule = 0.4, stratified: bool = True,
            checked: bool = False) -> HindsightSample:
   """Draws `batch_size` transitions and relabels a `relabel_fraction` of them.
@@ -507,8 +545,10 @@ def sample(state: HindsightReplayState, key: jax.Array, batch_size: int, *,
   replacement. A relabelled row's obs and next_obs carry the hindsight goal
   as "desired_goal", its reward is `reward_fn(next_obs["achieved_goal"],
   desired_goal)` and, given `terminated_fn`, its discount is 0 where
-  `terminated_fn` of the same is True. With no transition held it returns
-  transition 0 (whatever its slots hold) with weight 0; checked mode raises.
+  `terminated_fn` of the same is True. Every row's discount is the factor
+  of its bootstrap: `gamma`, 0 where the transition terminated. With no
+  transition held it returns transition 0 (whatever its slots hold) with
+  weight 0; checked mode raises.
 
   Returns:
     A `HindsightSample`: items a `HindsightTransition` `[S, ...]`, indices
@@ -538,7 +578,7 @@ def sample(state: HindsightReplayState, key: jax.Array, batch_size: int, *,
                        relabel_fraction=relabel_fraction)
   return HindsightSample(
       items=relabelled_transitions(steps, reward_fn=reward_fn,
-                                   terminated_fn=terminated_fn),
+                                   terminated_fn=terminated_fn, gamma=gamma),
       indices=window_ids, weights=weights,
       item_ids=sequence.window_item_ids(state, window_ids),
       relabelled=steps.relabelled)
@@ -576,7 +616,8 @@ def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
                        update_priorities: Callable | None, beta: Any,
                        stratified: bool, reward_fn: Callable, strategy: str,
                        relabel_fraction: float,
-                       terminated_fn: Callable | None) -> kind.Split:
+                       terminated_fn: Callable | None,
+                       gamma: Any) -> kind.Split:
   """Hindsight replay split over D devices as sequence replay is: envs in
   blocks of N / D, whole with their episode bookkeeping, so a transition and
   every step its goal may come from lie on one device.
@@ -603,7 +644,8 @@ def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
     del drawn  # Nothing drawn: transition 0, weight 0, as unsharded.
     return HindsightSample(
         items=relabelled_transitions(steps, reward_fn=reward_fn,
-                                     terminated_fn=terminated_fn),
+                                     terminated_fn=terminated_fn,
+                                     gamma=gamma),
         indices=indices, weights=weights, item_ids=item_ids,
         relabelled=steps.relabelled)
   return split._replace(rows=rows, as_sample=as_sample)
@@ -612,6 +654,7 @@ def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
 def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
                      strategy: str = "future", relabel_fraction: float = 0.8,
                      terminated_fn: Callable | None = None,
+                     gamma: float = 0.99,
                      prioritized: bool = False, alpha: float = 0.6,
                      beta: float | Schedule = 0.4, eps: float = 1e-6,
                      stratified: bool = True, checked: bool = False) -> Buffer:
@@ -634,14 +677,19 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
     terminated_fn: optional `terminated_fn(achieved_goal, desired_goal) ->
       bool [S]` for goal-dependent terminations (relabelled rows' discount);
       None keeps the stored `terminated`.
+    gamma: the discount in [0, 1]: a sampled transition's `discount` is
+      gamma, or 0 where it terminated, the factor of its bootstrap as in
+      every jaxbuf transition (`target = reward + discount * Q(next_obs)`;
+      do not multiply by gamma again).
     prioritized: one priority per transition (proportional prioritized
       replay); then alpha, beta, eps, stratified as for
       `prioritized_replay`.
     checked: as for `uniform_replay`.
 
   Returns:
-    A `Buffer`; `add(state, steps, mask=None, episode_end=None)`, `sample`
-    returns a `HindsightSample` whose items are `HindsightTransition`s.
+    A `Buffer`; `add(state, steps, mask=None, episode_end=None,
+    final_steps=None)` (see `jaxbuf.hindsight.add`), `sample` returns a
+    `HindsightSample` whose items are `HindsightTransition`s.
     `jaxbuf.sharded` splits it over devices as sequence replay, envs in
     blocks of N / D (`split_over_devices`).
 
@@ -661,9 +709,11 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
   >>> batch = buffer.sample(state, jax.random.key(0), 8)
   >>> batch.items.obs["desired_goal"].shape, batch.relabelled.dtype
   ((8, 3), dtype('bool'))
+  >>> round(float(batch.items.discount[0]), 6)  # target = r + discount * Q'
+  0.99
   """
   check_settings(num_envs, capacity, reward_fn, strategy, relabel_fraction,
-                 terminated_fn)
+                 terminated_fn, gamma)
   if prioritized:
     validation.check_hyperparameter(alpha, "alpha")
     validation.check_hyperparameter(eps, "eps", positive=True)
@@ -672,7 +722,7 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
   priority_alpha = alpha if prioritized else None
   relabelling = dict(reward_fn=reward_fn, strategy=strategy,
                      relabel_fraction=float(relabel_fraction),
-                     terminated_fn=terminated_fn)
+                     terminated_fn=terminated_fn, gamma=gamma)
   bound_add = functools.partial(add, alpha=priority_alpha)
   bound_sample = functools.partial(sample, **relabelling,
                                    priorities=prioritized, beta=beta,

@@ -74,15 +74,17 @@ def add(state: PrioritizedSequenceReplayState, steps: PyTree,
 
   Episode ends: the step's own bool `last` leaf when it has one (then
   `episode_end` must not be given), else `episode_end`; final observations
-  go in the same add as `final_steps`, written where their `last` is True.
+  go in the same add as `final_steps`, written where their `last` is True
+  (or, for steps without one, where `episode_end` `[N]` is).
   See `jaxbuf.sequence.add` for the stream convention and an example.
   """
   validation.check_state_kind(state, PrioritizedSequenceReplayState, what="add")
   return sequence.add_stream(
       state, steps, mask, episode_end, final_steps,
-      sequence_length=sequence_length, period=period, within=within,
-      new_leaf_value=prioritized.capped_leaf_values(
-          state.max_priority, alpha, state.window_tree))
+      write=functools.partial(
+          sequence.add_steps, sequence_length=sequence_length, period=period,
+          within=within, new_leaf_value=prioritized.capped_leaf_values(
+              state.max_priority, alpha, state.window_tree)))
 
 
 def sample(state: PrioritizedSequenceReplayState, key: jax.Array,

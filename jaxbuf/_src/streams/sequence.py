@@ -72,7 +72,13 @@ EPISODE_MODES = ("cross", "within")
 
 @flax.struct.dataclass
 class SequenceSample(ReplaySample):
-  """A batch of windows: a `ReplaySample` with a mask of each first episode."""
+  """A batch of windows: a `ReplaySample` with a mask of each first episode.
+
+  A row is a window: `indices` its window id (`env * R + slot` of its first
+  step), `item_ids` its first step's id. `mask` means what it means in
+  `EpisodeSample`: True on the steps of the episode the row was drawn for,
+  False on steps a per-step loss must not read.
+  """
   mask: jax.Array  # bool [S, L]: True up to and including the first episode
                    # end in the window (all True under episodes="within");
                    # all False when no window was held (weight 0)
@@ -322,32 +328,67 @@ def episode_ends_of(steps: PyTree, episode_end: jax.Array | None) -> Any:
 
 def add_stream(state: SequenceReplayState, steps: PyTree,
                mask: jax.Array | None, episode_end: jax.Array | None,
-               final_steps: PyTree | None, **settings) -> SequenceReplayState:
-  """`add_steps` with episode ends read from the steps' `last` leaf, then
-  the final observations of the envs whose `final_steps` are `last`.
+               final_steps: PyTree | None, *,
+               write: Callable[..., Any]) -> Any:
+  """One add of a stream kind: the steps, then the final observations of
+  the envs whose episode ended, `final_steps`, each kind writing with its
+  own `write(state, steps, mask, episode_end)` (`add_steps` here; frame,
+  hindsight and episode replay keep their bookkeeping in theirs). Every
+  stream kind's `add` comes through here, so `final_steps` means the same
+  in all of them.
 
-  The step's `last` leaf, when it has one, is the only episode-end flag:
-  `episode_end` given as well is a `TypeError` (two flags could disagree),
-  and a final observation is written exactly where its own flag says so.
+  One flag says which envs write a final step. With a `last` leaf in the
+  step it is the final step's own `last` (the stream convention); the
+  steps' episode ends are read from theirs, and `episode_end` given as well
+  is a `TypeError` (two flags could disagree). Without one, `episode_end`
+  bool `[N]` names the envs whose episode ended after their last step in
+  `steps`. Either way the result is, byte for byte, the two-add masked form
+
+      state = add(state, steps, mask)            # episode_end=None here
+      state = add(state, final_steps, ended & mask, episode_end=ended)
+
+  with `ended` that flag; only the second add can be forgotten or
+  mis-masked, and here it cannot.
   """
-  state = add_steps(state, steps, mask, episode_ends_of(steps, episode_end),
-                    **settings)
   if final_steps is None:
-    return state
+    return write(state, steps, mask, episode_ends_of(steps, episode_end))
+  num_envs = num_envs_of(state)
   if last_flags(steps) is None:
-    raise TypeError(
-        "add: final_steps need a `last` leaf in the step (a bool field named "
-        "`last`): it says which envs' episode ended, and only those write "
-        "their final observation.")
-  if _chunk_length(state, final_steps) is not None:
+    if episode_end is None:
+      raise TypeError(
+          "add: final_steps need a flag saying which envs' episode ended, "
+          "and only those write their final observation: a `last` leaf in "
+          "the step (a bool field named `last`), or, for steps without "
+          f"one, episode_end bool [{num_envs}].")
+    if np.ndim(episode_end) != 1:
+      raise ValueError(
+          f"add: with final_steps and steps without a `last` leaf, "
+          f"episode_end is bool [{num_envs}], the envs whose episode ended "
+          f"after their last step in `steps` (they write their final step, "
+          f"flagged as the episode's end); given shape "
+          f"{tuple(np.shape(episode_end))}. Episode ends inside a chunk need "
+          f"a `last` leaf in the step.")
+    _check_flags("episode_end", episode_end, (num_envs,))
+    ended, steps_end = jnp.asarray(episode_end), None
+  else:
+    steps_end = episode_ends_of(steps, episode_end)
+    ended = None
+  try:
+    final_chunk = _chunk_length(state, final_steps)
+  except (TypeError, ValueError) as error:
+    raise type(error)(f"{error} (in final_steps)") from None
+  if final_chunk is not None:
     raise ValueError(
-        "add: final_steps hold one step per env, [N, ...]: the final "
-        "observation of each env whose episode ended after its last step in "
-        "`steps`; given a chunk [N, T, ...].")
-  ended = jnp.asarray(last_flags(final_steps))
+        f"add: final_steps hold one step per env, [{num_envs}, ...]: the "
+        f"final observation of each env whose episode ended after its last "
+        f"step in `steps`; given a chunk [{num_envs}, {final_chunk}, ...].")
+  if ended is None:
+    ended = jnp.asarray(last_flags(final_steps))
   if mask is not None:
+    _check_flags("mask", mask, (num_envs,))
     ended &= jnp.asarray(mask)
-  return add_steps(state, final_steps, ended, ended, **settings)
+  state = write(state, steps, mask, steps_end)
+  return write(state, final_steps, ended, ended)
 
 
 def chunked_add_args(state: SequenceReplayState, steps: PyTree,
@@ -751,18 +792,24 @@ def add(state: SequenceReplayState, steps: PyTree,
     mask: bool `[N]` (a list or NumPy array works too), the envs that
       stepped (the others write nothing, final steps included, and keep
       their counts); None for all.
-    episode_end: bool `[N]` or `[N, T]`, True on the last step of an
-      episode, for steps without a `last` leaf; None for none.
-    final_steps: steps like `steps` with one step per env, `[N, ...]`, and a
-      `last` leaf: each env whose `last` is True writes its final step after
-      its steps; None for none.
+    episode_end: for steps without a `last` leaf. Without `final_steps`:
+      bool `[N]` for one step per env, `[N, T]` for a chunk, True on the
+      last step of an episode. With `final_steps`: bool `[N]`, the envs
+      whose episode ended after their last step in `steps`. None for none.
+    final_steps: steps like `steps` with one step per env, `[N, ...]`: each
+      env whose episode ended (its final step's `last`, else `episode_end`)
+      writes its final step after its steps; the same state, byte for byte,
+      as a second add of them masked to those envs (`add_stream`). None for
+      none.
     sequence_length, period, within: the buffer's settings.
   """
   validation.check_state_kind(
       state, SequenceReplayState, what="add", exact=True)
   return add_stream(state, steps, mask, episode_end, final_steps,
-                    sequence_length=sequence_length, period=period,
-                    within=within, new_leaf_value=jnp.float32(1.0))
+                    write=functools.partial(
+                        add_steps, sequence_length=sequence_length,
+                        period=period, within=within,
+                        new_leaf_value=jnp.float32(1.0)))
 
 
 def can_sample(state: SequenceReplayState, batch_size: int) -> jax.Array:

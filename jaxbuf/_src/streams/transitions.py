@@ -47,11 +47,18 @@ class NStepTargets(NamedTuple):
 
 
 class NStepTransitions(NamedTuple):
-  """Transitions from the first step of each window, next_obs read from it."""
+  """Transitions from the first step of each window, next_obs read from it.
+
+  `discount` means what it means in every jaxbuf transition
+  (`FrameStackTransition`, `HindsightTransition`): the factor of the
+  bootstrap, `target = reward + discount * V(next_obs)`, with gamma already
+  in it (rlax's `discount_t`).
+  """
   obs: PyTree          # leaves [S, ...]
   action: PyTree       # leaves [S, ...]
   reward: jax.Array    # [S]: n-step discounted reward
-  discount: jax.Array  # [S]: gamma^k, 0 after a termination
+  discount: jax.Array  # [S]: gamma^k for the k <= n steps summed, 0 after
+                       # a termination
   next_obs: PyTree     # leaves [S, ...]: obs k steps later (k <= n)
   valid: jax.Array     # bool [S]: False if the first step is a `last` step;
                        # give it zero loss weight
