@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 import jaxbuf
-
-pytestmark = pytest.mark.usefixtures("x64_mode")
+from tests import devices
 
 NUM_ENVS, CAPACITY, NUM_STEPS = 3, 3 * 8, 10
 
@@ -130,6 +129,7 @@ def init(buffer, with_last):
   return buffer.init(step if with_last else without_last(step))
 
 
+@pytest.mark.usefixtures("x64_mode")
 @pytest.mark.parametrize("with_last", [True, False], ids=["last", "episode_end"])
 @pytest.mark.parametrize("name", sorted(KINDS))
 def test_final_steps_equal_the_two_add_masked_form_under_scan(name, with_last):
@@ -160,6 +160,7 @@ def test_final_steps_equal_the_two_add_masked_form_under_scan(name, with_last):
     assert observation[env, newest % (CAPACITY // NUM_ENVS)] == expected
 
 
+@pytest.mark.usefixtures("x64_mode")
 @pytest.mark.parametrize("name", sorted(MODULE_ADDS))
 def test_module_adds_take_final_steps_under_vmap(name):
   """`jaxbuf.<kind>.add` with every setting explicit, vmapped over a batch
@@ -273,3 +274,38 @@ def test_bound_functions_show_only_their_own_parameters(name):
               if line.startswith("  ") and not line.startswith("    ")}
     named = {word.strip() for entry in listed for word in entry.split(",")}
     assert named <= set(own), (field, named - set(own))
+
+
+SHARDED_KINDS = {
+    "frame_stack": lambda: jaxbuf.frame_stack_replay(4, 4 * 8, 2, n_step=2),
+    "hindsight": lambda: jaxbuf.hindsight_replay(4, 4 * 8, reward_fn),
+    "episode": lambda: jaxbuf.episode_replay(4, 4 * 8, 4),
+}
+
+
+@devices.needs(2)
+@pytest.mark.parametrize("name", sorted(SHARDED_KINDS))
+def test_sharded_adds_take_final_steps_as_the_unsharded_buffer(name):
+  """Split over two devices (envs in blocks), `final_steps` writes what the
+  two masked adds write, and each env's stream is the unsharded one's."""
+  plain = SHARDED_KINDS[name]()
+  buffer = jaxbuf.sharded(plain, devices.mesh(2))
+  rng = np.random.default_rng(3)
+  ended = rng.random((4, 4)) < 0.5
+  storages = []
+  for each, add in ((buffer, one_add), (buffer, two_adds), (plain, one_add)):
+    state = each.init(example_step())
+    for t in range(4):
+      ids = np.arange(4, dtype=np.float32) * 1000 + t
+      step, final = (Step(obs={"observation": np.stack([v, v], -1),
+                               "achieved_goal": np.stack([v, v], -1),
+                               "desired_goal": np.stack([-v, -v], -1)},
+                          action=v.astype(np.int32), reward=v / 7,
+                          terminated=np.zeros(4, bool), last=last)
+                     for v, last in ((ids, np.zeros(4, bool)),
+                                     (ids + 500, ended[t])))
+      state = add(each, state, step, final, ended[t], np.ones(4, bool), True)
+    storages.append(jax.device_get(state.storage))
+  assert_same_state(storages[1], storages[0])
+  assert_same_state(jax.tree.map(lambda x: x.reshape((4,) + x.shape[2:]),
+                                 storages[0]), storages[2])
