@@ -344,8 +344,9 @@ def add_stream(state: SequenceReplayState, steps: PyTree,
   bool `[N]` names the envs whose episode ended after their last step in
   `steps`. Either way the result is, byte for byte, the two-add masked form
 
-      state = add(state, steps, mask)            # episode_end=None here
-      state = add(state, final_steps, ended & mask, episode_end=ended)
+      state = add(state, steps, mask)   # ends inside them: their `last`
+      state = add(state, final_steps, ended & mask)  # `last` says ended;
+      # without one: add(state, final_steps, ended & mask, episode_end=ended)
 
   with `ended` that flag; only the second add can be forgotten or
   mis-masked, and here it cannot.
