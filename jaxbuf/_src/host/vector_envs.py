@@ -103,6 +103,9 @@ def _copied(tree: PyTree) -> PyTree:
 
 
 def _rows(tree: PyTree, rows: np.ndarray) -> PyTree:
+  # A plain array skips jax.tree.map (a few microseconds a call).
+  if isinstance(tree, np.ndarray):
+    return tree[rows]
   return jax.tree.map(lambda leaf: np.asarray(leaf)[rows], tree)
 
 
@@ -282,7 +285,7 @@ class VectorEnvRecorder:
         rows = np.flatnonzero(stepped)
         if not rows.size:
           return RecordedStep(None, None, None)
-        transitions = _rows(transitions, rows)
+        transitions = Transition(*(_rows(field, rows) for field in transitions))
       return RecordedStep(transitions, None, None)
     no_flag = self._padding[2]
     steps = EpisodeStep(obs=obs, action=actions, reward=rewards,
