@@ -8,6 +8,8 @@ holds must be exactly that log, no row more, no row less, final
 observations, rewards, terminated and truncated included. CartPole checks
 the same on a physics env: every stored next observation follows its
 observation by CartPole's Euler step, which a reset observation does not.
+The exact checks run with and without 64-bit mode (`x64_mode`: int64
+actions are held as int32 or int64); the rest in the default mode only.
 """
 
 import inspect
@@ -19,8 +21,6 @@ import pytest
 from gymnasium.vector import AutoresetMode
 
 import jaxbuf
-
-pytestmark = pytest.mark.usefixtures("x64_mode")
 
 MODES = {"next_step": AutoresetMode.NEXT_STEP,
          "same_step": AutoresetMode.SAME_STEP}
@@ -112,6 +112,7 @@ def as_tuples(obs, action, reward, next_obs, terminated, truncated):
                                         terminated, truncated, strict=True)]
 
 
+@pytest.mark.usefixtures("x64_mode")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ["uniform", "prioritized"])
 def test_items_are_exactly_the_envs_transitions(mode, kind):
@@ -154,6 +155,7 @@ def final_steps_taken(buffer: jaxbuf.Buffer) -> None:
     pytest.skip(f"{buffer.kind.name}'s add takes no final_steps yet")
 
 
+@pytest.mark.usefixtures("x64_mode")
 @pytest.mark.parametrize("kind", STREAM_KINDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_streams_hold_exactly_the_envs_episodes(mode, kind):
@@ -464,3 +466,62 @@ def test_partial_reset_keeps_the_pending_reset_steps():
   got = as_tuples(*(leaf[:int(state.size)]
                     for leaf in jax.device_get(state.storage)))
   assert sorted(got) == sorted(t for log in logs(envs) for t in log)
+
+
+# --- The ported loops the docs show -------------------------------------------
+
+
+def test_the_ported_cleanrl_loop_runs():
+  """CleanRL's dqn.py loop with jaxbuf, as the host-loop docs show it (their
+  sizes here cut down): the recorder in place of `real_next_obs` and
+  `rb.add`, `buffer.sample(..., step=)` in place of `rb.sample`."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  total_steps, learning_starts, batch_size = 300, 100, 32
+  envs = gym.make_vec("CartPole-v1", num_envs=4, vectorization_mode="sync")
+  buffer = jaxbuf.uniform_replay(10_000)     # rb = ReplayBuffer(...)
+  recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
+  state = buffer.init(recorder.example)      # a jaxbuf.Transition of zeros
+  network = nn.Sequential([nn.Dense(120), nn.relu, nn.Dense(84), nn.relu,
+                           nn.Dense(2)])
+  optimizer = optax.adam(2.5e-4)
+
+  @jax.jit
+  def update(params, target_params, opt_state, batch):
+    def loss(params):
+      q = network.apply(params, batch.obs)
+      q_taken = jnp.take_along_axis(q, batch.action[:, None], -1)[:, 0]
+      next_q = network.apply(target_params, batch.next_obs).max(-1)
+      target = batch.reward + 0.99 * next_q * (1.0 - batch.terminated)
+      return jnp.mean((q_taken - jax.lax.stop_gradient(target)) ** 2)
+    updates, opt_state = optimizer.update(jax.grad(loss)(params), opt_state)
+    return optax.apply_updates(params, updates), opt_state
+
+  q_values = jax.jit(network.apply)
+  obs, _ = envs.reset(seed=0)
+  recorder.reset(obs)
+  params = target_params = network.init(jax.random.key(0), obs)
+  opt_state = optimizer.init(params)
+  sample_key, rng = jax.random.key(1), np.random.default_rng(0)
+  for global_step in range(total_steps):
+    if rng.random() < 0.1:
+      actions = envs.action_space.sample()
+    else:
+      actions = np.asarray(q_values(params, obs).argmax(-1))
+    next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+    # rb.add(obs, real_next_obs, actions, rewards, terminations, infos):
+    state = recorder.add(state, actions, next_obs, rewards, terminations,
+                         truncations, infos)
+    obs = next_obs
+    if global_step > learning_starts and global_step % 4 == 0:
+      # data = rb.sample(batch_size):
+      batch = buffer.sample(state, sample_key, batch_size,
+                            step=global_step).items
+      params, opt_state = update(params, target_params, opt_state, batch)
+    if global_step % 100 == 0:
+      target_params = params
+  envs.close()
+  assert 0 < int(state.size) <= 4 * total_steps
+  assert np.isfinite(jax.tree.leaves(params)[0]).all()
