@@ -179,6 +179,18 @@ def test_streams_hold_exactly_the_envs_episodes(mode, kind):
   envs.close()
 
 
+def jitted_add(buffer: jaxbuf.Buffer) -> tuple:
+  """A jitted `recorded.add_to(buffer, state)` and the list of its traces."""
+  traces = []
+
+  @jax.jit
+  def add(state, recorded):
+    traces.append(recorded)
+    return recorded.add_to(buffer, state)
+
+  return add, traces
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_streams_add_with_one_compilation_and_items_with_at_most_n(mode):
   """Stream adds have fixed shapes; item adds drop NEXT_STEP's reset rows,
@@ -187,13 +199,7 @@ def test_streams_add_with_one_compilation_and_items_with_at_most_n(mode):
                  jaxbuf.uniform_replay(256)):
     envs = where_envs(MODES[mode])
     recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
-    traces = []
-
-    @jax.jit
-    def add(state, recorded):
-      traces.append(recorded)
-      return recorded.add_to(buffer, state)  # pylint: disable=cell-var-from-loop
-
+    add, traces = jitted_add(buffer)
     state = buffer.init(recorder.example)
     obs, _ = envs.reset(seed=1)
     recorder.reset(obs)
@@ -346,7 +352,8 @@ def test_dict_observations_and_copy_false():
     buffer = jaxbuf.uniform_replay(500)
     recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
     state, ends = run(envs, recorder, buffer.init(recorder.example), 40)
-    items = jax.tree.map(lambda leaf: leaf[:int(state.size)],
+    size = int(state.size)
+    items = jax.tree.map(lambda leaf, size=size: leaf[:size],
                          jax.device_get(state.storage))
     assert ends > 5
     check_cartpole_transitions(
@@ -405,7 +412,7 @@ def test_same_step_without_the_final_observation_is_refused():
   obs, _ = envs.reset(seed=0)
   recorder.reset(obs)
   actions = np.zeros(NUM_ENVS, np.int64)
-  next_obs, rewards, terminated, truncated, info = envs.step(actions)
+  next_obs, rewards, terminated, truncated, _ = envs.step(actions)
   assert terminated[0]  # env 0's first episode is one step long
   with pytest.raises(ValueError, match="env 0 ended its episode, but info "
                      "has no final_obs"):

@@ -212,6 +212,7 @@ class VectorEnvRecorder:
     observation = example_from_space(envs.single_observation_space)
     action = example_from_space(envs.single_action_space)
     reward, flag = np.zeros((), np.float32), np.zeros((), np.bool_)
+    self.example: Transition | EpisodeStep
     if self._layout == "items":
       self.example = Transition(obs=observation, action=action, reward=reward,
                                 next_obs=observation, terminated=flag,
@@ -344,9 +345,10 @@ class VectorEnvRecorder:
           "returned, unchanged.")
     # A second copy: `held` is the next step's `obs`, the reset observations.
     final_obs = _copied(held)
-    leaves, treedef = jax.tree_util.tree_flatten(final_obs)
+    leaves = jax.tree.leaves(final_obs)
     for env in np.flatnonzero(ended):
-      for leaf, final in zip(leaves, treedef.flatten_up_to(
-          info["final_obs"][env])):
+      # One env's observation: the same structure, so its leaves in order.
+      for leaf, final in zip(leaves, jax.tree.leaves(info["final_obs"][env]),
+                             strict=True):
         leaf[env] = final
     return final_obs
