@@ -194,8 +194,9 @@ class VectorEnvRecorder:
   ...   next_obs, rewards, terminated, truncated, info = envs.step(actions)
   ...   state = recorder.add(state, actions, next_obs, rewards, terminated,
   ...                        truncated, info)
-  ...   obs = next_obs
-  >>> held = int(state.size)   # 60 env steps, less one reset step per end
+  ...   obs = next_obs   # for acting; the recorder keeps its own copy
+  >>> int(state.size) <= 60   # 30 steps of 2 envs, less a reset per end
+  True
   >>> batch = buffer.sample(state, jax.random.key(0), 32)
   >>> batch.items.obs.shape, batch.items.next_obs.shape
   ((32, 4), (32, 4))
