@@ -144,6 +144,8 @@ def test_items_are_exactly_the_envs_transitions(mode, kind):
 
 STREAM_KINDS = {
     "sequence": lambda: jaxbuf.sequence_replay(NUM_ENVS, NUM_ENVS * 200, 2),
+    "prioritized_sequence": lambda: jaxbuf.prioritized_sequence_replay(
+        NUM_ENVS, NUM_ENVS * 200, 2),
     "episode": lambda: jaxbuf.episode_replay(NUM_ENVS, NUM_ENVS * 200, 8),
 }
 
