@@ -15,6 +15,8 @@ actions are held as int32 or int64); the rest in the default mode only.
 import inspect
 
 import gymnasium as gym
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import numpy as np
 import pytest
@@ -47,8 +49,9 @@ class WhereEnv(gym.Env):
   observation_space = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
   action_space = gym.spaces.Discrete(3)
 
-  def __init__(self, env_id: int):
+  def __init__(self, env_id: int, time_limit: int = TIME_LIMIT):
     self.env_id = env_id
+    self.time_limit = time_limit
     self.episode = -1
     self.t = 0
     self.obs = None
@@ -72,17 +75,18 @@ class WhereEnv(gym.Env):
     next_obs = self._observation(action)
     # The time limit's own flag, as gymnasium's TimeLimit (around this env)
     # will return it.
-    truncated = self.t >= TIME_LIMIT
+    truncated = self.t >= self.time_limit
     self.log.append((tuple(self.obs), action, reward, tuple(next_obs),
                      terminated, truncated))
     self.obs = next_obs
     return next_obs, reward, terminated, False, {}
 
 
-def where_envs(mode: AutoresetMode) -> gym.vector.SyncVectorEnv:
+def where_envs(mode: AutoresetMode, num_envs: int = NUM_ENVS,
+               time_limit: int = TIME_LIMIT) -> gym.vector.SyncVectorEnv:
   return gym.vector.SyncVectorEnv(
-      [lambda i=i: gym.wrappers.TimeLimit(WhereEnv(i), TIME_LIMIT)
-       for i in range(NUM_ENVS)], autoreset_mode=mode)
+      [lambda i=i: gym.wrappers.TimeLimit(WhereEnv(i, time_limit), time_limit)
+       for i in range(num_envs)], autoreset_mode=mode)
 
 
 def logs(envs) -> list[list[tuple]]:
@@ -155,6 +159,44 @@ def final_steps_taken(buffer: jaxbuf.Buffer) -> None:
   (issue 32 gives every stream kind the one add sequence replay has)."""
   if "final_steps" not in inspect.signature(buffer.add).parameters:
     pytest.skip(f"{buffer.kind.name}'s add takes no final_steps yet")
+
+
+# One buffer per number of envs for all examples, so that each add shape
+# compiles once.
+PROPERTY_BUFFERS = {num_envs: jaxbuf.uniform_replay(512)
+                    for num_envs in range(1, 5)}
+
+
+@hypothesis.given(
+    mode=st.sampled_from(list(MODES.values())),
+    num_envs=st.integers(1, 4), time_limit=st.integers(1, 8),
+    steps=st.integers(0, 25), seed=st.integers(0, 2**16),
+    partial_reset_at=st.one_of(st.none(), st.integers(0, 25)))
+@hypothesis.settings(max_examples=25)
+def test_any_run_stores_exactly_the_envs_transitions(
+    mode, num_envs, time_limit, steps, seed, partial_reset_at):
+  """Any mode, number of envs, time limit and run length, with or without
+  a partial reset (gymnasium's reset_mask) on the way: the items held are
+  the env's log, each transition once."""
+  envs = where_envs(mode, num_envs, time_limit)
+  buffer = PROPERTY_BUFFERS[num_envs]
+  recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
+  state = buffer.init(recorder.example)
+  rng = np.random.default_rng(seed)
+  obs, _ = envs.reset(seed=seed)
+  recorder.reset(obs)
+  for step in range(steps):
+    if step == partial_reset_at:
+      mask = rng.random(num_envs) < 0.5
+      mask[rng.integers(num_envs)] = True   # gymnasium needs one env reset
+      obs, _ = envs.reset(options={"reset_mask": mask})
+      recorder.reset(obs, reset_mask=mask)
+    actions = rng.integers(0, 3, num_envs)
+    state = recorder.add(state, actions, *envs.step(actions))
+  got = as_tuples(*(leaf[:int(state.size)]
+                    for leaf in jax.device_get(state.storage)))
+  assert sorted(got) == sorted(t for log in logs(envs) for t in log)
+  envs.close()
 
 
 @pytest.mark.usefixtures("x64_mode")
