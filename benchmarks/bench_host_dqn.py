@@ -67,7 +67,7 @@ def cpprb_buffer(capacity: int):
   def sample(replay, key, batch_size, *, step=None):
     del key, step  # cpprb draws from its own generator
     batch = replay.sample(batch_size)
-    items = gymnasium_dqn.Transition(**{
+    items = jaxbuf.Transition(**{
         name: batch[name].reshape((batch_size, *shape))
         for name, shape in shapes.items()})
     return jaxbuf.ReplaySample(
@@ -83,7 +83,10 @@ def cpprb_buffer(capacity: int):
                        update_priorities=update_priorities,
                        can_sample=lambda replay, batch_size:
                        replay.get_stored_size() >= batch_size,
-                       clear=lambda replay: replay.clear() or replay)
+                       clear=lambda replay: replay.clear() or replay,
+                       # Says it holds items, as uniform replay does, to
+                       # the jaxbuf.VectorEnvRecorder that fills it.
+                       kind=jaxbuf.uniform_replay(capacity).kind)
 
 
 def run_sb3(config: gymnasium_dqn.Config) -> dict:

@@ -24,11 +24,14 @@ CleanRL's network and hyperparameters) in two ways:
   python examples/gymnasium_dqn.py --replay prioritized
   python examples/gymnasium_dqn.py --plot gymnasium_dqn.png  # returns curve
 
-Autoreset: the vector env resets an ended episode within the same step
-(`AutoresetMode.SAME_STEP`); the observation it returns is the new
-episode's, and the true final observation is `info["final_obs"]`, which the
-stored transition keeps as `next_obs`. Only `terminated` stops the
-bootstrap: CartPole-v1's 500-step time limit is bootstrapped.
+Autoreset: `jaxbuf.VectorEnvRecorder` turns each env step into the add, in
+either of gymnasium's autoreset modes, so no reset is stored as a
+transition and `next_obs` is the true final observation where an episode
+ended. The env here resets within the same step (`AutoresetMode.SAME_STEP`),
+so every env step is a transition and the jitted step sees N of them each
+time (with gymnasium's default, NEXT_STEP, the step after an episode end is
+a reset the recorder leaves out). Only `terminated` stops the bootstrap:
+CartPole-v1's 500-step time limit is bootstrapped.
 
 The TD target is CleanRL's (the target network's max) with a squared error,
 gradients clipped at norm 10; the network is examples/dqn.py's (120, 84).
@@ -85,15 +88,6 @@ class Config:
   progress: bool = True              # the tqdm bar
 
 
-class Transition(NamedTuple):
-  """One replay item; `next_obs` is the observation before any autoreset."""
-  obs: Any          # [*obs_shape], the observation space's dtype
-  action: Any       # (), the action space's dtype (int64 for Discrete)
-  reward: Any       # (), float32
-  next_obs: Any     # [*obs_shape]
-  terminated: Any   # (), bool: true end of episode, no bootstrap
-
-
 @flax.struct.dataclass
 class LoopState:
   """What the recipe's jitted step carries from one env step to the next."""
@@ -110,7 +104,7 @@ class Agent(NamedTuple):
   buffer: jaxbuf.Buffer
   network: QNetwork
   optimizer: optax.GradientTransformation
-  example: Transition                   # one unbatched item, NumPy
+  example: jaxbuf.Transition            # one unbatched item, NumPy
   td_loss: Callable                     # params, target, sample -> loss, td
   act: Callable                         # params, obs [N, ...], key, iteration
   iterations: int                       # vectorized env steps
@@ -141,12 +135,6 @@ def make_agent(config: Config, envs: gym.vector.VectorEnv,
   epsilon = optax.linear_schedule(
       config.epsilon_start, config.epsilon_end,
       transition_steps=max(int(config.epsilon_fraction * iterations), 1))
-  observation = jaxbuf.example_from_space(envs.single_observation_space)
-  example = Transition(
-      obs=observation,
-      action=jaxbuf.example_from_space(envs.single_action_space),
-      reward=np.float32(0), next_obs=observation,
-      terminated=np.bool_(False))
 
   def td_loss(params, target_params, sample: jaxbuf.ReplaySample):
     batch = sample.items
@@ -169,28 +157,15 @@ def make_agent(config: Config, envs: gym.vector.VectorEnv,
       buffer=buffer, network=network,
       optimizer=optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
                             optax.adam(config.learning_rate)),
-      example=example, td_loss=td_loss, act=act, iterations=iterations,
+      example=jaxbuf.VectorEnvRecorder(envs, buffer).example, td_loss=td_loss, act=act, iterations=iterations,
       learning_starts=config.learning_starts // config.num_envs,
       train_period=max(config.train_frequency // config.num_envs, 1),
       target_period=max(config.target_update_interval // config.num_envs, 1))
 
 
-def host_transition(obs: np.ndarray, actions: np.ndarray, rewards: np.ndarray,
-                    next_obs: np.ndarray, terminated: np.ndarray,
-                    info: dict) -> Transition:
-  """The N transitions of one env step, NumPy, final observations restored."""
-  if "_final_obs" in info:
-    next_obs = next_obs.copy()
-    for env in np.flatnonzero(info["_final_obs"]):
-      next_obs[env] = info["final_obs"][env]
-  return Transition(obs=obs, action=actions,
-                    reward=rewards.astype(np.float32), next_obs=next_obs,
-                    terminated=terminated)
-
-
 def make_recipe_step(config: Config, agent: Agent) -> tuple[Callable, Callable]:
   """`start(key, obs) -> (state, actions)` and the donated, jitted
-  `step(state, transition, obs) -> (state, actions [N])`."""
+  `step(state, recorded, obs) -> (state, actions [N])`."""
   learn = common.td_learner(agent.buffer, agent.optimizer, agent.td_loss,
                             config.batch_size)
 
@@ -204,10 +179,10 @@ def make_recipe_step(config: Config, agent: Agent) -> tuple[Callable, Callable]:
         iteration=jnp.zeros((), jnp.int32), key=key)
     return state, agent.act(params, obs, act_key, state.iteration)
 
-  def step(state: LoopState, transition: Transition, obs):
+  def step(state: LoopState, recorded: jaxbuf.RecordedStep, obs):
     key, learn_key, act_key = jax.random.split(state.key, 3)
     state = state.replace(
-        buffer_state=agent.buffer.add(state.buffer_state, transition),
+        buffer_state=recorded.add_to(agent.buffer, state.buffer_state),
         iteration=state.iteration + 1, key=key)
     should_learn = (
         agent.buffer.can_sample(state.buffer_state, config.batch_size)
@@ -245,8 +220,10 @@ def train(config: Config, *, buffer: jaxbuf.Buffer | None = None
   "env_steps" and "episode_returns" [(env step, return)]."""
   envs = make_envs(config)
   agent = make_agent(config, envs, buffer)
+  recorder = jaxbuf.VectorEnvRecorder(envs, agent.buffer)
   returns = EpisodeReturns(config.num_envs)
   obs, _ = envs.reset(seed=config.seed)
+  recorder.reset(obs)
   key = jax.random.key(config.seed)
   action_dtype = envs.single_action_space.dtype
   progress = tqdm.tqdm(total=agent.iterations * config.num_envs,
@@ -262,10 +239,9 @@ def train(config: Config, *, buffer: jaxbuf.Buffer | None = None
     next_obs, rewards, terminated, truncated, info = envs.step(actions)
     returns.record(iteration * config.num_envs, rewards,
                    terminated | truncated)
-    actions = loop.send((
-        host_transition(obs, actions, rewards, next_obs, terminated, info),
-        next_obs))
-    obs = next_obs
+    actions = loop.send((recorder.record(actions, next_obs, rewards,
+                                         terminated, truncated, info),
+                         next_obs))
     if iteration % 500 == 499:
       recent = returns.mean_since((iteration - 5000) * config.num_envs)
       progress.update(500 * config.num_envs)
@@ -283,12 +259,13 @@ def train(config: Config, *, buffer: jaxbuf.Buffer | None = None
 def recipe_loop(config: Config, agent: Agent, key: jax.Array,
                 obs: np.ndarray):
   """A generator of actions [N]: the first for `obs`, then one for each
-  `(transition, obs)` sent, the new observations after the transitions."""
+  `(recorded, obs)` sent: a `jaxbuf.RecordedStep` and the new
+  observations after it."""
   start, step = make_recipe_step(config, agent)
   state, actions = start(key, obs)
   while True:
-    transition, obs = yield actions
-    state, actions = step(state, transition, obs)
+    recorded, obs = yield actions
+    state, actions = step(state, recorded, obs)
 
 
 def natural_loop(config: Config, agent: Agent, key: jax.Array,
@@ -318,8 +295,8 @@ def natural_loop(config: Config, agent: Agent, key: jax.Array,
   buffer_state = buffer.init(agent.example)
   iteration = 0
   while True:
-    transition, obs = yield act(params, obs, act_key, iteration)
-    buffer_state = buffer.add(buffer_state, transition)
+    recorded, obs = yield act(params, obs, act_key, iteration)
+    buffer_state = recorded.add_to(buffer, buffer_state)
     iteration += 1
     if (iteration >= agent.learning_starts
         and iteration % agent.train_period == 0):

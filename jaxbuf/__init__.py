@@ -78,6 +78,8 @@ from jaxbuf._src.streams.transitions import n_step_transitions
 from jaxbuf._src.streams.transitions import r2d2_priorities
 from jaxbuf._src.items.uniform import epoch_batches
 from jaxbuf._src.items.uniform import uniform_replay
+from jaxbuf._src.host.vector_envs import RecordedStep
+from jaxbuf._src.host.vector_envs import VectorEnvRecorder
 
 __version__ = "0.1.0"
 
@@ -98,6 +100,7 @@ __all__ = (
     "PrioritizedReplayState",
     "PrioritizedSequenceReplayState",
     "PyTree",
+    "RecordedStep",
     "ReplaySample",
     "ReplayState",
     "RolloutBuffer",
@@ -107,6 +110,7 @@ __all__ = (
     "SequenceReplayState",
     "SequenceSample",
     "Transition",
+    "VectorEnvRecorder",
     "burn_in_split",
     "compute_gae",
     "cond_update",

@@ -228,17 +228,19 @@ def test_import_jaxbuf_does_not_import_gymnasium():
 # --- examples/gymnasium_dqn.py -----------------------------------------------
 
 
-def test_host_transition_keeps_the_final_observation():
+def test_recorded_transitions_keep_the_final_observation():
   """CartPole's Euler step: x' = x + 0.02 x_dot for every true successor, the
   final observation of an ended episode included, never the reset one."""
   envs = gymnasium_dqn.make_envs(gymnasium_dqn.Config())
+  recorder = jaxbuf.VectorEnvRecorder(envs, jaxbuf.uniform_replay(8))
   obs, _ = envs.reset(seed=0)
+  recorder.reset(obs)
   ended = 0
   for _ in range(60):
     actions = envs.action_space.sample()
     next_obs, rewards, terminated, truncated, info = envs.step(actions)
-    transition = gymnasium_dqn.host_transition(obs, actions, rewards,
-                                               next_obs, terminated, info)
+    transition = recorder.record(actions, next_obs, rewards, terminated,
+                                 truncated, info).items
     np.testing.assert_allclose(transition.next_obs[:, 0],
                                obs[:, 0] + 0.02 * obs[:, 1], atol=1e-6)
     assert transition.reward.dtype == np.float32

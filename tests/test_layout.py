@@ -26,12 +26,14 @@ SRC = PACKAGE / "_src"
 # first: kinds, types, random bits, checks, the binding and the storage every
 # buffer shares; the buffers of items and on-policy rollouts; the stream
 # buffers (which build on prioritized items); sharding, checkpoints and
-# offline datasets on top. The package `jaxbuf` is above them all.
+# offline datasets above them; host loops (which write the offline forms)
+# on top. The package `jaxbuf` is above them all.
 LAYERS = (
     ("core",),
     ("items", "onpolicy"),
     ("streams",),
     ("sharded", "checkpoint", "offline"),
+    ("host",),
 )
 
 
