@@ -56,8 +56,9 @@ loss over the whole batch (averaged across devices by XLA's SPMD
 partitioner) updates the replicated network on every device.
 
 Truncation: gymnax resets inside `env.step` and returns the observation after
-the reset; the pre-reset observation is `info["final_observation"]`, which is
-what each stored transition keeps as `next_obs`. Only `terminated` stops the
+the reset; the pre-reset observation is `info["final_observation"]`
+(`EnvStep.final_obs`), which is what each stored transition keeps as
+`next_obs`. Only `terminated` stops the
 bootstrap, so a time limit (CartPole-v1 cuts episodes at 500 steps) is
 bootstrapped from the value of the true final observation.
 """
@@ -153,7 +154,6 @@ def make_trainer(config: Config) -> training.Trainer:
   envs = training.make_vector_env(config.env_name, config.time_limit,
                                   config.num_envs)
   network = QNetwork(envs.num_actions, config.hidden_size)
-  epsilon = q_learning.epsilon_schedule(config)
   buffer, place = split_over(config, q_learning.replay_buffer(
       config, functools.partial(jaxbuf.uniform_replay, config.buffer_size),
       functools.partial(jaxbuf.prioritized_replay, config.buffer_size)))
@@ -199,29 +199,24 @@ def make_trainer(config: Config) -> training.Trainer:
     loss = jnp.mean(sample.weights * 0.5 * td_error ** 2)
     return loss, td_error
 
-  def collect(state, explore_key, action_key, env_key):
-    actions = q_learning.epsilon_greedy(
-        explore_key, action_key, network.apply(state.params, state.obs),
-        epsilon(state.iteration))
-    next_obs, env_state, rewards, terminated, truncated, info = envs.step(
-        env_key, state.env_state, actions)
+  def collect(state, actions, env_key):
+    step = envs.step(env_key, state.env_state, actions)
     buffer_state = buffer.add(state.buffer_state, Transition(
-        obs=state.obs, action=actions, reward=rewards,
-        next_obs=info["final_observation"], terminated=terminated))
-    state, episode_ended, episode_returns = state.stepped(
-        buffer_state, env_state, next_obs, rewards, terminated | truncated)
+        obs=state.obs, action=actions, reward=step.reward,
+        next_obs=step.final_obs, terminated=step.terminated))
+    state, episode_ended, episode_returns = state.stepped(buffer_state, step)
     return placed(state), episode_ended, episode_returns
 
   return q_learning.make_trainer(
       config, buffer=buffer, optimizer=optimizer, td_loss=td_loss, init=init,
+      q_values=lambda params, state: network.apply(params, state.obs),
       collect=collect, title=f"DQN ({config.replay} replay), {config.env_name}")
 
 
 def train(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
   """Trains `config.num_seeds` seeds at once; `training.train`'s dict, an
   iteration per vectorized env step."""
-  return training.train(make_trainer(config), config,
-                        show_progress=show_progress)
+  return training.train(make_trainer(config), config, show_progress)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -99,7 +99,6 @@ def make_trainer(config: Config) -> training.Trainer:
                                   config.num_envs,
                                   observe=training.position_and_angle)
   network = q_learning.QNetwork(envs.num_actions, config.hidden_size)
-  epsilon = q_learning.epsilon_schedule(config)
   stream = dict(num_envs=config.num_envs, capacity=config.buffer_size,
                 num_stack=config.num_stack, n_step=config.n_step,
                 gamma=config.gamma, pad=config.pad)
@@ -130,38 +129,33 @@ def make_trainer(config: Config) -> training.Trainer:
     loss = jnp.mean(sample.weights * 0.5 * td_error ** 2)
     return loss, td_error
 
-  def collect(state, explore_key, action_key, env_key):
-    actions = q_learning.epsilon_greedy(
-        explore_key, action_key, network.apply(state.params, flat(state.obs)),
-        epsilon(state.iteration))
-    next_obs, env_state, rewards, terminated, truncated, info = envs.step(
-        env_key, state.env_state, actions)
-    episode_ended = terminated | truncated
-    no = jnp.zeros(config.num_envs, bool)
+  def collect(state, actions, env_key):
+    step = envs.step(env_key, state.env_state, actions)
     buffer_state = buffer.add(state.buffer_state, Step(
-        obs=state.obs[..., -1], action=actions, reward=rewards,
-        terminated=terminated))
+        obs=state.obs[..., -1], action=actions, reward=step.reward,
+        terminated=step.terminated))
     # The final observation, once, as its own step of the envs that ended.
     buffer_state = buffer.add(buffer_state, Step(
-        obs=info["final_observation"], action=jnp.zeros_like(actions),
-        reward=jnp.zeros_like(rewards), terminated=no),
-        mask=episode_ended, episode_end=~no)
-    stack = jnp.where(episode_ended[:, None, None],
-                      new_stacks(next_obs, config.num_stack),
-                      pushed(state.obs, next_obs))
-    return state.stepped(buffer_state, env_state, stack, rewards,
-                         episode_ended)
+        obs=step.final_obs, action=jnp.zeros_like(actions),
+        reward=jnp.zeros_like(step.reward),
+        terminated=jnp.zeros_like(step.terminated)),
+        mask=step.ended, episode_end=jnp.ones_like(step.ended))
+    stack = jnp.where(step.ended[:, None, None],
+                      new_stacks(step.obs, config.num_stack),
+                      pushed(state.obs, step.obs))
+    return state.stepped(buffer_state, step, obs=stack)
 
   return q_learning.make_trainer(
       config, buffer=buffer, optimizer=optimizer, td_loss=td_loss, init=init,
+      q_values=lambda params, state: network.apply(params, flat(state.obs)),
       collect=collect, title=(f"{config.n_step}-step DQN, {config.num_stack} "
                               "stacked frames, CartPole-v1 without velocities"))
 
 
 def train(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
-  """Trains `config.num_seeds` seeds at once; `training.train`'s dict."""
-  return training.train(make_trainer(config), config,
-                        show_progress=show_progress)
+  """Trains `config.num_seeds` seeds at once; `training.train`'s dict, an
+  iteration per vectorized env step of the stacking agent."""
+  return training.train(make_trainer(config), config, show_progress)
 
 
 def main(argv: list[str] | None = None) -> None:

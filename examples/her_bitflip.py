@@ -123,8 +123,8 @@ def make_trainer(config: Config) -> training.Trainer:
   buffer = q_learning.replay_buffer(
       config, hindsight, functools.partial(hindsight, prioritized=True))
   optimizer = q_learning.make_optimizer(config)
-  epsilon = q_learning.epsilon_schedule(config)
   greedy = jnp.arange(num_envs) < config.greedy_envs
+  epsilon = q_learning.epsilon_schedule(config)
 
   def init(key: jax.Array) -> RunnerState:
     key, network_key, bits_key, goals_key = jax.random.split(key, 4)
@@ -149,11 +149,8 @@ def make_trainer(config: Config) -> training.Trainer:
     td_error = q_taken - target
     return jnp.mean(sample.weights * optax.huber_loss(td_error)), td_error
 
-  def collect(state, explore_key, action_key, reset_key):
+  def collect(state, actions, reset_key):
     obs = goal_obs(state.bits, state.goals)
-    actions = q_learning.epsilon_greedy(
-        explore_key, action_key, network.apply(state.params, q_input(obs)),
-        jnp.where(greedy, 0.0, epsilon(state.iteration)))
     next_bits = jnp.where(
         jax.nn.one_hot(actions, num_bits, dtype=bool), 1.0 - state.bits,
         state.bits)
@@ -182,7 +179,10 @@ def make_trainer(config: Config) -> training.Trainer:
 
   return q_learning.make_trainer(
       config, buffer=buffer, optimizer=optimizer, td_loss=td_loss, init=init,
+      q_values=lambda params, state: network.apply(
+          params, q_input(goal_obs(state.bits, state.goals))),
       collect=collect,
+      epsilon=lambda iteration: jnp.where(greedy, 0.0, epsilon(iteration)),
       title=(f"DQN + HER ({config.strategy}, relabel "
              f"{config.relabel_fraction}), {config.num_bits}-bit flipping"))
 
@@ -190,8 +190,7 @@ def make_trainer(config: Config) -> training.Trainer:
 def train(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
   """Trains `config.num_seeds` seeds at once; `training.train`'s dict,
   whose returns are the greedy envs' successes (0 or 1 per episode)."""
-  return training.train(make_trainer(config), config,
-                        show_progress=show_progress)
+  return training.train(make_trainer(config), config, show_progress)
 
 
 class EpisodeStatistics(NamedTuple):

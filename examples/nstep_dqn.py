@@ -80,7 +80,6 @@ def make_trainer(config: Config) -> training.Trainer:
   envs = training.make_vector_env(config.env_name, config.time_limit,
                                   config.num_envs)
   network = q_learning.QNetwork(envs.num_actions, config.hidden_size)
-  epsilon = q_learning.epsilon_schedule(config)
   stream = (config.num_envs, config.buffer_size, config.n_step + 1)
   buffer = q_learning.replay_buffer(
       config, functools.partial(jaxbuf.sequence_replay, *stream),
@@ -112,25 +111,21 @@ def make_trainer(config: Config) -> training.Trainer:
             / jnp.maximum(jnp.sum(batch.valid), 1))
     return loss, td_error
 
-  def collect(state, explore_key, action_key, env_key):
-    actions = q_learning.epsilon_greedy(
-        explore_key, action_key, network.apply(state.params, state.obs),
-        epsilon(state.iteration))
-    next_obs, env_state, rewards, terminated, truncated, info = envs.step(
-        env_key, state.env_state, actions)
-    episode_ended = terminated | truncated
+  def collect(state, actions, env_key):
+    step = envs.step(env_key, state.env_state, actions)
     no = jnp.zeros(config.num_envs, bool)
     # The final observation, once, as its own step of the envs that ended.
     buffer_state = buffer.add(state.buffer_state, Step(
-        obs=state.obs, action=actions, reward=rewards, terminated=terminated,
-        last=no), final_steps=Step(
-            obs=info["final_observation"], action=jnp.zeros_like(actions),
-            reward=jnp.zeros_like(rewards), terminated=no, last=episode_ended))
-    return state.stepped(buffer_state, env_state, next_obs, rewards,
-                         episode_ended)
+        obs=state.obs, action=actions, reward=step.reward,
+        terminated=step.terminated, last=no), final_steps=Step(
+            obs=step.final_obs, action=jnp.zeros_like(actions),
+            reward=jnp.zeros_like(step.reward), terminated=no,
+            last=step.ended))
+    return state.stepped(buffer_state, step)
 
   return q_learning.make_trainer(
       config, buffer=buffer, optimizer=optimizer, td_loss=td_loss, init=init,
+      q_values=lambda params, state: network.apply(params, state.obs),
       collect=collect, title=(f"{config.n_step}-step DQN ({config.replay} "
                               f"sequence replay), {config.env_name}"))
 
@@ -158,8 +153,7 @@ def memory_per_transition(episodes_per_step: float,
 def train(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
   """Trains `config.num_seeds` seeds at once; `training.train`'s dict and
   "memory", `memory_per_transition` at the episode rate seen."""
-  result = training.train(make_trainer(config), config,
-                          show_progress=show_progress)
+  result = training.train(make_trainer(config), config, show_progress)
   episodes_per_step = (result["episodes_ended"].sum()
                        / (result["env_steps_per_seed"] * config.num_seeds))
   result["memory"] = memory_per_transition(float(episodes_per_step))

@@ -185,7 +185,7 @@ def make_train(buffer: jaxbuf.Buffer, network: nn.Module, config: Config,
 def make_evaluate(network: nn.Module, config: Config) -> Any:
   """`evaluate(params, key) -> mean return` of E greedy episodes in gymnax."""
   envs = training.make_vector_env("CartPole-v1", config.time_limit,
-                                config.eval_episodes)
+                                  config.eval_episodes)
 
   def evaluate(params, key):
     reset_key, key = jax.random.split(key)
@@ -194,11 +194,10 @@ def make_evaluate(network: nn.Module, config: Config) -> Any:
     def step(carry, step_key):
       obs, env_state, returns, running = carry
       action = jnp.argmax(network.apply(params, obs), axis=-1)
-      obs, env_state, reward, terminated, truncated, _ = envs.step(
-          step_key, env_state, action)
-      returns = returns + jnp.where(running, reward, 0.0)
-      running = running & ~(terminated | truncated)
-      return (obs, env_state, returns, running), None
+      outcome = envs.step(step_key, env_state, action)
+      returns = returns + jnp.where(running, outcome.reward, 0.0)
+      running = running & ~outcome.ended
+      return (outcome.obs, outcome.env_state, returns, running), None
 
     carry = (obs, env_state, jnp.zeros(config.eval_episodes),
              jnp.ones(config.eval_episodes, bool))

@@ -236,26 +236,22 @@ def make_trainer(config: Config) -> training.Trainer:
     action = jax.random.categorical(action_key, logits).astype(jnp.int32)
     log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits),
                                    action[:, None], axis=-1)[:, 0]
-    next_obs, env_state, reward, terminated, truncated, info = envs.step(
-        env_key, state.env_state, action)
+    step = envs.step(env_key, state.env_state, action)
     # V(final observation) for steps cut by the time limit: the observation
     # the auto-reset replaced, seen with the hidden state this step produced.
-    _, _, truncated_value = policy(state.params, next_hidden,
-                                   info["final_observation"],
+    _, _, truncated_value = policy(state.params, next_hidden, step.final_obs,
                                    jnp.zeros_like(state.episode_start))
-    reward = reward.astype(jnp.float32)
     rollout_state = rollout.add(state.rollout_state, dict(
         obs=state.obs, action=action, log_prob=log_prob, value=value,
-        reward=reward, terminated=terminated, truncated=truncated,
-        truncated_value=truncated_value, episode_start=state.episode_start,
-        hidden=state.hidden))
-    episode_returns = state.episode_returns + reward
-    episode_ended = terminated | truncated
+        reward=step.reward, terminated=step.terminated,
+        truncated=step.truncated, truncated_value=truncated_value,
+        episode_start=state.episode_start, hidden=state.hidden))
+    episode_returns = state.episode_returns + step.reward
     state = state.replace(
-        rollout_state=rollout_state, env_state=env_state, obs=next_obs,
-        hidden=next_hidden, episode_start=episode_ended,
-        episode_returns=jnp.where(episode_ended, 0.0, episode_returns), key=key)
-    return state, training.episode_metrics(episode_ended, episode_returns,
+        rollout_state=rollout_state, env_state=step.env_state, obs=step.obs,
+        hidden=next_hidden, episode_start=step.ended,
+        episode_returns=jnp.where(step.ended, 0.0, episode_returns), key=key)
+    return state, training.episode_metrics(step.ended, episode_returns,
                                            jnp.zeros((), jnp.float32))
 
   def minibatch_loss(params, minibatch) -> jax.Array:
@@ -320,8 +316,7 @@ def make_trainer(config: Config) -> training.Trainer:
 def train(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
   """Trains `config.num_seeds` seeds at once; `training.train`'s dict, an
   iteration per PPO update of T * N env steps."""
-  return training.train(make_trainer(config), config,
-                        show_progress=show_progress)
+  return training.train(make_trainer(config), config, show_progress)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,10 +2,10 @@
 
 Shape key: N envs, S sample size, A actions.
 
-A Q-learning example writes its replay buffer, its TD loss and its
-`collect` (act, step the envs, add to the buffer); `make_trainer` wraps
-them in the same step: collect, then, once the buffer can sample and the
-warm-up is over, one learner update (`buffer.sample`, the loss, optax,
+A Q-learning example writes its replay buffer, its Q-values, its TD loss and
+its `collect` (step the envs with the given actions, add to the buffer);
+`make_trainer` wraps them in the same step: epsilon-greedy actions,
+collect, then, once the buffer can sample and the warm-up is over, one learner update (`buffer.sample`, the loss, optax,
 `buffer.update_priorities`) gated by `jaxbuf.cond_update`, and the target
 network copied every `target_update_interval` env steps.
 """
@@ -109,16 +109,17 @@ class EnvLearnerState(LearnerState):
   obs: jax.Array              # [N, ...], float32: what the agent acts on
   episode_returns: jax.Array  # [N], float32: return so far of each running episode
 
-  def stepped(self, buffer_state: PyTree, env_state: PyTree, obs: jax.Array,
-              rewards: jax.Array, episode_ended: jax.Array, **fields
+  def stepped(self, buffer_state: PyTree, step: training.EnvStep, **fields
               ) -> tuple["EnvLearnerState", jax.Array, jax.Array]:
-    """The state after an env step, and `collect`'s `episode_ended` and
-    `episode_returns` (the latter zeroed in the state where an episode ended)."""
-    episode_returns = self.episode_returns + rewards
+    """The state after `step` (its `obs` unless `fields` has another), and
+    `collect`'s `episode_ended` and `episode_returns` (the latter zeroed in
+    the state where an episode ended)."""
+    episode_returns = self.episode_returns + step.reward
+    fields = dict(dict(obs=step.obs), **fields)
     return self.replace(
-        buffer_state=buffer_state, env_state=env_state, obs=obs,
-        episode_returns=jnp.where(episode_ended, 0.0, episode_returns),
-        **fields), episode_ended, episode_returns
+        buffer_state=buffer_state, env_state=step.env_state,
+        episode_returns=jnp.where(step.ended, 0.0, episode_returns),
+        **fields), step.ended, episode_returns
 
 
 def replay_buffer(config: ReplayConfig, uniform: Callable[..., jaxbuf.Buffer],
@@ -235,7 +236,8 @@ def learn_when(should_learn: jax.Array, learn: Callable, state: LearnerState,
 
 def make_trainer(config: QLearningConfig, *, buffer: jaxbuf.Buffer,
                  optimizer: optax.GradientTransformation, td_loss: Callable,
-                 init: Callable, collect: Callable, title: str,
+                 init: Callable, q_values: Callable, collect: Callable,
+                 title: str, epsilon: optax.Schedule | None = None,
                  priorities: Callable = jnp.abs) -> training.Trainer:
   """The `training.Trainer` of a Q-learning example.
 
@@ -245,21 +247,27 @@ def make_trainer(config: QLearningConfig, *, buffer: jaxbuf.Buffer,
     optimizer: from `make_optimizer`.
     td_loss: `(params, target_params, sample) -> (loss, aux)`.
     init: `key -> state`, a `LearnerState` with the example's env fields.
-    collect: one vectorized env step, `(state, explore_key, action_key,
-      env_key) -> (state, episode_ended [N], episode_returns [N])`: acts,
-      steps the envs and adds to the buffer; the returns are those of the
-      episodes so far, read where `episode_ended`.
+    q_values: `(params, state) -> [N, A]`, what the actor acts on.
+    collect: one vectorized env step, `(state, actions [N], env_key) ->
+      (state, episode_ended [N], episode_returns [N])`: steps the envs and
+      adds to the buffer; the returns are those of the episodes so far,
+      read where `episode_ended`.
     title: the progress bar's and the plot's.
+    epsilon: `iteration -> epsilon`, `()` or `[N]`; by default
+      `epsilon_schedule(config)`.
     priorities: `aux -> [S]`, the sampled items' new priorities.
   """
   learn = td_learner(buffer, optimizer, td_loss, config.batch_size,
                      priorities)
+  epsilon = epsilon or epsilon_schedule(config)
 
   def step(state: LearnerState) -> tuple[LearnerState, training.Metrics]:
     key, explore_key, action_key, env_key, learn_key = jax.random.split(
         state.key, 5)
-    state, episode_ended, episode_returns = collect(state, explore_key,
-                                                    action_key, env_key)
+    actions = epsilon_greedy(explore_key, action_key,
+                             q_values(state.params, state),
+                             epsilon(state.iteration))
+    state, episode_ended, episode_returns = collect(state, actions, env_key)
     state = state.replace(iteration=state.iteration + 1, key=key)
     # Learning samples and updates priorities but never writes the replay
     # storage, so `learn_when` keeps the storage out of the select that a

@@ -112,7 +112,6 @@ def make_trainer(config: Config) -> training.Trainer:
                                   observe=training.position_and_angle)
   network = QNetwork(envs.num_actions, config.hidden_size,
                      recurrent=config.network == "gru")
-  epsilon = q_learning.epsilon_schedule(config)
   stream = (config.num_envs, config.buffer_size, config.sequence_length)
   buffer = q_learning.replay_buffer(
       config,
@@ -171,36 +170,35 @@ def make_trainer(config: Config) -> training.Trainer:
             / jnp.maximum(jnp.sum(targets.valid), 1))
     return loss, (td_error, targets.valid)
 
-  def collect(state, explore_key, action_key, env_key):
-    next_hidden, q_values = network.apply(state.params, state.hidden,
-                                          state.obs)
-    actions = q_learning.epsilon_greedy(explore_key, action_key, q_values,
-                                        epsilon(state.iteration))
-    next_obs, env_state, rewards, terminated, truncated, info = envs.step(
-        env_key, state.env_state, actions)
-    episode_ended = terminated | truncated
+  def act(params, state):
+    return network.apply(params, state.hidden, state.obs)
+
+  def collect(state, actions, env_key):
+    # The state the network moved to acting (the same call as `act`'s).
+    next_hidden, _ = act(state.params, state)
+    step = envs.step(env_key, state.env_state, actions)
     no = jnp.zeros(config.num_envs, bool)
     buffer_state = buffer.add(state.buffer_state, Step(
-        obs=state.obs, action=actions, reward=rewards, terminated=terminated,
-        last=no, hidden=state.hidden), final_steps=Step(
-            obs=info["final_observation"],
-            action=jnp.zeros_like(actions), reward=jnp.zeros_like(rewards),
-            terminated=no, last=episode_ended, hidden=next_hidden))
+        obs=state.obs, action=actions, reward=step.reward,
+        terminated=step.terminated, last=no, hidden=state.hidden),
+        final_steps=Step(obs=step.final_obs, action=jnp.zeros_like(actions),
+                         reward=jnp.zeros_like(step.reward), terminated=no,
+                         last=step.ended, hidden=next_hidden))
     return state.stepped(
-        buffer_state, env_state, next_obs, rewards, episode_ended,
-        hidden=jnp.where(episode_ended[:, None], 0.0, next_hidden))
+        buffer_state, step,
+        hidden=jnp.where(step.ended[:, None], 0.0, next_hidden))
 
   return q_learning.make_trainer(
       config, buffer=buffer, optimizer=optimizer, td_loss=td_loss, init=init,
-      collect=collect,
+      q_values=lambda params, state: act(params, state)[1], collect=collect,
       title=f"{config.network} Q-network, CartPole-v1 without velocities",
       priorities=lambda aux: jaxbuf.r2d2_priorities(*aux, eta=config.eta))
 
 
 def train(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
-  """Trains `config.num_seeds` seeds at once; `training.train`'s dict."""
-  return training.train(make_trainer(config), config,
-                        show_progress=show_progress)
+  """Trains `config.num_seeds` seeds at once; `training.train`'s dict, an
+  iteration per vectorized env step of the recurrent agent."""
+  return training.train(make_trainer(config), config, show_progress)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -64,6 +64,23 @@ class Trainer(NamedTuple):
   title: str                                  # progress bar and plot
 
 
+class EnvStep(NamedTuple):
+  """What `VectorEnv.step` returns, leaves `[N, ...]`."""
+  obs: jax.Array          # float32, after gymnax's auto-reset: an ended
+                          # episode's env shows the next one's first
+  env_state: Any
+  reward: jax.Array       # float32
+  terminated: jax.Array   # bool: a true end of episode, no bootstrap
+  truncated: jax.Array    # bool: cut by the time limit
+  final_obs: jax.Array    # float32: the observation the step reached, before
+                          # any auto-reset (gymnax's info["final_observation"])
+
+  @property
+  def ended(self) -> jax.Array:
+    """`[N]` bool: the episode ended at this step, either way."""
+    return self.terminated | self.truncated
+
+
 class VectorEnv(NamedTuple):
   """N copies of a gymnax environment; reset and step split their key N ways.
 
@@ -74,9 +91,8 @@ class VectorEnv(NamedTuple):
   num_actions: int
   # key -> (obs [N, *obs_shape] float32, env_state with leaves [N, ...])
   reset: Callable[[jax.Array], tuple[jax.Array, Any]]
-  # (key, env_state, actions [N]) -> (obs, env_state, reward [N] float32,
-  # terminated [N], truncated [N], info), gymnax's step with auto-reset.
-  step: Callable[[jax.Array, Any, jax.Array], tuple[Any, ...]]
+  # (key, env_state, actions [N]) -> EnvStep, gymnax's step with auto-reset.
+  step: Callable[[jax.Array, Any, jax.Array], EnvStep]
 
 
 def as_float32(tree: Any) -> Any:
@@ -107,8 +123,7 @@ def make_vector_env(env_name: str, time_limit: int, num_envs: int,
 
   `time_limit`, unless 0, replaces the env's episode step limit.
   `observe`, if given, maps every observation the envs return, the final
-  observations in `info["final_observation"]` included (e.g.
-  `position_and_angle`).
+  observations included (e.g. `position_and_angle`).
   """
   env, env_params = gymnax.make(env_name)
   if time_limit:
@@ -121,14 +136,13 @@ def make_vector_env(env_name: str, time_limit: int, num_envs: int,
     obs, env_state = vmapped_reset(jax.random.split(key, num_envs), env_params)
     return observe(as_float32(obs)), env_state
 
-  def step(key: jax.Array, env_state: Any,
-           actions: jax.Array) -> tuple[Any, ...]:
+  def step(key: jax.Array, env_state: Any, actions: jax.Array) -> EnvStep:
     obs, env_state, reward, terminated, truncated, info = vmapped_step(
         jax.random.split(key, num_envs), env_state, actions, env_params)
-    info = as_float32(info)
-    info["final_observation"] = observe(info["final_observation"])
-    return (observe(as_float32(obs)), env_state, as_float32(reward),
-            terminated, truncated, info)
+    return EnvStep(
+        obs=observe(as_float32(obs)), env_state=env_state,
+        reward=as_float32(reward), terminated=terminated, truncated=truncated,
+        final_obs=observe(as_float32(info["final_observation"])))
 
   return VectorEnv(num_actions=env.action_space(env_params).n, reset=reset,
                    step=step)
@@ -146,7 +160,7 @@ def make_chunk_runner(step: Callable, iterations_per_chunk: int) -> Callable:
   return jax.jit(jax.vmap(run_chunk), donate_argnums=0)
 
 
-def train(trainer: Trainer, config: RunConfig, *,
+def train(trainer: Trainer, config: RunConfig,
           show_progress: bool = True) -> dict[str, Any]:
   """Trains `config.num_seeds` seeds of `trainer` at once; metrics and timings.
 
