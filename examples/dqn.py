@@ -58,9 +58,9 @@ partitioner) updates the replicated network on every device.
 Truncation: gymnax resets inside `env.step` and returns the observation after
 the reset; the pre-reset observation is `info["final_observation"]`
 (`EnvStep.final_obs`), which is what each stored transition keeps as
-`next_obs`. Only `terminated` stops the
-bootstrap, so a time limit (CartPole-v1 cuts episodes at 500 steps) is
-bootstrapped from the value of the true final observation.
+`next_obs`. Only `terminated` stops the bootstrap, so a time limit
+(CartPole-v1 cuts episodes at 500 steps) is bootstrapped from the value of
+the true final observation.
 """
 
 import dataclasses
