@@ -2,13 +2,15 @@
 
 Each kind is made by its public factory and driven by the same checks
 (STYLE.md, convention 8): every function keeps the state's structure, shapes
-and dtypes; runs under `jit` as it does eagerly; under `vmap` over many
-states as one at a time; inside `lax.scan` as in a Python loop; inside
-`lax.cond`; compiles once (traced once inside a jitted step, no new program
-for the bound functions' second and later calls); and a bad add raises while
-tracing, naming the leaf, and leaves the state intact. What is particular to
-a kind (its sampling law, its windows, episodes, stacks or relabelling)
-stays in that kind's own file.
+and dtypes; a jitted `lax.scan` of a step `vmap`ped over many states, with
+the priority update and a clear under `lax.cond`, traced once and run twice,
+ends where eager calls on each state one at a time end, and the bound
+functions compile no new program after their first calls; a bad add raises
+while tracing, naming the leaf, and leaves the state intact. The checks share
+one compiled program per kind, so that every kind costs about what one of
+the per-kind copies they replace did. What is particular to a kind (its
+sampling law, its windows, episodes, stacks or relabelling) stays in that
+kind's own file.
 """
 
 import functools
@@ -62,7 +64,8 @@ KINDS = {
     "episode": Kind(jaxbuf.episode_replay(NUM_ENVS, CAPACITY, CHUNK), True),
 }
 
-pytestmark = pytest.mark.parametrize("name", sorted(KINDS))
+every_kind = pytest.mark.parametrize("name", sorted(KINDS))
+NUM_STATES, NUM_STEPS = 3, 4
 
 
 def chunk(t: Any) -> dict:
@@ -125,13 +128,41 @@ def assert_trees_equal(got, want):
                                rtol=1e-6)
 
 
+def one_step(name: str, state, serial, key, clear):
+  """add, sample, the priority update under `lax.cond` (once the buffer can
+  sample), then a clear under `lax.cond`: `(state, sample indices)`."""
+  buffer = KINDS[name].buffer
+  state = add(name, state, serial)
+  sample = buffer.sample(state, key, SAMPLE)
+  priorities = sample.weights + jnp.arange(SAMPLE, dtype=jnp.float32)
+  state = jax.lax.cond(
+      buffer.can_sample(state, SAMPLE),
+      lambda s: buffer.update_priorities(s, sample.indices, priorities,
+                                         sample.item_ids),
+      lambda s: s, state)
+  return jax.lax.cond(clear, buffer.clear, lambda s: s, state), sample.indices
+
+
+def eager_step(name: str, state, data, key, clear):
+  """`one_step` as a user writes it in Python, with the bound functions."""
+  buffer = KINDS[name].buffer
+  state = buffer.add(state, data[0], **data[1])
+  sample = buffer.sample(state, key, SAMPLE)
+  priorities = sample.weights + jnp.arange(SAMPLE, dtype=jnp.float32)
+  if bool(buffer.can_sample(state, SAMPLE)):
+    state = buffer.update_priorities(state, sample.indices, priorities,
+                                     sample.item_ids)
+  return (buffer.clear(state) if clear else state), sample.indices
+
+
+@every_kind
 def test_every_function_keeps_structure_shapes_and_dtypes(name):
   buffer = KINDS[name].buffer
-  state = filled(name)
-  sample = buffer.sample(state, jax.random.key(0), SAMPLE)
+  state = jax.eval_shape(lambda: filled(name))
+  key = jax.random.key(0)
+  sample = jax.eval_shape(lambda s: buffer.sample(s, key, SAMPLE), state)
   for after in (jax.eval_shape(functools.partial(add, name), state, 5),
-                jax.eval_shape(lambda s: learn(name, s, jax.random.key(0))[0],
-                               state),
+                jax.eval_shape(lambda s: learn(name, s, key)[0], state),
                 jax.eval_shape(buffer.clear, state)):
     chex.assert_trees_all_equal_shapes_and_dtypes(after, state)
     assert jax.tree.structure(after) == jax.tree.structure(state)
@@ -139,88 +170,36 @@ def test_every_function_keeps_structure_shapes_and_dtypes(name):
   assert sample.weights.dtype == jnp.float32
 
 
-def test_jit_gives_what_eager_calls_give(name):
+def check_jit_vmap_scan_cond_and_one_compilation(name: str):
   buffer = KINDS[name].buffer
-  key = jax.random.key(1)
-  jitted = jax.jit(lambda s, k: learn(name, add(name, s, 2), k))(
-      filled(name), key)
-  assert_trees_equal(jitted, learn(name, add(name, filled(name), 2), key))
-  assert bool(jax.jit(buffer.can_sample, static_argnums=1)(filled(name),
-                                                           SAMPLE))
-
-
-# The bound add donates its state; traced under vmap it has nothing to reuse.
-@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
-def test_vmap_over_many_states_matches_one_at_a_time(name):
-  buffer = KINDS[name].buffer
-  num_states = 3
-  starts = jnp.arange(num_states, dtype=jnp.int32) * 7
-  keys = jax.random.split(jax.random.key(2), num_states)
-
-  def one(start, key):
-    state = add(name, add(name, buffer.init(STEP), start), start + 1)
-    return learn(name, state, key)
-
-  states, samples = jax.vmap(one)(starts, keys)
-  assert jax.vmap(lambda s: buffer.can_sample(s, SAMPLE))(states).all()
-  for i in range(num_states):
-    assert_trees_equal(jax.tree.map(lambda x, i=i: x[i], (states, samples)),
-                       one(starts[i], keys[i]))
-  assert not jax.vmap(lambda s: buffer.can_sample(s, 1))(
-      jax.vmap(buffer.clear)(states)).any()
-
-
-@pytest.mark.usefixtures("x64_mode")  # the same with x64 on
-def test_scan_matches_a_python_loop(name):
-  state = KINDS[name].buffer.init(STEP)
-  keys = jax.random.split(jax.random.key(3), 6)
-
-  def body(state, inputs):
-    t, key = inputs
-    state, sample = learn(name, add(name, state, t), key)
-    return state, sample.indices
-
-  ts = jnp.arange(6, dtype=jnp.int32)
-  scanned = jax.jit(lambda s: jax.lax.scan(body, s, (ts, keys)))(state)
-  looped, indices = state, []
-  for t, key in zip(ts, keys):
-    looped, index = body(looped, (t, key))
-    indices.append(index)
-  assert_trees_equal(scanned, (looped, jnp.stack(indices)))
-
-
-def test_every_function_runs_inside_lax_cond(name):
-  buffer = KINDS[name].buffer
-  state = filled(name)
-
-  @jax.jit
-  def step(state, key, learning):
-    state = jax.lax.cond(learning & buffer.can_sample(state, SAMPLE),
-                         lambda s: learn(name, s, key)[0], lambda s: s, state)
-    return jax.lax.cond(learning, lambda s: add(name, s, 9), buffer.clear,
-                        state)
-
-  learned = step(state, jax.random.key(4), jnp.bool_(True))
-  assert_trees_equal(learned, add(name, learn(name, filled(name),
-                                              jax.random.key(4))[0], 9))
-  assert not bool(buffer.can_sample(
-      step(state, jax.random.key(4), jnp.bool_(False)), 1))
-
-
-def test_compiles_once(name):
-  buffer = KINDS[name].buffer
-  state = buffer.init(STEP)
+  serials = np.arange(2 * NUM_STEPS)[:, None] * 10 + np.arange(NUM_STATES)
+  keys = jax.random.split(jax.random.key(7), (2 * NUM_STEPS, NUM_STATES))
+  clears = np.zeros((2 * NUM_STEPS, NUM_STATES), bool)
+  clears[1, 0] = True   # one state starts over: both branches of the cond
   chex.clear_trace_counter()
 
   @jax.jit
   @chex.assert_max_traces(n=1)
-  def step(state, key, t):
-    return learn(name, add(name, state, t), key)[0]
+  def run(states, serials, keys, clears):
+    def body(states, inputs):
+      return jax.vmap(functools.partial(one_step, name))(states, *inputs)
+    return jax.lax.scan(body, states, (serials, keys, clears))
 
-  for t in range(3):
-    state = step(state, jax.random.key(t), jnp.int32(t))
-  # The bound functions, called from Python: count JAX's trace and compile
-  # events, which every new program records, over the second and later calls.
+  states = jax.vmap(lambda _: buffer.init(STEP))(jnp.arange(NUM_STATES))
+  # Run twice, with other inputs: the second call is not traced again.
+  half = lambda x, i: x[i * NUM_STEPS:(i + 1) * NUM_STEPS]
+  states, first = run(states, half(serials, 0), half(keys, 0),
+                      half(clears, 0))
+  states, second = run(states, half(serials, 1), half(keys, 1),
+                       half(clears, 1))
+  indices = np.concatenate([first, second])
+  assert bool(jax.vmap(lambda s: buffer.can_sample(s, SAMPLE))(states).all())
+
+  # Each state alone, eagerly. Its data are made first: eager array ops
+  # compile programs of their own, which the listener below would hear.
+  data = [[add_arguments(name, chunk(int(serial))) for serial in row]
+          for row in serials]
+  key_rows = [list(row) for row in keys]
   events = []
 
   def listener(event, duration, **kwargs):
@@ -229,46 +208,59 @@ def test_compiles_once(name):
                  "/jax/core/compile/backend_compile_duration"):
       events.append(event)
 
-  # Built before listening: their own ops compile.
-  data = [add_arguments(name, chunk(t)) for t in range(6)]
+  def eagerly(k):
+    state = buffer.init(STEP)
+    for t in range(2 * NUM_STEPS):
+      state, sample_indices = eager_step(name, state, data[t][k],
+                                         key_rows[t][k], clears[t, k])
+      np.testing.assert_array_equal(sample_indices, indices[t, k])
+    return state
+
+  alone = [eagerly(0)]  # every bound function runs, compiling its program
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
-    def calls(t):
-      nonlocal state
-      state = buffer.add(state, data[t][0], **data[t][1])
-      state, _ = learn(name, state, jax.random.key(t))
-      assert bool(buffer.can_sample(state, 1))
-      state = buffer.clear(state) if t == 4 else state
-    calls(0)
-    calls(4)
-    assert events  # the first calls compiled: the listener hears them
-    events.clear()
-    for t in range(1, 5):
-      calls(t)
-    assert not events, events
+    alone += [eagerly(k) for k in range(1, NUM_STATES)]
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
+  for k, state in enumerate(alone):
+    assert_trees_equal(jax.tree.map(lambda x, k=k: x[k], states), state)
+  assert not events, events
 
 
-@pytest.mark.parametrize("bad", ["shape", "dtype", "missing"])
-def test_a_bad_add_raises_naming_the_leaf_and_leaves_the_state_intact(
-    name, bad):
+# The bound add donates its state; traced under vmap it has nothing to reuse.
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+@every_kind
+def test_jit_vmap_scan_and_cond_match_eager_calls_compiling_once(name):
+  check_jit_vmap_scan_cond_and_one_compilation(name)
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+@pytest.mark.parametrize("name", ["uniform", "prioritized"])
+def test_the_same_with_x64_on(name):
+  with jax.enable_x64(True):
+    check_jit_vmap_scan_cond_and_one_compilation(name)
+
+
+@every_kind
+def test_a_bad_add_raises_naming_the_leaf_and_leaves_the_state_intact(name):
   buffer = KINDS[name].buffer
   state = filled(name)
   before = snapshot(state)
   data, keywords = add_arguments(name, chunk(2))
   reward = data["reward"]
-  data = dict(data, reward={
-      "shape": jnp.zeros(reward.shape + (2,), reward.dtype),
-      "dtype": reward.astype(jnp.int32)}.get(bad))
-  if bad == "missing":
-    del data["reward"]
-  with pytest.raises((ValueError, TypeError)) as raised:
-    buffer.add(state, data, **keywords)
-  if bad != "missing":
-    assert "reward" in str(raised.value), str(raised.value)
-  for got, want in zip(snapshot(state), before):
-    np.testing.assert_array_equal(got, want)
-  assert_trees_equal(learn(name, state, jax.random.key(5)),
-                     learn(name, filled(name), jax.random.key(5)))
-
+  for bad in ("shape", "dtype", "missing"):
+    wrong = dict(data, reward={
+        "shape": jnp.zeros(reward.shape + (2,), reward.dtype),
+        "dtype": reward.astype(jnp.int32)}.get(bad))
+    if bad == "missing":
+      del wrong["reward"]
+    with pytest.raises((ValueError, TypeError)) as raised:
+      buffer.add(state, wrong, **keywords)
+    if bad != "missing":
+      assert "reward" in str(raised.value), str(raised.value)
+    for got, want in zip(snapshot(state), before):
+      np.testing.assert_array_equal(got, want)
+  # Still usable: the next add and learner step as on an untouched state.
+  assert_trees_equal(learn(name, add(name, state, 2), jax.random.key(5)),
+                     learn(name, add(name, filled(name), 2),
+                           jax.random.key(5)))
