@@ -32,9 +32,9 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from examples import common  # noqa: E402
 from examples import dqn  # noqa: E402
 from examples import ppo  # noqa: E402
+from examples import training  # noqa: E402
 
 import harness  # noqa: E402
 import jaxbuf  # noqa: E402
@@ -44,7 +44,7 @@ def time_fused(module, config, iterations_per_chunk: int, num_chunks: int,
                num_seeds: int = 1) -> float:
   """Env steps/s of the example's own jitted chunk runner (vmapped over seeds)."""
   trainer = module.make_trainer(config)
-  runner = common.make_chunk_runner(trainer.step, iterations_per_chunk)
+  runner = training.make_chunk_runner(trainer.step, iterations_per_chunk)
   state = jax.jit(jax.vmap(trainer.init))(
       jax.random.split(jax.random.key(0), num_seeds))
   compiled = runner.lower(state).compile()

@@ -28,24 +28,22 @@ import pathlib
 import resource
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 if __package__ in (None, ""):
-  # Run as a script: the checkout goes first on the path before `import
-  # jaxbuf`, as in examples/dqn.py (from the folder holding a clone named
-  # jaxbuf, the clone would import as an empty namespace package).
+  # Run as a script: the repository root first, before `import jaxbuf`
+  # (examples/README.md says why).
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import jaxbuf  # noqa: E402  pylint: disable=wrong-import-position
-from examples import common  # noqa: E402
+from examples import q_learning  # noqa: E402
+from examples import training  # noqa: E402
 
-PyTree = Any
 NUM_STACK = 4
 
 
@@ -98,17 +96,10 @@ class NatureCNN(nn.Module):
     return nn.Dense(self.num_actions)(x)
 
 
-@flax.struct.dataclass
-class RunnerState:
-  params: PyTree
-  target_params: PyTree
-  opt_state: PyTree
-  buffer_state: PyTree
+class RunnerState(q_learning.LearnerState):
   stacks: jax.Array        # [N, 84, 84, 4] uint8: the actor's stacks
   actions: jax.Array       # [N] int32: the actions the env is stepping
   resetting: jax.Array     # [N] bool: the env's next output is a reset frame
-  iteration: jax.Array     # () int32: vector steps
-  key: jax.Array
 
 
 def make_step(config: Config, num_actions: int):
@@ -130,24 +121,20 @@ def make_step(config: Config, num_actions: int):
     params = network.init(key, stacks[:1])
     example = Step(obs=frames[0], action=jnp.int32(0), reward=jnp.float32(0),
                    terminated=jnp.bool_(False))
-    return RunnerState(
-        params=params, target_params=params, opt_state=optimizer.init(params),
-        buffer_state=buffer.init(example), stacks=stacks,
+    return RunnerState.start(
+        key, params, optimizer, buffer.init(example), stacks=stacks,
         actions=jnp.zeros(config.num_envs, jnp.int32),
-        resetting=jnp.zeros(config.num_envs, bool),
-        iteration=jnp.zeros((), jnp.int32), key=key)
+        resetting=jnp.zeros(config.num_envs, bool))
 
   def td_loss(params, target_params, sample):
     batch = sample.items
-    q_taken = jnp.take_along_axis(network.apply(params, batch.obs),
-                                  batch.action[:, None], axis=-1)[:, 0]
-    next_actions = network.apply(params, batch.next_obs).argmax(axis=-1)
-    next_q = jnp.take_along_axis(network.apply(target_params, batch.next_obs),
-                                 next_actions[:, None], axis=-1)[:, 0]
+    q_taken = q_learning.q_of(network.apply(params, batch.obs), batch.action)
+    next_q = q_learning.double_q(network.apply(params, batch.next_obs),
+                                 network.apply(target_params, batch.next_obs))
     target = jax.lax.stop_gradient(batch.reward + batch.discount * next_q)
     return jnp.mean(optax.huber_loss(q_taken, target)), q_taken - target
 
-  learn = common.td_learner(buffer, optimizer, td_loss, config.batch_size)
+  learn = q_learning.td_learner(buffer, optimizer, td_loss, config.batch_size)
 
   def step(state: RunnerState, output: EnvOutput):
     key, explore_key, action_key, learn_key = jax.random.split(state.key, 4)
@@ -171,9 +158,9 @@ def make_step(config: Config, num_actions: int):
     should_learn = (buffer.can_sample(buffer_state, config.batch_size)
                     & (state.iteration >= learning_starts)
                     & (state.iteration % config.train_every == 0))
-    state, loss = common.learn_when(should_learn, learn, state, learn_key,
+    state, loss = q_learning.learn_when(should_learn, learn, state, learn_key,
                                     target_period=target_period)
-    actions = common.epsilon_greedy(
+    actions = q_learning.epsilon_greedy(
         explore_key, action_key, network.apply(state.params, stacks),
         epsilon(state.iteration))
     return state.replace(actions=actions), loss
@@ -182,7 +169,7 @@ def make_step(config: Config, num_actions: int):
 
 
 def main(argv: list[str] | None = None) -> None:
-  config, plot = common.parse_config(Config, __doc__.split("\n")[0], argv)
+  config, plot = training.parse_config(Config, __doc__.split("\n")[0], argv)
   # After the flags: `--help` works without the atari extra installed.
   from ale_py.vector_env import AtariVectorEnv  # pylint: disable=import-outside-toplevel
   envs = AtariVectorEnv(config.game, config.num_envs, stack_num=1,
@@ -190,8 +177,7 @@ def main(argv: list[str] | None = None) -> None:
   frames, _ = envs.reset(seed=config.seed)
   init, step = make_step(config, int(envs.single_action_space.n))
   state = jax.jit(init)(jax.random.key(config.seed), jnp.asarray(frames[:, 0]))
-  returns = np.zeros(config.num_envs)
-  finished = []  # (env step, return) of each episode that ended
+  returns = training.EpisodeReturns(config.num_envs)
   start = time.perf_counter()
   compile_seconds = 0.0
   vector_steps = config.total_steps // config.num_envs
@@ -205,15 +191,13 @@ def main(argv: list[str] | None = None) -> None:
     if iteration == 0:
       jax.block_until_ready(state)
       compile_seconds = time.perf_counter() - before
-    returns += rewards
-    done = terminated | truncated
-    finished.extend((iteration * config.num_envs, r) for r in returns[done])
-    returns[done] = 0
+    returns.record(iteration * config.num_envs, rewards,
+                   terminated | truncated)
     if (iteration + 1) % config.report_every == 0:
-      recent = (np.mean([r for _, r in finished[-20:]]) if finished
+      recent = (np.mean([r for _, r in returns.ended[-20:]]) if returns.ended
                 else float("nan"))
       print(f"{(iteration + 1) * config.num_envs:,} env steps, "
-            f"{len(finished)} episodes, recent return {recent:.1f}, "
+            f"{len(returns.ended)} episodes, recent return {recent:.1f}, "
             f"loss {float(loss):.4f}", flush=True)
   jax.block_until_ready(state)
   seconds = time.perf_counter() - start - compile_seconds
@@ -224,12 +208,10 @@ def main(argv: list[str] | None = None) -> None:
         f" first call {compile_seconds:.1f} s not counted)")
   print(f"frames held {held:,} of {config.buffer_size:,}; peak RSS "
         f"{peak / 2**30:.2f} GiB")
-  mean_return = (np.mean([r for _, r in finished]) if finished
-                 else float("nan"))
-  print(f"episodes finished: {len(finished)}; mean return {mean_return:.1f}")
+  print(f"episodes finished: {len(returns.ended)}; mean return "
+        f"{returns.mean_since(0):.1f}")
   if plot:
-    common.plot_episode_returns(finished, plot, f"DQN on ALE {config.game}",
-                                "tab:green")
+    returns.plot(plot, f"DQN on ALE {config.game}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ import sys
 import time
 from typing import Any, Callable, NamedTuple
 
-import flax.struct
 import gymnasium as gym
 import jax
 import jax.numpy as jnp
@@ -53,50 +52,29 @@ import optax
 import tqdm
 
 if __package__ in (None, ""):
-  # Run as a script: the checkout goes first on the path before `import
-  # jaxbuf`, as in examples/dqn.py (from the folder holding a clone named
-  # jaxbuf, the clone would import as an empty namespace package).
+  # Run as a script: the repository root first, before `import jaxbuf`
+  # (examples/README.md says why).
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import jaxbuf  # noqa: E402  pylint: disable=wrong-import-position
-from examples import common  # noqa: E402
-from examples.dqn import QNetwork  # noqa: E402
+from examples import q_learning  # noqa: E402
+from examples import training  # noqa: E402
+from examples.q_learning import QNetwork  # noqa: E402
 
-PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """Hyperparameters (CleanRL's dqn.py); each field is also a flag."""
+class Config(q_learning.ReplayConfig, q_learning.QLearningConfig):
+  """Hyperparameters (CleanRL's dqn.py); each field is also a flag (the
+  shared ones in examples/q_learning.py)."""
   env_id: str = "CartPole-v1"
   total_steps: int = 500_000         # env steps, all envs together
   num_envs: int = 4                  # N
   seed: int = 0
   natural: bool = False              # plain add / sample / learner calls
-  replay: str = "uniform"            # "uniform" or "prioritized"
-  buffer_size: int = 10_000
-  batch_size: int = 128
-  learning_starts: int = 10_000      # env steps of pure collection first
   train_frequency: int = 8           # env steps per learner update
-  learning_rate: float = 2.5e-4
-  gamma: float = 0.99
-  target_update_interval: int = 500  # env steps between target network copies
-  epsilon_start: float = 1.0
-  epsilon_end: float = 0.05
-  epsilon_fraction: float = 0.5      # of total_steps spent annealing epsilon
-  max_grad_norm: float = 10.0
-  hidden_size: int = 120
   progress: bool = True              # the tqdm bar
 
 
-@flax.struct.dataclass
-class LoopState:
-  """What the recipe's jitted step carries from one env step to the next."""
-  params: PyTree
-  target_params: PyTree
-  opt_state: PyTree
-  buffer_state: Any
-  iteration: jax.Array  # shape=(), int32: vectorized env steps taken
-  key: jax.Array        # shape=(), a typed PRNG key, split inside the step
 
 
 class Agent(NamedTuple):
@@ -123,24 +101,17 @@ def make_envs(config: Config) -> gym.vector.VectorEnv:
 def make_agent(config: Config, envs: gym.vector.VectorEnv,
                buffer: jaxbuf.Buffer | None = None) -> Agent:
   """The buffer (unless given), network, optimizer, loss and policy."""
-  iterations = config.total_steps // config.num_envs
-  if buffer is None and config.replay == "uniform":
-    buffer = jaxbuf.uniform_replay(config.buffer_size)
-  elif buffer is None and config.replay == "prioritized":
-    buffer = jaxbuf.prioritized_replay(config.buffer_size)
-  elif buffer is None:
-    raise ValueError(f"--replay must be uniform or prioritized, given "
-                     f"{config.replay!r}.")
+  if buffer is None:
+    buffer = q_learning.replay_buffer(
+        config, functools.partial(jaxbuf.uniform_replay, config.buffer_size),
+        functools.partial(jaxbuf.prioritized_replay, config.buffer_size))
   network = QNetwork(int(envs.single_action_space.n), config.hidden_size)
-  epsilon = optax.linear_schedule(
-      config.epsilon_start, config.epsilon_end,
-      transition_steps=max(int(config.epsilon_fraction * iterations), 1))
+  epsilon = q_learning.epsilon_schedule(config)
 
   def td_loss(params, target_params, sample: jaxbuf.ReplaySample):
     batch = sample.items
-    q_values = network.apply(params, batch.obs)                   # [S, A]
-    q_taken = jnp.take_along_axis(
-        q_values, batch.action[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    q_taken = q_learning.q_of(network.apply(params, batch.obs),
+                              batch.action.astype(jnp.int32))
     next_q = network.apply(target_params, batch.next_obs).max(axis=-1)
     bootstrap = config.gamma * (1.0 - batch.terminated.astype(jnp.float32))
     target = jax.lax.stop_gradient(batch.reward + bootstrap * next_q)
@@ -149,37 +120,35 @@ def make_agent(config: Config, envs: gym.vector.VectorEnv,
 
   def act(params, obs, key, iteration):
     explore_key, action_key = jax.random.split(key)
-    return common.epsilon_greedy(explore_key, action_key,
-                                 network.apply(params, obs),
-                                 epsilon(iteration))
+    return q_learning.epsilon_greedy(explore_key, action_key,
+                                     network.apply(params, obs),
+                                     epsilon(iteration))
 
   return Agent(
       buffer=buffer, network=network,
-      optimizer=optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
-                            optax.adam(config.learning_rate)),
-      example=jaxbuf.VectorEnvRecorder(envs, buffer).example, td_loss=td_loss, act=act, iterations=iterations,
-      learning_starts=config.learning_starts // config.num_envs,
+      optimizer=q_learning.make_optimizer(config),
+      example=jaxbuf.VectorEnvRecorder(envs, buffer).example,
+      td_loss=td_loss, act=act, iterations=config.num_iterations,
+      learning_starts=config.learning_starts_iterations,
       train_period=max(config.train_frequency // config.num_envs, 1),
-      target_period=max(config.target_update_interval // config.num_envs, 1))
+      target_period=config.target_period)
 
 
 def make_recipe_step(config: Config, agent: Agent) -> tuple[Callable, Callable]:
   """`start(key, obs) -> (state, actions)` and the donated, jitted
   `step(state, recorded, obs) -> (state, actions [N])`."""
-  learn = common.td_learner(agent.buffer, agent.optimizer, agent.td_loss,
+  learn = q_learning.td_learner(agent.buffer, agent.optimizer, agent.td_loss,
                             config.batch_size)
 
   def start(key, obs):
     key, network_key, act_key = jax.random.split(key, 3)
     params = agent.network.init(network_key, obs[0])
-    state = LoopState(
-        params=params, target_params=params,
-        opt_state=agent.optimizer.init(params),
-        buffer_state=agent.buffer.init(agent.example),
-        iteration=jnp.zeros((), jnp.int32), key=key)
+    # The key lives in the state and is split inside the step.
+    state = q_learning.LearnerState.start(key, params, agent.optimizer,
+                                          agent.buffer.init(agent.example))
     return state, agent.act(params, obs, act_key, state.iteration)
 
-  def step(state: LoopState, recorded: jaxbuf.RecordedStep, obs):
+  def step(state: q_learning.LearnerState, recorded: jaxbuf.RecordedStep, obs):
     key, learn_key, act_key = jax.random.split(state.key, 3)
     state = state.replace(
         buffer_state=recorded.add_to(agent.buffer, state.buffer_state),
@@ -188,40 +157,22 @@ def make_recipe_step(config: Config, agent: Agent) -> tuple[Callable, Callable]:
         agent.buffer.can_sample(state.buffer_state, config.batch_size)
         & (state.iteration >= agent.learning_starts)
         & (state.iteration % agent.train_period == 0))
-    state, _ = common.learn_when(should_learn, learn, state, learn_key,
+    state, _ = q_learning.learn_when(should_learn, learn, state, learn_key,
                                  target_period=agent.target_period)
     return state, agent.act(state.params, obs, act_key, state.iteration)
 
   return jax.jit(start), jax.jit(step, donate_argnums=0)
 
 
-class EpisodeReturns:
-  """Returns of the episodes that ended, tallied on the host."""
-
-  def __init__(self, num_envs: int):
-    self.running = np.zeros(num_envs)
-    self.ended: list[tuple[int, float]] = []   # (env step, return)
-
-  def record(self, env_step: int, rewards: np.ndarray,
-             ended: np.ndarray) -> None:
-    self.running += rewards
-    self.ended += [(env_step, r) for r in self.running[ended]]
-    self.running[ended] = 0.0
-
-  def mean_since(self, env_step: int) -> float:
-    recent = [r for step, r in self.ended if step >= env_step]
-    return float(np.mean(recent)) if recent else float("nan")
-
-
 def train(config: Config, *, buffer: jaxbuf.Buffer | None = None
           ) -> dict[str, Any]:
   """Trains one agent; returns "final_mean_return" (episodes ended in the
   last 10% of env steps), "steps_per_second" (compilation included),
-  "env_steps" and "episode_returns" [(env step, return)]."""
+  "env_steps" and "episode_returns" (a `training.EpisodeReturns`)."""
   envs = make_envs(config)
   agent = make_agent(config, envs, buffer)
   recorder = jaxbuf.VectorEnvRecorder(envs, agent.buffer)
-  returns = EpisodeReturns(config.num_envs)
+  returns = training.EpisodeReturns(config.num_envs)
   obs, _ = envs.reset(seed=config.seed)
   recorder.reset(obs)
   key = jax.random.key(config.seed)
@@ -253,7 +204,7 @@ def train(config: Config, *, buffer: jaxbuf.Buffer | None = None
   env_steps = agent.iterations * config.num_envs
   return dict(final_mean_return=returns.mean_since(int(env_steps * 0.9)),
               steps_per_second=env_steps / seconds, env_steps=env_steps,
-              episode_returns=returns.ended)
+              episode_returns=returns)
 
 
 def recipe_loop(config: Config, agent: Agent, key: jax.Array,
@@ -311,14 +262,13 @@ def natural_loop(config: Config, agent: Agent, key: jax.Array,
 
 
 def main(argv: list[str] | None = None) -> None:
-  config, plot = common.parse_config(Config, __doc__.split("\n")[0], argv)
+  config, plot = training.parse_config(Config, __doc__.split("\n")[0], argv)
   result = train(config)
   if plot:
-    common.plot_episode_returns(
-        result["episode_returns"], plot,
-        f"DQN on gymnasium {config.env_id}, "
+    result["episode_returns"].plot(
+        plot, f"DQN on gymnasium {config.env_id}, "
         f"{'natural calls' if config.natural else 'the recipe'} "
-        f"({config.replay} replay)", "tab:blue")
+        f"({config.replay} replay)")
   print(f"env steps per second: {result['steps_per_second']:,.0f} "
         f"({config.num_envs} envs, {result['env_steps']:,} env steps, "
         f"compilation included)")

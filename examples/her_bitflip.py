@@ -23,53 +23,53 @@ training), the others explore with epsilon-greedy actions.
 
   python examples/her_bitflip.py                       # 40 bits, 4 seeds
   python examples/her_bitflip.py --relabel-fraction 0  # DQN alone: fails
+  python examples/her_bitflip.py --replay prioritized  # prioritized HER
 
 `episode_statistics` at the end samples whole episodes from
 `jaxbuf.episode_replay` and computes their success and length statistics.
 """
 
 import dataclasses
+import functools
 import pathlib
 import sys
 from typing import Any, NamedTuple
 
-import flax.struct
+if __package__ in (None, ""):
+  # Run as a script: the repository root first, before `import jaxbuf`
+  # (examples/README.md says why).
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-if __package__ in (None, ""):
-  # Run as a script: the checkout goes first on the path before `import
-  # jaxbuf`, as in examples/dqn.py (from the folder holding a clone named
-  # jaxbuf, the clone would import as an empty namespace package).
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-import jaxbuf  # noqa: E402  pylint: disable=wrong-import-position
-from examples import common  # noqa: E402
-from examples.dqn import QNetwork  # noqa: E402
+import jaxbuf
 
-PyTree = Any
+from examples import q_learning  # noqa: E402
+from examples import training  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """Hyperparameters; each field is also a command-line flag."""
+class Config(q_learning.ReplayConfig, q_learning.QLearningConfig,
+             training.RunConfig):
+  """Hyperparameters; each field is also a command-line flag (the shared
+  ones in examples/training.py and examples/q_learning.py)."""
   num_bits: int = 40
   relabel_fraction: float = 0.8       # 0: plain DQN on the same loop
   strategy: str = "future"
   total_steps: int = 320_000          # env steps per seed
   num_seeds: int = 4
-  seed: int = 0
   num_envs: int = 16
   greedy_envs: int = 4                # envs acting greedily: the success rate
   buffer_size: int = 160_000          # stream steps over all envs
-  batch_size: int = 128
   learning_starts: int = 1_000
   learning_rate: float = 1e-3
   gamma: float = 0.98
   target_update_interval: int = 800   # env steps
-  epsilon: float = 0.2
-  max_grad_norm: float = 10.0
+  # The other envs explore at a constant epsilon.
+  epsilon_start: float = 0.2
+  epsilon_end: float = 0.2
   hidden_size: int = 256
   num_chunks: int = 20
 
@@ -82,17 +82,10 @@ class Step(NamedTuple):
   terminated: jax.Array  # (), bool: that action reached the goal
 
 
-@flax.struct.dataclass
-class RunnerState:
-  params: PyTree
-  target_params: PyTree
-  opt_state: PyTree
-  buffer_state: PyTree
+class RunnerState(q_learning.LearnerState):
   bits: jax.Array             # [N, B] float32: each env's state
   goals: jax.Array            # [N, B] float32
   episode_steps: jax.Array    # [N] int32
-  iteration: jax.Array        # shape=(), int32
-  key: jax.Array
 
 
 def goal_reward(achieved_goal: jax.Array, desired_goal: jax.Array) -> jax.Array:
@@ -116,38 +109,38 @@ def q_input(obs: dict) -> jax.Array:
   return jnp.concatenate([obs["observation"], obs["desired_goal"]], axis=-1)
 
 
-def make_trainer(config: Config) -> common.Trainer:
-  """Builds `init(key) -> RunnerState` and `step(state) -> (state, metrics)`."""
+def make_trainer(config: Config) -> training.Trainer:
+  """Builds `init(key) -> RunnerState` and `step(state) -> (state, metrics)`.
+
+  The metrics' returns are the greedy envs' successes (0 or 1 an episode).
+  """
   num_envs, num_bits = config.num_envs, config.num_bits
-  network = QNetwork(num_bits, config.hidden_size)
-  buffer = jaxbuf.hindsight_replay(
-      num_envs, config.buffer_size, goal_reward, strategy=config.strategy,
-      relabel_fraction=config.relabel_fraction, terminated_fn=goal_reached,
-      gamma=config.gamma)
-  optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
-                          optax.adam(config.learning_rate))
-  target_period = max(config.target_update_interval // num_envs, 1)
-  learning_starts = config.learning_starts // num_envs
+  network = q_learning.QNetwork(num_bits, config.hidden_size)
+  hindsight = functools.partial(
+      jaxbuf.hindsight_replay, num_envs, config.buffer_size, goal_reward,
+      strategy=config.strategy, relabel_fraction=config.relabel_fraction,
+      terminated_fn=goal_reached, gamma=config.gamma)
+  buffer = q_learning.replay_buffer(
+      config, hindsight, functools.partial(hindsight, prioritized=True))
+  optimizer = q_learning.make_optimizer(config)
   greedy = jnp.arange(num_envs) < config.greedy_envs
+  epsilon = q_learning.epsilon_schedule(config)
 
   def init(key: jax.Array) -> RunnerState:
     key, network_key, bits_key, goals_key = jax.random.split(key, 4)
     bits = random_bits(bits_key, (num_envs, num_bits))
     goals = random_bits(goals_key, (num_envs, num_bits))
-    params = network.init(network_key, q_input(goal_obs(bits, goals))[0])
     example = Step(obs=goal_obs(bits[0], goals[0]), action=jnp.int32(0),
                    reward=jnp.float32(0), terminated=jnp.bool_(False))
-    return RunnerState(
-        params=params, target_params=params, opt_state=optimizer.init(params),
-        buffer_state=buffer.init(example), bits=bits, goals=goals,
-        episode_steps=jnp.zeros(num_envs, jnp.int32),
-        iteration=jnp.zeros((), jnp.int32), key=key)
+    return RunnerState.start(
+        key, network.init(network_key, q_input(goal_obs(bits, goals))[0]),
+        optimizer, buffer.init(example), bits=bits, goals=goals,
+        episode_steps=jnp.zeros(num_envs, jnp.int32))
 
   def td_loss(params, target_params, sample: jaxbuf.HindsightSample):
     batch = sample.items
-    q_values = network.apply(params, q_input(batch.obs))           # [S, A]
-    q_taken = jnp.take_along_axis(q_values, batch.action[:, None],
-                                  axis=-1)[:, 0]
+    q_taken = q_learning.q_of(network.apply(params, q_input(batch.obs)),
+                              batch.action)
     next_q = network.apply(target_params, q_input(batch.next_obs)).max(-1)
     # discount is gamma, 0 where the goal was reached (terminated).
     target = batch.reward + batch.discount * next_q
@@ -155,18 +148,10 @@ def make_trainer(config: Config) -> common.Trainer:
     target = jax.lax.stop_gradient(
         jnp.clip(target, -1.0 / (1.0 - config.gamma), 0.0))
     td_error = q_taken - target
-    return jnp.mean(optax.huber_loss(td_error)), td_error
+    return jnp.mean(sample.weights * optax.huber_loss(td_error)), td_error
 
-  learn = common.td_learner(buffer, optimizer, td_loss, config.batch_size)
-
-  def step(state: RunnerState
-           ) -> tuple[RunnerState, common.QLearningMetrics]:
-    key, explore_key, action_key, reset_key, learn_key = jax.random.split(
-        state.key, 5)
+  def collect(state, actions, reset_key):
     obs = goal_obs(state.bits, state.goals)
-    actions = common.epsilon_greedy(
-        explore_key, action_key, network.apply(state.params, q_input(obs)),
-        jnp.where(greedy, 0.0, config.epsilon))
     next_bits = jnp.where(
         jax.nn.one_hot(actions, num_bits, dtype=bool), 1.0 - state.bits,
         state.bits)
@@ -189,30 +174,24 @@ def make_trainer(config: Config) -> common.Trainer:
                        next_bits),
         goals=jnp.where(reset, random_bits(goals_key, next_bits.shape),
                         state.goals),
-        episode_steps=jnp.where(ended, 0, episode_steps),
-        iteration=state.iteration + 1, key=key)
-    should_learn = (buffer.can_sample(buffer_state, config.batch_size)
-                    & (state.iteration >= learning_starts))
-    state, loss = common.learn_when(should_learn, learn, state, learn_key,
-                                    target_period=target_period)
+        episode_steps=jnp.where(ended, 0, episode_steps))
     # The greedy envs' successes, as "returns" of 0 or 1 per episode.
-    return state, common.episode_metrics(ended & greedy,
-                                         terminated.astype(jnp.float32), loss)
+    return state, ended & greedy, terminated.astype(jnp.float32)
 
-  return common.Trainer(init=init, step=step)
+  return q_learning.make_trainer(
+      config, buffer=buffer, optimizer=optimizer, td_loss=td_loss, init=init,
+      q_values=lambda params, state: network.apply(
+          params, q_input(goal_obs(state.bits, state.goals))),
+      collect=collect,
+      epsilon=lambda iteration: jnp.where(greedy, 0.0, epsilon(iteration)),
+      title=(f"DQN + HER ({config.strategy}, relabel "
+             f"{config.relabel_fraction}), {config.num_bits}-bit flipping"))
 
 
 def train(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
-  """Trains `config.num_seeds` seeds at once; `common.train_in_chunks`'s dict,
+  """Trains `config.num_seeds` seeds at once; `training.train`'s dict,
   whose returns are the greedy envs' successes (0 or 1 per episode)."""
-  return common.train_in_chunks(
-      make_trainer(config),
-      num_iterations=config.total_steps // config.num_envs,
-      env_steps_per_iteration=config.num_envs, num_chunks=config.num_chunks,
-      num_seeds=config.num_seeds, seed=config.seed,
-      description=(f"DQN + HER ({config.strategy}, relabel "
-                   f"{config.relabel_fraction}), {config.num_bits} bits"),
-      show_progress=show_progress)
+  return training.train(make_trainer(config), config, show_progress)
 
 
 class EpisodeStatistics(NamedTuple):
@@ -284,25 +263,19 @@ def episode_statistics(num_bits: int, num_episodes: int, key: jax.Array, *,
   return jax.jit(run)(key)
 
 
-def main(argv: list[str] | None = None) -> None:
-  def report(config: Config) -> dict[str, Any]:
-    result = train(config)
-    print("success rate per seed (greedy envs, last 10%): "
-          + " ".join(f"{r:.3f}" for r in result["final_returns"]))
-    statistics = episode_statistics(min(config.num_bits, 8), 64,
-                                    jax.random.key(config.seed))
-    print(f"random policy on {min(config.num_bits, 8)} bits, episodes from "
-          f"episode_replay: success {float(statistics.success_rate):.2f}, "
-          f"mean length {float(statistics.mean_length):.1f}, mean return "
-          f"{float(statistics.mean_return):.1f}")
-    return result
+def report(config: Config, result: dict[str, Any]) -> None:
+  print("success rate per seed (greedy envs, last 10%): "
+        + " ".join(f"{r:.3f}" for r in result["final_returns"]))
+  num_bits = min(config.num_bits, 8)
+  statistics = episode_statistics(num_bits, 64, jax.random.key(config.seed))
+  print(f"random policy on {num_bits} bits, episodes from episode_replay: "
+        f"success {float(statistics.success_rate):.2f}, mean length "
+        f"{float(statistics.mean_length):.1f}, mean return "
+        f"{float(statistics.mean_return):.1f}")
 
-  common.main(argv, config_type=Config, train=report,
-              description=__doc__.split("\n")[0],
-              plot_title=lambda config: (
-                  f"DQN + HER, {config.num_bits}-bit flipping "
-                  f"(relabel {config.relabel_fraction})"),
-              plot_color="tab:purple")
+
+def main(argv: list[str] | None = None) -> None:
+  training.main(argv, Config, train, __doc__.split("\n")[0], report)
 
 
 if __name__ == "__main__":

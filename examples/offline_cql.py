@@ -43,7 +43,6 @@ from typing import Any
 
 import flax.linen as nn
 import gymnasium
-import gymnax
 import jax
 import jax.numpy as jnp
 import minari
@@ -51,12 +50,11 @@ import numpy as np
 import optax
 
 if __package__ in (None, ""):
-  # Run as a script: the checkout goes first on the path before `import
-  # jaxbuf`, as in examples/dqn.py (from the folder holding a clone named
-  # jaxbuf, the clone would import as an empty namespace package).
+  # Run as a script: the repository root first, before `import jaxbuf`
+  # (examples/README.md says why).
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import jaxbuf  # noqa: E402  pylint: disable=wrong-import-position
-from examples import common  # noqa: E402
+from examples import training  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,8 +183,8 @@ def make_train(buffer: jaxbuf.Buffer, network: nn.Module, config: Config,
 
 def make_evaluate(network: nn.Module, config: Config) -> Any:
   """`evaluate(params, key) -> mean return` of E greedy episodes in gymnax."""
-  envs = common.make_vector_env("CartPole-v1", config.time_limit,
-                                config.eval_episodes)
+  envs = training.make_vector_env("CartPole-v1", config.time_limit,
+                                  config.eval_episodes)
 
   def evaluate(params, key):
     reset_key, key = jax.random.split(key)
@@ -195,11 +193,10 @@ def make_evaluate(network: nn.Module, config: Config) -> Any:
     def step(carry, step_key):
       obs, env_state, returns, running = carry
       action = jnp.argmax(network.apply(params, obs), axis=-1)
-      obs, env_state, reward, terminated, truncated, _ = envs.step(
-          step_key, env_state, action)
-      returns = returns + jnp.where(running, reward, 0.0)
-      running = running & ~(terminated | truncated)
-      return (obs, env_state, returns, running), None
+      outcome = envs.step(step_key, env_state, action)
+      returns = returns + jnp.where(running, outcome.reward, 0.0)
+      running = running & ~outcome.ended
+      return (outcome.obs, outcome.env_state, returns, running), None
 
     carry = (obs, env_state, jnp.zeros(config.eval_episodes),
              jnp.ones(config.eval_episodes, bool))
@@ -275,7 +272,7 @@ def plot_returns(results: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  config, plot = common.parse_config(Config, __doc__.splitlines()[0], argv)
+  config, plot = training.parse_config(Config, __doc__.splitlines()[0], argv)
   with tempfile.TemporaryDirectory() as scratch:
     results = run(config, os.environ.get("MINARI_DATASETS_PATH", scratch))
   print(f"dataset: {results['dataset_episodes']} episodes, "

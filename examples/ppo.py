@@ -25,11 +25,11 @@ as a failure. A step both terminated and truncated counts as terminated.
 import dataclasses
 import pathlib
 import sys
-from typing import Any, NamedTuple
+from typing import Any
 
 if __package__ in (None, ""):
   # Run as a script: the repository root first, before `import jaxbuf`
-  # (examples/dqn.py says why).
+  # (examples/README.md says why).
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import flax.linen as nn
@@ -40,19 +40,15 @@ import optax
 
 import jaxbuf
 
-from examples import common  # noqa: E402
+from examples import training  # noqa: E402
 
 PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """Hyperparameters; each field is also a command-line flag."""
-  env_name: str = "CartPole-v1"
-  time_limit: int = 0                 # episode step limit; 0 keeps the env's own
-  total_steps: int = 500_000          # env steps per seed
-  num_seeds: int = 1                  # K seeds trained at once with vmap
-  seed: int = 0
+class Config(training.GymnaxConfig):
+  """Hyperparameters; each field is also a command-line flag (the shared
+  ones in examples/training.py)."""
   num_envs: int = 4                   # N
   num_steps: int = 128                # T, steps per env per update
   update_epochs: int = 4
@@ -67,7 +63,6 @@ class Config:
   hidden_size: int = 64
   recurrent: str = "none"             # "none", "gru" or "lstm"
   sequence_length: int = 32           # L, recurrent minibatch sequences
-  num_chunks: int = 50                # progress-bar updates (one jitted call each)
 
 
 class ActorCritic(nn.Module):
@@ -132,13 +127,6 @@ class RunnerState:
   key: jax.Array              # shape=(), a typed PRNG key
 
 
-class Metrics(NamedTuple):
-  """Per-update statistics; sums so the host can average over any window."""
-  returns_sum: jax.Array      # (), float32: summed returns of episodes ended
-  episodes_ended: jax.Array   # (), float32
-  loss: jax.Array             # (), float32: mean total loss over minibatches
-
-
 def ppo_loss(logits: jax.Array, values: jax.Array, minibatch: dict[str, Any],
              config: Config) -> jax.Array:
   """The clipped PPO objective over any batch shape `[...]`; logits `[..., A]`."""
@@ -184,13 +172,13 @@ def training_batch(rollout: dict[str, jax.Array], last_value: jax.Array,
               advantage=advantages, **{"return": returns})
 
 
-def make_trainer(config: Config) -> common.Trainer:
+def make_trainer(config: Config) -> training.Trainer:
   """Builds `init(key) -> RunnerState` and `step(state) -> (state, metrics)`.
 
   One `step` is one PPO update: T * N env steps, GAE, then
   `update_epochs * num_minibatches` gradient steps.
   """
-  envs = common.make_vector_env(config.env_name, config.time_limit,
+  envs = training.make_vector_env(config.env_name, config.time_limit,
                                 config.num_envs)
   num_actions = envs.num_actions
   num_updates = config.total_steps // (config.num_steps * config.num_envs)
@@ -241,36 +229,30 @@ def make_trainer(config: Config) -> common.Trainer:
         obs=obs, hidden=hidden, episode_start=episode_start,
         episode_returns=jnp.zeros((config.num_envs,), jnp.float32), key=key)
 
-  def env_step(state: RunnerState, _) -> tuple[RunnerState, Metrics]:
+  def env_step(state: RunnerState, _) -> tuple[RunnerState, training.Metrics]:
     key, action_key, env_key = jax.random.split(state.key, 3)
     next_hidden, logits, value = policy(state.params, state.hidden, state.obs,
                                         state.episode_start)
     action = jax.random.categorical(action_key, logits).astype(jnp.int32)
     log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits),
                                    action[:, None], axis=-1)[:, 0]
-    next_obs, env_state, reward, terminated, truncated, info = envs.step(
-        env_key, state.env_state, action)
+    step = envs.step(env_key, state.env_state, action)
     # V(final observation) for steps cut by the time limit: the observation
     # the auto-reset replaced, seen with the hidden state this step produced.
-    _, _, truncated_value = policy(state.params, next_hidden,
-                                   info["final_observation"],
+    _, _, truncated_value = policy(state.params, next_hidden, step.final_obs,
                                    jnp.zeros_like(state.episode_start))
-    reward = reward.astype(jnp.float32)
     rollout_state = rollout.add(state.rollout_state, dict(
         obs=state.obs, action=action, log_prob=log_prob, value=value,
-        reward=reward, terminated=terminated, truncated=truncated,
-        truncated_value=truncated_value, episode_start=state.episode_start,
-        hidden=state.hidden))
-    episode_returns = state.episode_returns + reward
-    episode_ended = terminated | truncated
+        reward=step.reward, terminated=step.terminated,
+        truncated=step.truncated, truncated_value=truncated_value,
+        episode_start=state.episode_start, hidden=state.hidden))
+    episode_returns = state.episode_returns + step.reward
     state = state.replace(
-        rollout_state=rollout_state, env_state=env_state, obs=next_obs,
-        hidden=next_hidden, episode_start=episode_ended,
-        episode_returns=jnp.where(episode_ended, 0.0, episode_returns), key=key)
-    return state, Metrics(
-        returns_sum=jnp.sum(jnp.where(episode_ended, episode_returns, 0.0)),
-        episodes_ended=jnp.sum(episode_ended.astype(jnp.float32)),
-        loss=jnp.zeros((), jnp.float32))
+        rollout_state=rollout_state, env_state=step.env_state, obs=step.obs,
+        hidden=next_hidden, episode_start=step.ended,
+        episode_returns=jnp.where(step.ended, 0.0, episode_returns), key=key)
+    return state, training.episode_metrics(step.ended, episode_returns,
+                                           jnp.zeros((), jnp.float32))
 
   def minibatch_loss(params, minibatch) -> jax.Array:
     if not recurrent:
@@ -292,7 +274,7 @@ def make_trainer(config: Config) -> common.Trainer:
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss
 
-  def step(state: RunnerState) -> tuple[RunnerState, Metrics]:
+  def step(state: RunnerState) -> tuple[RunnerState, training.Metrics]:
     # No rollout.reset: the rollout read by the previous update is full, so
     # its first add here starts a new one.
     state, step_metrics = jax.lax.scan(env_step, state, None,
@@ -320,37 +302,25 @@ def make_trainer(config: Config) -> common.Trainer:
         epoch, (state.params, state.opt_state),
         jax.random.split(epochs_key, config.update_epochs))
     state = state.replace(params=params, opt_state=opt_state, key=key)
-    return state, Metrics(returns_sum=step_metrics.returns_sum.sum(),
-                          episodes_ended=step_metrics.episodes_ended.sum(),
-                          loss=losses.mean())
+    return state, training.Metrics(
+        returns_sum=step_metrics.returns_sum.sum(),
+        episodes_ended=step_metrics.episodes_ended.sum(), loss=losses.mean())
 
-  return common.Trainer(init=init, step=step)
+  return training.Trainer(
+      init=init, step=step,
+      env_steps_per_iteration=config.num_steps * config.num_envs,
+      title=("PPO" if config.recurrent == "none"
+             else f"PPO-{config.recurrent.upper()}") + f", {config.env_name}")
 
 
 def train(config: Config, *, show_progress: bool = True) -> dict[str, Any]:
-  """Trains `config.num_seeds` seeds at once; returns metrics and timings.
-
-  Returns:
-    `common.train_in_chunks`'s dict, with an iteration per PPO update of
-    T * N env steps: "returns_sum" and "episodes_ended" `[K, U]`,
-    "final_returns" `[K]`, "final_mean_return", "steps_per_second", ...
-  """
-  steps_per_update = config.num_steps * config.num_envs
-  description = ("PPO" if config.recurrent == "none"
-                 else f"PPO-{config.recurrent.upper()}")
-  return common.train_in_chunks(
-      make_trainer(config),
-      num_iterations=config.total_steps // steps_per_update,
-      env_steps_per_iteration=steps_per_update, num_chunks=config.num_chunks,
-      num_seeds=config.num_seeds, seed=config.seed, description=description,
-      show_progress=show_progress)
+  """Trains `config.num_seeds` seeds at once; `training.train`'s dict, an
+  iteration per PPO update of T * N env steps."""
+  return training.train(make_trainer(config), config, show_progress)
 
 
 def main(argv: list[str] | None = None) -> None:
-  common.main(argv, config_type=Config, train=train,
-              description=__doc__.split("\n")[0],
-              plot_title=lambda config: f"PPO, {config.env_name}",
-              plot_color="tab:orange")
+  training.main(argv, Config, train, __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ sampled episode's origin, order, padding and completeness are checked exactly.
 
 import functools
 
-import chex
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -204,32 +203,6 @@ def test_an_empty_buffer_samples_weight_zero_and_checked_mode_raises():
       lambda s, k: checked.sample(s, k, 4)))(state, jax.random.key(0))
   with pytest.raises(ValueError, match="no complete episode"):
     error.throw()
-
-
-def test_under_jit_vmap_scan_and_cond_without_retracing():
-  settings = dict(max_episode_length=MAX_LENGTH, weight_by_length=False)
-  states = jax.vmap(lambda _: jaxbuf.episode.init(
-      STEP, num_envs=NUM_ENVS, capacity=CAPACITY))(jnp.arange(5))
-  chunk = {"id": jnp.ones((5, NUM_ENVS, 2), jnp.int32),
-           "obs": jnp.ones((5, NUM_ENVS, 2, 2), jnp.float32)}
-  ends = jnp.zeros((5, NUM_ENVS, 2), bool).at[:, :, 1].set(True)
-
-  @jax.jit
-  @chex.assert_max_traces(n=1)
-  def step(states, keys):
-    def one(state, steps, end, key):
-      state = jaxbuf.episode.add(state, steps, episode_end=end, **settings)
-      sample = jaxbuf.episode.sample(state, key, 4,
-                                     max_episode_length=MAX_LENGTH)
-      state = jax.lax.cond(sample.lengths[0] > 5, jaxbuf.episode.clear,
-                           lambda s: s, state)
-      return state, sample.lengths
-    return jax.vmap(one)(states, chunk, ends, keys)
-
-  keys = jax.random.split(jax.random.key(0), (3, 5))
-  states, lengths = jax.lax.scan(step, states, keys)
-  states, lengths = jax.lax.scan(step, states, keys)
-  np.testing.assert_array_equal(lengths, 2)
 
 
 def test_save_and_load_round_trip(tmp_path):

@@ -20,13 +20,13 @@ import jax
 import numpy as np
 import pytest
 
-from examples import common
 from examples import dqn
 from examples import frame_stack_dqn
 from examples import her_bitflip
 from examples import nstep_dqn
 from examples import ppo
 from examples import r2d2
+from examples import training
 from tests import devices
 
 # A 5-step time limit makes every env truncate during the tests.
@@ -134,7 +134,7 @@ def check_frame_stream(state, config):
   # reset one, when the last step held is an episode's final observation.
   newest = buffer_state.storage.obs[0, held - 1]
   if not ends[-1]:
-    np.testing.assert_array_equal(np.asarray(state.stack)[0, :, -2], newest)
+    np.testing.assert_array_equal(np.asarray(state.obs)[0, :, -2], newest)
 
 
 def check_ppo_rollout(state, config):
@@ -260,7 +260,7 @@ def test_scripts_run_from_the_folder_holding_a_clone_named_jaxbuf(tmp_path):
   (tmp_path / "jaxbuf").symlink_to(repository, target_is_directory=True)
   scripts = sorted(os.path.join("jaxbuf", "examples", path.name)
                    for path in (repository / "examples").glob("*.py")
-                   if path.name not in ("__init__.py", "common.py"))
+                   if path.name not in ("__init__.py", "training.py", "q_learning.py"))
   assert len(scripts) >= 9, scripts
   run = subprocess.run(
       [sys.executable, "-c", _RUN_EACH_SCRIPT, *scripts], cwd=tmp_path,
@@ -385,7 +385,7 @@ def test_dqn_data_parallel_over_two_devices():
   config = dataclasses.replace(TINY_DQN, devices=2, replay="prioritized")
   trainer = dqn.make_trainer(config)
   state = jax.jit(jax.vmap(trainer.init))(jax.random.split(jax.random.key(0), 1))
-  run = common.make_chunk_runner(trainer.step, 6)
+  run = training.make_chunk_runner(trainer.step, 6)
   params_before = jax.device_get(state.params)
   state, metrics = run(state)
   storage = state.buffer_state.storage.obs                  # [K, D, C / D, 4]

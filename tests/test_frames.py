@@ -7,7 +7,6 @@ right frames, oldest first, padding exactly before the episode's first step.
 
 import functools
 
-import chex
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -422,41 +421,6 @@ def _chunk(num_envs, length, start=1):
   return {"obs": {"frame": np.repeat(frames[..., None], 2, -1), "tag": frames},
           "action": frames, "reward": np.ones(frames.shape, np.float32),
           "terminated": np.zeros(frames.shape, bool)}
-
-
-def test_every_function_under_jit_vmap_scan_and_cond_without_retracing():
-  settings = dict(num_stack=3, n_step=2)
-  layout = dict(settings, gamma=GAMMA, pad="zeros", stack_keys=("frame",),
-                stack_axis=-1)
-  module = jaxbuf.frames
-  states = jax.vmap(lambda _: module.init(STEP, num_envs=2, capacity=16))(
-      jnp.arange(5))
-  steps = jax.tree.map(lambda x: jnp.broadcast_to(x, (5, *x.shape)),
-                       _chunk(2, 3))
-
-  @jax.jit
-  @chex.assert_max_traces(n=1)
-  def step(states, steps, keys):
-    def one(state, chunk, key):
-      state = module.prioritized_add(state, chunk, **settings, alpha=0.6)
-      sample = module.prioritized_sample(state, key, 4, **layout, beta=0.4)
-      state = module.prioritized_update_priorities(
-          state, sample.indices, sample.items.reward, sample.item_ids,
-          n_step=2, alpha=0.6, eps=1e-6)
-      state = jax.lax.cond(jnp.sum(state.window_counts) > 100, module.clear,
-                           lambda s: s, state)
-      return state, sample.weights
-    return jax.vmap(one)(states, steps, keys)
-
-  def scanned(states, keys):
-    return step(states, steps, keys)
-  keys = jax.random.split(jax.random.key(0), (3, 5))
-  states, weights = jax.lax.scan(scanned, states, keys)
-  states, weights = jax.lax.scan(scanned, states, keys)
-  assert weights.shape == (3, 5, 4)
-  # 18 steps per env in 8 slots, one episode: 8 held, the 2 newest wait for
-  # their next steps and the 2 oldest lost history: 4 per env.
-  np.testing.assert_array_equal(states.window_counts, [[4, 4]] * 5)
 
 
 @devices.needs(4)

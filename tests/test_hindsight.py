@@ -291,34 +291,6 @@ def test_prioritized_transitions_follow_priorities():
   assert stats.chisquare(counts, expected).pvalue > 1e-4
 
 
-def test_under_jit_vmap_scan_and_cond_without_retracing():
-  settings = dict(reward_fn=reward_fn, strategy="future", relabel_fraction=0.8)
-  states = jax.vmap(lambda _: jaxbuf.hindsight.init(
-      STEP, num_envs=NUM_ENVS, capacity=CAPACITY))(jnp.arange(5))
-  chunk = jax.tree.map(lambda x: jnp.ones((5, NUM_ENVS, 3) + x.shape,
-                                          x.dtype), STEP)
-  ends = jnp.zeros((5, NUM_ENVS, 3), bool).at[:, :, 2].set(True)
-
-  @jax.jit
-  @chex.assert_max_traces(n=1)
-  def step(states, keys):
-    def one(state, steps, end, key):
-      state = jaxbuf.hindsight.add(state, steps, episode_end=end, alpha=None)
-      sample = jaxbuf.hindsight.sample(state, key, 4, **settings)
-      state = jax.lax.cond(jnp.sum(state.window_counts) > 100,
-                           jaxbuf.hindsight.clear, lambda s: s, state)
-      return state, sample.items.reward
-    return jax.vmap(one)(states, chunk, ends, keys)
-
-  keys = jax.random.split(jax.random.key(0), (3, 5))
-  states, rewards = jax.lax.scan(step, states, keys)
-  states, rewards = jax.lax.scan(step, states, keys)
-  assert rewards.shape == (3, 5, 4)
-  # 18 steps per env in episodes of 3; steps 10..17 held: transitions
-  # 10 (its episode's first step overwritten), 12, 13, 15, 16.
-  np.testing.assert_array_equal(states.window_counts, [[5, 5]] * 5)
-
-
 def test_save_and_load_round_trip(tmp_path):
   buffer = make_buffer("future")
   reference = ReferenceStreams(NUM_ENVS, PER_ENV)

@@ -1,4 +1,8 @@
-"""Conformance suite run over both replay kinds, plus prioritized statistics."""
+"""Item replay, both kinds: storage, ring order, sampling statistics, errors.
+
+tests/test_conformance.py runs the checks every kind shares (jit, vmap, scan,
+cond, one trace, a bad add leaving the state intact).
+"""
 
 import dataclasses
 import inspect
@@ -334,132 +338,7 @@ def test_checked_mode_raises_on_empty_sample_and_bad_priorities():
     error.throw()
 
 
-# --- Composability: jit, vmap, scan, cond, recompilation, devices ------------------------
-
-def test_functions_keep_structure_shape_and_dtype(kind):
-  buffer, state = fresh(kind)
-  items = make_items(0, 3)
-  after_add = jax.eval_shape(buffer.add, state, items)
-  after_update = jax.eval_shape(buffer.update_priorities, state,
-                                jnp.zeros(4, jnp.int32), jnp.ones(4))
-  for after in (after_add, after_update, jax.eval_shape(buffer.clear, state)):
-    chex.assert_trees_all_equal_shapes_and_dtypes(after, state)
-    assert jax.tree.structure(after) == jax.tree.structure(state)
-
-
-def test_every_function_runs_inside_lax_cond(kind):
-  buffer, state = fresh(kind)
-  state = buffer.add(state, make_items(0, 5))
-
-  @jax.jit
-  def step(state, key, learn):
-    batch = buffer.sample(state, key, 4)
-    state = jax.lax.cond(learn & buffer.can_sample(state, 4),
-                         lambda s: buffer.update_priorities(
-                             s, batch.indices, batch.weights + 1.0, batch.item_ids),
-                         lambda s: s, state)
-    state = jax.lax.cond(learn, lambda s: buffer.add(s, make_items(9, 2)),
-                         lambda s: buffer.clear(s), state)
-    return state
-  assert int(step(state, jax.random.key(0), jnp.bool_(True)).size) == 7
-  assert int(step(state, jax.random.key(0), jnp.bool_(False)).size) == 0
-
-
-@pytest.mark.usefixtures("x64_mode")  # same behaviour with x64 on
-def test_scan_of_add_sample_update_matches_python_loop(kind):
-  buffer, state = fresh(kind)
-  keys = jax.random.split(jax.random.key(6), 10)
-
-  def body(state, inputs):
-    key, start = inputs
-    state = buffer.add(state, make_items(0, 3).replace(action=start + jnp.arange(3, dtype=jnp.int32)))
-    batch = buffer.sample(state, key, 4)
-    state = buffer.update_priorities(state, batch.indices,
-                                     batch.items.reward + 0.5, batch.item_ids)
-    return state, batch.indices
-
-  starts = jnp.arange(10, dtype=jnp.int32) * 3
-  scanned_state, scanned_indices = jax.jit(
-      lambda s: jax.lax.scan(body, s, (keys, starts)))(state)
-  _, state = fresh(kind)
-  looped = []
-  for key, start in zip(keys, starts):
-    state, indices = body(state, (key, start))
-    looped.append(indices)
-  np.testing.assert_array_equal(np.asarray(scanned_indices), np.stack(looped))
-  chex.assert_trees_all_close(scanned_state, state)
-
-
-def test_vmap_over_many_independent_buffers(kind):
-  buffer, _ = fresh(kind)
-  num_buffers = 6
-  states = jax.vmap(lambda _: buffer.init(example_item()))(jnp.arange(num_buffers))
-  batches = jax.vmap(lambda b: make_items(0, b + 1).replace(
-      action=jnp.full(1, 0, jnp.int32) + b))
-  items = jax.tree.map(lambda *xs: jnp.stack(xs),
-                       *[make_items(10 * b, 3) for b in range(num_buffers)])
-  states = jax.vmap(buffer.add)(states, items)
-  keys = jax.random.split(jax.random.key(7), num_buffers)
-  samples = jax.vmap(lambda s, k: buffer.sample(s, k, 5))(states, keys)
-  states = jax.vmap(buffer.update_priorities)(states, samples.indices,
-                                               samples.weights, samples.item_ids)
-  ok = jax.vmap(lambda s: buffer.can_sample(s, 3))(states)
-  assert ok.shape == (num_buffers,) and bool(ok.all())
-  for b in range(num_buffers):
-    _, single = fresh(kind)
-    single = buffer.add(single, make_items(10 * b, 3))
-    expected = buffer.sample(single, keys[b], 5)
-    np.testing.assert_array_equal(np.asarray(samples.indices[b]),
-                                  np.asarray(expected.indices))
-    np.testing.assert_array_equal(np.asarray(samples.items.action[b]),
-                                  np.asarray(expected.items.action))
-  del batches
-  cleared = jax.vmap(buffer.clear)(states)
-  assert not bool(cleared.size.any())
-
-
-def test_no_recompilation_on_the_second_call(kind):
-  buffer = MAKERS[kind]()
-  state = buffer.init(example_item())
-  chex.clear_trace_counter()
-
-  @jax.jit
-  @chex.assert_max_traces(n=1)
-  def step(state, key, items):
-    state = buffer.add(state, items)
-    batch = buffer.sample(state, key, 4)
-    return buffer.update_priorities(state, batch.indices, batch.weights,
-                                    batch.item_ids)
-  for i in range(3):
-    state = step(state, jax.random.key(i), make_items(3 * i, 3))
-  # The bound functions, called from Python: count JAX's trace and compile
-  # events, which every new program records, over the second and later calls.
-  events = []
-  def listener(event, duration, **kwargs):
-    del duration, kwargs
-    if event in ("/jax/core/compile/jaxpr_trace_duration",
-                 "/jax/core/compile/backend_compile_duration"):
-      events.append(event)
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    def calls(i):
-      nonlocal state
-      state = buffer.add(state, make_items(i, 3))
-      batch = buffer.sample(state, jax.random.key(i), 4)
-      assert bool(buffer.can_sample(state, 3))
-      state = buffer.update_priorities(state, batch.indices, batch.weights,
-                                       batch.item_ids)
-      state = buffer.clear(state) if i == 4 else state
-    calls(0)
-    calls(4)
-    assert events  # the first calls compiled: the listener hears them
-    events.clear()
-    for i in range(1, 5):
-      calls(i)
-    assert not events, events
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
-
+# --- Donation and devices (jit, vmap, scan, cond: tests/test_conformance.py) ---
 
 def test_python_loop_add_updates_the_storage_in_place(kind):
   buffer, state = fresh(kind)

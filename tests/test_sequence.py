@@ -10,7 +10,6 @@ import pathlib
 import re
 from typing import NamedTuple
 
-import chex
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -478,39 +477,6 @@ def test_add_writes_in_place_under_donation(prioritized):
     pytest.skip("no memory analysis on this backend")
   # No copy of the storage: temporaries far below it.
   assert memory.temp_size_in_bytes < storage_bytes / 20, memory
-
-
-def test_every_function_under_jit_vmap_scan_and_cond_without_retracing():
-  buffer = jaxbuf.prioritized_sequence_replay(2, 12, 3, period=2)
-  settings = dict(sequence_length=3, period=2, within=False)
-  states = jax.vmap(lambda _: buffer.init(STEP))(jnp.arange(5))
-  steps = {"id": jnp.zeros((5, 2, 4), jnp.int32),
-           "obs": jnp.ones((5, 2, 4, 2), jnp.float32)}
-
-  @jax.jit
-  @chex.assert_max_traces(n=1)
-  def step(states, steps, keys):
-    def one(state, chunk, key):
-      state = jaxbuf.prioritized_sequence.add(state, chunk, **settings,
-                                              alpha=0.6)
-      sample = jaxbuf.prioritized_sequence.sample(
-          state, key, 4, sequence_length=3, beta=0.4)
-      state = jaxbuf.prioritized_sequence.update_priorities(
-          state, sample.indices, jnp.abs(sample.items["obs"][:, 0, 0]),
-          sample.item_ids, **settings, alpha=0.6, eps=1e-6)
-      state = jax.lax.cond(
-          jnp.sum(state.window_counts) > 100, jaxbuf.prioritized_sequence.clear,
-          lambda s: s, state)
-      return state, sample.weights
-    return jax.vmap(one)(states, steps, keys)
-
-  def scanned(states, keys):
-    return step(states, steps, keys)
-  keys = jax.random.split(jax.random.key(0), (3, 5))
-  states, weights = jax.lax.scan(scanned, states, keys)
-  states, weights = jax.lax.scan(scanned, states, keys)
-  assert weights.shape == (3, 5, 4)
-  np.testing.assert_array_equal(states.window_counts, [[2, 2]] * 5)
 
 
 def test_vmapped_states_sharded_over_devices_and_checkpoint_round_trip(tmp_path):
