@@ -36,7 +36,7 @@ gymnax (auto-reset inside `env.step`, the pre-reset observation in
 `info["final_observation"]`): one add per vector step, the final
 observations of the envs that ended as `final_steps` (sequence and
 prioritized sequence replay), written exactly where their own `last` is
-True, so no mask can be forgotten:
+True, so no mask can be forgotten::
 
     next_obs, env_state, reward, terminated, truncated, info = step(...)
     state = buffer.add(

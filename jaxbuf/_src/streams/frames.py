@@ -734,10 +734,12 @@ def prioritized_frame_stack_replay(
   Steps follow the stream convention: `help(jaxbuf.streams)`.
 
   Args:
-    num_envs, capacity, num_stack, n_step, gamma, stack_keys, stack_axis,
-      pad, checked: as for `frame_stack_replay`.
-    alpha, beta, eps, stratified: as for `prioritized_replay`; N in the
-      importance weights is the number of sampleable transitions.
+    num_envs: as for `frame_stack_replay`, and so are `capacity`,
+      `num_stack`, `n_step`, `gamma`, `stack_keys`, `stack_axis`, `pad` and
+      `checked`.
+    alpha: as for `prioritized_replay`, and so are `beta`, `eps` and
+      `stratified`; N in the importance weights is the number of sampleable
+      transitions.
 
   Returns:
     A `Buffer` with `frame_stack_replay`'s functions; pass `sample.indices`

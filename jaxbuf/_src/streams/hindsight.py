@@ -102,7 +102,7 @@ class HindsightTransition(NamedTuple):
 
 @flax.struct.dataclass
 class HindsightSample(ReplaySample):
-  """A `ReplaySample` of `HindsightTransition`s, with the relabelled rows."""
+  """A `ReplaySample` of `HindsightTransition` items, with the relabelled rows."""
   relabelled: jax.Array  # bool [S]: the row carries a hindsight goal
 
 

@@ -805,6 +805,7 @@ def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
       marks the first episode's steps) or "within" (never sampled across an
       end). Episode ends come from one flag: the step's own bool `last`
       leaf when it has one, else `add(..., episode_end=...)`.
+    checked: as for `uniform_replay`.
 
   The stream for n-step and recurrent agents (`jaxbuf.n_step_transitions`):
   step i holds `obs[i]`, the action taken there, the reward that followed
@@ -812,13 +813,12 @@ def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
   ended (terminated or truncated) gets one more step holding its final
   observation, flagged `last`, its other fields padding. Add it in the same
   call as `final_steps`; each env writes its final step exactly where that
-  step's `last` is True:
+  step's `last` is True::
 
       state = buffer.add(state, Step(obs, action, reward, terminated,
                                      last=no_env),
                          final_steps=Step(final_obs, action, reward,
                                           no_env, last=ended))
-    checked: as for `uniform_replay`.
 
   Returns:
     A `Buffer`; `add(state, steps, mask=None, episode_end=None,
