@@ -9,6 +9,7 @@ directive instead, so the difference is visible in the source.
 
 import pathlib
 import re
+import textwrap
 
 import jax
 import pytest
@@ -19,11 +20,12 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
 API = DOCS / "api"
 PAGES = sorted(path for path in DOCS.rglob("*.md")
                if "_build" not in path.parts)
-BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+# A fence may be indented (a block inside a list item); its code then is too.
+BLOCK = re.compile(r"^( *)```python\n(.*?)^\1```", re.DOTALL | re.MULTILINE)
 
 
 def python_blocks(page: pathlib.Path) -> list[str]:
-  return BLOCK.findall(page.read_text())
+  return [textwrap.dedent(code) for _, code in BLOCK.findall(page.read_text())]
 
 
 PAGES_WITH_CODE = [page for page in PAGES if python_blocks(page)]
@@ -63,6 +65,14 @@ def test_every_public_name_is_in_the_api_reference():
 def test_the_api_reference_names_only_public_names():
   unknown = sorted(referenced_names() - set(jaxbuf.__all__))
   assert not unknown, f"docs/api/*.md lists names not in jaxbuf.__all__: {unknown}"
+
+
+def test_every_python_fence_is_run():
+  """No ```python fence escapes the extraction (an info string after the
+  language, a fence closed at another indent): shown code is run code."""
+  for page in PAGES:
+    fences = re.findall(r"^ *```python", page.read_text(), re.MULTILINE)
+    assert len(fences) == len(python_blocks(page)), page
 
 
 def test_docs_have_runnable_code():
