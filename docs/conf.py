@@ -51,7 +51,7 @@ default_role = "code"
 
 autosummary_generate = True
 autosummary_imported_members = True
-autodoc_default_options = {"members": True, "undoc-members": False}
+autodoc_default_options = {"undoc-members": False}
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True

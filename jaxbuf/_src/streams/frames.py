@@ -199,10 +199,10 @@ def init(example_step: PyTree, *, num_envs: int, capacity: int,
   Args:
     example_step: a dict or NamedTuple with fields obs (any pytree: one
       frame, not a stack), action, reward (float scalar) and terminated
-      (bool scalar): arrays or `jax.ShapeDtypeStruct`s.
+      (bool scalar): arrays or `jax.ShapeDtypeStruct` values.
     num_envs: N.
     capacity: C, steps over all envs, a multiple of N.
-    stack_keys, stack_axis: checked against `obs` (see
+    stack_keys: checked against `obs`, as `stack_axis` is (see
       `frame_stack_replay`).
   """
   check_step(example_step, stack_keys=stack_keys, stack_axis=stack_axis)

@@ -152,7 +152,7 @@ def num_envs_of(state: SequenceReplayState) -> int:
 
 
 def step_spec(state: SequenceReplayState) -> PyTree:
-  """The unbatched step shapes and dtypes, as `jax.ShapeDtypeStruct`s."""
+  """The unbatched step shapes and dtypes, as `jax.ShapeDtypeStruct` values."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype),
                       state.storage)
 
@@ -190,7 +190,7 @@ def init(example_step: PyTree, *, num_envs: int, capacity: int,
   """An empty buffer for steps shaped like `example_step` (one env, unbatched).
 
   Args:
-    example_step: any pytree of arrays (or `jax.ShapeDtypeStruct`s).
+    example_step: any pytree of arrays (or `jax.ShapeDtypeStruct` values).
     num_envs: N.
     capacity: C, steps over all envs, a multiple of N.
     with_tree: keep a sum tree over window ids (prioritized replay, or
@@ -728,7 +728,7 @@ def add(state: SequenceReplayState, steps: PyTree,
   The final observations of a vectorized env (gymnax's
   `info["final_observation"]`) go in the same add, as `final_steps`; env n
   writes its final step after its step exactly when the final step's own
-  `last` is True, so no mask can be forgotten:
+  `last` is True, so no mask can be forgotten::
 
       state = buffer.add(state, Step(obs, action, reward, terminated,
                                      last=no_env),
