@@ -285,7 +285,7 @@ def load(path: str | os.PathLike, *, like: PyTree) -> PyTree:
     ValueError: another capacity (or num_steps / num_envs), or a leaf of
       another shape; a malformed or edited layout; stored data whose shape,
       dtype or CRC-32 differs from the layout (corruption), naming the leaf
-      and the piece; several processes passing different paths or `like`s.
+      and the piece; several processes passing different paths or `like` states.
       An error in any process is raised in every process.
   """
   devices = _devices_to_regroup(path, like)

@@ -33,7 +33,7 @@ def init_storage(example_item: PyTree, capacity: int) -> PyTree:
 
 
 def item_spec(storage: PyTree) -> PyTree:
-  """The unbatched item shapes and dtypes, as `jax.ShapeDtypeStruct`s."""
+  """The unbatched item shapes and dtypes, as `jax.ShapeDtypeStruct` values."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), storage)
 
 

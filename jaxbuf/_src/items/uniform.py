@@ -23,7 +23,7 @@ def init(example_item: PyTree, *, capacity: int) -> ReplayState:
   """An empty buffer for items shaped like `example_item` (unbatched).
 
   Args:
-    example_item: any pytree of arrays (or `jax.ShapeDtypeStruct`s); only
+    example_item: any pytree of arrays (or `jax.ShapeDtypeStruct` values); only
       shapes and dtypes are read.
     capacity: C, the number of items held before the oldest is overwritten.
 

@@ -160,9 +160,10 @@ def from_minari(dataset: Any, buffer: Buffer, state: Any, *,
 
   Raises:
     FileNotFoundError: no dataset with that id.
-    TypeError / ValueError: the dataset does not match the buffer's example
-      (naming the field), or an episode is malformed (naming the field and
-      the episode). No partly loaded state is returned.
+    TypeError: the dataset does not match the buffer's example (naming the
+      field); no partly loaded state is returned.
+    ValueError: as for `TypeError`, or an episode is malformed (naming the
+      field and the episode).
 
   A dataset of one episode (T = 3 actions, T + 1 observations), recorded
   here with Minari:

@@ -418,8 +418,8 @@ def n_step_returns(
   each stream. At padding steps the result is 0.
 
   Args:
-    rewards, values, terminated, last_value, truncated, truncated_values,
-      valid: as for `compute_gae`.
+    rewards: as for `compute_gae`, and so are `values`, `terminated`,
+      `last_value`, `truncated`, `truncated_values` and `valid`.
     n: a positive Python int.
     gamma: discount in [0, 1], a scalar or `[T, ...]` per step (rlax's
       `discount_t`).

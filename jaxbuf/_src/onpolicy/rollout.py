@@ -109,7 +109,7 @@ def init(example_step: PyTree, *, num_steps: int, num_envs: int) -> RolloutState
   """An empty rollout for steps shaped like `example_step` (one env, unbatched).
 
   Args:
-    example_step: any pytree of arrays (or `jax.ShapeDtypeStruct`s); only
+    example_step: any pytree of arrays (or `jax.ShapeDtypeStruct` values); only
       shapes and dtypes are read.
     num_steps: T, a Python int.
     num_envs: N, a Python int.

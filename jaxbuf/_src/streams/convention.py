@@ -40,7 +40,7 @@ writes its final step after its steps, flagged as the episode's end. Which
 envs ended is read from the final steps' own `last` (or, for steps without
 a `last` leaf, from `episode_end`, then bool `[N]`: the envs whose episode
 ended after their last step in `steps`). The result is, byte for byte, the
-two-add masked form
+two-add masked form::
 
     state = buffer.add(state, steps, mask)
     state = buffer.add(state, final_steps, ended & mask)   # `last` leaf, or

@@ -212,10 +212,10 @@ def init(example_step: PyTree, *, num_envs: int, capacity: int,
   Args:
     example_step: a dict or NamedTuple with fields obs (any pytree: one
       frame, not a stack), action, reward (float scalar) and terminated
-      (bool scalar): arrays or `jax.ShapeDtypeStruct`s.
+      (bool scalar): arrays or `jax.ShapeDtypeStruct` values.
     num_envs: N.
     capacity: C, steps over all envs, a multiple of N.
-    stack_keys, stack_axis: checked against `obs` (see
+    stack_keys: checked against `obs`, as `stack_axis` is (see
       `frame_stack_replay`).
   """
   check_step(example_step, stack_keys=stack_keys, stack_axis=stack_axis)
@@ -779,10 +779,12 @@ def prioritized_frame_stack_replay(
   Steps follow the stream convention: `help(jaxbuf.streams)`.
 
   Args:
-    num_envs, capacity, num_stack, n_step, gamma, stack_keys, stack_axis,
-      pad, checked: as for `frame_stack_replay`.
-    alpha, beta, eps, stratified: as for `prioritized_replay`; N in the
-      importance weights is the number of sampleable transitions.
+    num_envs: as for `frame_stack_replay`, and so are `capacity`,
+      `num_stack`, `n_step`, `gamma`, `stack_keys`, `stack_axis`, `pad` and
+      `checked`.
+    alpha: as for `prioritized_replay`, and so are `beta`, `eps` and
+      `stratified`; N in the importance weights is the number of sampleable
+      transitions.
 
   Returns:
     A `Buffer` with `frame_stack_replay`'s functions; pass `sample.indices`

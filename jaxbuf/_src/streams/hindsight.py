@@ -110,7 +110,7 @@ class HindsightTransition(NamedTuple):
 
 @flax.struct.dataclass
 class HindsightSample(ReplaySample):
-  """A `ReplaySample` of `HindsightTransition`s, with the relabelled rows."""
+  """A `ReplaySample` of `HindsightTransition` items, with the relabelled rows."""
   relabelled: jax.Array  # bool [S]: the row carries a hindsight goal
 
 
@@ -217,7 +217,7 @@ def init(example_step: PyTree, *, num_envs: int,
   Args:
     example_step: a pytree with fields obs (a dict of "observation",
       "achieved_goal", "desired_goal"), action, reward (float scalar) and
-      terminated (bool scalar): arrays or `jax.ShapeDtypeStruct`s.
+      terminated (bool scalar): arrays or `jax.ShapeDtypeStruct` values.
     num_envs: N.
     capacity: C, steps over all envs, a multiple of N.
   """

@@ -148,7 +148,7 @@ def update_priorities(state: PrioritizedSequenceReplayState,
   now, the priority is NaN or infinite, or (given `item_ids`, e.g.
   `sample.item_ids`) the window's first step was overwritten since it was
   sampled; a negative priority applies by its magnitude (a signed TD error
-  means |TD error|). Checked mode raises on ids outside `[0, C)` and on
+  means its absolute value). Checked mode raises on ids outside `[0, C)` and on
   priorities that are not finite or are negative.
   Cost O(S log C).
   """

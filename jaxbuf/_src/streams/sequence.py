@@ -158,7 +158,7 @@ def num_envs_of(state: SequenceReplayState) -> int:
 
 
 def step_spec(state: SequenceReplayState) -> PyTree:
-  """The unbatched step shapes and dtypes, as `jax.ShapeDtypeStruct`s."""
+  """The unbatched step shapes and dtypes, as `jax.ShapeDtypeStruct` values."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype),
                       state.storage)
 
@@ -196,7 +196,7 @@ def init(example_step: PyTree, *, num_envs: int, capacity: int,
   """An empty buffer for steps shaped like `example_step` (one env, unbatched).
 
   Args:
-    example_step: any pytree of arrays (or `jax.ShapeDtypeStruct`s).
+    example_step: any pytree of arrays (or `jax.ShapeDtypeStruct` values).
     num_envs: N.
     capacity: C, steps over all envs, a multiple of N.
     with_tree: keep a sum tree over window ids (prioritized replay, or
@@ -770,7 +770,7 @@ def add(state: SequenceReplayState, steps: PyTree,
   The final observations of a vectorized env (gymnax's
   `info["final_observation"]`) go in the same add, as `final_steps`; env n
   writes its final step after its step exactly when the final step's own
-  `last` is True, so no mask can be forgotten:
+  `last` is True, so no mask can be forgotten::
 
       state = buffer.add(state, Step(obs, action, reward, terminated,
                                      last=no_env),
@@ -853,6 +853,7 @@ def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
       marks the first episode's steps) or "within" (never sampled across an
       end). Episode ends come from one flag: the step's own bool `last`
       leaf when it has one, else `add(..., episode_end=...)`.
+    checked: as for `uniform_replay`.
 
   The stream for n-step and recurrent agents (`jaxbuf.n_step_transitions`):
   step i holds `obs[i]`, the action taken there, the reward that followed
@@ -860,13 +861,12 @@ def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
   ended (terminated or truncated) gets one more step holding its final
   observation, flagged `last`, its other fields padding. Add it in the same
   call as `final_steps`; each env writes its final step exactly where that
-  step's `last` is True:
+  step's `last` is True::
 
       state = buffer.add(state, Step(obs, action, reward, terminated,
                                      last=no_env),
                          final_steps=Step(final_obs, action, reward,
                                           no_env, last=ended))
-    checked: as for `uniform_replay`.
 
   Returns:
     A `Buffer`; `add(state, steps, mask=None, episode_end=None,
