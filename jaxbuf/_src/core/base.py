@@ -96,12 +96,12 @@ def documented(function: Callable) -> Callable:
 
   functools.update_wrapper(bound, function.func)
   signature = inspect.signature(function)
-  bound.__signature__ = signature.replace(parameters=[
+  bound.__signature__ = signature.replace(parameters=[  # type: ignore[attr-defined]
       parameter for name, parameter in signature.parameters.items()
       if name not in settings])
   # Read by `bound_settings` (e.g. `jaxbuf.sharded` rebinding a buffer's
   # module functions with its settings).
-  bound.bound_settings = settings
+  bound.bound_settings = settings  # type: ignore[attr-defined]
   return bound
 
 
@@ -251,7 +251,7 @@ def _packed_add_from_host(add: Callable, jitted_add: Callable) -> Callable:
   # Per tree structure, 64-bit mode, leaf shapes and dtypes: the dtype each
   # leaf converts to (None: kept) and the jitted add that unpacks them;
   # None: not packable.
-  plans = {}
+  plans: dict[tuple, tuple | None] = {}
 
   def plan(leaves: list[np.ndarray], treedef: Any) -> tuple | None:
     layout = _host_layout(leaves)
@@ -316,7 +316,7 @@ def _sampled_at_step(sample: Callable) -> Callable:
 
   functools.update_wrapper(sample_at_step, sample)
   signature = inspect.signature(sample)
-  sample_at_step.__signature__ = signature.replace(parameters=[
+  sample_at_step.__signature__ = signature.replace(parameters=[  # type: ignore[attr-defined]
       *signature.parameters.values(),
       inspect.Parameter("step", inspect.Parameter.KEYWORD_ONLY, default=None,
                         annotation=int | jax.Array | None)])
