@@ -134,7 +134,7 @@ class Split(NamedTuple):
 class Kind(NamedTuple):
   """What a buffer kind says about itself; `buffer.kind`."""
   name: str               # the factory's name, e.g. "prioritized_replay"
-  state_type: type        # the class of its states
+  state_type: type[Any]   # the class of its states
   exact_type: bool        # whether subclasses of state_type are refused
   settings: Settings      # recorded in each state, checked on every call
   split: Callable[[int], Split] | None  # num_devices -> Split; None: the

@@ -103,7 +103,7 @@ def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return x0 ^ x1
 
 
-def fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
+def fold_in(key: jax.Array, data: jax.typing.ArrayLike) -> jax.Array:
   """`jax.random.fold_in(key, data)`, the same key, hashed unrolled.
 
   `data` is an integer scalar, read as uint32 as `jax.random.fold_in` reads

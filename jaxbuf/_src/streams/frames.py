@@ -131,8 +131,9 @@ def _stacked_mask(obs: PyTree, stack_keys: tuple[str, ...] | None) -> PyTree:
         f"{'has the keys ' + str(names) if names else 'is not a dict or NamedTuple'}"
         f" (stack_keys=None stacks every leaf).")
   if isinstance(obs, collections.abc.Mapping):
-    return type(obs)({key: jax.tree.map(lambda _, k=key: k in stack_keys,
-                                        value) for key, value in obs.items()})
+    mapping_type: Any = type(obs)  # a dict, or a Mapping made from one
+    return mapping_type({key: jax.tree.map(lambda _, k=key: k in stack_keys,
+                                           value) for key, value in obs.items()})
   return type(obs)(**{key: jax.tree.map(lambda _, k=key: k in stack_keys,
                                         getattr(obs, key)) for key in names})
 
