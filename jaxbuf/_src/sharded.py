@@ -80,7 +80,7 @@ from jaxbuf._src.core import random
 from jaxbuf._src.core import ring
 from jaxbuf._src.core import sum_tree
 from jaxbuf._src.core import validation
-from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, bind
+from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, SampleT, StateT, bind
 from jaxbuf._src.core.kind import Split
 
 SAMPLING_MODES = ("global", "local")
@@ -490,8 +490,9 @@ def clear(state: Any, *, kind: Split, wrapped: kind_protocol.Kind,
                            _placed(state, mesh, axis, _spec(axis)))
 
 
-def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
-            sampling: str = "global", batch: str = "sharded") -> Buffer:
+def sharded(buffer: Buffer[StateT, SampleT], mesh: jax.sharding.Mesh,
+            axis: str = "data", *, sampling: str = "global",
+            batch: str = "sharded") -> Buffer[StateT, SampleT]:
   """`buffer` split over the devices of `mesh`'s `axis`.
 
   Args:

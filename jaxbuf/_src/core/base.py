@@ -6,10 +6,11 @@ Shape key: S sample size.
 
 import functools
 import inspect
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Generic, NamedTuple, Protocol, Sequence, TypeVar
 
 import flax.struct
 import jax
+from jax.typing import ArrayLike
 import numpy as np
 
 from jaxbuf._src.core import kind as kind_protocol
@@ -46,7 +47,73 @@ class ReplaySample:
                          # update_priorities so stale updates are skipped
 
 
-class Buffer(NamedTuple):
+# The state and sample types of a buffer kind: `Buffer[ReplayState,
+# ReplaySample]` for `uniform_replay`, and so on for each kind.
+StateT = TypeVar("StateT", bound=BufferState)
+SampleT = TypeVar("SampleT", bound=ReplaySample)
+_StateT_co = TypeVar("_StateT_co", bound=BufferState, covariant=True)
+_StateT_contra = TypeVar("_StateT_contra", bound=BufferState,
+                         contravariant=True)
+_SampleT_co = TypeVar("_SampleT_co", bound=ReplaySample, covariant=True)
+
+
+class InitFn(Protocol[_StateT_co]):
+  """`buffer.init(example)`: an empty state for items (or steps) shaped like
+  `example`, one unbatched item (or env step)."""
+
+  def __call__(self, example: PyTree, /) -> _StateT_co:
+    ...
+
+
+class AddFn(Protocol[StateT]):
+  """`buffer.add(state, items)`: items with a leading batch axis `[B, ...]`;
+  stream kinds take steps `[N, ...]` or `[N, T, ...]` and their `mask`,
+  `episode_end` and `final_steps` (`help(jaxbuf.streams)`)."""
+
+  def __call__(self, state: StateT, items: PyTree, /,
+               mask: ArrayLike | Sequence[bool] | None = None,
+               episode_end: ArrayLike | Sequence[bool] | None = None,
+               final_steps: PyTree | None = None) -> StateT:
+    ...
+
+
+class SampleFn(Protocol[_StateT_contra, _SampleT_co]):
+  """`buffer.sample(state, key, batch_size, step=None)`: `batch_size` a
+  Python int; `step` an integer folded into `key` (`Buffer`)."""
+
+  def __call__(self, state: _StateT_contra, key: jax.Array, batch_size: int,
+               *, step: int | jax.Array | None = None) -> _SampleT_co:
+    ...
+
+
+class UpdatePrioritiesFn(Protocol[StateT]):
+  """`buffer.update_priorities(state, indices, priorities, item_ids=None)`:
+  `indices` and `item_ids` as a sample returned them; the identity for
+  kinds without priorities."""
+
+  def __call__(self, state: StateT,
+               indices: ArrayLike | Sequence[int],
+               priorities: ArrayLike | Sequence[float],
+               item_ids: ArrayLike | None = None) -> StateT:
+    ...
+
+
+class CanSampleFn(Protocol[_StateT_contra]):
+  """`buffer.can_sample(state, batch_size)`: bool scalar array, whether a
+  sample of `batch_size` (a Python int) can be drawn."""
+
+  def __call__(self, state: _StateT_contra, batch_size: int) -> jax.Array:
+    ...
+
+
+class ClearFn(Protocol[StateT]):
+  """`buffer.clear(state)`: the state emptied, its storage kept."""
+
+  def __call__(self, state: StateT, /) -> StateT:
+    ...
+
+
+class Buffer(NamedTuple, Generic[StateT, SampleT]):
   """The functions of one replay buffer kind, hyperparameters bound.
 
   Every replay kind has the same fields, so a training script switches between
@@ -58,13 +125,19 @@ class Buffer(NamedTuple):
   `jax.random.fold_in(key, step)`, folded inside the call, so a Python loop
   passes one key and its counter rather than calling `jax.random.split`
   every step. Distinct steps give independent draws.
+
+  For type checkers a buffer is `Buffer[StateT, SampleT]`, its kind's state
+  and sample types (`uniform_replay` returns `Buffer[ReplayState,
+  ReplaySample]`), and each function's signature is a Protocol (`SampleFn`,
+  ...): `sample` without a `batch_size`, or a state of another kind, is
+  flagged before anything runs.
   """
-  init: Callable[[PyTree], Any]
-  add: Callable[..., Any]
-  sample: Callable[..., ReplaySample]
-  update_priorities: Callable[..., Any]
-  can_sample: Callable[..., jax.Array]
-  clear: Callable[[Any], Any]
+  init: InitFn[StateT]
+  add: AddFn[StateT]
+  sample: SampleFn[StateT, SampleT]
+  update_priorities: UpdatePrioritiesFn[StateT]
+  can_sample: CanSampleFn[StateT]
+  clear: ClearFn[StateT]
   kind: kind_protocol.Kind | None = None
 
 

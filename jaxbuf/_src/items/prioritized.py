@@ -195,7 +195,8 @@ def clear(state: PrioritizedReplayState) -> PrioritizedReplayState:
 def prioritized_replay(capacity: int, *, alpha: float = 0.6,
                        beta: float | Schedule = 0.4, eps: float = 1e-6,
                        stratified: bool = True,
-                       checked: bool = False) -> Buffer:
+                       checked: bool = False
+                       ) -> Buffer[PrioritizedReplayState, ReplaySample]:
   """A proportional prioritized replay buffer holding up to `capacity` items.
 
   Args:

@@ -244,7 +244,8 @@ def clear(state: EpisodeReplayState) -> EpisodeReplayState:
 
 def episode_replay(num_envs: int, capacity: int, max_episode_length: int, *,
                    weight_by_length: bool = False,
-                   checked: bool = False) -> Buffer:
+                   checked: bool = False
+                   ) -> Buffer[EpisodeReplayState, EpisodeSample]:
   """A replay buffer of whole episodes, padded to `max_episode_length`.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.

@@ -673,7 +673,8 @@ def frame_stack_replay(num_envs: int, capacity: int, num_stack: int, *,
                        n_step: int = 1, gamma: float = 0.99,
                        stack_keys: tuple[str, ...] | None = None,
                        stack_axis: int = -1, pad: str = "zeros",
-                       checked: bool = False) -> Buffer:
+                       checked: bool = False
+                       ) -> Buffer[FrameStackReplayState, ReplaySample]:
   """A uniform replay buffer of stacked n-step transitions, frames stored once.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.
@@ -729,7 +730,7 @@ def prioritized_frame_stack_replay(
     gamma: float = 0.99, stack_keys: tuple[str, ...] | None = None,
     stack_axis: int = -1, pad: str = "zeros", alpha: float = 0.6,
     beta: float | Schedule = 0.4, eps: float = 1e-6, stratified: bool = True,
-    checked: bool = False) -> Buffer:
+    checked: bool = False) -> Buffer[FrameStackReplayState, ReplaySample]:
   """A prioritized replay buffer of stacked n-step transitions.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.

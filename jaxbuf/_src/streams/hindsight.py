@@ -614,7 +614,8 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
                      terminated_fn: Callable | None = None,
                      prioritized: bool = False, alpha: float = 0.6,
                      beta: float | Schedule = 0.4, eps: float = 1e-6,
-                     stratified: bool = True, checked: bool = False) -> Buffer:
+                     stratified: bool = True, checked: bool = False
+                     ) -> Buffer[HindsightReplayState, HindsightSample]:
   """A hindsight experience replay buffer over per-env episode streams.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.

@@ -200,7 +200,9 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
                                 beta: float | Schedule = 0.4,
                                 eps: float = 1e-6, episodes: str = "cross",
                                 stratified: bool = True,
-                                checked: bool = False) -> Buffer:
+                                checked: bool = False
+                                ) -> Buffer[PrioritizedSequenceReplayState,
+                                            SequenceSample]:
   """A prioritized replay buffer of per-env streams, sampled as windows.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.

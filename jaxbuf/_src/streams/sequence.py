@@ -797,7 +797,8 @@ def clear(state: SequenceStateT) -> SequenceStateT:
 
 def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
                     period: int = 1, episodes: str = "cross",
-                    checked: bool = False) -> Buffer:
+                    checked: bool = False
+                    ) -> Buffer[SequenceReplayState, SequenceSample]:
   """A uniform replay buffer of per-env streams, sampled as windows.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.
