@@ -36,7 +36,6 @@ from typing import Any, NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 if __package__ in (None, ""):

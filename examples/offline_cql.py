@@ -43,7 +43,6 @@ from typing import Any
 
 import flax.linen as nn
 import gymnasium
-import gymnax
 import jax
 import jax.numpy as jnp
 import minari

@@ -372,7 +372,8 @@ def test_scan_of_add_sample_update_matches_python_loop(kind):
 
   def body(state, inputs):
     key, start = inputs
-    state = buffer.add(state, make_items(0, 3).replace(action=start + jnp.arange(3, dtype=jnp.int32)))
+    state = buffer.add(state, make_items(0, 3).replace(
+        action=start + jnp.arange(3, dtype=jnp.int32)))
     batch = buffer.sample(state, key, 4)
     state = buffer.update_priorities(state, batch.indices,
                                      batch.items.reward + 0.5, batch.item_ids)

@@ -21,7 +21,7 @@ def mistakes() -> None:
   buffer.sample(state, key, 2.5)  # error: [arg-type]
   sample = buffer.sample(state, key, 8)
   label: str = sample.weights  # error: [assignment]
-  sample.mask  # error: [attr-defined]
+  _ = sample.mask  # error: [attr-defined]
   buffer.add(state, {"obs": jnp.ones((2, 3))}, episode_ends=None)  # error: [call-arg]
   buffer.update_priorities(state, sample.indices)  # error: [call-arg]
   streams = jaxbuf.sequence_replay(num_envs=2, capacity=8, sequence_length=2)

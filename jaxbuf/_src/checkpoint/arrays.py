@@ -213,7 +213,7 @@ def read_arrays(handle: int, found: pathlib.Path, stored: dict[str, Any],
   like_leaves = [leaf for _, leaf in layouts.named_leaves(like)]
   entries = list(stored["leaves"].items())
   targets = {}
-  for i, ((name, entry), leaf) in enumerate(zip(entries, like_leaves)):
+  for i, ((_name, entry), leaf) in enumerate(zip(entries, like_leaves)):
     shape = entry.get("key_data_shape", entry["shape"])
     dtype = np.dtype(np.uint32) if layouts.is_key(leaf) else layouts.DTYPES[entry["dtype"]]
     targets[f"leaf_{i}"] = _restore_target(leaf, shape, dtype)

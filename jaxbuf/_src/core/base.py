@@ -17,7 +17,7 @@ from jaxbuf._src.core import kind as kind_protocol
 from jaxbuf._src.core import random
 from jaxbuf._src.core import validation
 from jaxbuf._src.core.kind import BufferState  # pylint: disable=unused-import
-from jaxbuf._src.core.pytypes import PyTree, Schedule  # pylint: disable=unused-import
+from jaxbuf._src.core.pytypes import PyTree, Schedule  # pylint: disable=unused-import  # noqa: F401
 
 
 def regrouped(state: BufferState, devices: int | None) -> BufferState:

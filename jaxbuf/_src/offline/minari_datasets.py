@@ -6,7 +6,7 @@ jaxbuf's items and streams is in `help(jaxbuf.offline)`."""
 import itertools
 import os
 import shutil
-from typing import Any, Callable, Generator, Iterator
+from typing import Any, Callable, Generator
 
 import jax
 import numpy as np
