@@ -671,9 +671,9 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
     if not callable(beta):
       validation.check_hyperparameter(beta, "beta")
   priority_alpha = alpha if prioritized else None
-  relabelling: dict[str, Any] = dict(reward_fn=reward_fn, strategy=strategy,
-                     relabel_fraction=float(relabel_fraction),
-                     terminated_fn=terminated_fn)
+  relabelling: dict[str, Any] = dict(
+      reward_fn=reward_fn, strategy=strategy,
+      relabel_fraction=float(relabel_fraction), terminated_fn=terminated_fn)
   bound_add = functools.partial(add, alpha=priority_alpha)
   bound_sample = functools.partial(sample, **relabelling,
                                    priorities=prioritized, beta=beta,

@@ -238,8 +238,8 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
   validation.check_hyperparameter(eps, "eps", positive=True)
   if not callable(beta):
     validation.check_hyperparameter(beta, "beta")
-  settings: dict[str, Any] = dict(sequence_length=sequence_length, period=period,
-                  within=episodes == "within")
+  settings: dict[str, Any] = dict(sequence_length=sequence_length,
+                                  period=period, within=episodes == "within")
   bound_add = functools.partial(add, **settings, alpha=alpha)
   split = functools.partial(
       sequence.split_over_devices, num_envs=num_envs, capacity=capacity,

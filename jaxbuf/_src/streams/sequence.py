@@ -849,8 +849,8 @@ def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
   True
   """
   check_sizes(num_envs, capacity, sequence_length, period, episodes)
-  settings: dict[str, Any] = dict(sequence_length=sequence_length, period=period,
-                  within=episodes == "within")
+  settings: dict[str, Any] = dict(sequence_length=sequence_length,
+                                  period=period, within=episodes == "within")
   bound_init = functools.partial(init, with_tree=episodes == "within")
   bound_add = functools.partial(add, **settings)
   split = functools.partial(
