@@ -85,10 +85,10 @@ def flat(obs):
 
 def dense_init(key, sizes):
   layers = []
-  for key, (fan_in, fan_out) in zip(jax.random.split(key, len(sizes) - 1),
-                                    zip(sizes[:-1], sizes[1:])):
+  for layer_key, (fan_in, fan_out) in zip(jax.random.split(key, len(sizes) - 1),
+                                          zip(sizes[:-1], sizes[1:])):
     bound = 1 / np.sqrt(fan_in)
-    w_key, b_key = jax.random.split(key)
+    w_key, b_key = jax.random.split(layer_key)
     layers.append((jax.random.uniform(w_key, (fan_in, fan_out), minval=-bound,
                                       maxval=bound),
                    jax.random.uniform(b_key, (fan_out,), minval=-bound,

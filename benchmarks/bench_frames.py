@@ -104,7 +104,7 @@ def cpprb_child(capacity: int) -> dict:
   frames = rng.integers(0, 255, (1024 + NUM_STACK, *FRAME), np.uint8)
   stack = np.lib.stride_tricks.sliding_window_view(
       frames, NUM_STACK, axis=0)  # [1024 + 1, 84, 84, 4], consecutive frames
-  for start_step in range(0, capacity, 1024):
+  for _start_step in range(0, capacity, 1024):
     # One episode's consecutive stacks, as an env would give them.
     buffer.add(obs=stack[:1024], next_obs=stack[1:1025],
                act=np.zeros(1024, np.int32), rew=np.zeros(1024),

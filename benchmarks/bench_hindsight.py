@@ -142,7 +142,7 @@ def sb3_buffer(capacity: int):
                            env, device="cpu", n_sampled_goal=4,
                            goal_selection_strategy="future")
   rng = np.random.default_rng(2)
-  for name, column in (*buffer.observations.items(),
+  for _name, column in (*buffer.observations.items(),
                        *buffer.next_observations.items()):
     column[:] = rng.standard_normal(column.shape).astype(column.dtype)
   positions = np.arange(capacity)
@@ -235,10 +235,10 @@ def main() -> None:
   if args.before:
     verdicts.info(
         f"HER sample at {args.before} / item replay sample: "
-        f"{harness.ratio_text(harness.ratio(times[f'hindsight_replay at {args.before}'], times['uniform_replay (items)']))}")
+        f"{harness.ratio_text(harness.ratio(times[f'hindsight_replay at {args.before}'], times['uniform_replay (items)']))}")  # noqa: E501
   if sb3 is not None:
     verdicts.info(f"SB3 HerReplayBuffer.sample / jaxbuf: "
-                  f"{harness.ratio_text(harness.ratio(times['SB3 HerReplayBuffer'], times['hindsight_replay']))}")
+                  f"{harness.ratio_text(harness.ratio(times['SB3 HerReplayBuffer'], times['hindsight_replay']))}")  # noqa: E501
   verdicts.print("verdicts")
   print(f"\nload average at the end: {harness.load_average()}")
 

@@ -17,8 +17,9 @@ On CPU, JAX hands each call to a worker thread (asynchronous dispatch);
 `--sync-dispatch` (`jax_cpu_enable_async_dispatch=False`) runs it on the
 calling thread instead. `--host-batches` uses a host-env loop's sizes
 instead (add 4 items, sample and update 128) and judges jaxbuf's per-call
-times against cpprb's: sample and update within 1.5x, add within 1.0x. On a GPU the per-call `add` and prioritized `sample`
-at the largest capacity are judged against a 0.1 ms target.
+times against cpprb's: sample and update within 1.5x, add within 1.0x. On a
+GPU the per-call `add` and prioritized `sample` at the largest capacity are
+judged against a 0.1 ms target.
 
 Usage:
   .venv/bin/python benchmarks/bench_replay_calls.py           # several minutes

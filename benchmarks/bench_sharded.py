@@ -47,7 +47,6 @@ if "jax" not in sys.modules:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jaxbuf  # noqa: E402
@@ -194,7 +193,7 @@ def single_device_overhead(kind: str, capacity: int = OVERHEAD_CAPACITY,
           "obs": jnp.full((fill, OBS), start, jnp.float32),
           "action": jnp.zeros(fill, jnp.int32)})
     calls[name] = harness.carrying(
-        lambda state, loop=loop_for(buffer): loop(state, jax.random.key(0)),
+        lambda state, loop=loop_for(buffer): loop(state, jax.random.key(0)),  # noqa: B008
         state)
   seconds = harness.time_interleaved(calls, repeats=repeats, warmup=2)
   return {name: value / OVERHEAD_ITERATIONS for name, value in seconds.items()}

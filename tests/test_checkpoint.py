@@ -388,7 +388,8 @@ def test_directories_jaxbuf_did_not_write_are_never_replaced(tmp_path):
   real = tmp_path / "real"
   jaxbuf.save(real, state)
   (real / "state" / "my_notes.txt").write_text("mine")
-  with pytest.raises(FileExistsError, match=r"entries jaxbuf did not write \['state/my_notes.txt'\]"):
+  with pytest.raises(FileExistsError,
+                     match=r"entries jaxbuf did not write \['state/my_notes.txt'\]"):
     jaxbuf.save(real, state)
   assert (real / "state" / "my_notes.txt").read_text() == "mine"
   assert_bit_equal(jaxbuf.load(real, like=buffer.init(example_item())), state)
@@ -795,7 +796,7 @@ def test_racing_writers_and_readers_in_real_processes(tmp_path):
   finally:
     for child in children:
       child.kill()
-  for child, (out, err) in zip(children, results):
+  for child, (_out, err) in zip(children, results):
     assert child.returncode == 0, err[-2000:]
   assert "'loaded': 0}" not in results[2][0]
   like = jax.eval_shape(buffer.init, jnp.zeros(64, jnp.float32))

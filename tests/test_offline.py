@@ -564,7 +564,8 @@ def test_item_replay_refuses_items_out_of_episode_order():
 def _write(name, episodes, observation_space, action_space):
   """A Minari dataset of `episodes` (dicts), one per name and 64-bit mode."""
   return minari.create_dataset_from_buffers(
-      f"test/bad/{name}{64 if jax.config.jax_enable_x64 else 32}-v0", [EpisodeBuffer(**episode) for episode in episodes],
+      f"test/bad/{name}{64 if jax.config.jax_enable_x64 else 32}-v0",
+      [EpisodeBuffer(**episode) for episode in episodes],
       observation_space=observation_space, action_space=action_space)
 
 

@@ -307,7 +307,8 @@ def test_ragged_rollout_feeds_gae_with_its_valid_mask():
   state = rollout.init({"reward": jnp.float32(0), "value": jnp.float32(0),
                         "terminated": jnp.bool_(False)})
   for mask in ([True, True], [True, False], [True, False]):
-    state = rollout.add(state, {"reward": jnp.ones(2, jnp.float32), "value": jnp.zeros(2, jnp.float32),
+    state = rollout.add(state, {"reward": jnp.ones(2, jnp.float32),
+                                "value": jnp.zeros(2, jnp.float32),
                                 "terminated": jnp.zeros(2, bool)},
                         jnp.array(mask))
   advantages, _ = jaxbuf.compute_gae(

@@ -80,7 +80,7 @@ from jaxbuf._src.core import random
 from jaxbuf._src.core import ring
 from jaxbuf._src.core import sum_tree
 from jaxbuf._src.core import validation
-from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, bind
+from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, SampleT, StateT, bind
 from jaxbuf._src.core.kind import Split
 
 SAMPLING_MODES = ("global", "local")
@@ -490,8 +490,9 @@ def clear(state: Any, *, kind: Split, wrapped: kind_protocol.Kind,
                            _placed(state, mesh, axis, _spec(axis)))
 
 
-def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
-            sampling: str = "global", batch: str = "sharded") -> Buffer:
+def sharded(buffer: Buffer[StateT, SampleT], mesh: jax.sharding.Mesh,
+            axis: str = "data", *, sampling: str = "global",
+            batch: str = "sharded") -> Buffer[StateT, SampleT]:
   """`buffer` split over the devices of `mesh`'s `axis`.
 
   Args:
@@ -585,7 +586,7 @@ def sharded(buffer: Buffer, mesh: jax.sharding.Mesh, axis: str = "data", *,
         "buffer (its skips of bad updates and empty samples are the same).")
   num_devices = _num_devices(mesh, axis)
   kind = wrapped.split(num_devices)
-  where = dict(kind=kind, wrapped=wrapped, mesh=mesh, axis=axis)
+  where: dict[str, Any] = dict(kind=kind, wrapped=wrapped, mesh=mesh, axis=axis)
   return bind(
       init=functools.partial(init, **where),
       add=_with_add_signature(functools.partial(add, **where), kind),
@@ -614,7 +615,7 @@ def _with_add_signature(add_function: Callable, kind: Split) -> Callable:
   @functools.wraps(add)
   def add_to_devices(state, *arguments, **keywords):
     return add_function(state, *arguments, **keywords)
-  add_to_devices.__signature__ = inspect.Signature(
+  add_to_devices.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
       [inspect.Parameter("state", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
       + list(inspect.signature(kind.add_arguments).parameters.values()))
   return add_to_devices

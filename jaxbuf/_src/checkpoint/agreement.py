@@ -8,7 +8,7 @@ having raised, will never reach. With one process these are no-ops.
 """
 
 import json
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar, cast
 
 import jax
 import numpy as np
@@ -57,15 +57,18 @@ def _agree(caller: str, error: Exception | None, payload: Any) -> list[Any]:
   return [outcome["payload"] for outcome in outcomes]
 
 
-def in_every_process(caller: str, step: Callable[[], Any],
+_Result = TypeVar("_Result")
+
+
+def in_every_process(caller: str, step: Callable[[], _Result],
                      share: Callable[[Any], Any] = lambda _: None
-                     ) -> tuple[Any, list[Any]]:
+                     ) -> tuple[_Result, list[Any]]:
   """Runs `step` here, then agrees: its result and every process's `share(result)`."""
   try:
     result, error = step(), None
   except Exception as caught:  # pylint: disable=broad-except
     # Reported to every process by `_agree`, which re-raises it here.
-    result, error = None, caught
+    result, error = cast(_Result, None), caught
   return result, _agree(caller, error, None if error is not None else share(result))
 
 

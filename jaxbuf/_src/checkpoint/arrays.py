@@ -43,7 +43,8 @@ def _host_bytes(array: Any) -> np.ndarray:
 def _crc32s(data: np.ndarray, pool: concurrent.futures.Executor
             ) -> list[concurrent.futures.Future]:
   """CRC-32 of each `CHUNK_BYTES` chunk of `data` (uint8 [n]), started in `pool`."""
-  return [pool.submit(zlib.crc32, data[start:start + CHUNK_BYTES])
+  # NumPy's stubs declare the buffer protocol only from Python 3.12.
+  return [pool.submit(zlib.crc32, data[start:start + CHUNK_BYTES])  # type: ignore[arg-type]
           for start in range(0, data.size, CHUNK_BYTES)]
 
 
@@ -146,7 +147,7 @@ def _verify_leaf(where: str, name: str, array: jax.Array,
     inside = np.all((starts >= low) & (stops <= high), axis=1)
     cut |= bool(np.any(overlaps & ~inside))
     host = np.asarray(shard.data)
-    for i in np.flatnonzero(overlaps & inside):
+    for i in np.flatnonzero(overlaps & inside).tolist():
       local = tuple(slice(int(a - l), int(b - l))
                     for a, b, l in zip(starts[i], stops[i], low))
       checks.append((i, f"device {shard.device}", _crc32s(_host_bytes(host[local]), pool)))
@@ -212,7 +213,7 @@ def read_arrays(handle: int, found: pathlib.Path, stored: dict[str, Any],
   like_leaves = [leaf for _, leaf in layouts.named_leaves(like)]
   entries = list(stored["leaves"].items())
   targets = {}
-  for i, ((name, entry), leaf) in enumerate(zip(entries, like_leaves)):
+  for i, ((_name, entry), leaf) in enumerate(zip(entries, like_leaves)):
     shape = entry.get("key_data_shape", entry["shape"])
     dtype = np.dtype(np.uint32) if layouts.is_key(leaf) else layouts.DTYPES[entry["dtype"]]
     targets[f"leaf_{i}"] = _restore_target(leaf, shape, dtype)
@@ -255,7 +256,7 @@ def read_arrays(handle: int, found: pathlib.Path, stored: dict[str, Any],
       if array is None:
         array = jax.make_array_from_callback(
             target.shape, target.sharding,
-            lambda index, t=target: np.zeros(t.shape, t.dtype)[index])
+            lambda index, t=target: np.zeros(t.shape, t.dtype)[index])  # type: ignore[misc]
       if tuple(array.shape) != target.shape or array.dtype != target.dtype:
         raise ValueError(f"{where}: leaf {name} was restored with shape "
                          f"{tuple(array.shape)} and dtype {array.dtype}, but the "

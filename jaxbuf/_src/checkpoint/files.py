@@ -14,7 +14,7 @@ import json
 import os
 import pathlib
 import shutil
-from typing import Any
+from typing import Any, cast
 
 from jaxbuf._src.checkpoint import layout as layouts
 
@@ -89,7 +89,7 @@ def read_json(directory_fd: int, name: str, where: str) -> Any:
 
 def _entries(directory: pathlib.Path) -> set[str]:
   """Every file and folder under `directory`, as paths relative to it."""
-  found = set()
+  found: set[str] = set()
   for root, folders, files in os.walk(directory):
     relative = pathlib.Path(root).relative_to(directory)
     found.update(str(relative / name) for name in folders + files)
@@ -103,7 +103,7 @@ def sync_directory(directory: pathlib.Path | int) -> None:
   except OSError:
     return
   try:
-    os.fsync(directory if handle is None else handle)
+    os.fsync(handle if handle is not None else cast(int, directory))
   except OSError:
     pass
   finally:

@@ -201,6 +201,7 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
     def commit() -> None:
       nonlocal complete
       if primary:
+        assert new_fd is not None  # opened by write()
         _commit(new_fd, new, state, layout, named, pieces)
         complete = True
         files.swap_in(new, path)

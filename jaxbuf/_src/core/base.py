@@ -6,17 +6,18 @@ Shape key: S sample size.
 
 import functools
 import inspect
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Generic, NamedTuple, Protocol, Sequence, TypeVar
 
 import flax.struct
 import jax
+from jax.typing import ArrayLike
 import numpy as np
 
 from jaxbuf._src.core import kind as kind_protocol
 from jaxbuf._src.core import random
 from jaxbuf._src.core import validation
 from jaxbuf._src.core.kind import BufferState  # pylint: disable=unused-import
-from jaxbuf._src.core.pytypes import PyTree, Schedule  # pylint: disable=unused-import
+from jaxbuf._src.core.pytypes import PyTree, Schedule  # pylint: disable=unused-import  # noqa: F401
 
 
 def regrouped(state: BufferState, devices: int | None) -> BufferState:
@@ -63,7 +64,73 @@ class ReplaySample:
                          # update_priorities so stale updates are skipped
 
 
-class Buffer(NamedTuple):
+# The state and sample types of a buffer kind: `Buffer[ReplayState,
+# ReplaySample]` for `uniform_replay`, and so on for each kind.
+StateT = TypeVar("StateT", bound=BufferState)
+SampleT = TypeVar("SampleT", bound=ReplaySample)
+_StateT_co = TypeVar("_StateT_co", bound=BufferState, covariant=True)
+_StateT_contra = TypeVar("_StateT_contra", bound=BufferState,
+                         contravariant=True)
+_SampleT_co = TypeVar("_SampleT_co", bound=ReplaySample, covariant=True)
+
+
+class InitFn(Protocol[_StateT_co]):
+  """`buffer.init(example)`: an empty state for items (or steps) shaped like
+  `example`, one unbatched item (or env step)."""
+
+  def __call__(self, example: PyTree, /) -> _StateT_co:
+    ...
+
+
+class AddFn(Protocol[StateT]):
+  """`buffer.add(state, items)`: items with a leading batch axis `[B, ...]`;
+  stream kinds take steps `[N, ...]` or `[N, T, ...]` and their `mask`,
+  `episode_end` and `final_steps` (`help(jaxbuf.streams)`)."""
+
+  def __call__(self, state: StateT, items: PyTree, /,
+               mask: ArrayLike | Sequence[bool] | None = None,
+               episode_end: ArrayLike | Sequence[bool] | None = None,
+               final_steps: PyTree | None = None) -> StateT:
+    ...
+
+
+class SampleFn(Protocol[_StateT_contra, _SampleT_co]):
+  """`buffer.sample(state, key, batch_size, step=None)`: `batch_size` a
+  Python int; `step` an integer folded into `key` (`Buffer`)."""
+
+  def __call__(self, state: _StateT_contra, key: jax.Array, batch_size: int,
+               *, step: int | jax.Array | None = None) -> _SampleT_co:
+    ...
+
+
+class UpdatePrioritiesFn(Protocol[StateT]):
+  """`buffer.update_priorities(state, indices, priorities, item_ids=None)`:
+  `indices` and `item_ids` as a sample returned them; the identity for
+  kinds without priorities."""
+
+  def __call__(self, state: StateT,
+               indices: ArrayLike | Sequence[int],
+               priorities: ArrayLike | Sequence[float],
+               item_ids: ArrayLike | None = None) -> StateT:
+    ...
+
+
+class CanSampleFn(Protocol[_StateT_contra]):
+  """`buffer.can_sample(state, batch_size)`: bool scalar array, whether a
+  sample of `batch_size` (a Python int) can be drawn."""
+
+  def __call__(self, state: _StateT_contra, batch_size: int) -> jax.Array:
+    ...
+
+
+class ClearFn(Protocol[StateT]):
+  """`buffer.clear(state)`: the state emptied, its storage kept."""
+
+  def __call__(self, state: StateT, /) -> StateT:
+    ...
+
+
+class Buffer(NamedTuple, Generic[StateT, SampleT]):
   """The functions of one replay buffer kind, hyperparameters bound.
 
   Every replay kind has the same fields, so a training script switches between
@@ -93,13 +160,19 @@ class Buffer(NamedTuple):
   `jax.random.fold_in(key, step)`, folded inside the call, so a Python loop
   passes one key and its counter rather than calling `jax.random.split`
   every step. Distinct steps give independent draws.
+
+  For type checkers a buffer is `Buffer[StateT, SampleT]`, its kind's state
+  and sample types (`uniform_replay` returns `Buffer[ReplayState,
+  ReplaySample]`), and each function's signature is a Protocol (`SampleFn`,
+  ...): `sample` without a `batch_size`, or a state of another kind, is
+  flagged before anything runs.
   """
-  init: Callable[[PyTree], Any]
-  add: Callable[..., Any]
-  sample: Callable[..., ReplaySample]
-  update_priorities: Callable[..., Any]
-  can_sample: Callable[..., jax.Array]
-  clear: Callable[[Any], Any]
+  init: InitFn[StateT]
+  add: AddFn[StateT]
+  sample: SampleFn[StateT, SampleT]
+  update_priorities: UpdatePrioritiesFn[StateT]
+  can_sample: CanSampleFn[StateT]
+  clear: ClearFn[StateT]
   kind: kind_protocol.Kind | None = None
 
 
@@ -192,12 +265,12 @@ def documented(function: Callable) -> Callable:
   functools.update_wrapper(bound, function.func)
   bound.__doc__ = _without_settings(function.func.__doc__, settings)
   signature = inspect.signature(function)
-  bound.__signature__ = signature.replace(parameters=[
+  bound.__signature__ = signature.replace(parameters=[  # type: ignore[attr-defined]
       parameter for name, parameter in signature.parameters.items()
       if name not in settings])
   # Read by `bound_settings` (e.g. `jaxbuf.sharded` rebinding a buffer's
   # module functions with its settings).
-  bound.bound_settings = settings
+  bound.bound_settings = settings  # type: ignore[attr-defined]
   return bound
 
 
@@ -347,7 +420,7 @@ def _packed_add_from_host(add: Callable, jitted_add: Callable) -> Callable:
   # Per tree structure, 64-bit mode, leaf shapes and dtypes: the dtype each
   # leaf converts to (None: kept) and the jitted add that unpacks them;
   # None: not packable.
-  plans = {}
+  plans: dict[tuple, tuple | None] = {}
 
   def plan(leaves: list[np.ndarray], treedef: Any) -> tuple | None:
     layout = _host_layout(leaves)
@@ -412,7 +485,7 @@ def _sampled_at_step(sample: Callable) -> Callable:
 
   functools.update_wrapper(sample_at_step, sample)
   signature = inspect.signature(sample)
-  sample_at_step.__signature__ = signature.replace(parameters=[
+  sample_at_step.__signature__ = signature.replace(parameters=[  # type: ignore[attr-defined]
       *signature.parameters.values(),
       inspect.Parameter("step", inspect.Parameter.KEYWORD_ONLY, default=None,
                         annotation=int | jax.Array | None)])

@@ -9,7 +9,7 @@ branches return unchanged from the operands, passes those through without a
 select, and conds over the rest: the cost follows the work, not the capacity.
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import jax
 import jax.numpy as jnp
@@ -169,7 +169,7 @@ def cond_update(pred: Any, true_fun: Callable, false_fun: Callable,
       flat_branch(true_fun), return_shape=True)(*flat)
   false_jaxpr, false_shapes = jax.make_jaxpr(
       flat_branch(false_fun), return_shape=True)(*flat)
-  out_tree = jax.tree_util.tree_structure(true_shapes)
+  out_tree: Any = jax.tree_util.tree_structure(true_shapes)
   if out_tree != jax.tree_util.tree_structure(false_shapes) or any(
       (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in
       zip(jax.tree_util.tree_leaves(true_shapes),
@@ -210,6 +210,6 @@ def cond_update(pred: Any, true_fun: Callable, false_fun: Callable,
   chosen = iter(jax.lax.cond(pred, run(true_jaxpr), run(false_jaxpr), *flat)
                 if selected else [])
   outputs = [next(chosen) if index in selected
-             else jnp.asarray(flat[true_forwarding[index]])
+             else jnp.asarray(flat[cast(int, true_forwarding[index])])
              for index in range(num_outputs)]
   return jax.tree_util.tree_unflatten(out_tree, outputs)

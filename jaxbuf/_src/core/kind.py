@@ -40,7 +40,7 @@ nothing outside its own module changes.
 """
 
 import inspect
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Self
 
 import flax.struct
 
@@ -65,6 +65,11 @@ class BufferState:
   settings: Settings = flax.struct.field(
       pytree_node=False, default=NO_SETTINGS, kw_only=True)
 
+  if TYPE_CHECKING:
+    # flax.struct.dataclass adds `replace` to every state class at runtime;
+    # declared here so that type checkers know it returns the same type.
+    def replace(self, **updates: Any) -> Self: ...
+
   def buffer_dims(self) -> dict[str, Any]:
     """The sizes the buffer was made with: `{"capacity": C, ...}`.
 
@@ -72,14 +77,14 @@ class BufferState:
     """
     return {}
 
-  def joined(self) -> "BufferState":
+  def joined(self) -> Self:
     """The stack of D devices' local states (leaves `[D, ...]`) as the state
     of one unsharded buffer holding the same items, priorities and counts.
     Kinds that `jaxbuf.sharded` can split override it and `divided`."""
     raise ValueError(f"{type(self).__name__} cannot be regrouped over another "
                      f"number of devices.")
 
-  def divided(self, num_devices: int) -> "BufferState":
+  def divided(self, num_devices: int) -> Self:
     """This unsharded state as the stack of `num_devices` local states, the
     inverse of `joined`; raises naming the reason where no exact split exists."""
     raise ValueError(f"{type(self).__name__} cannot be regrouped over another "
@@ -129,7 +134,7 @@ class Split(NamedTuple):
 class Kind(NamedTuple):
   """What a buffer kind says about itself; `buffer.kind`."""
   name: str               # the factory's name, e.g. "prioritized_replay"
-  state_type: type        # the class of its states
+  state_type: type[Any]   # the class of its states
   exact_type: bool        # whether subclasses of state_type are refused
   settings: Settings      # recorded in each state, checked on every call
   split: Callable[[int], Split] | None  # num_devices -> Split; None: the
@@ -151,7 +156,7 @@ def add_arguments_of(add: Callable) -> Callable:
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     return tuple(bound.arguments.values())
-  add_arguments.__signature__ = signature
+  add_arguments.__signature__ = signature  # type: ignore[attr-defined]
   return add_arguments
 
 

@@ -29,7 +29,7 @@ changes. It is there to rule this module out when something looks wrong.
 
 import math
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -76,15 +76,16 @@ def plain_random() -> bool:
 
 def _threefry_key_words(key: jax.Array) -> tuple[jax.Array, jax.Array] | None:
   """The two key words, or None where `jax.random` must draw the bits."""
-  if not jax.config.jax_threefry_partitionable or plain_random():
+  config: Any = jax.config  # its options are attributes it makes at runtime
+  if not config.jax_threefry_partitionable or plain_random():
     return None
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     if key.shape != () or str(jax.random.key_impl(key)) != "threefry2x32":
       return None
     key = jax.random.key_data(key)
-  elif (str(jax.config.jax_default_prng_impl) != "threefry2x32"
+  elif (str(config.jax_default_prng_impl) != "threefry2x32"
         or key.shape != (2,) or key.dtype != jnp.uint32
-        or jax.config.jax_legacy_prng_key != "allow"):
+        or config.jax_legacy_prng_key != "allow"):
     return None  # jax.random decides what such a key means, warns or rejects
   return key[0], key[1]
 
@@ -102,7 +103,7 @@ def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return x0 ^ x1
 
 
-def fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
+def fold_in(key: jax.Array, data: jax.typing.ArrayLike) -> jax.Array:
   """`jax.random.fold_in(key, data)`, the same key, hashed unrolled.
 
   `data` is an integer scalar, read as uint32 as `jax.random.fold_in` reads

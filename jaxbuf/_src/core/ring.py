@@ -7,7 +7,7 @@ XLA updates the storage in place whatever the capacity.
 """
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Self, TypeVar
 
 import flax.struct
 import jax
@@ -82,7 +82,7 @@ class ReplayState(BufferState):
     return {"vmapped buffers": list(batch_shape),
             "capacity": int(np.shape(storage)[len(batch_shape)])}
 
-  def joined(self) -> "ReplayState":
+  def joined(self) -> Self:
     """D lockstep rings of L slots (every add splits evenly over the
     devices, so their slots and sizes agree) as one ring of D * L: local
     slot j of device d becomes slot j * D + d, oldest first as before.
@@ -98,7 +98,7 @@ class ReplayState(BufferState):
         size=self.size[0] * num_devices,
         add_count=jnp.sum(self.add_count, dtype=jnp.uint32))
 
-  def divided(self, num_devices: int) -> "ReplayState":
+  def divided(self, num_devices: int) -> Self:
     """The inverse of `joined`: slot s to local slot s // D of device s % D.
 
     A full ring is first turned so its oldest item is slot 0; a ring not
@@ -154,7 +154,11 @@ def init_ring(example_item: PyTree, capacity: int) -> dict[str, Any]:
               add_count=jnp.zeros((), jnp.uint32))
 
 
-def add_to_ring(state: ReplayState, items: PyTree) -> tuple[ReplayState, jax.Array]:
+# A ring state or a subclass (prioritized): what the ring helpers return.
+RingStateT = TypeVar("RingStateT", bound=ReplayState)
+
+
+def add_to_ring(state: RingStateT, items: PyTree) -> tuple[RingStateT, jax.Array]:
   """Validates `items [B, ...]` against the storage and writes them in ring order.
 
   Returns:

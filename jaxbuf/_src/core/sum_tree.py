@@ -347,10 +347,13 @@ def find_prefix_sums_and_leaves(tree: SumTree, targets: jax.Array,
   if len(tree.levels) == 1:  # a single leaf, which is also the root
     return node, jnp.broadcast_to(tree.levels[0][0], targets.shape)
   child_position = jnp.arange(BRANCHING, dtype=jnp.int32)[None, :]
+  child: jax.Array     # [S]: set by each level, read by the next
+  children: jax.Array  # [S, K]: likewise
   for depth, level in enumerate(reversed(tree.levels[:-1])):
     if depth and depth % LEVELS_PER_TARGET == 0:
       node_value = jnp.sum(
-          jnp.where(child_position == child[:, None], children, 0.0), axis=1)
+          jnp.where(child_position == child[:, None], children, 0.0),  # noqa: F821
+          axis=1)
       targets = redraws[depth // LEVELS_PER_TARGET - 1] * node_value
     children = level.reshape(-1, BRANCHING).at[node].get(mode="promise_in_bounds")
     prefix = row_prefix_sums(children)

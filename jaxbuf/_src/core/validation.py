@@ -37,7 +37,8 @@ def _check_no_python_sequences(expected: PyTree, given: PyTree, *,
   an array belongs would otherwise be reported leaf by leaf.
   """
   try:
-    subtrees = jax.tree_util.tree_structure(expected).flatten_up_to(given)
+    expected_def: Any = jax.tree_util.tree_structure(expected)
+    subtrees = expected_def.flatten_up_to(given)
   except (ValueError, TypeError):
     return  # differs above the leaves: the structure message says how
   for path, subtree in zip(_paths(expected), subtrees):
@@ -49,7 +50,7 @@ def _check_no_python_sequences(expected: PyTree, given: PyTree, *,
 
 def check_same_structure(expected: PyTree, given: PyTree, *, what: str) -> None:
   """Raises `TypeError` naming the missing and unexpected leaves of `given`."""
-  expected_def = jax.tree_util.tree_structure(expected)
+  expected_def: Any = jax.tree_util.tree_structure(expected)
   given_def = jax.tree_util.tree_structure(given)
   if expected_def == given_def:
     return
@@ -152,7 +153,7 @@ def _check_batch_shapes_agree(leading_shapes: dict[str, tuple],
   most leaves is taken as meant and the others are blamed; with no majority
   every group is named, since none is more likely the mistake.
   """
-  groups = {}
+  groups: dict[tuple, list[str]] = {}
   for name, (leading, _, _) in leading_shapes.items():
     groups.setdefault(leading, []).append(name)
   if batch_shape is not None:

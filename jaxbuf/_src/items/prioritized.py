@@ -12,6 +12,7 @@ The module-level functions take every setting explicitly;
 """
 
 import functools
+from typing import Self
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ class PrioritizedReplayState(ReplayState):
   beta_step: jax.Array        # shape=(), int32: update_priorities calls so far
                               # (saturating); the step fed to a beta schedule
 
-  def joined(self) -> "PrioritizedReplayState":
+  def joined(self) -> Self:
     """`ReplayState.joined`, each leaf's priority moved with its item."""
     num_devices, per_device = self.insert_position.shape[0], ring.capacity_of(
         jax.tree.map(lambda leaf: leaf[0], self.storage))
@@ -49,7 +50,7 @@ class PrioritizedReplayState(ReplayState):
         max_priority=jnp.max(self.max_priority),
         beta_step=self.beta_step[0])
 
-  def divided(self, num_devices: int) -> "PrioritizedReplayState":
+  def divided(self, num_devices: int) -> Self:
     """`ReplayState.divided`, each leaf's priority moved with its item."""
     capacity = ring.capacity_of(self.storage)
     turn = jnp.where(self.size == capacity, self.insert_position, 0)
@@ -194,7 +195,8 @@ def clear(state: PrioritizedReplayState) -> PrioritizedReplayState:
 def prioritized_replay(capacity: int, *, alpha: float = 0.6,
                        beta: float | Schedule = 0.4, eps: float = 1e-6,
                        stratified: bool = True,
-                       checked: bool = False) -> Buffer:
+                       checked: bool = False
+                       ) -> Buffer[PrioritizedReplayState, ReplaySample]:
   """A proportional prioritized replay buffer holding up to `capacity` items.
 
   Args:

@@ -147,7 +147,8 @@ def clear(state: ReplayState) -> ReplayState:
                        size=jnp.zeros_like(state.size))
 
 
-def uniform_replay(capacity: int, *, checked: bool = False) -> Buffer:
+def uniform_replay(capacity: int, *, checked: bool = False
+                   ) -> Buffer[ReplayState, ReplaySample]:
   """A uniform replay buffer holding up to `capacity` items.
 
   Args:

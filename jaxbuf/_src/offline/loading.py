@@ -26,7 +26,7 @@ class _RowReader:
   def __init__(self, episodes: Iterator[Episode], layout: str):
     self._episodes = episodes
     self._layout = layout
-    self._rows = None
+    self._rows: list[Any] | None = None
     self._offset = 0
 
   def take(self, out: list[np.ndarray]) -> None:
@@ -76,7 +76,7 @@ def _newest_streams(lengths: Sequence[int], num_envs: int,
   """For each env the episode indices it gets, oldest first: the newest
   episodes, each to the env with the most room, while one fits."""
   used = [0] * num_envs
-  assigned = [[] for _ in range(num_envs)]
+  assigned: list[list[int]] = [[] for _ in range(num_envs)]
   for index in range(len(lengths) - 1, -1, -1):
     env = min(range(num_envs), key=lambda n: used[n])
     if used[env] + lengths[index] + 1 > per_env:
@@ -128,6 +128,7 @@ def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
     what: the caller's name, for errors.
   """
   layout = checked_layout(buffer, state, what=what)
+  assert buffer.kind is not None  # checked_layout refuses a buffer without one
   spec = storage_spec(buffer, state, layout)
   shapes = unsharded_shapes(buffer, state)
   num_devices = devices_of(buffer) or 1
@@ -242,6 +243,7 @@ def _check_episode_ends(buffer: Buffer, state: Any, groups: list[list[int]],
   """Raises unless each env's steps just written hold one episode end per
   episode added: a kind whose add ignored the steps' `last` leaf (the
   stream convention) would hold them run together, as one episode."""
+  assert buffer.kind is not None  # checked_layout refuses a buffer without one
   num_envs = len(groups)
   # A sharded state holds envs in blocks over the devices: [D, N / D, ...].
   ends = np.asarray(jax.device_get(state.episode_ends)).reshape(num_envs, -1)

@@ -170,6 +170,7 @@ def checked_layout(buffer: Buffer, state: Any, *, what: str) -> str:
   of that layout."""
   layout = layout_of_kind(buffer, what=what)
   kind = buffer.kind
+  assert kind is not None  # layout_of_kind refuses a buffer without one
   if not isinstance(state, kind.state_type):
     raise TypeError(f"{what}: expected a {kind.state_type.__name__} of this "
                     f"{kind.name} buffer, given {type(state).__name__}.")
@@ -186,6 +187,7 @@ def checked_layout(buffer: Buffer, state: Any, *, what: str) -> str:
 def devices_of(buffer: Buffer) -> int | None:
   """D for a `jaxbuf.sharded` buffer (its kind records the devices), else
   None."""
+  assert buffer.kind is not None  # layout_of_kind refuses a buffer without one
   return dict(buffer.kind.settings).get("devices")
 
 
@@ -219,7 +221,7 @@ def check_spec(name: str, given: PyTree, expected: PyTree, *,
                dtypes: bool = True) -> None:
   """Structure, shapes and dtypes of `given` (a dataset's) against the
   buffer's `expected`; raises naming the field."""
-  given_paths = jax.tree_util.tree_flatten_with_path(given)
+  given_paths: Any = jax.tree_util.tree_flatten_with_path(given)
   expected_paths = jax.tree_util.tree_flatten_with_path(expected)
   if given_paths[1] != expected_paths[1]:
     raise ValueError(

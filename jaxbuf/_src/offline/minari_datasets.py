@@ -6,7 +6,7 @@ jaxbuf's items and streams is in `help(jaxbuf.offline)`."""
 import itertools
 import os
 import shutil
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator
 
 import jax
 import numpy as np
@@ -57,7 +57,8 @@ def _minari_lengths(dataset: Any) -> list[int]:
           dataset.storage.get_episode_metadata(indices)]
 
 
-def episode_reader(dataset: Any) -> Callable[[list[int]], Iterator[Episode]]:
+def episode_reader(dataset: Any
+                   ) -> Callable[[list[int]], Generator[Episode, None, None]]:
   episode_ids = [int(i) for i in dataset.episode_indices]
 
   def read(indices):
@@ -122,7 +123,7 @@ def offline_example(dataset: Any, buffer: Buffer) -> Any:
   dataset = _open_minari(dataset, what=what)
   # No space gives the rewards' dtype (Minari keeps gymnasium's Python float
   # rewards as float64): the first episode's is taken.
-  reward_dtype = np.float64
+  reward_dtype: Any = np.float64
   if len(dataset.episode_indices):
     first = episode_reader(dataset)([0])
     reward_dtype = np.asarray(next(first).rewards).dtype

@@ -152,6 +152,7 @@ def _bootstrap_values(rollout: _Rollout, next_values: jax.Array,
                       gamma: jax.Array) -> jax.Array:
   """`gamma * V(next state)`, exactly 0 after termination: `[T, ...]`."""
   if rollout.truncated is not None:
+    assert rollout.truncated_values is not None  # given together (_validated)
     next_values = jnp.where(rollout.truncated, rollout.truncated_values,
                             next_values)
   return _weighted(jnp.where(rollout.terminated, 0.0, gamma), next_values)

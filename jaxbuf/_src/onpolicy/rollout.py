@@ -39,13 +39,14 @@ binds them into a `RolloutBuffer`.
 """
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
+from jax.typing import ArrayLike
 
 from jaxbuf._src.core import validation
 from jaxbuf._src.core.base import (BufferState, PyTree, listed_array,
@@ -89,10 +90,19 @@ class RolloutState(BufferState):
             "num_envs": int(np.shape(self.step_counts)[-1])}
 
 
+class RolloutAddFn(Protocol):
+  """`rollout.add(state, steps, mask=None)`: steps `[N, ...]`; mask bool
+  `[N]` (a list too), the envs that stepped, None for all."""
+
+  def __call__(self, state: RolloutState, steps: PyTree, /,
+               mask: ArrayLike | Sequence[bool] | None = None) -> RolloutState:
+    ...
+
+
 class RolloutBuffer(NamedTuple):
   """The functions of a rollout buffer, its shape bound."""
   init: Callable[[PyTree], RolloutState]
-  add: Callable[..., RolloutState]
+  add: RolloutAddFn
   reset: Callable[[RolloutState], RolloutState]
 
 

@@ -31,7 +31,7 @@ binds them into a `Buffer`.
 """
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -67,6 +67,8 @@ class EpisodeReplayState(SequenceReplayState):
 
   Windows are single steps: `window_counts` counts the steps held.
   """
+  window_tree: sum_tree.SumTree  # leaves [N * R]: 1 or the length at each
+                                 # complete piece's first slot
   piece_lengths: jax.Array    # int32 [N, R]: at a complete piece's first
                               # slot, its length
   piece_positions: jax.Array  # int32 [N]: where each env's next step falls
@@ -78,7 +80,7 @@ class EpisodeReplayState(SequenceReplayState):
 
 # Each step is a window of one, so `add_steps` zeroes the leaf of every slot
 # it writes (the pieces starting there are overwritten).
-_STEPS = dict(sequence_length=1, period=1, within=False)
+_STEPS: dict[str, Any] = dict(sequence_length=1, period=1, within=False)
 
 
 def check_sizes(num_envs: int, capacity: int, max_episode_length: int) -> None:
@@ -274,7 +276,8 @@ def clear(state: EpisodeReplayState) -> EpisodeReplayState:
 
 def episode_replay(num_envs: int, capacity: int, max_episode_length: int, *,
                    weight_by_length: bool = False,
-                   checked: bool = False) -> Buffer:
+                   checked: bool = False
+                   ) -> Buffer[EpisodeReplayState, EpisodeSample]:
   """A replay buffer of whole episodes, padded to `max_episode_length`.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.

@@ -144,8 +144,9 @@ def _stacked_mask(obs: PyTree, stack_keys: tuple[str, ...] | None) -> PyTree:
         f"{'has the keys ' + str(names) if names else 'is not a dict or NamedTuple'}"
         f" (stack_keys=None stacks every leaf).")
   if isinstance(obs, collections.abc.Mapping):
-    return type(obs)({key: jax.tree.map(lambda _, k=key: k in stack_keys,
-                                        value) for key, value in obs.items()})
+    mapping_type: Any = type(obs)  # a dict, or a Mapping made from one
+    return mapping_type({key: jax.tree.map(lambda _, k=key: k in stack_keys,
+                                           value) for key, value in obs.items()})
   return type(obs)(**{key: jax.tree.map(lambda _, k=key: k in stack_keys,
                                         getattr(obs, key)) for key in names})
 
@@ -716,7 +717,8 @@ def frame_stack_replay(num_envs: int, capacity: int, num_stack: int, *,
                        n_step: int = 1, gamma: float = 0.99,
                        stack_keys: tuple[str, ...] | None = None,
                        stack_axis: int = -1, pad: str = "zeros",
-                       checked: bool = False) -> Buffer:
+                       checked: bool = False
+                       ) -> Buffer[FrameStackReplayState, ReplaySample]:
   """A uniform replay buffer of stacked n-step transitions, frames stored once.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.
@@ -773,7 +775,7 @@ def prioritized_frame_stack_replay(
     gamma: float = 0.99, stack_keys: tuple[str, ...] | None = None,
     stack_axis: int = -1, pad: str = "zeros", alpha: float = 0.6,
     beta: float | Schedule = 0.4, eps: float = 1e-6, stratified: bool = True,
-    checked: bool = False) -> Buffer:
+    checked: bool = False) -> Buffer[FrameStackReplayState, ReplaySample]:
   """A prioritized replay buffer of stacked n-step transitions.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.

@@ -84,8 +84,8 @@ GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
 STEP_FIELDS = ("obs", "action", "reward", "terminated")
 # A transition is the window of its step and the next one, never across an
 # episode end.
-_WINDOW = dict(sequence_length=2, period=1, within=True)
-_WINDOW_SIZES = dict(sequence_length=2, period=1, episodes="within")
+_WINDOW: dict[str, Any] = dict(sequence_length=2, period=1, within=True)
+_WINDOW_SIZES: dict[str, Any] = dict(sequence_length=2, period=1, episodes="within")
 # Uniform draws: pairs of steps drawn per row before the tree is needed.
 CANDIDATES = 3
 
@@ -657,7 +657,8 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
                      gamma: float = 0.99,
                      prioritized: bool = False, alpha: float = 0.6,
                      beta: float | Schedule = 0.4, eps: float = 1e-6,
-                     stratified: bool = True, checked: bool = False) -> Buffer:
+                     stratified: bool = True, checked: bool = False
+                     ) -> Buffer[HindsightReplayState, HindsightSample]:
   """A hindsight experience replay buffer over per-env episode streams.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.
@@ -720,9 +721,10 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
     if not callable(beta):
       validation.check_hyperparameter(beta, "beta")
   priority_alpha = alpha if prioritized else None
-  relabelling = dict(reward_fn=reward_fn, strategy=strategy,
-                     relabel_fraction=float(relabel_fraction),
-                     terminated_fn=terminated_fn, gamma=gamma)
+  relabelling: dict[str, Any] = dict(
+      reward_fn=reward_fn, strategy=strategy,
+      relabel_fraction=float(relabel_fraction), terminated_fn=terminated_fn,
+      gamma=gamma)
   bound_add = functools.partial(add, alpha=priority_alpha)
   bound_sample = functools.partial(sample, **relabelling,
                                    priorities=prioritized, beta=beta,

@@ -18,6 +18,7 @@ The module-level functions take every setting explicitly;
 """
 
 import functools
+from typing import Any, Self, TypeVar
 
 import flax.struct
 import jax
@@ -37,21 +38,27 @@ _INT32_MAX = jnp.iinfo(jnp.int32).max
 @flax.struct.dataclass
 class PrioritizedSequenceReplayState(SequenceReplayState):
   """A `SequenceReplayState` whose `window_tree` holds priorities."""
+  window_tree: sum_tree.SumTree  # leaves [N * R]: always present here
   max_priority: jax.Array  # shape=(), float32: largest priority + eps seen
   beta_step: jax.Array     # shape=(), int32: update_priorities calls so far
                            # (saturating); the step fed to a beta schedule
 
-  def joined(self) -> "PrioritizedSequenceReplayState":
+  def joined(self) -> Self:
     """`SequenceReplayState.joined`, with the devices' shared counters."""
     return super().joined().replace(max_priority=jnp.max(self.max_priority),
                                     beta_step=jnp.max(self.beta_step))
 
-  def divided(self, num_devices: int) -> "PrioritizedSequenceReplayState":
+  def divided(self, num_devices: int) -> Self:
     """`SequenceReplayState.divided`, every device given the counters."""
     per_device = lambda value: jnp.full((num_devices,), value)
     return super().divided(num_devices).replace(
         max_priority=per_device(self.max_priority),
         beta_step=per_device(self.beta_step))
+
+
+# A prioritized sequence state or a subclass (hindsight, frame stacks).
+PrioritizedStateT = TypeVar("PrioritizedStateT",
+                            bound=PrioritizedSequenceReplayState)
 
 
 def init(example_step: PyTree, *, num_envs: int,
@@ -135,12 +142,12 @@ def draw_by_priority(state: PrioritizedSequenceReplayState, key: jax.Array,
   return jnp.where(has_mass, found, 0), weights, has_mass
 
 
-def update_priorities(state: PrioritizedSequenceReplayState,
+def update_priorities(state: PrioritizedStateT,
                       indices: jax.Array, priorities: jax.Array,
                       item_ids: jax.Array | None = None, *,
                       sequence_length: int, period: int, within: bool,
                       alpha: float, eps: float,
-                      checked: bool = False) -> PrioritizedSequenceReplayState:
+                      checked: bool = False) -> PrioritizedStateT:
   """Sets the priorities of windows `indices [S]` to `priorities [S] + eps`.
 
   Duplicate ids: the last valid occurrence wins. Entries are skipped (the
@@ -181,8 +188,7 @@ def with_window_priorities(state: PyTree, indices: jax.Array,
       beta_step=jnp.minimum(state.beta_step, _INT32_MAX - 1) + 1)
 
 
-def clear(state: PrioritizedSequenceReplayState
-          ) -> PrioritizedSequenceReplayState:
+def clear(state: PrioritizedStateT) -> PrioritizedStateT:
   """Empties the buffer; priorities reset, beta_step and step counts kept."""
   validation.check_state_kind(
       state, PrioritizedSequenceReplayState, what="clear")
@@ -196,7 +202,9 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
                                 beta: float | Schedule = 0.4,
                                 eps: float = 1e-6, episodes: str = "cross",
                                 stratified: bool = True,
-                                checked: bool = False) -> Buffer:
+                                checked: bool = False
+                                ) -> Buffer[PrioritizedSequenceReplayState,
+                                            SequenceSample]:
   """A prioritized replay buffer of per-env streams, sampled as windows.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.
@@ -232,8 +240,8 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
   validation.check_hyperparameter(eps, "eps", positive=True)
   if not callable(beta):
     validation.check_hyperparameter(beta, "beta")
-  settings = dict(sequence_length=sequence_length, period=period,
-                  within=episodes == "within")
+  settings: dict[str, Any] = dict(sequence_length=sequence_length,
+                                  period=period, within=episodes == "within")
   bound_add = functools.partial(add, **settings, alpha=alpha)
   split = functools.partial(
       sequence.split_over_devices, num_envs=num_envs, capacity=capacity,

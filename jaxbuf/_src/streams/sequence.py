@@ -52,7 +52,7 @@ The module-level functions take every setting explicitly;
 """
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Self, TypeVar
 
 import flax.struct
 import jax
@@ -111,7 +111,7 @@ class SequenceReplayState(BufferState):
     such fields extends this."""
     return _PER_ENV_FIELDS
 
-  def joined(self) -> "SequenceReplayState":
+  def joined(self) -> Self:
     """D devices' blocks of N / D envs as one buffer of N envs: each env's
     ring, counters and window masses move whole, so window `g` of the
     result is window `g` of the sharded buffer's numbering."""
@@ -123,7 +123,7 @@ class SequenceReplayState(BufferState):
         window_tree=None if self.window_tree is None else sum_tree.from_leaves(
             sum_tree.leaves(self.window_tree)[:, :per_device].reshape(-1)))
 
-  def divided(self, num_devices: int) -> "SequenceReplayState":
+  def divided(self, num_devices: int) -> Self:
     """The inverse of `joined`: envs in blocks of N / D."""
     num_envs, per_env = self.episode_ends.shape
     if num_envs % num_devices:
@@ -142,6 +142,10 @@ class SequenceReplayState(BufferState):
         **{name: split(getattr(self, name)) for name in self.per_env_fields()},
         storage=jax.tree.map(split, self.storage), window_tree=window_tree)
 
+
+# A sequence state or a subclass: what the helpers every stream kind
+# shares return.
+SequenceStateT = TypeVar("SequenceStateT", bound=SequenceReplayState)
 
 # The fields with one row per env, `[N, ...]`.
 _PER_ENV_FIELDS = ("episode_ends", "write_heads", "steps_held", "step_counts",
@@ -291,7 +295,8 @@ def _chunk_length(state: SequenceReplayState, steps: PyTree) -> int | None:
         f"{np.shape(first)}; expected one step per env ({num_envs}, ...) or a "
         f"chunk ({num_envs}, T, ...) before the step shape "
         f"{jax.tree_util.tree_leaves(spec)[0].shape}.")
-  batch_shape = (num_envs,) if extra == 1 else (num_envs, np.shape(first)[1])
+  batch_shape: tuple[int, ...] = ((num_envs,) if extra == 1
+                                  else (num_envs, np.shape(first)[1]))
   validation.check_batched_leaves(spec, steps, what="add",
                                   batch_shape=batch_shape)
   return None if extra == 1 else batch_shape[1]
@@ -326,10 +331,10 @@ def episode_ends_of(steps: PyTree, episode_end: jax.Array | None) -> Any:
   return jnp.asarray(last)
 
 
-def add_stream(state: SequenceReplayState, steps: PyTree,
+def add_stream(state: SequenceStateT, steps: PyTree,
                mask: jax.Array | None, episode_end: jax.Array | None,
                final_steps: PyTree | None, *,
-               write: Callable[..., Any]) -> Any:
+               write: Callable[..., SequenceStateT]) -> SequenceStateT:
   """One add of a stream kind: the steps, then the final observations of
   the envs whose episode ended, `final_steps`, each kind writing with its
   own `write(state, steps, mask, episode_end)` (`add_steps` here; frame,
@@ -451,9 +456,9 @@ def chunk_slots(state: SequenceReplayState, length: int,
   return ChunkSlots(kept=kept, dropped=dropped, slots=slots, rows=rows)
 
 
-def write_chunk(state: SequenceReplayState, steps: PyTree, mask: jax.Array,
+def write_chunk(state: SequenceStateT, steps: PyTree, mask: jax.Array,
                 episode_end: jax.Array, **columns: jax.Array
-                ) -> tuple[SequenceReplayState, ChunkSlots]:
+                ) -> tuple[SequenceStateT, ChunkSlots]:
   """Writes a chunk's steps, episode ends and per-step `columns` (fields of
   `state` shaped `[N, R]`, given `[N, T]`), and advances each env that
   stepped: write head, steps held, step count. Every kind built on the
@@ -484,10 +489,10 @@ def write_chunk(state: SequenceReplayState, steps: PyTree, mask: jax.Array,
                             state.step_counts)), chunk
 
 
-def add_steps(state: SequenceReplayState, steps: PyTree,
+def add_steps(state: SequenceStateT, steps: PyTree,
               mask: jax.Array | None, episode_end: jax.Array | None, *,
               sequence_length: int, period: int, within: bool,
-              new_leaf_value: jax.Array | None) -> SequenceReplayState:
+              new_leaf_value: jax.Array | None) -> SequenceStateT:
   """Writes steps and updates the windows they complete or break.
 
   Args:
@@ -521,7 +526,8 @@ def add_steps(state: SequenceReplayState, steps: PyTree,
                    - jnp.asarray(touched_ago, jnp.int32)[None, :]) % per_env
   envs = jnp.broadcast_to(jnp.arange(num_envs, dtype=jnp.int32)[:, None],
                           touched_slots.shape)
-  settings = dict(sequence_length=sequence_length, period=period, within=within)
+  settings: dict[str, Any] = dict(sequence_length=sequence_length,
+                                  period=period, within=within)
   before = windows_valid(state, envs, touched_slots, **settings)
   after = windows_valid(new_state, envs, touched_slots, **settings)
   change = (jnp.sum(after, axis=1, dtype=jnp.int32)
@@ -529,6 +535,7 @@ def add_steps(state: SequenceReplayState, steps: PyTree,
   new_state = new_state.replace(
       window_counts=state.window_counts + jnp.where(mask, change, 0))
   if state.window_tree is not None:
+    assert new_leaf_value is not None  # given by every kind that keeps a tree
     leaves = jnp.where(after, new_leaf_value, 0.0).astype(jnp.float32)
     # A window that can be sampled neither before nor after keeps its leaf,
     # 0 already (the leaf of every window that cannot be sampled is 0). Its
@@ -613,6 +620,7 @@ def uniform_window_ids(state: SequenceReplayState, key: jax.Array,
   is descended instead (float32 counts are exact below 2**24 windows).
   """
   if within:
+    assert state.window_tree is not None  # kept within episodes (init)
     found, _ = sum_tree.sample_leaves(state.window_tree, key, batch_size,
                                       stratified=False)
     return jnp.where(total > 0, found, 0)
@@ -820,7 +828,7 @@ def can_sample(state: SequenceReplayState, batch_size: int) -> jax.Array:
   return jnp.sum(state.window_counts) > 0
 
 
-def clear(state: SequenceReplayState) -> SequenceReplayState:
+def clear(state: SequenceStateT) -> SequenceStateT:
   """Empties the buffer without reallocating or zeroing its storage.
 
   The step counts go on (and with them `item_ids` and the period phases), so
@@ -837,7 +845,8 @@ def clear(state: SequenceReplayState) -> SequenceReplayState:
 
 def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
                     period: int = 1, episodes: str = "cross",
-                    checked: bool = False) -> Buffer:
+                    checked: bool = False
+                    ) -> Buffer[SequenceReplayState, SequenceSample]:
   """A uniform replay buffer of per-env streams, sampled as windows.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.
@@ -888,8 +897,8 @@ def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
   True
   """
   check_sizes(num_envs, capacity, sequence_length, period, episodes)
-  settings = dict(sequence_length=sequence_length, period=period,
-                  within=episodes == "within")
+  settings: dict[str, Any] = dict(sequence_length=sequence_length,
+                                  period=period, within=episodes == "within")
   bound_init = functools.partial(init, with_tree=episodes == "within")
   bound_add = functools.partial(add, **settings)
   split = functools.partial(

@@ -73,7 +73,7 @@ def _check_n(n: Any, window_length: int, *, what: str) -> None:
                      "observation); sample longer windows or lower n.")
 
 
-def _check_window_leaves(name: str, tree: PyTree, shape: tuple[int, int], *,
+def _check_window_leaves(name: str, tree: PyTree, shape: tuple[int, ...], *,
                          what: str) -> None:
   """Every leaf of `tree` starts with the `[S, L]` of `rewards`."""
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
