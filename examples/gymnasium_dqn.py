@@ -38,6 +38,7 @@ gradients clipped at norm 10; the network is examples/dqn.py's (120, 84).
 """
 
 import dataclasses
+import functools
 import pathlib
 import sys
 import time

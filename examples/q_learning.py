@@ -5,7 +5,8 @@ Shape key: N envs, S sample size, A actions.
 A Q-learning example writes its replay buffer, its Q-values, its TD loss and
 its `collect` (step the envs with the given actions, add to the buffer);
 `make_trainer` wraps them in the same step: epsilon-greedy actions,
-collect, then, once the buffer can sample and the warm-up is over, one learner update (`buffer.sample`, the loss, optax,
+collect, then, once the buffer can sample and the warm-up is over, one
+learner update (`buffer.sample`, the loss, optax,
 `buffer.update_priorities`) gated by `jaxbuf.cond_update`, and the target
 network copied every `target_update_interval` env steps.
 """
