@@ -9,7 +9,8 @@ benchmark; this only explains its floor):
   contiguous slice of the same bytes. Each form feeds a sum, K = 200 draws in
   one jitted scan; microseconds per draw, median of 7 interleaved repeats.
 * add: one step for each of N = 128 envs, for bare arrays (bench_sequence's
-  floor) and jaxbuf's sequence replays, at 10k, 100k and 1M steps held.
+  two floors: rows written by index, and one `dynamic_update_slice`) and
+  jaxbuf's sequence replays, at 10k, 100k and 1M steps held.
 
 Usage: .venv/bin/python benchmarks/probe_sequence_floor.py
 """
@@ -121,7 +122,9 @@ def main():
   for per_env in (80, 800, sequence.LARGE_STEPS_PER_ENV):
     row = {(library, kind): sequence.time_add_only(
                library, kind, per_env, 20, iterations=200, repeats=5)
-           for library, kind in (("floor", "uniform"), ("jaxbuf", "uniform"),
+           for library, kind in (("floor_rows", "uniform"),
+                                 ("floor_slices", "uniform"),
+                                 ("jaxbuf", "uniform"),
                                  ("jaxbuf", "prioritized"))}
     print(f"  C={NUM_ENVS * per_env:>9,}: " + ", ".join(
         f"{library} {kind} {seconds * 1e6:.1f}"
