@@ -43,8 +43,10 @@ Usage:
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
+import statistics
 from typing import Any, Callable
 
 import jax
@@ -75,6 +77,10 @@ class Settings:
   libraries: tuple[str, ...] = sequence.LIBRARIES
   kinds: tuple[str, ...] = sequence.KINDS
   memory: bool = True
+  statistic: str = "median"
+
+
+STATISTICS = {"median": statistics.median, "min": min}
 
 
 FULL = Settings(steps_per_env=sequence.LARGE_STEPS_PER_ENV, periods=(20, 1),
@@ -97,7 +103,8 @@ def time_fused(settings: Settings, kind: str, period: int) -> dict[str, float]:
            for library, adapter in adapters.items()}
   return harness.time_fused_loops(loops, states,
                                   iterations=settings.iterations,
-                                  repeats=settings.repeats)
+                                  repeats=settings.repeats,
+                                  statistic=STATISTICS[settings.statistic])
 
 
 def measure_memory(library: str, kind: str, steps_per_env: int,
@@ -145,9 +152,20 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="C = 10k, one period, few repeats: a smoke run")
-  parser.add_argument("--libraries", nargs="+", choices=sequence.LIBRARIES)
+  parser.add_argument("--libraries", nargs="+", choices=sorted(sequence.ADAPTERS),
+                      help=f"default {' '.join(sequence.LIBRARIES)}; "
+                      "jaxbuf_unpadded is jaxbuf on the unpadded rings of "
+                      "every jaxbuf before issue 36")
+  parser.add_argument("--statistic", choices=("median", "min"),
+                      default="median",
+                      help="over the interleaved repeats: min on a loaded "
+                      "shared machine")
   parser.add_argument("--kinds", nargs="+", choices=sequence.KINDS)
   parser.add_argument("--periods", nargs="+", type=int)
+  parser.add_argument("--iterations", type=int,
+                      help="K, iterations per fused loop")
+  parser.add_argument("--repeats", type=int,
+                      help="interleaved repeats (more on a loaded machine)")
   parser.add_argument("--no-memory", action="store_true",
                       help="skip the memory subprocesses")
   parser.add_argument("--json", help="also write the results to this file")
@@ -162,6 +180,9 @@ def main():
     return
   settings = harness.override(QUICK if args.quick else FULL, args,
                               ("libraries", "kinds", "periods"))
+  for name in ("iterations", "repeats", "statistic"):
+    if getattr(args, name):
+      settings = dataclasses.replace(settings, **{name: getattr(args, name)})
   if args.no_memory:
     settings = dataclasses.replace(settings, memory=False)
   harness.write_json(args.json, run(settings))
@@ -187,13 +208,14 @@ def run(settings: Settings) -> dict:
                     ", ".join(f"{library} {harness.microseconds(value)} us"
                               for library, value in seconds.items()) +
                     " per iteration")
-      for floor in sequence.FLOORS:
-        if "jaxbuf" not in seconds or floor not in seconds:
+      for library, floor in itertools.product(
+          ("jaxbuf", "jaxbuf_unpadded"), sequence.FLOORS):
+        if library not in seconds or floor not in seconds:
           continue
         name = (f"{kind} fused, period {period}, C={capacity:,}, "
-                f"jaxbuf/{floor}")
-        ratio = harness.ratio(seconds["jaxbuf"], seconds[floor])
-        if floor == TARGET_FLOOR:
+                f"{library}/{floor}")
+        ratio = harness.ratio(seconds[library], seconds[floor])
+        if library == "jaxbuf" and floor == TARGET_FLOOR:
           verdicts.judge(name, ratio, VS_FLOOR[kind], higher_is_better=False)
         else:
           verdicts.info(f"{name}: {harness.ratio_text(ratio)}")
@@ -279,11 +301,13 @@ def run(settings: Settings) -> dict:
         verdicts.info(f"{name}: {memory['ratio']:.2f}x")
   results["load_average_after"] = harness.print_load_average_after()
   harness.print_table(
-      (("kind", -11), ("period", 6), ("jaxbuf us", 10), ("flashbax us", 11),
+      (("kind", -11), ("period", 6), ("jaxbuf us", 10),
+       ("unpadded us", 11), ("flashbax us", 11),
        ("rows floor us", 13), ("slices floor us", 15),
        ("jaxbuf/slices", 13), ("fbx/jaxbuf", 10)),
       [[row["kind"], row["period"],
         harness.microseconds(row["seconds"].get("jaxbuf")),
+        harness.microseconds(row["seconds"].get("jaxbuf_unpadded")),
         harness.microseconds(row["seconds"].get("flashbax")),
         harness.microseconds(row["seconds"].get("floor_rows")),
         harness.microseconds(row["seconds"].get("floor_slices")),
