@@ -74,6 +74,22 @@ def bare(state):
   return jax.tree.map(lambda leaf: leaf[:, :per_env], state.storage)
 
 
+def filled(buffer, state, per_env, chunk, end_rate, observations):
+  """`state` with `per_env` steps per env added in chunks, episodes ending
+  at `end_rate`; `observations(rng, (N, chunk))` makes the obs."""
+  add = jax.jit(buffer.add, donate_argnums=0)
+  rng = np.random.default_rng(0)
+  num_envs = state.episode_ends.shape[0]
+  for _ in range(per_env // chunk):
+    steps = {"obs": observations(rng, (num_envs, chunk)),
+             "action": np.zeros((num_envs, chunk), np.int32),
+             "reward": np.ones((num_envs, chunk), np.float32),
+             "terminated": np.zeros((num_envs, chunk), bool)}
+    ends = rng.random((num_envs, chunk)) < end_rate
+    state = add(state, steps, episode_end=ends)
+  return state
+
+
 # ---------------------------------------------------------------- kinds
 
 
@@ -84,15 +100,9 @@ def frames_case():
   state = buffer.init({"obs": jnp.zeros((84, 84), jnp.uint8),
                        "action": jnp.int32(0), "reward": jnp.float32(0),
                        "terminated": jnp.bool_(False)})
-  add = jax.jit(buffer.add, donate_argnums=0)
-  rng = np.random.default_rng(0)
-  for _ in range(per_env // 1000):
-    steps = {"obs": rng.integers(0, 255, (num_envs, 1000, 84, 84), np.uint8),
-             "action": np.zeros((num_envs, 1000), np.int32),
-             "reward": np.ones((num_envs, 1000), np.float32),
-             "terminated": np.zeros((num_envs, 1000), bool)}
-    ends = rng.random((num_envs, 1000)) < 1 / 500
-    state = add(state, steps, episode_end=ends)
+  state = filled(buffer, state, per_env, 1000, 1 / 500,
+                 lambda rng, shape: rng.integers(0, 255, shape + (84, 84),
+                                                 np.uint8))
 
   def floor(storage, key):
     envs, starts = random_starts(key, num_envs, per_env - stack - n_step, batch)
@@ -146,15 +156,9 @@ def episode_case():
   length, batch = 40, sequence_adapters.SAMPLE_BATCH
   buffer = jaxbuf.episode_replay(num_envs, num_envs * per_env, length)
   state = buffer.init(sequence_adapters.example_step())
-  add = jax.jit(buffer.add, donate_argnums=0)
-  rng = np.random.default_rng(0)
-  for _ in range(per_env // 980):
-    steps = {"obs": rng.normal(size=(num_envs, 980, 84)).astype(np.float32),
-             "action": np.zeros((num_envs, 980), np.int32),
-             "reward": np.ones((num_envs, 980), np.float32),
-             "terminated": np.zeros((num_envs, 980), bool)}
-    ends = rng.random((num_envs, 980)) < 1 / 30
-    state = add(state, steps, episode_end=ends)
+  state = filled(buffer, state, per_env, 980, 1 / 30,
+                 lambda rng, shape: rng.normal(size=shape + (84,)).astype(
+                     np.float32))
 
   def floor(storage, key):
     envs, starts = random_starts(key, num_envs, per_env - length + 1, batch)

@@ -582,25 +582,26 @@ def gather_windows(state: SequenceReplayState, window_ids: jax.Array, *,
     wrapped = jnp.where(offsets >= per_env, offsets - per_env, offsets)
     return (firsts[:, None] + wrapped).reshape(-1)
 
-  flat_rows = random.computed_once(rows, window_ids[0])
-  gather = lambda column: column.reshape(
+  gather = lambda column, flat_rows: column.reshape(
       (num_rows,) + column.shape[2:]).at[flat_rows].get(
           mode="promise_in_bounds").reshape(
               (num_windows, sequence_length) + column.shape[2:])
   if ring_padding(state) >= sequence_length - 1:
-    envs_and_slots = random.computed_once(
-        lambda: jnp.stack([starts // per_env, starts % per_env], axis=1),
-        window_ids[0])
+    # One loop computes both: each `computed_once` is a kernel of its own.
+    flat_rows, envs, slots = random.computed_once(
+        lambda: (rows(), starts // per_env, starts % per_env), window_ids[0])
 
     def window(column):
       step_shape = column.shape[2:]
-      return jax.vmap(lambda env_and_slot: jax.lax.dynamic_slice(
-          column, (env_and_slot[0], env_and_slot[1]) + (0,) * len(step_shape),
-          (1, sequence_length) + step_shape)[0])(envs_and_slots)
+      return jax.vmap(lambda env, slot: jax.lax.dynamic_slice(
+          column, (env, slot) + (0,) * len(step_shape),
+          (1, sequence_length) + step_shape)[0])(envs, slots)
     items = jax.tree.map(window, state.storage)
   else:
-    items = jax.tree.map(gather, state.storage)
-  ends = gather(state.episode_ends)
+    flat_rows = random.computed_once(rows, window_ids[0])
+    items = jax.tree.map(lambda column: gather(column, flat_rows),
+                         state.storage)
+  ends = gather(state.episode_ends, flat_rows)
   # A step belongs to the first episode if no episode ended before it.
   ended_before = jnp.cumsum(ends, axis=1, dtype=jnp.int32) - ends
   return items, ended_before == 0
