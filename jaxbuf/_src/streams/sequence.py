@@ -586,16 +586,25 @@ def gather_windows(state: SequenceReplayState, window_ids: jax.Array, *,
       (num_rows,) + column.shape[2:]).at[flat_rows].get(
           mode="promise_in_bounds").reshape(
               (num_windows, sequence_length) + column.shape[2:])
-  if ring_padding(state) >= sequence_length - 1:
+  padded_length = per_env + ring_padding(state)
+  if padded_length - per_env >= sequence_length - 1:
     # One loop computes both: each `computed_once` is a kernel of its own.
-    flat_rows, envs, slots = random.computed_once(
-        lambda: (rows(), starts // per_env, starts % per_env), window_ids[0])
+    flat_rows, first_rows = random.computed_once(
+        lambda: (rows(), (starts // per_env * padded_length
+                          + starts % per_env)[:, None]), window_ids[0])
 
     def window(column):
+      # Each window is rows [first, first + L) of the leaf seen flat as
+      # `[N * (R + P), ...]`: one slice of L rows, in bounds by
+      # construction (a `dynamic_slice` would clamp every start).
       step_shape = column.shape[2:]
-      return jax.vmap(lambda env, slot: jax.lax.dynamic_slice(
-          column, (env, slot) + (0,) * len(step_shape),
-          (1, sequence_length) + step_shape)[0])(envs, slots)
+      return jax.lax.gather(
+          column.reshape((-1,) + step_shape), first_rows,
+          jax.lax.GatherDimensionNumbers(
+              offset_dims=tuple(range(1, 2 + len(step_shape))),
+              collapsed_slice_dims=(), start_index_map=(0,)),
+          (sequence_length,) + step_shape,
+          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
     items = jax.tree.map(window, state.storage)
   else:
     flat_rows = random.computed_once(rows, window_ids[0])
