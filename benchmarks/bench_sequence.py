@@ -43,7 +43,6 @@ Usage:
 
 import argparse
 import dataclasses
-import itertools
 import json
 import math
 import statistics
@@ -152,10 +151,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="C = 10k, one period, few repeats: a smoke run")
-  parser.add_argument("--libraries", nargs="+", choices=sorted(sequence.ADAPTERS),
-                      help=f"default {' '.join(sequence.LIBRARIES)}; "
-                      "jaxbuf_unpadded is jaxbuf on the unpadded rings of "
-                      "every jaxbuf before issue 36")
+  parser.add_argument("--libraries", nargs="+", choices=sequence.LIBRARIES)
   parser.add_argument("--statistic", choices=("median", "min"),
                       default="median",
                       help="over the interleaved repeats: min on a loaded "
@@ -208,14 +204,13 @@ def run(settings: Settings) -> dict:
                     ", ".join(f"{library} {harness.microseconds(value)} us"
                               for library, value in seconds.items()) +
                     " per iteration")
-      for library, floor in itertools.product(
-          ("jaxbuf", "jaxbuf_unpadded"), sequence.FLOORS):
-        if library not in seconds or floor not in seconds:
+      for floor in sequence.FLOORS:
+        if "jaxbuf" not in seconds or floor not in seconds:
           continue
         name = (f"{kind} fused, period {period}, C={capacity:,}, "
-                f"{library}/{floor}")
-        ratio = harness.ratio(seconds[library], seconds[floor])
-        if library == "jaxbuf" and floor == TARGET_FLOOR:
+                f"jaxbuf/{floor}")
+        ratio = harness.ratio(seconds["jaxbuf"], seconds[floor])
+        if floor == TARGET_FLOOR:
           verdicts.judge(name, ratio, VS_FLOOR[kind], higher_is_better=False)
         else:
           verdicts.info(f"{name}: {harness.ratio_text(ratio)}")
@@ -301,13 +296,11 @@ def run(settings: Settings) -> dict:
         verdicts.info(f"{name}: {memory['ratio']:.2f}x")
   results["load_average_after"] = harness.print_load_average_after()
   harness.print_table(
-      (("kind", -11), ("period", 6), ("jaxbuf us", 10),
-       ("unpadded us", 11), ("flashbax us", 11),
+      (("kind", -11), ("period", 6), ("jaxbuf us", 10), ("flashbax us", 11),
        ("rows floor us", 13), ("slices floor us", 15),
        ("jaxbuf/slices", 13), ("fbx/jaxbuf", 10)),
       [[row["kind"], row["period"],
         harness.microseconds(row["seconds"].get("jaxbuf")),
-        harness.microseconds(row["seconds"].get("jaxbuf_unpadded")),
         harness.microseconds(row["seconds"].get("flashbax")),
         harness.microseconds(row["seconds"].get("floor_rows")),
         harness.microseconds(row["seconds"].get("floor_slices")),

@@ -29,7 +29,6 @@ Used by `bench_sequence.py` (fused loops, add alone, peak memory) and
 """
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -102,25 +101,15 @@ class Adapter:
   add_step: Callable[[Any, Any], Any]   # traced: one step per env
 
 
-def jaxbuf_adapter(kind: str, steps_per_env: int, period: int, *,
-                   padded: bool = True) -> Adapter:
-  """jaxbuf's sequence replay; `padded=False` runs the same buffer on the
-  unpadded rings of every jaxbuf before issue 36 (the module-level `init`
-  without `sequence_length`), read row by row: the old layout and the new
-  side by side in one process."""
+def jaxbuf_adapter(kind: str, steps_per_env: int, period: int) -> Adapter:
   capacity = NUM_ENVS * steps_per_env
   if kind == "uniform":
     buffer = jaxbuf.sequence_replay(NUM_ENVS, capacity, SEQUENCE_LENGTH,
                                     period=period)
-    unpadded_init = lambda: jaxbuf.sequence.init(
-        example_step(), num_envs=NUM_ENVS, capacity=capacity,
-        with_tree=False)
   else:
     buffer = jaxbuf.prioritized_sequence_replay(
         NUM_ENVS, capacity, SEQUENCE_LENGTH, period=period, alpha=ALPHA,
         beta=BETA)
-    unpadded_init = lambda: jaxbuf.prioritized_sequence.init(
-        example_step(), num_envs=NUM_ENVS, capacity=capacity)
 
   def fused_body(state, key, steps, acc):
     state = buffer.add(state, steps)
@@ -132,10 +121,8 @@ def jaxbuf_adapter(kind: str, steps_per_env: int, period: int, *,
                                        batch.item_ids)
     return state, acc
 
-  return Adapter(library="jaxbuf" if padded else "jaxbuf_unpadded",
-                 kind=kind,
-                 init=(lambda: buffer.init(example_step())) if padded
-                 else unpadded_init,
+  return Adapter(library="jaxbuf", kind=kind,
+                 init=lambda: buffer.init(example_step()),
                  add_chunk=buffer.add, fused_body=fused_body,
                  add_step=buffer.add)
 
@@ -275,10 +262,7 @@ def floor_slices_adapter(kind: str, steps_per_env: int,
                  fused_body=fused_body, add_step=add_step)
 
 
-ADAPTERS = {"jaxbuf": jaxbuf_adapter,
-            "jaxbuf_unpadded": functools.partial(jaxbuf_adapter,
-                                                 padded=False),
-            "flashbax": flashbax_adapter,
+ADAPTERS = {"jaxbuf": jaxbuf_adapter, "flashbax": flashbax_adapter,
             "floor_rows": floor_rows_adapter,
             "floor_slices": floor_slices_adapter}
 

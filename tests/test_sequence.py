@@ -391,105 +391,6 @@ def test_cross_episodes_mask_marks_the_first_episode():
     np.testing.assert_array_equal(mask, ids <= first_end)
 
 
-# --- The padded ring (issue 36): every window one contiguous slice -----------
-
-
-def _unpadded_init(prioritized, num_envs, capacity):
-  """The layout of every jaxbuf before issue 36: rings of R slots, no
-  padding (the module-level `init` without `sequence_length`)."""
-  if prioritized:
-    return jaxbuf.prioritized_sequence.init(STEP, num_envs=num_envs,
-                                            capacity=capacity)
-  return jaxbuf.sequence.init(STEP, num_envs=num_envs, capacity=capacity,
-                              with_tree=False)
-
-
-def _assert_padding_repeats_the_ring(state, per_env, length):
-  for leaf in jax.tree.leaves(state.storage):
-    leaf = np.asarray(leaf)
-    assert leaf.shape[1] == per_env + length - 1
-    np.testing.assert_array_equal(leaf[:, per_env:], leaf[:, :length - 1])
-
-
-@pytest.mark.parametrize("prioritized", [False, True])
-def test_the_padded_ring_repeats_its_first_slots_and_reads_as_the_unpadded(
-    prioritized):
-  """Ragged envs, chunks shorter and longer than R, episode ends: after
-  every add the padding slots R..R+L-2 hold slots 0..L-2 of the same env,
-  and every sample (windows wrapping the physical ring included) is bit for
-  bit the sample of the same adds to an unpadded ring, read row by row."""
-  num_envs, per_env, length = 4, 7, 4
-  buffer = make_buffer(prioritized, num_envs, num_envs * per_env, length)
-  padded = buffer.init(STEP)
-  unpadded = _unpadded_init(prioritized, num_envs, num_envs * per_env)
-  assert jaxbuf.sequence.ring_padding(padded) == length - 1
-  assert jaxbuf.sequence.ring_padding(unpadded) == 0
-  rng = np.random.default_rng(0)
-  counts = np.zeros(num_envs, int)
-  wrapped = 0
-  for chunk in [1, 2, 3, 1, per_env + 2, 1, 5, 2, 1, 1, 3]:
-    mask = rng.random(num_envs) < 0.7
-    ids = (np.arange(num_envs)[:, None] * 1000 + counts[:, None]
-           + np.arange(chunk)[None, :]).astype(np.int32)
-    counts += np.where(mask, chunk, 0)
-    steps = {"id": ids, "obs": rng.normal(size=(num_envs, chunk, 2)).astype(
-        np.float32)}
-    ends = rng.random((num_envs, chunk)) < 0.2
-    padded = buffer.add(padded, steps, mask=mask, episode_end=ends)
-    unpadded = buffer.add(unpadded, steps, mask=mask, episode_end=ends)
-    _assert_padding_repeats_the_ring(padded, per_env, length)
-    if not buffer.can_sample(padded, 1):
-      continue
-    key = jax.random.key(int(counts.sum()))
-    got, want = buffer.sample(padded, key, 64), buffer.sample(unpadded, key, 64)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      np.testing.assert_array_equal(a, b)
-    assert np.all(np.diff(np.asarray(got.items["id"]), axis=1) == 1)
-    wrapped += int(np.sum(np.asarray(got.indices) % per_env > per_env - length))
-  assert wrapped > 0  # windows across the physical end were read
-  for name in ("episode_ends", "write_heads", "steps_held", "window_counts"):
-    np.testing.assert_array_equal(getattr(padded, name),
-                                  getattr(unpadded, name))
-
-
-def test_the_padded_ring_costs_l_minus_1_steps_per_env():
-  """Its memory cost: (L - 1) / R more step storage, nothing else."""
-  buffer = jaxbuf.sequence_replay(4, 4 * 50, 11)
-  padded = jax.eval_shape(buffer.init, STEP)
-  unpadded = jax.eval_shape(lambda: _unpadded_init(False, 4, 4 * 50))
-  nbytes = lambda tree: sum(x.size * x.dtype.itemsize
-                            for x in jax.tree.leaves(tree))
-  step_bytes = nbytes(STEP)
-  assert nbytes(padded) - nbytes(unpadded) == 4 * 10 * step_bytes
-
-
-@pytest.mark.parametrize("prioritized", [False, True])
-def test_a_checkpoint_of_the_unpadded_layout_is_refused_by_name_or_loads_as_it_was(
-    prioritized, tmp_path):
-  """A state saved before issue 36 (rings of R slots) is refused by a
-  padded `like`, with a message naming the ring padding; loaded into an
-  unpadded `like`, it samples as before, with the buffer's own functions."""
-  buffer = make_buffer(prioritized, NUM_ENVS, CAPACITY, LENGTH)
-  steps = {"id": np.arange(NUM_ENVS * 7, dtype=np.int32).reshape(NUM_ENVS, 7),
-           "obs": np.ones((NUM_ENVS, 7, 2), np.float32)}
-  old = buffer.add(_unpadded_init(prioritized, NUM_ENVS, CAPACITY), steps)
-  jaxbuf.save(tmp_path / "old", old)
-  with pytest.raises(ValueError, match="ring_padding mismatch.*None.*2"):
-    jaxbuf.load(tmp_path / "old", like=buffer.init(STEP))
-  loaded = jaxbuf.load(tmp_path / "old",
-                       like=_unpadded_init(prioritized, NUM_ENVS, CAPACITY))
-  key = jax.random.key(0)
-  np.testing.assert_array_equal(buffer.sample(loaded, key, 16).items["id"],
-                                buffer.sample(old, key, 16).items["id"])
-  new = buffer.add(buffer.init(STEP), steps)
-  jaxbuf.save(tmp_path / "new", new)
-  restored = jaxbuf.load(tmp_path / "new", like=buffer.init(STEP))
-  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(new)):
-    np.testing.assert_array_equal(got, want)
-  np.testing.assert_array_equal(buffer.sample(restored, key, 16).items["id"],
-                                buffer.sample(old, key, 16).items["id"])
-
-
 # --- Priorities: entry, overwrite, stale ids ----------------------------------
 
 
@@ -842,8 +743,7 @@ def test_the_steps_last_leaf_is_the_one_episode_end_flag(prioritized):
   reference = _collect(buffer, 12, ended_at, final_steps=False)
   for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(reference)):
     np.testing.assert_array_equal(got, want)
-  # The ring's slots 0..R-1 (the padding after them repeats the first L - 1).
-  np.testing.assert_array_equal(state.episode_ends, state.storage.last[:, :16])
+  np.testing.assert_array_equal(state.episode_ends, state.storage.last)
   # Every env's stream: its steps in order, a final step right after each
   # step whose episode ended, and nothing else.
   for env in range(4):

@@ -689,9 +689,7 @@ def test_sequence_state_is_the_unsharded_buffer_split_over_envs(prioritized,
                                                                  episodes):
   buffer = sharded_sequence(prioritized, episodes)
   state = fill(buffer, ragged_adds())
-  # Each env's ring of R slots and its padding of L - 1 (sequence.py).
-  assert state.storage["obs"].shape == (D, SEQ_ENVS // D,
-                                        SEQ_PER_ENV + SEQ_LENGTH - 1, 2)
+  assert state.storage["obs"].shape == (D, SEQ_ENVS // D, SEQ_PER_ENV, 2)
   for leaf in jax.tree.leaves(state):
     assert leaf.sharding.is_equivalent_to(
         jax.sharding.NamedSharding(MESH, P("data")), leaf.ndim)
@@ -898,8 +896,7 @@ def test_sequence_vmap_over_many_sharded_states_matches_one_at_a_time():
 
   states = jax.vmap(lambda _: buffer.init(example_step()))(jnp.arange(3))
   states, samples = jax.jit(jax.vmap(step))(states, chunks, keys)
-  assert states.storage["obs"].shape == (3, D, SEQ_ENVS // D,
-                                         SEQ_PER_ENV + SEQ_LENGTH - 1, 2)
+  assert states.storage["obs"].shape == (3, D, SEQ_ENVS // D, SEQ_PER_ENV, 2)
   for v in range(3):
     state, sample = jax.jit(step)(buffer.init(example_step()),
                                   jax.tree.map(lambda x: x[v], chunks), keys[v])

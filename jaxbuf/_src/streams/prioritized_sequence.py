@@ -54,14 +54,11 @@ class PrioritizedSequenceReplayState(SequenceReplayState):
         beta_step=per_device(self.beta_step))
 
 
-def init(example_step: PyTree, *, num_envs: int, capacity: int,
-         sequence_length: int = 1) -> PrioritizedSequenceReplayState:
-  """An empty buffer for steps shaped like `example_step` (one env, unbatched).
-
-  `sequence_length` L > 1 lays each env's ring out for windows of L steps,
-  padded by L - 1 slots (`jaxbuf.sequence.init`)."""
+def init(example_step: PyTree, *, num_envs: int,
+         capacity: int) -> PrioritizedSequenceReplayState:
+  """An empty buffer for steps shaped like `example_step` (one env, unbatched)."""
   base = sequence.init(example_step, num_envs=num_envs, capacity=capacity,
-                       with_tree=True, sequence_length=sequence_length)
+                       with_tree=True)
   return PrioritizedSequenceReplayState(
       **{name: getattr(base, name) for name in base.__dataclass_fields__},
       max_priority=jnp.ones((), jnp.float32),
@@ -236,18 +233,16 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
   settings = dict(sequence_length=sequence_length, period=period,
                   within=episodes == "within")
   bound_add = functools.partial(add, **settings, alpha=alpha)
-  bound_init = functools.partial(init, sequence_length=sequence_length)
   split = functools.partial(
       sequence.split_over_devices, num_envs=num_envs, capacity=capacity,
-      init=bound_init, add=bound_add,
+      init=init, add=bound_add,
       sample=functools.partial(sample, sequence_length=sequence_length,
                                beta=beta, stratified=stratified),
       update_priorities=functools.partial(update_priorities, **settings,
                                           alpha=alpha, eps=eps),
       clear=clear, beta=beta, stratified=stratified, **settings)
   return bind(
-      init=functools.partial(bound_init, num_envs=num_envs,
-                             capacity=capacity),
+      init=functools.partial(init, num_envs=num_envs, capacity=capacity),
       add=bound_add,
       sample=functools.partial(sample, sequence_length=sequence_length,
                                beta=beta, stratified=stratified,

@@ -19,22 +19,6 @@ currently held: it never crosses the write head and never reads an unwritten
 slot, also where it wraps the physical array. Window starts fall on absolute
 step ids that are multiples of `period` (each env counts its own steps).
 
-The padded ring (issue 36). Sequence replay lays each env's ring out for its
-windows: the storage leaves are `[N, R + P, ...]` with P = L - 1, slots
-R..R+P-1 repeating slots 0..P-1 (an add that writes slot j < P writes slot
-R + j too). Every window, also one that wraps the ring, is then one
-contiguous slice of L rows (`gather_windows`): S `dynamic_slice`s rather than
-S * L single-row gathers, the cheapest read of the same bytes (measured in
-benchmarks/RESULTS.md, "Performance round 3"). It costs P / R more step
-storage (0.5% at R = 7840, L = 40) and a second scatter of the rows that
-land in the first P slots. The episode ends, counters and window ids keep
-their `[N, R]` layout. Kinds that read single steps (frame-stack,
-hindsight, episode replay) keep P = 0; every function here reads either
-layout, so a state of either works with the same buffer. A checkpoint
-records P (`buffer_dims()["ring_padding"]`): one of the unpadded layout (any
-jaxbuf before issue 36) is refused by a padded `like` with a message naming
-it, and loads into an unpadded `like` (`init` without `sequence_length`).
-
 A window is named by the slot of its first step: window id `w = n * R + j`
 for env n and slot j. `item_ids` are the absolute step id of the first step,
 modulo 2**32, so a priority update for a window whose first step has since
@@ -97,9 +81,7 @@ class SequenceSample(ReplaySample):
 @flax.struct.dataclass
 class SequenceReplayState(BufferState):
   """Per-env rings of steps. Every field is an array; nothing is static."""
-  storage: PyTree             # each leaf [N, R + P, *step_shape], the step's
-                              # dtype; slots R..R+P-1 repeat slots 0..P-1
-                              # (P = L - 1 for sequence replay, else 0)
+  storage: PyTree             # each leaf [N, R, *step_shape], the step's dtype
   episode_ends: jax.Array     # bool [N, R]: the step ended an episode
   write_heads: jax.Array      # int32 [N]: the slot each env writes next, < R
   steps_held: jax.Array       # int32 [N]: steps held per env, at most R
@@ -114,14 +96,8 @@ class SequenceReplayState(BufferState):
     batch_shape = np.shape(self.write_heads)[:-1]
     num_envs = int(np.shape(self.write_heads)[-1])
     per_env = int(np.shape(self.episode_ends)[-1])
-    dims = {"vmapped buffers": list(batch_shape), "num_envs": num_envs,
+    return {"vmapped buffers": list(batch_shape), "num_envs": num_envs,
             "capacity": num_envs * per_env}
-    padding = ring_padding(self)
-    if padding:
-      # Named, so that a checkpoint of the unpadded layout (every jaxbuf
-      # before issue 36) is refused for this, not for a leaf's shape.
-      dims["ring_padding"] = padding
-    return dims
 
   def per_env_fields(self) -> tuple[str, ...]:
     """The fields with one row per env, `[N, ...]`, besides the storage:
@@ -175,18 +151,6 @@ def num_envs_of(state: SequenceReplayState) -> int:
   return state.episode_ends.shape[0]
 
 
-def ring_padding(state: SequenceReplayState) -> int:
-  """P, the slots each env's ring repeats after its end (a Python int)."""
-  return jax.tree.leaves(state.storage)[0].shape[-_step_rank(state) - 1] - (
-      state.episode_ends.shape[-1])
-
-
-def _step_rank(state: SequenceReplayState) -> int:
-  """The rank of the first storage leaf's step; its leading axes are
-  any vmapped or device axes, then N, then R + P."""
-  return jax.tree.leaves(state.storage)[0].ndim - state.episode_ends.ndim
-
-
 def step_spec(state: SequenceReplayState) -> PyTree:
   """The unbatched step shapes and dtypes, as `jax.ShapeDtypeStruct`s."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype),
@@ -222,7 +186,7 @@ def check_sizes(num_envs: Any, capacity: Any, sequence_length: Any,
 
 
 def init(example_step: PyTree, *, num_envs: int, capacity: int,
-         with_tree: bool, sequence_length: int = 1) -> SequenceReplayState:
+         with_tree: bool) -> SequenceReplayState:
   """An empty buffer for steps shaped like `example_step` (one env, unbatched).
 
   Args:
@@ -231,20 +195,14 @@ def init(example_step: PyTree, *, num_envs: int, capacity: int,
     capacity: C, steps over all envs, a multiple of N.
     with_tree: keep a sum tree over window ids (prioritized replay, or
       uniform replay within episodes).
-    sequence_length: L, the window the storage is laid out for: each env's
-      ring is followed by a copy of its first P = L - 1 slots, so that
-      every window is one contiguous slice (`gather_windows`). 1 (the
-      default) pads nothing; every function here reads either layout.
   """
-  check_sizes(num_envs, capacity, sequence_length, 1)
+  check_sizes(num_envs, capacity, 1, 1)
   per_env = capacity // num_envs
-  padding = sequence_length - 1
   # Separate arrays: a donated state must not hold one buffer twice.
   zeros = lambda: jnp.zeros((num_envs,), jnp.int32)
   return SequenceReplayState(
       storage=jax.tree.map(
-          lambda leaf: jnp.zeros((num_envs, per_env + padding,
-                                  *jnp.shape(leaf)),
+          lambda leaf: jnp.zeros((num_envs, per_env, *jnp.shape(leaf)),
                                  jnp.result_type(leaf)), example_step),
       episode_ends=jnp.zeros((num_envs, per_env), bool),
       write_heads=zeros(), steps_held=zeros(),
@@ -428,24 +386,12 @@ class ChunkSlots(NamedTuple):
   dropped: int
   slots: jax.Array  # int32 [N, kept], the ring slots of the kept steps
   rows: jax.Array   # int32 [N, kept], the env, or N for an env masked out
-  per_env: int      # R
 
   def write(self, column: jax.Array, chunk: jax.Array) -> jax.Array:
-    """`column [N, R + P, ...]` with the kept steps of `chunk [N, T, ...]`
-    written; envs masked out are dropped. A step written to slot j < P is
-    written again to slot R + j, the ring's padding (P = 0 for columns
-    `[N, R, ...]`)."""
-    kept = chunk[:, self.dropped:]
-    column = column.at[self.rows, self.slots].set(
-        kept, mode="drop", unique_indices=True)
-    padding = column.shape[1] - self.per_env
-    if not padding:
-      return column
-    # Slots past the padding go out of range and are dropped.
-    repeated = jnp.where(self.slots < padding, self.slots + self.per_env,
-                         self.per_env + padding)
-    return column.at[self.rows, repeated].set(
-        kept, mode="drop", unique_indices=True)
+    """`column [N, R, ...]` with the kept steps of `chunk [N, T, ...]`
+    written; envs masked out are dropped."""
+    return column.at[self.rows, self.slots].set(
+        chunk[:, self.dropped:], mode="drop", unique_indices=True)
 
 
 def chunk_slots(state: SequenceReplayState, length: int,
@@ -460,8 +406,7 @@ def chunk_slots(state: SequenceReplayState, length: int,
   rows = jnp.broadcast_to(
       jnp.where(mask, jnp.arange(num_envs, dtype=jnp.int32), num_envs)[:, None],
       slots.shape)
-  return ChunkSlots(kept=kept, dropped=dropped, slots=slots, rows=rows,
-                    per_env=per_env)
+  return ChunkSlots(kept=kept, dropped=dropped, slots=slots, rows=rows)
 
 
 def write_chunk(state: SequenceReplayState, steps: PyTree, mask: jax.Array,
@@ -559,22 +504,17 @@ def gather_windows(state: SequenceReplayState, window_ids: jax.Array, *,
                    sequence_length: int) -> tuple[PyTree, jax.Array]:
   """Items `[S, L, ...]` of windows `[S]` and their first-episode mask `[S, L]`.
 
-  In a ring padded by at least L - 1 slots (`init(..., sequence_length=L)`)
-  every window is one contiguous slice of L rows of its env, wrapped or
-  not: S `dynamic_slice`s, vmapped (one gather of S slices of `[L, ...]`).
-  Unpadded, one gather of S * L single rows from each leaf seen flat as
-  `[N * R, ...]`, the ring wrapped. The mask reads the episode ends, which
-  are not padded, row by row (one byte each). Window and row indices are
-  computed once (`random.computed_once`), not inside the gather: fused
-  there, their divisions and remainders were redone for every element of
-  every gathered row.
+  One gather of S * L rows from each leaf seen flat as `[N * R, ...]`. The
+  row indices are computed once (`random.computed_once`), not inside the
+  gather: fused there, their divisions and remainders were redone for every
+  element of every gathered row.
   """
   per_env = steps_per_env(state)
   num_rows = num_envs_of(state) * per_env
   num_windows = window_ids.shape[0]
-  starts = window_ids.astype(jnp.int32)
 
   def rows():
+    starts = window_ids.astype(jnp.int32)
     firsts = starts - starts % per_env
     offsets = (starts % per_env)[:, None] + jnp.arange(
         sequence_length, dtype=jnp.int32)[None, :]
@@ -582,35 +522,13 @@ def gather_windows(state: SequenceReplayState, window_ids: jax.Array, *,
     wrapped = jnp.where(offsets >= per_env, offsets - per_env, offsets)
     return (firsts[:, None] + wrapped).reshape(-1)
 
-  gather = lambda column, flat_rows: column.reshape(
+  flat_rows = random.computed_once(rows, window_ids[0])
+  gather = lambda column: column.reshape(
       (num_rows,) + column.shape[2:]).at[flat_rows].get(
           mode="promise_in_bounds").reshape(
               (num_windows, sequence_length) + column.shape[2:])
-  padded_length = per_env + ring_padding(state)
-  if padded_length - per_env >= sequence_length - 1:
-    # One loop computes both: each `computed_once` is a kernel of its own.
-    flat_rows, first_rows = random.computed_once(
-        lambda: (rows(), (starts // per_env * padded_length
-                          + starts % per_env)[:, None]), window_ids[0])
-
-    def window(column):
-      # Each window is rows [first, first + L) of the leaf seen flat as
-      # `[N * (R + P), ...]`: one slice of L rows, in bounds by
-      # construction (a `dynamic_slice` would clamp every start).
-      step_shape = column.shape[2:]
-      return jax.lax.gather(
-          column.reshape((-1,) + step_shape), first_rows,
-          jax.lax.GatherDimensionNumbers(
-              offset_dims=tuple(range(1, 2 + len(step_shape))),
-              collapsed_slice_dims=(), start_index_map=(0,)),
-          (sequence_length,) + step_shape,
-          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
-    items = jax.tree.map(window, state.storage)
-  else:
-    flat_rows = random.computed_once(rows, window_ids[0])
-    items = jax.tree.map(lambda column: gather(column, flat_rows),
-                         state.storage)
-  ends = gather(state.episode_ends, flat_rows)
+  items = jax.tree.map(gather, state.storage)
+  ends = gather(state.episode_ends)
   # A step belongs to the first episode if no episode ended before it.
   ended_before = jnp.cumsum(ends, axis=1, dtype=jnp.int32) - ends
   return items, ended_before == 0
@@ -924,8 +842,7 @@ def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
   check_sizes(num_envs, capacity, sequence_length, period, episodes)
   settings = dict(sequence_length=sequence_length, period=period,
                   within=episodes == "within")
-  bound_init = functools.partial(init, with_tree=episodes == "within",
-                                 sequence_length=sequence_length)
+  bound_init = functools.partial(init, with_tree=episodes == "within")
   bound_add = functools.partial(add, **settings)
   split = functools.partial(
       split_over_devices, num_envs=num_envs, capacity=capacity,
