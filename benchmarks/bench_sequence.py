@@ -39,6 +39,9 @@ The same env step and adapters as `probe_sequence_floor.py`:
 Usage:
   .venv/bin/python benchmarks/bench_sequence.py           # several minutes
   .venv/bin/python benchmarks/bench_sequence.py --quick   # smoke run
+  # on a loaded shared machine: short loops, many repeats, their minimum
+  taskset -c 0 .venv/bin/python benchmarks/bench_sequence.py --periods 20 \
+      --no-memory --iterations 10 --repeats 100 --statistic min
 """
 
 import argparse
