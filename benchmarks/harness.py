@@ -124,7 +124,9 @@ def print_machine(packages: Sequence[str] = PACKAGES) -> dict[str, Any]:
 
 
 def time_interleaved(calls: dict[str, Callable[[], Any]], *, repeats: int,
-                     warmup: int = 1, number: int = 1) -> dict[str, float]:
+                     warmup: int = 1, number: int = 1,
+                     statistic: Callable[[list[float]], float] = statistics.median
+                     ) -> dict[str, float]:
   """Median seconds per call of each thunk, the thunks interleaved.
 
   Args:
@@ -134,9 +136,12 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], *, repeats: int,
       other types than it went in, say weak types, compiles again on the
       second call).
     number: calls per timed sample; the sample is divided by it.
+    statistic: what summarises the repeats; `min` on a loaded shared
+      machine, where most repeats are slowed by other work and the least
+      disturbed one is the figure.
 
   Returns:
-    name -> median over the repeats of (seconds per call).
+    name -> median (or `statistic`) over the repeats of (seconds per call).
   """
   for _ in range(warmup):
     for call in calls.values():
@@ -149,7 +154,7 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], *, repeats: int,
         result = call()
       block(result)
       samples[name].append((time.perf_counter() - start) / number)
-  return {name: statistics.median(values) for name, values in samples.items()}
+  return {name: statistic(values) for name, values in samples.items()}
 
 
 def time_call(call: Callable[[], Any], *, repeats: int, warmup: int = 1,
@@ -220,15 +225,18 @@ def make_add_loop(add: Callable[[Any, Any], Any], iterations: int,
 
 
 def time_fused_loops(loops: dict[str, Callable], states: dict[str, Any], *,
-                     iterations: int, repeats: int, warmup: int = 2
+                     iterations: int, repeats: int, warmup: int = 2,
+                     statistic: Callable[[list[float]], float] = statistics.median
                      ) -> dict[str, float]:
-  """Median seconds per iteration of each `make_fused_loop` loop (or one
-  with its signature), interleaved, each on its own donated state."""
+  """Median (or `statistic`) seconds per iteration of each `make_fused_loop`
+  loop (or one with its signature), interleaved, each on its own donated
+  state."""
   key = jax.random.key(0)
   calls = {name: carrying(lambda state, loop=loop: loop(state, key),
                           states[name])
            for name, loop in loops.items()}
-  seconds = time_interleaved(calls, repeats=repeats, warmup=warmup)
+  seconds = time_interleaved(calls, repeats=repeats, warmup=warmup,
+                             statistic=statistic)
   return {name: value / iterations for name, value in seconds.items()}
 
 

@@ -9,7 +9,8 @@ benchmark; this only explains its floor):
   contiguous slice of the same bytes. Each form feeds a sum, K = 200 draws in
   one jitted scan; microseconds per draw, median of 7 interleaved repeats.
 * add: one step for each of N = 128 envs, for bare arrays (bench_sequence's
-  floor) and jaxbuf's sequence replays, at 10k, 100k and 1M steps held.
+  two floors: rows written by index, and one `dynamic_update_slice`) and
+  jaxbuf's sequence replays, at 10k, 100k and 1M steps held.
 
 Usage: .venv/bin/python benchmarks/probe_sequence_floor.py
 """
@@ -65,6 +66,19 @@ def flat_slices(padded, key):
           envs, starts)
 
 
+def window_gather(padded, key):
+  """One gather of S slices of L rows from `[N * (R + L - 1), F]`, starts
+  promised in bounds: no clamp per start, as `dynamic_slice` does."""
+  per_env = padded.shape[1]
+  envs, starts = random_windows(key, per_env - LENGTH + 1)
+  return jax.lax.gather(
+      padded.reshape(-1, OBS_SIZE), (envs * per_env + starts)[:, None],
+      jax.lax.GatherDimensionNumbers(offset_dims=(1, 2),
+                                     collapsed_slice_dims=(),
+                                     start_index_map=(0,)),
+      (LENGTH, OBS_SIZE), mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
 def slice_loop(padded, key):
   """A `fori_loop` of S dynamic slices into the output."""
   envs, starts = random_windows(key, padded.shape[1] - LENGTH + 1)
@@ -102,6 +116,7 @@ def probe_gather(per_env: int) -> dict[str, float]:
   calls = {"flat rows (jaxbuf)": timed_draws(flat_rows, storage),
            "window slices, padded": timed_draws(window_slices, padded),
            "1-D slices, padded": timed_draws(flat_slices, padded),
+           "window gather, padded": timed_draws(window_gather, padded),
            "fori_loop of slices": timed_draws(slice_loop, padded)}
   if per_env * NUM_ENVS > 2 * BATCH * LENGTH * NUM_ENVS:
     calls["one contiguous slice"] = timed_draws(contiguous, storage)
@@ -121,7 +136,9 @@ def main():
   for per_env in (80, 800, sequence.LARGE_STEPS_PER_ENV):
     row = {(library, kind): sequence.time_add_only(
                library, kind, per_env, 20, iterations=200, repeats=5)
-           for library, kind in (("floor", "uniform"), ("jaxbuf", "uniform"),
+           for library, kind in (("floor_rows", "uniform"),
+                                 ("floor_slices", "uniform"),
+                                 ("jaxbuf", "uniform"),
                                  ("jaxbuf", "prioritized"))}
     print(f"  C={NUM_ENVS * per_env:>9,}: " + ", ".join(
         f"{library} {kind} {seconds * 1e6:.1f}"

@@ -8,7 +8,21 @@ int32, `reward` float32 and `terminated` bool, as N streams, and does the
 same work per iteration: add one step for each of the N envs, sample S
 windows of L consecutive steps (and, prioritized, set S new priorities,
 computed from the sampled windows as a learner's sequence TD errors are).
-The floor is no library: bare arrays doing only the add and the gather.
+
+Two floors, no library in either: bare arrays doing only the add and the
+window read, no validity, episodes, counters or priorities.
+
+* `floor_rows`: bare `[N, R, ...]` arrays; the add writes the N new rows at a
+  shared write head by index (`at[:, head].set`), the sample gathers S x L
+  single rows by flat index with each env's ring wrapped (`at[rows].get`).
+  This is the access pattern jaxbuf's sequence replay used up to issue 36
+  (one row per index): it says what that pattern costs, not what reading
+  windows must cost.
+* `floor_slices`: bare `[N, R, ...]` arrays; the add is one
+  `dynamic_update_slice` of the N new rows at the shared write head, the
+  sample reads S windows as S contiguous `dynamic_slice`s of L rows,
+  vmapped, starts drawn in `[0, R - L]` so none wraps. The cheapest way
+  the same bytes can be read as windows: the floor a window read is held to.
 
 Used by `bench_sequence.py` (fused loops, add alone, peak memory) and
 `probe_sequence_floor.py` (why the floor is where it is).
@@ -30,7 +44,8 @@ SEQUENCE_LENGTH = 40
 SAMPLE_BATCH = 64
 ALPHA = 0.6
 BETA = 0.4
-LIBRARIES = ("jaxbuf", "flashbax", "floor")
+LIBRARIES = ("jaxbuf", "flashbax", "floor_rows", "floor_slices")
+FLOORS = ("floor_rows", "floor_slices")
 KINDS = ("uniform", "prioritized")
 # Steps held per env: 7840 (C = 1,003,520) and 80 (C = 10,240), multiples
 # of every period and window length here, so no library rounds them.
@@ -146,23 +161,17 @@ def flashbax_adapter(kind: str, steps_per_env: int, period: int) -> Adapter:
                  fused_body=fused_body, add_step=add_step)
 
 
-def floor_adapter(kind: str, steps_per_env: int, period: int) -> Adapter:
-  """Only the memory traffic any sequence buffer must do: no library.
-
-  Bare `[N, R, ...]` arrays and one write head shared by all envs: the add
-  writes the N new rows, the sample gathers S windows of L rows at random
-  (env, start), wrapping the ring, into the same checksum. No validity,
-  episodes, counters or priorities, so its time is what the fused loop
-  costs when the library costs nothing; `kind` and `period` change nothing.
-  """
-  del kind, period
-
+def _floor_init(steps_per_env: int) -> Callable[[], Any]:
   def init():
     return {"storage": jax.tree.map(
                 lambda x: jnp.zeros((NUM_ENVS, steps_per_env) + x.shape,
                                     x.dtype), example_step()),
             "head": jnp.zeros((), jnp.int32)}
+  return init
 
+
+def _floor_add_chunk(steps_per_env: int) -> Callable[[Any, Any], Any]:
+  """Fills a floor's arrays (not timed): the chunk at the shared head."""
   def add_chunk(state, chunk):
     length = jax.tree.leaves(chunk)[0].shape[1]
     slots = (state["head"] + jnp.arange(length)) % steps_per_env
@@ -170,18 +179,37 @@ def floor_adapter(kind: str, steps_per_env: int, period: int) -> Adapter:
                            state["storage"], chunk)
     return {"storage": storage,
             "head": (state["head"] + length) % steps_per_env}
+  return jax.jit(add_chunk, donate_argnums=0)
+
+
+def _random_windows(key: jax.Array, num_starts: int
+                    ) -> tuple[jax.Array, jax.Array]:
+  """Envs and start slots of S windows, int32 `[S]` each."""
+  env_key, start_key = jax.random.split(key)
+  return (jax.random.randint(env_key, (SAMPLE_BATCH,), 0, NUM_ENVS),
+          jax.random.randint(start_key, (SAMPLE_BATCH,), 0, num_starts))
+
+
+def floor_rows_adapter(kind: str, steps_per_env: int, period: int) -> Adapter:
+  """The row-gather floor: jaxbuf's old access pattern, with no library.
+
+  Bare `[N, R, ...]` arrays and one write head shared by all envs: the add
+  writes the N new rows by index, the sample gathers the S x L rows of S
+  windows at random (env, start) one row per flat index, the ring wrapped,
+  into the same checksum. `kind` and `period` change nothing.
+  """
+  del kind, period
 
   def add_step(state, steps):
-    storage = jax.tree.map(lambda column, row: column.at[:, state["head"]].set(row),
-                           state["storage"], steps)
+    storage = jax.tree.map(
+        lambda column, row: column.at[:, state["head"]].set(row),
+        state["storage"], steps)
     return {"storage": storage,
             "head": (state["head"] + 1) % steps_per_env}
 
   def fused_body(state, key, steps, acc):
     state = add_step(state, steps)
-    env_key, start_key = jax.random.split(key)
-    envs = jax.random.randint(env_key, (SAMPLE_BATCH,), 0, NUM_ENVS)
-    starts = jax.random.randint(start_key, (SAMPLE_BATCH,), 0, steps_per_env)
+    envs, starts = _random_windows(key, steps_per_env)
     offsets = starts[:, None] + jnp.arange(SEQUENCE_LENGTH)[None, :]
     rows = (envs[:, None] * steps_per_env + offsets % steps_per_env).reshape(-1)
     windows = jax.tree.map(
@@ -191,13 +219,52 @@ def floor_adapter(kind: str, steps_per_env: int, period: int) -> Adapter:
         state["storage"])
     return state, acc + checksum(windows, jnp.zeros((), jnp.float32))
 
-  return Adapter(library="floor", kind="floor", init=init,
-                 add_chunk=jax.jit(add_chunk, donate_argnums=0),
+  return Adapter(library="floor_rows", kind="floor", init=_floor_init(
+                     steps_per_env),
+                 add_chunk=_floor_add_chunk(steps_per_env),
+                 fused_body=fused_body, add_step=add_step)
+
+
+def floor_slices_adapter(kind: str, steps_per_env: int,
+                         period: int) -> Adapter:
+  """The contiguous-slice floor: windows read as windows, with no library.
+
+  Bare `[N, R, ...]` arrays and one write head shared by all envs: the add
+  is one `dynamic_update_slice` of the N new rows `[N, 1, ...]`, the sample
+  reads S windows at random (env, start), start in `[0, R - L]`, each one
+  contiguous `dynamic_slice` of L rows, vmapped, into the same checksum.
+  `kind` and `period` change nothing.
+  """
+  del kind, period
+
+  def add_step(state, steps):
+    def write(column, row):
+      start = (jnp.int32(0), state["head"]) + (jnp.int32(0),) * (row.ndim - 1)
+      return jax.lax.dynamic_update_slice(column, row[:, None], start)
+    return {"storage": jax.tree.map(write, state["storage"], steps),
+            "head": (state["head"] + 1) % steps_per_env}
+
+  def fused_body(state, key, steps, acc):
+    state = add_step(state, steps)
+    envs, starts = _random_windows(key, steps_per_env - SEQUENCE_LENGTH + 1)
+
+    def window(column):
+      tail = column.shape[2:]
+      return jax.vmap(lambda env, start: jax.lax.dynamic_slice(
+          column, (env, start) + (0,) * len(tail),
+          (1, SEQUENCE_LENGTH) + tail)[0])(envs, starts)
+    windows = jax.tree.map(window, state["storage"])
+    return state, acc + checksum(windows, jnp.zeros((), jnp.float32))
+
+  return Adapter(library="floor_slices", kind="floor", init=_floor_init(
+                     steps_per_env),
+                 add_chunk=_floor_add_chunk(steps_per_env),
                  fused_body=fused_body, add_step=add_step)
 
 
 ADAPTERS = {"jaxbuf": jaxbuf_adapter, "flashbax": flashbax_adapter,
-            "floor": floor_adapter}
+            "floor_rows": floor_rows_adapter,
+            "floor_slices": floor_slices_adapter}
 
 
 def fill(adapter: Adapter, steps_per_env: int, chunk: int = 980) -> Any:
