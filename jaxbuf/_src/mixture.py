@@ -192,6 +192,29 @@ def check_items_agree(samples: Sequence[Any], buffers: Sequence[Buffer], *,
             f"are added.")
 
 
+def part_keys(key: jax.Array, count: int) -> list[jax.Array]:
+  """`[fold_in(key, k) for k < count]`, each part's key, hashed once.
+
+  On CPU XLA would fuse the hash of a folded key into every kernel that
+  reads the key, and redo it per element: measured at C = 20k, the mixed
+  sample of two parts cost 13 us more than its parts' own samples, with the
+  key hashes about 7 times over in the program (`random.computed_once`).
+  """
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  words = jax.random.key_data(key) if typed else key
+
+  def hashed():
+    folded = [random.fold_in(key, k) for k in range(count)]
+    return jnp.stack([jax.random.key_data(part) if typed else part
+                      for part in folded])
+
+  parts = random.computed_once(hashed, (words[0] >> 1).astype(jnp.int32))
+  if typed:
+    return [jax.random.wrap_key_data(part, impl=jax.random.key_impl(key))
+            for part in parts]
+  return list(parts)
+
+
 def _empty_like(abstract: Any) -> Any:
   """A part's sample type with no rows: every leaf `[0, ...]`."""
   return jax.tree.map(
@@ -228,7 +251,7 @@ def sample(states: Sequence[Any], key: jax.Array, batch_size: int, *,
   validation.check_batch_size(batch_size, what=what)
   rows = rows_per_part(batch_size, proportions)
   _check_rows_split(rows, buffers, what=what)
-  keys = [random.fold_in(key, k) for k in range(len(buffers))]
+  keys = part_keys(key, len(buffers))
   abstract = _abstract_parts(states, keys, rows, buffers)
   check_items_agree(abstract, buffers, what=what)
   parts = tuple(
