@@ -82,6 +82,7 @@ class Config:
   policy_noise: float = 0.2         # TD3's target smoothing, x MAX_TORQUE
   noise_clip: float = 0.5           # x MAX_TORQUE
   policy_delay: int = 2
+  updates_per_step: int = 1         # UTD: updates per env step
   hidden_size: int = 256
   num_chunks: int = 10
   curve_points: int = 20
@@ -115,13 +116,19 @@ class TwinCritic(nn.Module):
 
 
 @flax.struct.dataclass
-class RunnerState:
-  actor: Any              # params
+class Networks:
+  """TD3's parameters, target parameters and optimizer states."""
+  actor: Any
   critic: Any
   actor_target: Any
   critic_target: Any
   actor_opt: Any
   critic_opt: Any
+
+
+@flax.struct.dataclass
+class RunnerState:
+  nets: Networks
   buffer_states: list     # [offline, online]: the mixture's states
   env_state: Any
   obs: jax.Array          # [N, 3] float32
@@ -204,22 +211,24 @@ def make_trainer(config: Config, offline: jaxbuf.Buffer,
     actor_params = actor.init(actor_key, example.obs)
     critic_params = critic.init(critic_key, example.obs, example.action)
     return RunnerState(
-        actor=actor_params, critic=critic_params, actor_target=actor_params,
-        critic_target=critic_params, actor_opt=optimizer.init(actor_params),
-        critic_opt=optimizer.init(critic_params),
+        nets=Networks(
+            actor=actor_params, critic=critic_params,
+            actor_target=actor_params, critic_target=critic_params,
+            actor_opt=optimizer.init(actor_params),
+            critic_opt=optimizer.init(critic_params)),
         buffer_states=[offline_state, online.init(example)],
         env_state=env_state, obs=common.as_float32(obs)[None],
         episode_returns=jnp.zeros(1, jnp.float32),
         iteration=jnp.zeros((), jnp.int32), key=key)
 
-  def critic_loss(critic_params, state, batch, key):
+  def critic_loss(critic_params, nets, batch, key):
     noise = jnp.clip(
         config.policy_noise * MAX_TORQUE * jax.random.normal(
             key, batch.action.shape),
         -config.noise_clip * MAX_TORQUE, config.noise_clip * MAX_TORQUE)
-    next_action = jnp.clip(actor.apply(state.actor_target, batch.next_obs)
+    next_action = jnp.clip(actor.apply(nets.actor_target, batch.next_obs)
                            + noise, -MAX_TORQUE, MAX_TORQUE)
-    next_q = critic.apply(state.critic_target, batch.next_obs,
+    next_q = critic.apply(nets.critic_target, batch.next_obs,
                           next_action).min(axis=0)
     # Pendulum only truncates: every transition bootstraps.
     bootstrap = config.gamma * (1.0 - batch.terminated.astype(jnp.float32))
@@ -231,36 +240,46 @@ def make_trainer(config: Config, offline: jaxbuf.Buffer,
     action = actor.apply(actor_params, batch.obs)
     return -jnp.mean(critic.apply(critic_params, batch.obs, action)[0])
 
-  def learn(state: RunnerState, key: jax.Array) -> RunnerState:
+  def update(nets: Networks, buffer_states: list, key: jax.Array,
+             count: jax.Array) -> Networks:
+    """One TD3 update on a mixed batch; the actor and the targets every
+    `policy_delay` updates (`count` numbers the updates)."""
     sample_key, noise_key = jax.random.split(key)
-    batch = mixture.sample(state.buffer_states, sample_key,
-                           config.batch_size).items
-    grads = jax.grad(critic_loss)(state.critic, state, batch, noise_key)
-    updates, critic_opt = optimizer.update(grads, state.critic_opt)
-    critic_params = optax.apply_updates(state.critic, updates)
+    batch = mixture.sample(buffer_states, sample_key, config.batch_size).items
+    grads = jax.grad(critic_loss)(nets.critic, nets, batch, noise_key)
+    updates, critic_opt = optimizer.update(grads, nets.critic_opt)
+    nets = nets.replace(critic=optax.apply_updates(nets.critic, updates),
+                        critic_opt=critic_opt)
 
-    def improve_actor(state):
-      grads = jax.grad(actor_loss)(state.actor, critic_params, batch)
-      updates, actor_opt = optimizer.update(grads, state.actor_opt)
-      actor_params = optax.apply_updates(state.actor, updates)
-      return (actor_params, actor_opt,
-              optax.incremental_update(actor_params, state.actor_target,
-                                       config.tau),
-              optax.incremental_update(critic_params, state.critic_target,
-                                       config.tau))
-    actor_params, actor_opt, actor_target, critic_target = jax.lax.cond(
-        state.iteration % config.policy_delay == 0, improve_actor,
-        lambda state: (state.actor, state.actor_opt, state.actor_target,
-                       state.critic_target), state)
-    return state.replace(actor=actor_params, critic=critic_params,
-                         actor_target=actor_target, critic_target=critic_target,
-                         actor_opt=actor_opt, critic_opt=critic_opt)
+    def improve_actor(nets):
+      grads = jax.grad(actor_loss)(nets.actor, nets.critic, batch)
+      updates, actor_opt = optimizer.update(grads, nets.actor_opt)
+      actor_params = optax.apply_updates(nets.actor, updates)
+      return nets.replace(
+          actor=actor_params, actor_opt=actor_opt,
+          actor_target=optax.incremental_update(
+              actor_params, nets.actor_target, config.tau),
+          critic_target=optax.incremental_update(
+              nets.critic, nets.critic_target, config.tau))
+    return jax.lax.cond(count % config.policy_delay == 0, improve_actor,
+                        lambda nets: nets, nets)
+
+  def learn(state: RunnerState, key: jax.Array) -> RunnerState:
+    """`updates_per_step` updates; the replay storage is only read."""
+    def one(nets, key_and_count):
+      return update(nets, state.buffer_states, *key_and_count), None
+    counts = (state.iteration * config.updates_per_step
+              + jnp.arange(config.updates_per_step))
+    nets, _ = jax.lax.scan(
+        one, state.nets,
+        (jax.random.split(key, config.updates_per_step), counts))
+    return state.replace(nets=nets)
 
   def step(state: RunnerState) -> tuple[RunnerState, common.QLearningMetrics]:
     key, noise_key, random_key, env_key, learn_key = jax.random.split(
         state.key, 5)
     explore = jnp.clip(
-        actor.apply(state.actor, state.obs) + config.exploration_noise
+        actor.apply(state.nets.actor, state.obs) + config.exploration_noise
         * MAX_TORQUE * jax.random.normal(noise_key, (1, 1)),
         -MAX_TORQUE, MAX_TORQUE)
     uniform = jax.random.uniform(random_key, (1, 1), minval=-MAX_TORQUE,

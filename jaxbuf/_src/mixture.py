@@ -157,7 +157,7 @@ def _leaves_by_path(tree: PyTree) -> dict[str, Any]:
           jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def check_items_agree(samples: Sequence[Any], buffers: Sequence[Buffer], *,
+def _check_items_agree(samples: Sequence[Any], buffers: Sequence[Buffer], *,
                       what: str) -> None:
   """Raises unless every part's sampled items have part 0's structure, row
   shapes and dtypes: `TypeError` (structure, dtype) or `ValueError` (shape)
@@ -192,7 +192,7 @@ def check_items_agree(samples: Sequence[Any], buffers: Sequence[Buffer], *,
             f"are added.")
 
 
-def part_keys(key: jax.Array, count: int) -> list[jax.Array]:
+def _part_keys(key: jax.Array, count: int) -> list[jax.Array]:
   """`[fold_in(key, k) for k < count]`, each part's key, hashed once.
 
   On CPU XLA would fuse the hash of a folded key into every kernel that
@@ -251,9 +251,9 @@ def sample(states: Sequence[Any], key: jax.Array, batch_size: int, *,
   validation.check_batch_size(batch_size, what=what)
   rows = rows_per_part(batch_size, proportions)
   _check_rows_split(rows, buffers, what=what)
-  keys = part_keys(key, len(buffers))
+  keys = _part_keys(key, len(buffers))
   abstract = _abstract_parts(states, keys, rows, buffers)
-  check_items_agree(abstract, buffers, what=what)
+  _check_items_agree(abstract, buffers, what=what)
   parts = tuple(
       buffer.sample(state, part_key, count) if count else _empty_like(shapes)
       for buffer, state, part_key, count, shapes in zip(
