@@ -16,8 +16,9 @@ fraction of the steps an agent from scratch needs. Here:
 2. Load: `jaxbuf.from_minari` streams it into a uniform replay buffer of
    `jaxbuf.Transition`s.
 3. Train online: TD3 (Fujimoto et al. 2018) with LayerNorm critics, on
-   gymnax's Pendulum-v1 (the same dynamics, in JAX), one update per env
-   step. Every batch comes from `jaxbuf.mixture([offline, online],
+   gymnax's Pendulum-v1 (the same dynamics, in JAX), 4 updates per env step
+   (RLPD's point is a high update-to-data ratio, where data, not updates,
+   limits learning; at 1 update per step online-only kept pace). Every batch comes from `jaxbuf.mixture([offline, online],
    [offline_fraction, 1 - offline_fraction])`: 0.5 is RLPD's symmetric
    sampling, 0 is online-only from scratch, the same code with the
    dataset's part given no rows. Env steps, adds, the mixed sample and the
@@ -28,8 +29,20 @@ learns within tens of thousands of steps on a 2-core CPU, where MuJoCo
 locomotion needs about a million.
 
 The bar, printed at the end (and held by `pytest -m slow`): the mean over
-seeds of mixing's learning curve reaches online-only's final return (its
-mean over the last 10% of steps) within half the env steps.
+seeds of mixing's learning curve (episodic returns in windows of 500 steps)
+reaches online-only's final return (its mean over the last 10% of steps)
+by the end of a window within half the env steps.
+
+Measured (3 seeds, 10,000 env steps each, the defaults; 2026-11-26, 2-core
+CPU shared with other work, about 5 minutes a run): dataset mean return
+-515; mixing reaches online-only's final -154.5 at 4,000 env steps, online
+only itself at 4,500; mean curves at 2,000 / 2,500 / 3,000 / 3,500 steps:
+mixing -943 -478 -515 -215, online only -948 -905 -260 -239. With
+`--seed 1` (another dataset, mean -493): mixing reaches online-only's final
+-177.4 at 3,500 steps, online only at 5,500; at 2,500 / 3,000 / 3,500 /
+4,000 steps mixing -444 -386 -163 -125, online only -742 -511 -261 -277.
+Pendulum is easy: both end near -150 to -180, the swing-up's level, and the
+data buys about 500 to 2,000 steps of a 4,000 to 5,500 step climb.
 
   python examples/rlpd.py                     # both runs, 3 seeds, the bar
   python examples/rlpd.py --plot rlpd.png     # and both learning curves
@@ -71,10 +84,10 @@ class Config:
   offline_fraction: float = 0.5     # the run compared: its share of a batch
   num_seeds: int = 3                # K, vmapped
   seed: int = 0
-  total_steps: int = 20_000         # env steps per seed and run
-  learning_starts: int = 1_000      # random actions, no updates, before
+  total_steps: int = 10_000         # env steps per seed and run
+  learning_starts: int = 500        # random actions, no updates, before
   buffer_size: int = 100_000        # online replay
-  batch_size: int = 256
+  batch_size: int = 128
   learning_rate: float = 3e-4
   gamma: float = 0.99
   tau: float = 0.005                # target networks' soft update
@@ -82,8 +95,9 @@ class Config:
   policy_noise: float = 0.2         # TD3's target smoothing, x MAX_TORQUE
   noise_clip: float = 0.5           # x MAX_TORQUE
   policy_delay: int = 2
-  updates_per_step: int = 1         # UTD: updates per env step
-  hidden_size: int = 256
+  updates_per_step: int = 4         # UTD: updates per env step (RLPD's
+                                    # point: many updates, data the limit)
+  hidden_size: int = 64
   num_chunks: int = 10
   curve_points: int = 20
 
@@ -345,9 +359,15 @@ def run(config: Config, datasets_path: str | None = None,
     results[name] = dict(trained, curve_steps=steps, curve=curve)
   target = results["online only"]["final_mean_return"]
   mixing = results["mixing"]
+  def first_reaching(curve_steps, curve):
+    reached = np.flatnonzero(curve >= target)
+    return float(curve_steps[reached[0]]) if reached.size else None
+  results["steps_to_online_final"] = first_reaching(mixing["curve_steps"],
+                                                    mixing["curve"])
+  # For reference: when online-only's own curve first got there.
+  results["online_steps_to_online_final"] = first_reaching(
+      results["online only"]["curve_steps"], results["online only"]["curve"])
   reached = np.flatnonzero(mixing["curve"] >= target)
-  results["steps_to_online_final"] = (
-      float(mixing["curve_steps"][reached[0]]) if reached.size else None)
   results["bar_met"] = bool(
       reached.size and results["steps_to_online_final"]
       <= config.total_steps / 2)
@@ -393,6 +413,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{config.total_steps // len(result['curve'])} steps): "
           + " ".join(f"{r:.0f}" for r in result["curve"]))
   steps = results["steps_to_online_final"]
+  online_steps = results["online_steps_to_online_final"]
+  print(f"online only first reaches its final return at "
+        f"{'never' if online_steps is None else f'{online_steps:,.0f}'} env "
+        f"steps (each run: the end of the first window whose mean return "
+        f"gets there)")
   print(f"mixing reaches online-only's final return "
         f"{results['online only']['final_mean_return']:.1f} at "
         f"{'never' if steps is None else f'{steps:,.0f}'} env steps of "
