@@ -163,21 +163,23 @@ def _check_items_agree(samples: Sequence[Any], buffers: Sequence[Buffer], *,
   shapes and dtypes: `TypeError` (structure, dtype) or `ValueError` (shape)
   naming the part, its kind and the leaf path, part 0's value and its own."""
   reference = _leaves_by_path(samples[0].items)
+  reference_structure = jax.tree_util.tree_structure(samples[0].items)
   for k, (drawn, buffer) in enumerate(zip(samples, buffers)):
     if k == 0:
       continue
     given = _leaves_by_path(drawn.items)
     part = (f"{what}: part {k} ({_name(buffer)}) samples items unlike part "
             f"0's ({_name(buffers[0])})")
-    if (jax.tree_util.tree_structure(drawn.items)
-        != jax.tree_util.tree_structure(samples[0].items)):
+    structure = jax.tree_util.tree_structure(drawn.items)
+    if structure != reference_structure:
       missing = [path for path in reference if path not in given]
       unexpected = [path for path in given if path not in reference]
-      detail = "; ".join(f"{name} leaves {', '.join(paths)}" for name, paths in
-                         (("missing", missing), ("unexpected", unexpected))
-                         if paths) or (
-                             f"expected {jax.tree_util.tree_structure(samples[0].items)}, "
-                             f"given {jax.tree_util.tree_structure(drawn.items)}")
+      # Same leaf paths under other node types (a dict for a NamedTuple):
+      # the structures themselves say how.
+      detail = "; ".join(
+          f"{name} leaves {', '.join(paths)}" for name, paths in
+          (("missing", missing), ("unexpected", unexpected)) if paths) or (
+              f"expected {reference_structure}, given {structure}")
       raise TypeError(f"{part}: tree structure differs: {detail}.")
     for path, leaf in given.items():
       expected = reference[path]
