@@ -447,6 +447,7 @@ def mixture(buffers: Sequence[Buffer],
       sample=base._sampled_at_step(mixed_sample),  # pylint: disable=protected-access
       update_priorities=mixed_update,
       can_sample=mixed_can_sample,
-      rows=functools.partial(rows_per_part, proportions=proportions),
+      rows=base.documented(functools.partial(rows_per_part,
+                                             proportions=proportions)),
       buffers=buffers,
       proportions=tuple(p / total for p in proportions))
