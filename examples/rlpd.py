@@ -178,7 +178,9 @@ def record(dataset_id: str, config: Config) -> minari.MinariDataset:
               if rng.random() < config.behaviour_noise else scripted_torque(obs))
     obs, _, terminated, truncated, _ = env.step(np.array([torque], np.float32))
     if terminated or truncated:
-      obs, _ = env.reset()
+      # Seeded: Minari's DataCollector seeds an unseeded reset from
+      # `secrets`, and the dataset would differ between recordings.
+      obs, _ = env.reset(seed=int(rng.integers(2**31)))
   dataset = env.create_dataset(
       dataset_id, algorithm_name=f"scripted swing-up, noise "
       f"{config.behaviour_noise}", author="jaxbuf examples", author_email="-",
