@@ -35,12 +35,13 @@ by the end of a window within half the env steps.
 
 Measured (3 seeds, 10,000 env steps each, the defaults; 2026-11-26, 2-core
 CPU shared with other work, about 5 minutes a run): dataset mean return
--515; mixing reaches online-only's final -154.5 at 4,000 env steps, online
-only itself at 4,500; mean curves at 2,000 / 2,500 / 3,000 / 3,500 steps:
-mixing -943 -478 -515 -215, online only -948 -905 -260 -239. With
-`--seed 1` (another dataset, mean -493): mixing reaches online-only's final
--177.4 at 3,500 steps, online only at 5,500; at 2,500 / 3,000 / 3,500 /
-4,000 steps mixing -444 -386 -163 -125, online only -742 -511 -261 -277.
+-489; mixing reaches online-only's final -154.5 at 4,000 env steps, online
+only itself at 4,500; mean curves at 2,000 / 2,500 / 3,000 / 3,500 / 4,000
+steps: mixing -815 -572 -459 -192 -142, online only -948 -905 -260 -239
+-239. With `--seed 1` (another dataset, mean -483): mixing reaches
+online-only's final -177.4 at 3,500 steps, online only at 5,500; at 2,000
+/ 2,500 / 3,000 / 3,500 / 4,000 steps mixing -693 -419 -634 -167 -129,
+online only -1002 -742 -511 -261 -277.
 Pendulum is easy: both end near -150 to -180, the swing-up's level, and the
 data buys about 500 to 2,000 steps of a 4,000 to 5,500 step climb.
 
