@@ -69,6 +69,9 @@ from jaxbuf._src.streams.sequence import SequenceReplayState
 from jaxbuf._src.streams.sequence import SequenceSample
 from jaxbuf._src.streams.sequence import sequence_replay
 from jaxbuf._src.sharded import sharded
+from jaxbuf._src.mixture import Mixture
+from jaxbuf._src.mixture import MixtureSample
+from jaxbuf._src.mixture import mixture
 from jaxbuf._src.core.spaces import example_from_space
 from jaxbuf._src.streams.transitions import NStepTargets
 from jaxbuf._src.streams.transitions import NStepTransitions
@@ -95,6 +98,8 @@ __all__ = (
     "HindsightReplayState",
     "HindsightSample",
     "HindsightTransition",
+    "Mixture",
+    "MixtureSample",
     "NStepTargets",
     "NStepTransitions",
     "PrioritizedReplayState",
@@ -128,6 +133,7 @@ __all__ = (
     "hindsight_replay",
     "lambda_returns",
     "load",
+    "mixture",
     "n_step_returns",
     "n_step_targets",
     "n_step_transitions",
