@@ -47,6 +47,10 @@ html_theme_options = {
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+# A docstring's "Attributes:" section as fields of its class, not a second
+# description of attributes that `:members:` already documents
+# (VectorEnvRecorder.example, set in __init__).
+napoleon_use_ivar = True
 default_role = "code"
 
 autosummary_generate = True
@@ -109,6 +113,19 @@ nitpick_ignore = [
     ("py:class", "jaxbuf._src.core.sum_tree.SumTree"),
     ("py:class", "jaxbuf._src.core.kind.Kind"),
 ]
+# The Protocols that type a buffer's bound functions (`Buffer.init` is an
+# `InitFn`, `rollout_buffer`'s add a `RolloutAddFn`) and the type variables
+# that carry each kind's state and sample types through them: they exist for
+# type checkers (jaxbuf ships py.typed), users never name them, and each
+# function's own page documents what it takes and returns.
+nitpick_ignore_regex.append(
+    ("py:class", r"jaxbuf\._src\.core\.base\.(InitFn|AddFn|SampleFn|"
+                 r"UpdatePrioritiesFn|CanSampleFn|ClearFn|StateT|SampleT)"))
+nitpick_ignore_regex.append(
+    ("py:class", r"jaxbuf\._src\.onpolicy\.rollout\.RolloutAddFn"))
+nitpick_ignore_regex.append(
+    ("py:class", r"jaxbuf\._src\.streams\.(prioritized_)?sequence\."
+                 r"(PrioritizedStateT|SequenceStateT)"))
 
 
 def _public_name(target: str) -> str | None:
