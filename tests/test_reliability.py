@@ -966,3 +966,57 @@ def test_an_empty_batch_of_priority_updates_changes_nothing(kind, checked):
     assert len(changed) == 1
   else:
     assert not changed
+
+
+# --- Issue 35: flags, settings through checkpoints, raw errors ------------------
+
+def _goal_distance(achieved, desired):
+  return -jnp.abs(achieved - desired).sum(-1)
+
+
+BOOL_SETTINGS = {
+    "uniform_replay-checked": lambda flag: jaxbuf.uniform_replay(8, checked=flag),
+    "prioritized_replay-checked": lambda flag: jaxbuf.prioritized_replay(
+        8, checked=flag),
+    "prioritized_replay-stratified": lambda flag: jaxbuf.prioritized_replay(
+        8, stratified=flag),
+    "sequence_replay-checked": lambda flag: jaxbuf.sequence_replay(
+        1, 8, 2, checked=flag),
+    "prioritized_sequence_replay-stratified":
+        lambda flag: jaxbuf.prioritized_sequence_replay(1, 8, 2, stratified=flag),
+    "prioritized_sequence_replay-checked":
+        lambda flag: jaxbuf.prioritized_sequence_replay(1, 8, 2, checked=flag),
+    "episode_replay-weight_by_length": lambda flag: jaxbuf.episode_replay(
+        1, 8, 4, weight_by_length=flag),
+    "episode_replay-checked": lambda flag: jaxbuf.episode_replay(
+        1, 8, 4, checked=flag),
+    "hindsight_replay-prioritized": lambda flag: jaxbuf.hindsight_replay(
+        1, 8, _goal_distance, prioritized=flag),
+    "hindsight_replay-stratified": lambda flag: jaxbuf.hindsight_replay(
+        1, 8, _goal_distance, prioritized=True, stratified=flag),
+    "hindsight_replay-checked": lambda flag: jaxbuf.hindsight_replay(
+        1, 8, _goal_distance, checked=flag),
+    "frame_stack_replay-checked": lambda flag: jaxbuf.frame_stack_replay(
+        1, 8, 2, checked=flag),
+    "prioritized_frame_stack_replay-stratified":
+        lambda flag: jaxbuf.prioritized_frame_stack_replay(1, 8, 2, stratified=flag),
+    "prioritized_frame_stack_replay-checked":
+        lambda flag: jaxbuf.prioritized_frame_stack_replay(1, 8, 2, checked=flag),
+    "rollout_buffer-checked": lambda flag: jaxbuf.rollout_buffer(2, 2, checked=flag),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(BOOL_SETTINGS))
+def test_every_bool_setting_refuses_what_is_not_a_bool(setting):
+  """"False" was read as True (drawn by length, prioritized)."""
+  factory, name = setting.split("-")
+  make = BOOL_SETTINGS[setting]
+  for flag in (False, True, np.bool_(True)):
+    make(flag)
+  for given, shown in (("False", "str 'False'"), (0, "int 0"), (None, "NoneType"),
+                       (jnp.bool_(True), "an array of dtype bool")):
+    with pytest.raises(TypeError) as raised:
+      make(given)
+    assert str(raised.value).startswith(
+        f"{factory}: {name} must be a bool (True or False), given {shown}"), (
+            given, str(raised.value))

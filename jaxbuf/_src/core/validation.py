@@ -252,6 +252,18 @@ def check_python_int(value: Any, name: str, *, prefix: str = "",
                     f"{describe(value)}.{hint}")
 
 
+def check_bool(value: Any, name: str, *, what: str) -> None:
+  """Raises `TypeError` unless `value` is a Python (or NumPy) bool.
+
+  A flag read with `if` takes any object's truth: the string "False" would
+  switch the setting on, so nothing but a bool is accepted.
+  """
+  if not isinstance(value, (bool, np.bool_)):
+    shown = f" {value!r}" if isinstance(value, (str, int, float)) else ""
+    raise TypeError(f"{what}: {name} must be a bool (True or False), given "
+                    f"{describe(value)}{shown}.")
+
+
 def check_not_donated(state: Any, *, what: str) -> None:
   """Raises `ValueError` if an array of `state` was donated to an earlier call.
 

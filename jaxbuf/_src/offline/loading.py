@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import numpy as np
 
+from jaxbuf._src.core import validation
 from jaxbuf._src.core.base import Buffer
 from jaxbuf._src.offline.mapping import Episode, checked_episode, checked_layout
 from jaxbuf._src.offline.mapping import devices_of, episode_rows, storage_spec
@@ -127,6 +128,8 @@ def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
     chunk_size, progress, round_floats: as for `from_minari`.
     what: the caller's name, for errors.
   """
+  for name, flag in (("progress", progress), ("round_floats", round_floats)):
+    validation.check_bool(flag, name, what=what)
   layout = checked_layout(buffer, state, what=what)
   spec = storage_spec(buffer, state, layout)
   shapes = unsharded_shapes(buffer, state)

@@ -274,6 +274,8 @@ def episode_replay(num_envs: int, capacity: int, max_episode_length: int, *,
   [True, True, True, False]
   """
   check_sizes(num_envs, capacity, max_episode_length)
+  validation.check_bool(weight_by_length, "weight_by_length",
+                        what="episode_replay")
   bound_add = functools.partial(add, max_episode_length=max_episode_length,
                                 weight_by_length=weight_by_length)
   bound_sample = functools.partial(sample,

@@ -757,6 +757,8 @@ def prioritized_frame_stack_replay(
   >>> batch.items.obs.shape, float(batch.weights.max())
   ((4, 3, 2), 1.0)
   """
+  validation.check_bool(stratified, "stratified",
+                        what="prioritized_frame_stack_replay")
   if not callable(beta):
     validation.check_hyperparameter(beta, "beta")
   validation.check_hyperparameter(alpha, "alpha")

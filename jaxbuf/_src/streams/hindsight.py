@@ -664,6 +664,8 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
   """
   check_settings(num_envs, capacity, reward_fn, strategy, relabel_fraction,
                  terminated_fn)
+  for name, flag in (("prioritized", prioritized), ("stratified", stratified)):
+    validation.check_bool(flag, name, what="hindsight_replay")
   if prioritized:
     validation.check_hyperparameter(alpha, "alpha")
     validation.check_hyperparameter(eps, "eps", positive=True)

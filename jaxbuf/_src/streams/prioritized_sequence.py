@@ -226,6 +226,8 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
   ((4, 3, 4), 1.0)
   """
   sequence.check_sizes(num_envs, capacity, sequence_length, period, episodes)
+  validation.check_bool(stratified, "stratified",
+                        what="prioritized_sequence_replay")
   validation.check_hyperparameter(alpha, "alpha")
   validation.check_hyperparameter(eps, "eps", positive=True)
   if not callable(beta):
