@@ -779,3 +779,102 @@ def test_writing_refuses_an_existing_id_and_leaves_nothing_half_written(
                      observation_space=dataset.observation_space,
                      action_space=gymnasium.spaces.Discrete(2, dtype=np.int8))
   assert dataset_id not in minari.list_local_datasets()
+
+
+# --- Issue 35: loading into a state that holds data, writing back all of it ---
+
+def _goal_obs(values):
+  values = np.asarray(values, np.float32)[:, None]
+  return {"observation": values, "achieved_goal": values, "desired_goal": values}
+
+
+def _rlds(episodes):
+  """RLDS steps of episodes given as lists of observations (each ended by a
+  termination), obs dicts in the GoalEnv layout."""
+  observations = [value for episode in episodes for value in episode]
+  firsts = [step == 0 for episode in episodes for step in range(len(episode))]
+  lasts = [step == len(episode) - 1 for episode in episodes
+           for step in range(len(episode))]
+  count = len(observations)
+  return {"observation": _goal_obs(observations),
+          "action": np.zeros(count, np.int32), "reward": np.zeros(count, np.float32),
+          "is_first": np.array(firsts), "is_last": np.array(lasts),
+          "is_terminal": np.array(lasts)}
+
+
+HELD_DATA_KINDS = {
+    "sequence": lambda: jaxbuf.sequence_replay(1, 16, 2),
+    "prioritized_sequence": lambda: jaxbuf.prioritized_sequence_replay(1, 16, 2),
+    "episode": lambda: jaxbuf.episode_replay(1, 16, 8),
+    "frame_stack": lambda: jaxbuf.frame_stack_replay(1, 16, 2),
+    "hindsight": lambda: jaxbuf.hindsight_replay(
+        1, 16, lambda a, d: -jnp.abs(a - d).sum(-1).astype(jnp.float32)),
+}
+DATASET = _rlds([[10, 11, 12, 13, 14], [15, 16, 17, 18]])
+
+
+def _user_steps(buffer, state, values, *, last):
+  """The user's own steps of one env, obs `values`, `last` on the final one
+  when `last`."""
+  count = len(values)
+  return buffer.add(state, jaxbuf.EpisodeStep(
+      obs=jax.tree.map(lambda x: x[None], _goal_obs(values)),
+      action=np.zeros((1, count), np.int32), reward=np.zeros((1, count), np.float32),
+      terminated=np.zeros((1, count), bool), truncated=np.zeros((1, count), bool),
+      last=(np.arange(count) == count - 1)[None] & last))
+
+
+@pytest.mark.parametrize("kind", sorted(HELD_DATA_KINDS))
+def test_loading_into_a_stream_with_a_running_episode_is_refused(kind):
+  """The dataset's first episode was glued onto the user's running one
+  ([-1, -2, -3, 10, 11, 12, 13] written back as one episode)."""
+  buffer = HELD_DATA_KINDS[kind]()
+  state = buffer.init(jaxbuf.offline_example(DATASET, buffer))
+  state = _user_steps(buffer, state, [-1, -2, -3], last=False)
+  before = jax.tree.map(np.array, state)
+  with pytest.raises(ValueError, match=r"from_rlds_steps: env 0 of the state "
+                     r"holds a running episode \(3 steps since its last episode "
+                     r"end\); .* Add its final step first .*nothing was added"):
+    jaxbuf.from_rlds_steps(DATASET, buffer, state)
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(np.asarray(got), want)
+  # Ended by its final step, the user's episode and the dataset's stay apart.
+  state = _user_steps(buffer, state, [-4], last=True)
+  state = jaxbuf.from_rlds_steps(DATASET, buffer, state)
+  written = [episode.observations["observation"][:, 0].tolist()
+             for episode in jaxbuf.held_episodes(buffer, state)]
+  assert written == [[-1, -2, -3, -4], [10, 11, 12, 13, 14], [15, 16, 17, 18]]
+
+
+def _user_items(buffer, state, values, *, ended):
+  count = len(values) - 1
+  obs = _goal_obs(values)
+  return buffer.add(state, jaxbuf.Transition(
+      obs=jax.tree.map(lambda x: x[:-1], obs), action=np.zeros(count, np.int32),
+      reward=np.zeros(count, np.float32),
+      next_obs=jax.tree.map(lambda x: x[1:], obs),
+      terminated=(np.arange(count) == count - 1) & ended,
+      truncated=np.zeros(count, bool)))
+
+
+def test_loading_into_items_with_a_running_episode_is_refused():
+  """7 transitions in 2 episodes into a uniform_replay(8) holding 2 of the
+  user's items: the ring wrapped onto a user item, and the dataset's whole
+  first episode (10..14) was dropped on writing back."""
+  buffer = jaxbuf.uniform_replay(8)
+  state = buffer.init(jaxbuf.offline_example(DATASET, buffer))
+  state = _user_items(buffer, state, [-1, -2, -3], ended=False)
+  with pytest.raises(ValueError, match=r"from_rlds_steps: the state's newest item "
+                     r"\(slot 1\) neither terminated nor truncated: it holds a "
+                     r"running episode \(2 items since the last end\)"):
+    jaxbuf.from_rlds_steps(DATASET, buffer, state)
+  assert int(state.size) == 2
+  # The user's episode ended: the ring wraps onto its first item, and every
+  # whole episode it holds is written back.
+  state = _user_items(buffer, buffer.init(jaxbuf.offline_example(DATASET, buffer)),
+                      [-1, -2, -3], ended=True)
+  state = jaxbuf.from_rlds_steps(DATASET, buffer, state)
+  assert int(state.add_count) == 9
+  written = [episode.observations["observation"][:, 0].tolist()
+             for episode in jaxbuf.held_episodes(buffer, state)]
+  assert written == [[10, 11, 12, 13, 14], [15, 16, 17, 18]]

@@ -69,6 +69,13 @@ transitions; streams: each episode goes to the env with the most room left,
 T + 1 steps, while it fits into R), so a loaded buffer never holds part of an
 episode. A newest episode longer than the buffer is a `ValueError`.
 
+Into a state that holds data. The episodes are added after what the state
+holds, but never onto a running episode: a stream of the state whose newest
+step is not an episode end (`last`), or item replay whose newest item
+neither terminated nor truncated, is a `ValueError` before anything is
+added (the dataset's first episode would seem to continue it). Add the
+episode's final step first, or load into a fresh `buffer.init` state.
+
 Memory. Episodes are read one at a time (Minari's file reopened every 16
 episodes, so that h5py's caches stay small) and added in chunks of
 `chunk_size` items (`chunk_size // N` steps per env) through `buffer.add`,
