@@ -878,3 +878,40 @@ def test_loading_into_items_with_a_running_episode_is_refused():
   written = [episode.observations["observation"][:, 0].tolist()
              for episode in jaxbuf.held_episodes(buffer, state)]
   assert written == [[10, 11, 12, 13, 14], [15, 16, 17, 18]]
+
+
+def test_writing_values_outside_the_spaces_is_refused(datasets):
+  """Actions 0..2 were written under Discrete(2), observations 100..105
+  under Box(-1, 1): Minari's own `contains` is False for them."""
+  del datasets  # sets MINARI_DATASETS_PATH
+  steps = {"observation": np.arange(100, 106, dtype=np.float32)[:, None],
+           "action": np.array([0, 1, 2, 0, 0, 0], np.int32),
+           "reward": np.zeros(6, np.float32),
+           "is_first": np.array([1, 0, 0, 0, 0, 0], bool),
+           "is_last": np.array([0, 0, 0, 0, 0, 1], bool),
+           "is_terminal": np.array([0, 0, 0, 0, 0, 1], bool)}
+  buffer = jaxbuf.sequence_replay(1, 16, 2)
+  state = jaxbuf.from_rlds_steps(
+      steps, buffer, buffer.init(jaxbuf.offline_example(steps, buffer)))
+  dataset_id = f"test/bad/spaces{64 if jax.config.jax_enable_x64 else 32}-v0"
+  cases = [
+      (_box((1,)), gymnasium.spaces.Discrete(3),
+       r"observations: \[100.0\] at step 0 of episode 0 of the state is not in "
+       r"the space Box\(-1.0, 1.0, \(1,\), float32\)"),
+      (gymnasium.spaces.Box(0, 200, (1,), np.float32), gymnasium.spaces.Discrete(2),
+       r"actions: 2 at step 2 of episode 0 of the state is not in the space "
+       r"Discrete\(2\)"),
+  ]
+  for observation_space, action_space, match in cases:
+    with pytest.raises(ValueError, match=match):
+      jaxbuf.to_minari(dataset_id, buffer, state,
+                       observation_space=observation_space,
+                       action_space=action_space)
+    assert dataset_id not in minari.list_local_datasets()
+  written = jaxbuf.to_minari(
+      dataset_id, buffer, state,
+      observation_space=gymnasium.spaces.Box(100, 105, (1,), np.float32),
+      action_space=gymnasium.spaces.Discrete(3))
+  episode = next(written.iterate_episodes())
+  assert all(written.observation_space.contains(o) for o in episode.observations)
+  assert all(written.action_space.contains(a) for a in episode.actions)
