@@ -802,13 +802,14 @@ def _rlds(episodes):
           "is_terminal": np.array(lasts)}
 
 
-HELD_DATA_KINDS = {
-    "sequence": lambda: jaxbuf.sequence_replay(1, 16, 2),
-    "prioritized_sequence": lambda: jaxbuf.prioritized_sequence_replay(1, 16, 2),
-    "episode": lambda: jaxbuf.episode_replay(1, 16, 8),
-    "frame_stack": lambda: jaxbuf.frame_stack_replay(1, 16, 2),
-    "hindsight": lambda: jaxbuf.hindsight_replay(
-        1, 16, lambda a, d: -jnp.abs(a - d).sum(-1).astype(jnp.float32)),
+HELD_DATA_KINDS = {  # capacity -> a buffer of one env
+    "sequence": lambda capacity=16: jaxbuf.sequence_replay(1, capacity, 2),
+    "prioritized_sequence": lambda capacity=16: jaxbuf.prioritized_sequence_replay(
+        1, capacity, 2),
+    "episode": lambda capacity=16: jaxbuf.episode_replay(1, capacity, 4),
+    "frame_stack": lambda capacity=16: jaxbuf.frame_stack_replay(1, capacity, 2),
+    "hindsight": lambda capacity=16: jaxbuf.hindsight_replay(
+        1, capacity, lambda a, d: -jnp.abs(a - d).sum(-1).astype(jnp.float32)),
 }
 DATASET = _rlds([[10, 11, 12, 13, 14], [15, 16, 17, 18]])
 
@@ -915,3 +916,25 @@ def test_writing_values_outside_the_spaces_is_refused(datasets):
   episode = next(written.iterate_episodes())
   assert all(written.observation_space.contains(o) for o in episode.observations)
   assert all(written.action_space.contains(a) for a in episode.actions)
+
+
+@pytest.mark.parametrize("kind", sorted(HELD_DATA_KINDS))
+def test_a_ring_that_wrapped_at_an_episode_start_writes_that_episode_back(kind):
+  """8 steps per env, episodes of 3 steps + final step: the third overwrote
+  the first exactly, so the second is held whole. Kinds that record where
+  episodes start (frame-stack, hindsight) write it back; the others cannot
+  tell it from a cut one, and keep only what follows."""
+  buffer = HELD_DATA_KINDS[kind](8)
+  state = buffer.init(jaxbuf.offline_example(DATASET, buffer))
+  for first in (0, 10, 20):
+    state = _user_steps(buffer, state, [first, first + 1, first + 2, first + 3],
+                        last=True)
+  written = [episode.observations["observation"][:, 0].tolist()
+             for episode in jaxbuf.held_episodes(buffer, state)]
+  records_starts = kind in ("frame_stack", "hindsight")
+  assert written == [[10, 11, 12, 13]] * records_starts + [[20, 21, 22, 23]]
+  # One step more and the second episode is cut: never written.
+  state = _user_steps(buffer, state, [30], last=False)
+  written = [episode.observations["observation"][:, 0].tolist()
+             for episode in jaxbuf.held_episodes(buffer, state)]
+  assert written == [[20, 21, 22, 23]]

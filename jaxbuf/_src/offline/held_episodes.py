@@ -89,11 +89,12 @@ def _stream_episodes(state: Any) -> Iterator[Episode]:
   storage = _host(state.storage)
   episode_ends = np.asarray(state.episode_ends)
   num_envs, per_env = episode_ends.shape
+  whole_starts = np.asarray(state.oldest_held_starts_an_episode())
   for env in range(num_envs):
     held = int(state.steps_held[env])
     start = (int(state.write_heads[env]) - held) % per_env
     order = (start + np.arange(held)) % per_env
-    whole_start = int(state.step_counts[env]) == held
+    whole_start = bool(whole_starts[env])
     ends = np.flatnonzero(episode_ends[env, order]).tolist()
     run_start = 0
     for run_index, end in enumerate(ends):

@@ -111,6 +111,13 @@ class FrameStackReplayState(PrioritizedSequenceReplayState):
   def per_env_fields(self) -> tuple[str, ...]:
     return super().per_env_fields() + ("episode_positions", "next_positions")
 
+  def oldest_held_starts_an_episode(self) -> jax.Array:
+    """Also where the ring wrapped at an episode's start: the oldest held
+    step's position in its episode is 0."""
+    oldest = jnp.take_along_axis(self.episode_positions,
+                                 self.oldest_held_slots()[:, None], axis=1)
+    return super().oldest_held_starts_an_episode() | (oldest[:, 0] == 0)
+
 
 def _field(tree: Any, name: str) -> Any:
   if isinstance(tree, collections.abc.Mapping):

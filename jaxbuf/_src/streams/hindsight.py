@@ -126,6 +126,15 @@ class HindsightReplayState(PrioritizedSequenceReplayState):
     `joined` and `divided` move with its steps."""
     return super().per_env_fields() + _EPISODE_FIELDS
 
+  def oldest_held_starts_an_episode(self) -> jax.Array:
+    """Also where the ring wrapped at an episode's start: the oldest held
+    step's id is its episode's first step id."""
+    oldest_id = self.step_counts - self.steps_held.astype(jnp.uint32)
+    first = jnp.take_along_axis(self.episode_firsts,
+                                self.oldest_held_slots()[:, None], axis=1)
+    return super().oldest_held_starts_an_episode() | (
+        (first[:, 0] == oldest_id) & (self.steps_held > 0))
+
 
 # The episode fields, one row per env `[N, ...]`.
 _EPISODE_FIELDS = ("episode_keys", "episode_firsts", "episode_lasts",
