@@ -1020,3 +1020,35 @@ def test_every_bool_setting_refuses_what_is_not_a_bool(setting):
     assert str(raised.value).startswith(
         f"{factory}: {name} must be a bool (True or False), given {shown}"), (
             given, str(raised.value))
+
+
+GOAL_STEP = {"obs": {"observation": jnp.zeros(1), "achieved_goal": jnp.zeros(1),
+                     "desired_goal": jnp.zeros(1)},
+             "action": jnp.int32(0), "reward": jnp.float32(0),
+             "terminated": jnp.bool_(False)}
+STREAM_KINDS = {
+    "sequence": lambda: jaxbuf.sequence_replay(2, 8, 2),
+    "prioritized_sequence": lambda: jaxbuf.prioritized_sequence_replay(2, 8, 2),
+    "episode": lambda: jaxbuf.episode_replay(2, 8, 2),
+    "frame_stack": lambda: jaxbuf.frame_stack_replay(2, 8, 2),
+    "prioritized_frame_stack": lambda: jaxbuf.prioritized_frame_stack_replay(2, 8, 2),
+    "hindsight": lambda: jaxbuf.hindsight_replay(2, 8, _goal_distance),
+    "prioritized_hindsight": lambda: jaxbuf.hindsight_replay(
+        2, 8, _goal_distance, prioritized=True),
+}
+
+
+def _chunk(length, start=1):
+  return jax.tree.map(
+      lambda x: jnp.full((2, length) + x.shape, start, x.dtype), GOAL_STEP)
+
+
+@pytest.mark.parametrize("kind", sorted(STREAM_KINDS))
+def test_an_empty_chunk_adds_nothing_to_every_stream_kind(kind):
+  """Was `IndexError: index is out of bounds for axis 1 with size 0` for
+  hindsight, episode and frame-stack replay."""
+  buffer = STREAM_KINDS[kind]()
+  state = buffer.add(buffer.init(GOAL_STEP), _chunk(3))
+  before = snapshot(state)
+  assert_same(jax.jit(buffer.add)(state, _chunk(0)), before)
+  assert_same(buffer.add(state, _chunk(0)), before)  # donated: consumed

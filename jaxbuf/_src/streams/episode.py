@@ -119,6 +119,9 @@ def add(state: EpisodeReplayState, steps: PyTree,
                               exact=True)
   steps, mask, episode_end = sequence.chunked_add_args(
       state, steps, mask, sequence.episode_ends_of(steps, episode_end))
+  if not episode_end.shape[1]:
+    # An empty chunk [N, 0, ...] adds nothing, as in sequence replay.
+    return state
   written = sequence.add_steps(state, steps, mask, episode_end, **_STEPS,
                                new_leaf_value=jnp.float32(0.0))
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)

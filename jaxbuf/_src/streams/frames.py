@@ -289,6 +289,9 @@ def add_steps(state: FrameStackReplayState, steps: PyTree,
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
   steps, mask, episode_end = sequence.chunked_add_args(
       state, steps, mask, sequence.episode_ends_of(steps, episode_end))
+  if not episode_end.shape[1]:
+    # An empty chunk [N, 0, ...] adds nothing, as in sequence replay.
+    return state
   positions, after = episode_positions_of(state.next_positions, episode_end,
                                           num_stack=num_stack)
   new_state, chunk = sequence.write_chunk(

@@ -294,6 +294,9 @@ def add(state: HindsightReplayState, steps: PyTree,
   validation.check_state_kind(state, HindsightReplayState, what="add")
   steps, mask, episode_end = sequence.chunked_add_args(
       state, steps, mask, sequence.episode_ends_of(steps, episode_end))
+  if not episode_end.shape[1]:
+    # An empty chunk [N, 0, ...] adds nothing, as in sequence replay.
+    return state
   new_leaf_value = (jnp.float32(1.0) if alpha is None else
                     prioritized.capped_leaf_values(state.max_priority, alpha,
                                                    state.window_tree))
