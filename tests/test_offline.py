@@ -938,3 +938,48 @@ def test_a_ring_that_wrapped_at_an_episode_start_writes_that_episode_back(kind):
   written = [episode.observations["observation"][:, 0].tolist()
              for episode in jaxbuf.held_episodes(buffer, state)]
   assert written == [[20, 21, 22, 23]]
+
+
+@pytest.mark.parametrize("field", ["reward", "is_last"])
+def test_rlds_steps_of_another_rank_are_refused_before_the_first_add(field):
+  """A reward [T, 1] raised NumPy's "could not broadcast input array from
+  shape (3,1) into shape (3,)", with the state passed in deleted."""
+  steps = {"observation": np.zeros((3, 2), np.float32),
+           "action": np.zeros(3, np.int32), "reward": np.zeros(3, np.float32),
+           "is_first": np.array([1, 0, 0], bool), "is_last": np.array([0, 0, 1], bool),
+           "is_terminal": np.array([0, 0, 1], bool)}
+  buffer = jaxbuf.sequence_replay(1, 8, 2)
+  state = buffer.init(jaxbuf.offline_example(steps, buffer))
+  steps[field] = steps[field][:, None]
+  with pytest.raises(ValueError, match=rf"from_rlds_steps: {field} has shape "
+                     rf"\(3, 1\); RLDS steps hold one scalar per step"):
+    jaxbuf.from_rlds_steps(steps, buffer, state)
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def test_a_load_that_fails_part_way_says_the_state_was_consumed(datasets):
+  """A from_minari failing at a chunk consumed the state passed in without a
+  word, and the next sample spoke of an "earlier call" that returned
+  nothing; held_episodes, to_rlds_steps and to_minari of it raised
+  `RuntimeError: Array has been deleted`."""
+  del datasets  # sets MINARI_DATASETS_PATH
+  episodes = [_episode(2), dict(_episode(2), rewards=np.array([0.1, 0.2]))]
+  dataset = _write("consumed", episodes, _box((3,)), gymnasium.spaces.Discrete(2))
+  buffer = jaxbuf.sequence_replay(1, 16, 2)
+  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
+  with pytest.raises(ValueError, match=r"not kept exactly as float32 .* The state "
+                     r"passed to from_minari was consumed \(its arrays are "
+                     r"deleted.*make a new one with buffer.init"):
+    jaxbuf.from_minari(dataset, buffer, state, chunk_size=3)
+  donated = r"the state passed in was donated to an earlier call.*from_minari"
+  with pytest.raises(ValueError, match="sample: " + donated):
+    buffer.sample(state, jax.random.key(0), 2)
+  for call, name in ((lambda: jaxbuf.held_episodes(buffer, state), "held_episodes"),
+                     (lambda: jaxbuf.to_rlds_steps(buffer, state), "to_rlds_steps"),
+                     (lambda: jaxbuf.to_minari(
+                         "test/bad/consumed-out-v0", buffer, state,
+                         observation_space=_box((3,)),
+                         action_space=gymnasium.spaces.Discrete(2)), "to_minari"),
+                     (lambda: jaxbuf.from_minari(dataset, buffer, state), "from_minari")):
+    with pytest.raises(ValueError, match=f"{name}: " + donated):
+      call()

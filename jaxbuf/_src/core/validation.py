@@ -275,8 +275,9 @@ def check_not_donated(state: Any, *, what: str) -> None:
       raise ValueError(
           f"{what}: the state passed in was donated to an earlier call, which "
           f"consumed its arrays (add, update_priorities and clear update the "
-          f"storage in place). Use the state that call returned: "
-          f"`state = buffer.add(state, items)`.")
+          f"storage in place; a from_minari or from_rlds_steps that raised "
+          f"deletes the state it was given). Use the state that call "
+          f"returned: `state = buffer.add(state, items)`.")
 
 
 def check_on_the_states_devices(state: Any, arguments: tuple, *,

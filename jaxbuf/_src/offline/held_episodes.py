@@ -7,6 +7,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
+from jaxbuf._src.core import validation
 from jaxbuf._src.core.base import Buffer, PyTree
 from jaxbuf._src.offline.mapping import Episode, Transition, checked_layout, devices_of
 
@@ -137,6 +138,7 @@ def iterate_held_episodes(buffer: Buffer, state: Any, *, what: str
   A sharded state is read as the unsharded buffer it stands for (its
   `joined` state, of a host copy)."""
   layout = checked_layout(buffer, state, what=what)
+  validation.check_not_donated(state, what=what)
   if devices_of(buffer) is not None:
     state = type(state).joined(jax.device_get(state))
   if layout == "items":

@@ -131,6 +131,7 @@ def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
   for name, flag in (("progress", progress), ("round_floats", round_floats)):
     validation.check_bool(flag, name, what=what)
   layout = checked_layout(buffer, state, what=what)
+  validation.check_not_donated(state, what=what)
   spec = storage_spec(buffer, state, layout)
   shapes = unsharded_shapes(buffer, state)
   num_devices = devices_of(buffer) or 1
@@ -187,6 +188,16 @@ def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
       state = _add_streams(buffer, state, readers, groups, lengths, spec,
                            _chunk_size_per_env(chunk_size, len(groups)), bar)
       _check_episode_ends(buffer, state, groups, lengths, what=what)
+  except Exception as error:
+    _deleted(state)
+    consumed = (f"The state passed to {what} was consumed (its arrays are "
+                "deleted, so no partly loaded state can pass for loaded): "
+                "make a new one with buffer.init.")
+    if type(error) in (ValueError, TypeError):
+      raise type(error)(f"{error} {consumed}").with_traceback(
+          error.__traceback__) from None
+    error.add_note(consumed)
+    raise
   except BaseException:
     _deleted(state)
     raise
