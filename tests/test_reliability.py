@@ -1052,3 +1052,46 @@ def test_an_empty_chunk_adds_nothing_to_every_stream_kind(kind):
   before = snapshot(state)
   assert_same(jax.jit(buffer.add)(state, _chunk(0)), before)
   assert_same(buffer.add(state, _chunk(0)), before)  # donated: consumed
+
+
+@pytest.mark.parametrize("write", ["numpy", "float"])
+@pytest.mark.parametrize("function", ["reward_fn", "terminated_fn"])
+def test_a_goal_function_written_with_numpy_is_told_to_use_jax_numpy(function, write):
+  """Were JAX's raw tracer errors (TracerArrayConversionError,
+  ConcretizationTypeError)."""
+  bad = {"numpy": lambda a, d: np.linalg.norm(a - d, axis=-1) > 0.5,
+         "float": lambda a, d: float(a[0, 0]) > 0.5}[write]
+  if function == "reward_fn":
+    buffer = jaxbuf.hindsight_replay(2, 8, lambda a, d: -bad(a, d).astype(
+        np.float32))
+  else:
+    buffer = jaxbuf.hindsight_replay(2, 8, _goal_distance, terminated_fn=bad)
+  state = buffer.add(buffer.init(GOAL_STEP), _chunk(3))
+  with pytest.raises(TypeError, match=rf"sample: {function} runs under jit, on "
+                     r"traced achieved_goal and desired_goal leaves \[S, \.\.\.\]: "
+                     r"write it with jax.numpy .*JAX said: \w+Error"):
+    buffer.sample(state, jax.random.key(0), 4)
+
+
+def test_goals_of_other_dtypes_are_named_by_their_dtypes():
+  step = {**GOAL_STEP, "obs": {**GOAL_STEP["obs"],
+                               "desired_goal": jnp.zeros(1, jnp.int32)}}
+  with pytest.raises(ValueError, match=r"must have the same shapes and dtypes, "
+                     r"given shapes \(1,\) and \(1,\), dtypes float32 and int32"):
+    jaxbuf.hindsight_replay(1, 8, _goal_distance).init(step)
+
+
+@pytest.mark.parametrize("call", ["add", "sample", "can_sample", "clear"])
+def test_a_frame_stack_state_given_to_prioritized_sequence_replay_is_another_kind(call):
+  """Was "this state was made by a buffer with other settings"."""
+  frames = jaxbuf.prioritized_frame_stack_replay(2, 8, 2)
+  sequences = jaxbuf.prioritized_sequence_replay(2, 8, 2)
+  state = frames.add(frames.init(GOAL_STEP), _chunk(3))
+  calls = {"add": lambda b, s: b.add(s, _chunk(1)),
+           "sample": lambda b, s: b.sample(s, jax.random.key(0), 2),
+           "can_sample": lambda b, s: b.can_sample(s, 2),
+           "clear": lambda b, s: b.clear(s)}
+  assert_raises_leaving_state_intact(
+      calls[call], sequences, state, TypeError,
+      [f"{call}: expected a PrioritizedSequenceReplayState, given a "
+       "FrameStackReplayState; pass each buffer's state to its own functions"])

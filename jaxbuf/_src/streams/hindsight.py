@@ -165,12 +165,13 @@ def check_step(example_step: PyTree) -> None:
                      f"{GOAL_KEYS} (the GoalEnv layout), given {given}.")
   achieved = jax.tree.map(jnp.shape, obs["achieved_goal"])
   desired = jax.tree.map(jnp.shape, obs["desired_goal"])
-  if achieved != desired or jax.tree.map(
-      validation.canonical_dtype, obs["achieved_goal"]) != jax.tree.map(
-          validation.canonical_dtype, obs["desired_goal"]):
+  dtypes = [jax.tree.map(lambda leaf: str(validation.canonical_dtype(leaf)),
+                         obs[key]) for key in ("achieved_goal", "desired_goal")]
+  if achieved != desired or dtypes[0] != dtypes[1]:
     raise ValueError("hindsight_replay: obs['achieved_goal'] and "
                      "obs['desired_goal'] must have the same shapes and "
-                     f"dtypes, given shapes {achieved} and {desired}.")
+                     f"dtypes, given shapes {achieved} and {desired}, dtypes "
+                     f"{dtypes[0]} and {dtypes[1]}.")
   validation.check_reward_and_terminated(
       _field(example_step, "reward"), _field(example_step, "terminated"),
       what="hindsight_replay")
@@ -340,6 +341,27 @@ def goal_steps_ago(state: HindsightReplayState, window_ids: jax.Array,
                                          span).astype(jnp.int32)
 
 
+_TRACER_ERRORS = (jax.errors.TracerArrayConversionError,
+                  jax.errors.ConcretizationTypeError,
+                  jax.errors.TracerBoolConversionError,
+                  jax.errors.TracerIntegerConversionError)
+
+
+def _traced_call(name: str, function: Callable, achieved: PyTree,
+                 desired: PyTree) -> Any:
+  """`function(achieved, desired)`, its tracer errors (NumPy, `float()`, a
+  Python `if` on a goal) explained: it runs while `sample` is traced."""
+  try:
+    return function(achieved, desired)
+  except _TRACER_ERRORS as error:
+    raise TypeError(
+        f"sample: {name} runs under jit, on traced achieved_goal and "
+        f"desired_goal leaves [S, ...]: write it with jax.numpy (jnp.linalg."
+        f"norm, jnp.where), not NumPy, float() or a Python if on the goals. "
+        f"JAX said: {type(error).__name__}: "
+        f"{str(error).splitlines()[0]}") from error
+
+
 def _checked_output(name: str, value: Any, shape: tuple[int, ...],
                     dtype: Any) -> jax.Array:
   if np.shape(value) != shape or validation.canonical_dtype(value) != dtype:
@@ -478,13 +500,14 @@ def relabelled_transitions(steps: TransitionSteps, *, reward_fn: Callable,
   desired = jax.tree.map(lambda goal, given: jnp.where(rows(goal), goal, given),
                          steps.goal, steps.obs["desired_goal"])
   next_obs = {**steps.next_obs, "desired_goal": desired}
-  reward = _checked_output("reward_fn", reward_fn(
-      next_obs["achieved_goal"], desired), steps.reward.shape,
-                           steps.reward.dtype)
+  reward = _checked_output("reward_fn", _traced_call(
+      "reward_fn", reward_fn, next_obs["achieved_goal"], desired),
+                           steps.reward.shape, steps.reward.dtype)
   terminated = steps.terminated
   if terminated_fn is not None:
     terminated = jnp.where(relabelled, _checked_output(
-        "terminated_fn", terminated_fn(next_obs["achieved_goal"], desired),
+        "terminated_fn", _traced_call("terminated_fn", terminated_fn,
+                                      next_obs["achieved_goal"], desired),
         terminated.shape, jnp.bool_), terminated)
   return HindsightTransition(
       obs={**steps.obs, "desired_goal": desired}, action=steps.action,

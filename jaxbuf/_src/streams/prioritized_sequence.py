@@ -256,7 +256,7 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
       clear=clear,
       kind=kind.Kind(
           name="prioritized_sequence_replay",
-          state_type=PrioritizedSequenceReplayState, exact_type=False,
+          state_type=PrioritizedSequenceReplayState, exact_type=True,
           settings=sequence.window_settings(
               num_envs, capacity, sequence_length, period, episodes,
               alpha=float(alpha), eps=float(eps)),
