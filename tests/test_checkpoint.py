@@ -4,6 +4,7 @@ import gc
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -514,7 +515,8 @@ def test_every_flipped_bit_in_the_stored_data_is_detected_or_fails_loudly(tmp_pa
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
-@pytest.mark.parametrize("damage", ["truncated", "deleted", "sharding-type-bit"])
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "sharding-type-bit",
+                                    "array-metadata-garbled"])
 def test_a_damaged_or_missing_file_is_one_clear_error(tmp_path, damage, capfd):
   """Was a multi-KB orbax exception (and "Event loop is closed" lines), or
   NotImplementedError for a bit flipped in state/_sharding: now one line
@@ -531,6 +533,14 @@ def test_a_damaged_or_missing_file_is_one_clear_error(tmp_path, damage, capfd):
   elif damage == "deleted":
     data.unlink()
     words = [name, "missing"]
+  elif damage == "array-metadata-garbled":
+    # Issue 35: orbax failed on it with reads under way, whose callbacks
+    # printed "Event loop is closed" tracebacks (up to 190) to stderr.
+    metadata = path / "state" / "array_metadatas" / "process_0"
+    garbled = bytearray(metadata.read_bytes())
+    garbled[::7] = bytes(b ^ 0x55 for b in garbled[::7])
+    metadata.write_bytes(bytes(garbled))
+    words = ["state/array_metadatas/process_0", "corrupted", "JSONDecodeError"]
   else:
     sharding = path / "state" / "_sharding"
     text = bytearray(sharding.read_bytes())
@@ -872,3 +882,33 @@ def test_racing_writers_and_readers_in_real_processes(tmp_path):
   assert float(np.asarray(jaxbuf.load(path, like=like).storage).max()) in (1.0, 2.0)
   jaxbuf.save(path, buffer.init(jnp.zeros(64, jnp.float32)))
   assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.jaxbuf-lock"]
+
+
+@pytest.mark.parametrize("version", [4, 2, "3", None])
+def test_a_marker_of_another_format_version_is_refused(tmp_path, version):
+  """A marker of an unknown (newer) format version still loaded."""
+  buffer, state = _small_state()
+  path = tmp_path / "ckpt"
+  jaxbuf.save(path, state)
+  marker_file = path / "jaxbuf-checkpoint.json"
+  marker = json.loads(marker_file.read_text())
+  marker["version"] = version
+  marker_file.write_text(json.dumps(marker))
+  with pytest.raises(ValueError, match=rf"has a marker of format version "
+                     rf"{re.escape(repr(version))}; this jaxbuf reads version 3"
+                     + (r" \(upgrade jaxbuf to read it\)" if version == 4 else r"\.$")):
+    jaxbuf.load(path, like=buffer.init(example_item()))
+
+
+def test_a_removed_marker_is_named_while_the_folder_holds_data(tmp_path):
+  """Was "no checkpoint at P" while the folder held data."""
+  buffer, state = _small_state()
+  path = tmp_path / "ckpt"
+  jaxbuf.save(path, state)
+  (path / "jaxbuf-checkpoint.json").unlink()
+  with pytest.raises(FileNotFoundError, match=r"holds checkpoint data \(\['layout.json', "
+                     r"'state'\]\) but no valid marker jaxbuf-checkpoint.json, which "
+                     r"save writes last"):
+    jaxbuf.load(path, like=buffer.init(example_item()))
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*nothing\.$"):
+    jaxbuf.load(tmp_path / "nothing", like=buffer.init(example_item()))

@@ -1095,3 +1095,48 @@ def test_a_frame_stack_state_given_to_prioritized_sequence_replay_is_another_kin
       calls[call], sequences, state, TypeError,
       [f"{call}: expected a PrioritizedSequenceReplayState, given a "
        "FrameStackReplayState; pass each buffer's state to its own functions"])
+
+
+def test_r2d2_priorities_of_windows_without_steps_are_zero():
+  """[S, 0] TD errors raised NumPy's "zero-size array to reduction operation"."""
+  for td_errors in (jnp.zeros((3, 0)), np.zeros((3, 0), np.float32)):
+    assert jaxbuf.r2d2_priorities(td_errors).tolist() == [0.0] * 3
+    assert jax.jit(jaxbuf.r2d2_priorities)(td_errors).tolist() == [0.0] * 3
+  assert jaxbuf.r2d2_priorities(jnp.zeros((0, 0))).shape == (0,)
+
+
+@pytest.mark.parametrize("gamma", [1.5, -0.1, np.float32(2.0), jnp.float32(1.5)])
+def test_a_concrete_gamma_outside_0_1_is_refused(gamma):
+  """A traced gamma cannot be read while tracing: documented in
+  `help(jaxbuf.n_step_targets)` (a traced 1.5 discounts two steps by 2.25)."""
+  rewards = jnp.ones((1, 4))
+  flags = jnp.zeros((1, 4), bool)
+  call = lambda r: jaxbuf.n_step_targets(r, flags, flags, n=2, gamma=gamma)
+  for targets in (call, jax.jit(call)):  # closed over: concrete in the jit
+    with pytest.raises(ValueError, match=r"n_step_targets: gamma must be in "
+                       r"\[0, 1\], given"):
+      targets(rewards)
+  traced = jax.jit(lambda g: jaxbuf.n_step_targets(
+      rewards, flags, flags, n=2, gamma=g).discounts)(1.5)
+  assert traced.tolist() == [[2.25, 2.25]]
+  assert "a traced 1.5 discounts two steps by 2.25" in " ".join(
+      jaxbuf.n_step_targets.__doc__.split())
+
+
+def test_flags_of_numbers_other_than_0_and_1_are_refused():
+  """terminated=0.5 was read as True. Traced flags cannot be read while
+  tracing (every nonzero value is True there)."""
+  rewards = jnp.ones((1, 4))
+  flags = jnp.zeros((1, 4), bool)
+  half = np.array([[0, 0.5, 0, 0]], np.float32)
+  with pytest.raises(ValueError, match=r"n_step_targets: terminated holds 0.5 at "
+                     r"index \(0, 1\); flags are bool or 0/1 numbers"):
+    jaxbuf.n_step_targets(rewards, half, flags, n=2, gamma=0.9)
+  with pytest.raises(ValueError, match=r"compute_gae: terminated holds 0.5 at "
+                     r"index \(1,\)"):
+    jaxbuf.compute_gae(jnp.ones(4), jnp.ones(4), half[0], jnp.float32(0),
+                       gamma=0.9, gae_lambda=0.9)
+  ones = np.array([[0, 1, 0, 0]], np.float32)
+  assert (jaxbuf.n_step_targets(rewards, ones, flags, n=2, gamma=0.9).discounts
+          == jaxbuf.n_step_targets(rewards, ones.astype(bool), flags, n=2,
+                                   gamma=0.9).discounts).all()

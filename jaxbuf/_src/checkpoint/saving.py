@@ -374,6 +374,7 @@ def _load_as(path: str | os.PathLike, like: PyTree) -> PyTree:
       opened, found = files.open_committed(path)
       try:
         marker = files.read_json(opened, files.MARKER, where)
+        files.check_marker_version(marker, where)
         files.check_file_sizes(opened, marker, where)
         stored = files.read_json(opened, files.LAYOUT, where)
         layouts.validate_layout(stored, where)

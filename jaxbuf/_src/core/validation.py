@@ -475,12 +475,25 @@ def check_floating(name: str, value: Any, *, what: str) -> None:
 
 
 def check_flags(name: str, value: Any, *, what: str) -> None:
-  """Raises `TypeError` unless `value` is bool or numbers (0/1 flags)."""
+  """Raises `TypeError` unless `value` is bool or numbers (0/1 flags), and
+  `ValueError` where concrete numbers hold anything but 0 and 1 (0.5 would
+  be read as True). Traced numbers cannot be read while tracing: every
+  nonzero value is True there, as the docstrings of the callers say."""
   dtype = _given_dtype(value)
   if not (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer)
           or jnp.issubdtype(dtype, jnp.floating)):
     raise TypeError(f"{what}: {name} must be bool (or 0/1 numbers), given "
                     f"dtype {dtype}.")
+  if dtype == jnp.bool_ or isinstance(value, jax.core.Tracer):
+    return
+  numbers = np.asarray(value)
+  other = np.flatnonzero((numbers != 0) & (numbers != 1))
+  if other.size:
+    index = np.unravel_index(other[0], numbers.shape)
+    raise ValueError(
+        f"{what}: {name} holds {numbers[index]} at index "
+        f"{tuple(int(i) for i in index)}; flags are bool or 0/1 numbers "
+        f"(any other number would be read as True).")
 
 
 def check_shape(name: str, value: Any, shape: tuple[int, ...], *, what: str,
