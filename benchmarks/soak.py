@@ -73,29 +73,22 @@ def example_step() -> dict:
           "terminated": np.bool_(False)}
 
 
-def host_batch(kind: str, step: int) -> tuple[dict, dict]:
-  """The NumPy steps of call `step` (one per env) and the add's keywords;
-  every 50th ends each env's episode."""
+def batch_of(kind: str, step, numpy=np) -> tuple[dict, dict]:
+  """The steps of call `step` (one per env, or a batch of items) and the
+  add's keywords, every 50th ending each env's episode: NumPy arrays from
+  the host, or (`numpy=jnp`, `step` traced) inside the jitted loop."""
   leading = (BATCH,) if kind in ITEM_KINDS else (NUM_ENVS,)
   steps = jax.tree.map(
-      lambda x: np.full(leading + x.shape, step % 100, x.dtype),
+      lambda x: numpy.full(leading + x.shape, step % 100, x.dtype),
       example_step())
   if kind in ITEM_KINDS:
     return steps, {}
-  return steps, {"episode_end": np.full(NUM_ENVS, step % 50 == 49)}
+  return steps, {"episode_end": numpy.full(NUM_ENVS, step % 50 == 49)}
 
 
 def jitted_body(buffer, kind: str):
   """add + sample + update, for `harness.make_fused_loop`."""
-  leading = (BATCH,) if kind in ITEM_KINDS else (NUM_ENVS,)
-
-  def inputs(step):
-    steps = jax.tree.map(
-        lambda x: jnp.full(leading + x.shape, step % 100, x.dtype),
-        example_step())
-    if kind in ITEM_KINDS:
-      return steps, {}
-    return steps, {"episode_end": jnp.full(NUM_ENVS, step % 50 == 49)}
+  inputs = lambda step: batch_of(kind, step, jnp)
 
   def body(state, key, batch, acc):
     steps, keywords = batch
@@ -150,7 +143,7 @@ def soak(kind: str, host_calls: int, jitted_iterations: int, scan_length: int,
   def host_part():
     # One add, one sample, one update from NumPy: three host calls.
     step = holder["step"]
-    steps, keywords = host_batch(kind, step)
+    steps, keywords = batch_of(kind, step)
     holder["state"] = buffer.add(holder["state"], steps, **keywords)
     sample = buffer.sample(holder["state"], jax.random.key(step), BATCH)
     holder["state"] = buffer.update_priorities(
