@@ -4,6 +4,8 @@ import gc
 import json
 import os
 import pathlib
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,6 +218,75 @@ def test_rollout_mismatch_names_num_envs(tmp_path):
     jaxbuf.load(tmp_path / "rollout", like=jaxbuf.rollout_buffer(4, 5).init(step))
   with pytest.raises(ValueError, match="num_steps mismatch"):
     jaxbuf.load(tmp_path / "rollout", like=jaxbuf.rollout_buffer(8, 3).init(step))
+
+
+# Saved by commit 41a0cad (the parent of the module move e196a8f): a
+# prioritized_replay(4, alpha=0.6) state of 3 items {"obs": float32 [2]},
+# obs 0..5, slot 1's priority updated to 5; its layout records
+# `jaxbuf._src.prioritized.PrioritizedReplayState`.
+CHECKPOINT_BEFORE_ISSUE_31 = pathlib.Path(__file__).parent / "data" / "checkpoint_before_issue_31"
+
+
+def test_a_checkpoint_saved_before_the_module_move_loads(tmp_path):
+  path = tmp_path / "old"
+  shutil.copytree(CHECKPOINT_BEFORE_ISSUE_31, path)
+  assert '"jaxbuf._src.prioritized.PrioritizedReplayState"' in (
+      path / "layout.json").read_text()
+  buffer = jaxbuf.prioritized_replay(4, alpha=0.6)
+  like = buffer.init({"obs": jnp.zeros(2, jnp.float32)})
+  restored = jaxbuf.load(path, like=like)
+  original = buffer.add(like, {"obs": jnp.arange(6, dtype=jnp.float32).reshape(3, 2)})
+  original = buffer.update_priorities(original, jnp.array([1]), jnp.array([5.0]))
+  assert_bit_equal(restored, original)
+  # Still a type check: another kind is refused, naming the type it holds.
+  with pytest.raises(TypeError, match=r"holds a jaxbuf\._src\.prioritized\."
+                     r"PrioritizedReplayState, but `like` is a .*\.ReplayState"):
+    jaxbuf.load(path, like=jaxbuf.uniform_replay(4).init({"obs": jnp.zeros(2)}))
+
+
+def _old_type_path(state):
+  """The `module.qualname` a checkpoint saved before e196a8f records."""
+  module = type(state).__module__.replace("jaxbuf._src.", "")
+  old = {"core.ring": "ring", "items.prioritized": "prioritized",
+         "onpolicy.rollout": "rollout"}.get(module, module.rpartition(".")[2])
+  return f"jaxbuf._src.{old}.{type(state).__qualname__}"
+
+
+@pytest.mark.parametrize("kind", ["uniform", "prioritized", "rollout", "sequence",
+                                  "prioritized_sequence", "episode", "frames",
+                                  "hindsight"])
+def test_every_kind_saved_under_its_old_module_path_loads(tmp_path, kind):
+  step = {"obs": jnp.zeros(2), "action": jnp.int32(0), "reward": jnp.float32(0),
+          "terminated": jnp.bool_(False)}
+  goal_step = {"obs": {"observation": jnp.zeros(2), "achieved_goal": jnp.zeros(1),
+                       "desired_goal": jnp.zeros(1)},
+               "action": jnp.int32(0), "reward": jnp.float32(0),
+               "terminated": jnp.bool_(False)}
+  buffer, example = {
+      "uniform": (jaxbuf.uniform_replay(4), step),
+      "prioritized": (jaxbuf.prioritized_replay(4), step),
+      "rollout": (jaxbuf.rollout_buffer(2, 2), step),
+      "sequence": (jaxbuf.sequence_replay(2, 8, 2), step),
+      "prioritized_sequence": (jaxbuf.prioritized_sequence_replay(2, 8, 2), step),
+      "episode": (jaxbuf.episode_replay(2, 8, 4), step),
+      "frames": (jaxbuf.frame_stack_replay(2, 8, 2), step),
+      "hindsight": (jaxbuf.hindsight_replay(2, 8, lambda a, d: -jnp.abs(a - d).sum(-1)),
+                    goal_step)}[kind]
+  state = buffer.init(example)
+  path = tmp_path / "ckpt"
+  jaxbuf.save(path, state)
+  layout_file = path / "layout.json"
+  layout = json.loads(layout_file.read_text())
+  assert layout["state_type"] == f"{type(state).__module__}.{type(state).__qualname__}"
+  layout["state_type"] = _old_type_path(state)
+  assert layout["state_type"].count(".") == 3, layout["state_type"]
+  layout_file.write_text(json.dumps(layout))
+  assert_bit_equal(jaxbuf.load(path, like=buffer.init(example)), state)
+  # A type of the same name from another module is another type.
+  layout["state_type"] = f"mylib.{type(state).__qualname__}"
+  layout_file.write_text(json.dumps(layout))
+  with pytest.raises(TypeError, match=f"holds a mylib.{type(state).__qualname__}"):
+    jaxbuf.load(path, like=buffer.init(example))
 
 
 def test_missing_checkpoint_and_foreign_directory(tmp_path):
@@ -445,7 +516,8 @@ def test_every_flipped_bit_in_the_stored_data_is_detected_or_fails_loudly(tmp_pa
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
-@pytest.mark.parametrize("damage", ["truncated", "deleted", "sharding-type-bit"])
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "sharding-type-bit",
+                                    "array-metadata-garbled"])
 def test_a_damaged_or_missing_file_is_one_clear_error(tmp_path, damage, capfd):
   """Was a multi-KB orbax exception (and "Event loop is closed" lines), or
   NotImplementedError for a bit flipped in state/_sharding: now one line
@@ -462,6 +534,14 @@ def test_a_damaged_or_missing_file_is_one_clear_error(tmp_path, damage, capfd):
   elif damage == "deleted":
     data.unlink()
     words = [name, "missing"]
+  elif damage == "array-metadata-garbled":
+    # Issue 35: orbax failed on it with reads under way, whose callbacks
+    # printed "Event loop is closed" tracebacks (up to 190) to stderr.
+    metadata = path / "state" / "array_metadatas" / "process_0"
+    garbled = bytearray(metadata.read_bytes())
+    garbled[::7] = bytes(b ^ 0x55 for b in garbled[::7])
+    metadata.write_bytes(bytes(garbled))
+    words = ["state/array_metadatas/process_0", "corrupted", "JSONDecodeError"]
   else:
     sharding = path / "state" / "_sharding"
     text = bytearray(sharding.read_bytes())
@@ -803,3 +883,33 @@ def test_racing_writers_and_readers_in_real_processes(tmp_path):
   assert float(np.asarray(jaxbuf.load(path, like=like).storage).max()) in (1.0, 2.0)
   jaxbuf.save(path, buffer.init(jnp.zeros(64, jnp.float32)))
   assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.jaxbuf-lock"]
+
+
+@pytest.mark.parametrize("version", [4, 2, "3", None])
+def test_a_marker_of_another_format_version_is_refused(tmp_path, version):
+  """A marker of an unknown (newer) format version still loaded."""
+  buffer, state = _small_state()
+  path = tmp_path / "ckpt"
+  jaxbuf.save(path, state)
+  marker_file = path / "jaxbuf-checkpoint.json"
+  marker = json.loads(marker_file.read_text())
+  marker["version"] = version
+  marker_file.write_text(json.dumps(marker))
+  with pytest.raises(ValueError, match=rf"has a marker of format version "
+                     rf"{re.escape(repr(version))}; this jaxbuf reads version 3"
+                     + (r" \(upgrade jaxbuf to read it\)" if version == 4 else r"\.$")):
+    jaxbuf.load(path, like=buffer.init(example_item()))
+
+
+def test_a_removed_marker_is_named_while_the_folder_holds_data(tmp_path):
+  """Was "no checkpoint at P" while the folder held data."""
+  buffer, state = _small_state()
+  path = tmp_path / "ckpt"
+  jaxbuf.save(path, state)
+  (path / "jaxbuf-checkpoint.json").unlink()
+  with pytest.raises(FileNotFoundError, match=r"holds checkpoint data \(\['layout.json', "
+                     r"'state'\]\) but no valid marker jaxbuf-checkpoint.json, which "
+                     r"save writes last"):
+    jaxbuf.load(path, like=buffer.init(example_item()))
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*nothing\.$"):
+    jaxbuf.load(tmp_path / "nothing", like=buffer.init(example_item()))

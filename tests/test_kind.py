@@ -158,6 +158,32 @@ def test_load_refuses_a_checkpoint_of_other_settings(tmp_path):
     jaxbuf.load(tmp_path / "alpha", like=like)
 
 
+def test_the_settings_a_checkpoint_recorded_survive_any_like(tmp_path):
+  """Issue 35: a `like` from the module-level `jaxbuf.frames.init` records no
+  settings; the state came back with none, and a stack-3 buffer sampled a
+  stack-2 checkpoint as (0, 2, 3) where (1, 2, 3) is right."""
+  step = {"obs": jnp.zeros((), jnp.float32), "action": jnp.int32(0),
+          "reward": jnp.float32(0), "terminated": jnp.bool_(False)}
+  two, three = (jaxbuf.frame_stack_replay(1, 8, stack) for stack in (2, 3))
+  chunk = {**jax.tree.map(lambda x: jnp.zeros((1, 4) + x.shape, x.dtype), step),
+           "obs": jnp.arange(4, dtype=jnp.float32)[None]}
+  state = two.add(two.init(step), chunk)
+  jaxbuf.save(tmp_path / "two", state)
+  for like in (jaxbuf.frames.init(step, num_envs=1, capacity=8),
+               jax.eval_shape(functools.partial(jaxbuf.frames.init, num_envs=1,
+                                                capacity=8), step)):
+    assert like.settings == ()
+    restored = jaxbuf.load(tmp_path / "two", like=like)
+    assert restored.settings == state.settings
+    with pytest.raises(ValueError, match=r"num_stack: state 2, buffer 3"):
+      three.sample(restored, jax.random.key(0), 4)
+    two.sample(restored, jax.random.key(0), 4)
+  # A module-level state saved and loaded still records none.
+  bare = jaxbuf.frames.init(step, num_envs=1, capacity=8)
+  jaxbuf.save(tmp_path / "bare", bare)
+  assert jaxbuf.load(tmp_path / "bare", like=bare).settings == ()
+
+
 def test_every_factory_describes_its_kind():
   kinds = {
       "uniform_replay": jaxbuf.uniform_replay(8),

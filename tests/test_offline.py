@@ -780,3 +780,207 @@ def test_writing_refuses_an_existing_id_and_leaves_nothing_half_written(
                      observation_space=dataset.observation_space,
                      action_space=gymnasium.spaces.Discrete(2, dtype=np.int8))
   assert dataset_id not in minari.list_local_datasets()
+
+
+# --- Issue 35: loading into a state that holds data, writing back all of it ---
+
+def _goal_obs(values):
+  values = np.asarray(values, np.float32)[:, None]
+  return {"observation": values, "achieved_goal": values, "desired_goal": values}
+
+
+def _rlds(episodes):
+  """RLDS steps of episodes given as lists of observations (each ended by a
+  termination), obs dicts in the GoalEnv layout."""
+  observations = [value for episode in episodes for value in episode]
+  firsts = [step == 0 for episode in episodes for step in range(len(episode))]
+  lasts = [step == len(episode) - 1 for episode in episodes
+           for step in range(len(episode))]
+  count = len(observations)
+  return {"observation": _goal_obs(observations),
+          "action": np.zeros(count, np.int32), "reward": np.zeros(count, np.float32),
+          "is_first": np.array(firsts), "is_last": np.array(lasts),
+          "is_terminal": np.array(lasts)}
+
+
+HELD_DATA_KINDS = {  # capacity -> a buffer of one env
+    "sequence": lambda capacity=16: jaxbuf.sequence_replay(1, capacity, 2),
+    "prioritized_sequence": lambda capacity=16: jaxbuf.prioritized_sequence_replay(
+        1, capacity, 2),
+    "episode": lambda capacity=16: jaxbuf.episode_replay(1, capacity, 4),
+    "frame_stack": lambda capacity=16: jaxbuf.frame_stack_replay(1, capacity, 2),
+    "hindsight": lambda capacity=16: jaxbuf.hindsight_replay(
+        1, capacity, lambda a, d: -jnp.abs(a - d).sum(-1).astype(jnp.float32)),
+}
+DATASET = _rlds([[10, 11, 12, 13, 14], [15, 16, 17, 18]])
+
+
+def _user_steps(buffer, state, values, *, last):
+  """The user's own steps of one env, obs `values`, `last` on the final one
+  when `last`."""
+  count = len(values)
+  return buffer.add(state, jaxbuf.EpisodeStep(
+      obs=jax.tree.map(lambda x: x[None], _goal_obs(values)),
+      action=np.zeros((1, count), np.int32), reward=np.zeros((1, count), np.float32),
+      terminated=np.zeros((1, count), bool), truncated=np.zeros((1, count), bool),
+      last=(np.arange(count) == count - 1)[None] & last))
+
+
+@pytest.mark.parametrize("kind", sorted(HELD_DATA_KINDS))
+def test_loading_into_a_stream_with_a_running_episode_is_refused(kind):
+  """The dataset's first episode was glued onto the user's running one
+  ([-1, -2, -3, 10, 11, 12, 13] written back as one episode)."""
+  buffer = HELD_DATA_KINDS[kind]()
+  state = buffer.init(jaxbuf.offline_example(DATASET, buffer))
+  state = _user_steps(buffer, state, [-1, -2, -3], last=False)
+  before = jax.tree.map(np.array, state)
+  with pytest.raises(ValueError, match=r"from_rlds_steps: env 0 of the state "
+                     r"holds a running episode \(3 steps since its last episode "
+                     r"end\); .* Add its final step first .*nothing was added"):
+    jaxbuf.from_rlds_steps(DATASET, buffer, state)
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(np.asarray(got), want)
+  # Ended by its final step, the user's episode and the dataset's stay apart.
+  state = _user_steps(buffer, state, [-4], last=True)
+  state = jaxbuf.from_rlds_steps(DATASET, buffer, state)
+  written = [episode.observations["observation"][:, 0].tolist()
+             for episode in jaxbuf.held_episodes(buffer, state)]
+  assert written == [[-1, -2, -3, -4], [10, 11, 12, 13, 14], [15, 16, 17, 18]]
+
+
+def _user_items(buffer, state, values, *, ended):
+  count = len(values) - 1
+  obs = _goal_obs(values)
+  return buffer.add(state, jaxbuf.Transition(
+      obs=jax.tree.map(lambda x: x[:-1], obs), action=np.zeros(count, np.int32),
+      reward=np.zeros(count, np.float32),
+      next_obs=jax.tree.map(lambda x: x[1:], obs),
+      terminated=(np.arange(count) == count - 1) & ended,
+      truncated=np.zeros(count, bool)))
+
+
+def test_loading_into_items_with_a_running_episode_is_refused():
+  """7 transitions in 2 episodes into a uniform_replay(8) holding 2 of the
+  user's items: the ring wrapped onto a user item, and the dataset's whole
+  first episode (10..14) was dropped on writing back."""
+  buffer = jaxbuf.uniform_replay(8)
+  state = buffer.init(jaxbuf.offline_example(DATASET, buffer))
+  state = _user_items(buffer, state, [-1, -2, -3], ended=False)
+  with pytest.raises(ValueError, match=r"from_rlds_steps: the state's newest item "
+                     r"\(slot 1\) neither terminated nor truncated: it holds a "
+                     r"running episode \(2 items since the last end\)"):
+    jaxbuf.from_rlds_steps(DATASET, buffer, state)
+  assert int(state.size) == 2
+  # The user's episode ended: the ring wraps onto its first item, and every
+  # whole episode it holds is written back.
+  state = _user_items(buffer, buffer.init(jaxbuf.offline_example(DATASET, buffer)),
+                      [-1, -2, -3], ended=True)
+  state = jaxbuf.from_rlds_steps(DATASET, buffer, state)
+  assert int(state.add_count) == 9
+  written = [episode.observations["observation"][:, 0].tolist()
+             for episode in jaxbuf.held_episodes(buffer, state)]
+  assert written == [[10, 11, 12, 13, 14], [15, 16, 17, 18]]
+
+
+def test_writing_values_outside_the_spaces_is_refused(datasets):
+  """Actions 0..2 were written under Discrete(2), observations 100..105
+  under Box(-1, 1): Minari's own `contains` is False for them."""
+  del datasets  # sets MINARI_DATASETS_PATH
+  steps = {"observation": np.arange(100, 106, dtype=np.float32)[:, None],
+           "action": np.array([0, 1, 2, 0, 0, 0], np.int32),
+           "reward": np.zeros(6, np.float32),
+           "is_first": np.array([1, 0, 0, 0, 0, 0], bool),
+           "is_last": np.array([0, 0, 0, 0, 0, 1], bool),
+           "is_terminal": np.array([0, 0, 0, 0, 0, 1], bool)}
+  buffer = jaxbuf.sequence_replay(1, 16, 2)
+  state = jaxbuf.from_rlds_steps(
+      steps, buffer, buffer.init(jaxbuf.offline_example(steps, buffer)))
+  dataset_id = f"test/bad/spaces{64 if jax.config.jax_enable_x64 else 32}-v0"
+  cases = [
+      (_box((1,)), gymnasium.spaces.Discrete(3),
+       r"observations: \[100.0\] at step 0 of episode 0 of the state is not in "
+       r"the space Box\(-1.0, 1.0, \(1,\), float32\)"),
+      (gymnasium.spaces.Box(0, 200, (1,), np.float32), gymnasium.spaces.Discrete(2),
+       r"actions: 2 at step 2 of episode 0 of the state is not in the space "
+       r"Discrete\(2\)"),
+  ]
+  for observation_space, action_space, match in cases:
+    with pytest.raises(ValueError, match=match):
+      jaxbuf.to_minari(dataset_id, buffer, state,
+                       observation_space=observation_space,
+                       action_space=action_space)
+    assert dataset_id not in minari.list_local_datasets()
+  written = jaxbuf.to_minari(
+      dataset_id, buffer, state,
+      observation_space=gymnasium.spaces.Box(100, 105, (1,), np.float32),
+      action_space=gymnasium.spaces.Discrete(3))
+  episode = next(written.iterate_episodes())
+  assert all(written.observation_space.contains(o) for o in episode.observations)
+  assert all(written.action_space.contains(a) for a in episode.actions)
+
+
+@pytest.mark.parametrize("kind", sorted(HELD_DATA_KINDS))
+def test_a_ring_that_wrapped_at_an_episode_start_writes_that_episode_back(kind):
+  """8 steps per env, episodes of 3 steps + final step: the third overwrote
+  the first exactly, so the second is held whole. Kinds that record where
+  episodes start (frame-stack, hindsight) write it back; the others cannot
+  tell it from a cut one, and keep only what follows."""
+  buffer = HELD_DATA_KINDS[kind](8)
+  state = buffer.init(jaxbuf.offline_example(DATASET, buffer))
+  for first in (0, 10, 20):
+    state = _user_steps(buffer, state, [first, first + 1, first + 2, first + 3],
+                        last=True)
+  written = [episode.observations["observation"][:, 0].tolist()
+             for episode in jaxbuf.held_episodes(buffer, state)]
+  records_starts = kind in ("frame_stack", "hindsight")
+  assert written == [[10, 11, 12, 13]] * records_starts + [[20, 21, 22, 23]]
+  # One step more and the second episode is cut: never written.
+  state = _user_steps(buffer, state, [30], last=False)
+  written = [episode.observations["observation"][:, 0].tolist()
+             for episode in jaxbuf.held_episodes(buffer, state)]
+  assert written == [[20, 21, 22, 23]]
+
+
+@pytest.mark.parametrize("field", ["reward", "is_last"])
+def test_rlds_steps_of_another_rank_are_refused_before_the_first_add(field):
+  """A reward [T, 1] raised NumPy's "could not broadcast input array from
+  shape (3,1) into shape (3,)", with the state passed in deleted."""
+  steps = {"observation": np.zeros((3, 2), np.float32),
+           "action": np.zeros(3, np.int32), "reward": np.zeros(3, np.float32),
+           "is_first": np.array([1, 0, 0], bool), "is_last": np.array([0, 0, 1], bool),
+           "is_terminal": np.array([0, 0, 1], bool)}
+  buffer = jaxbuf.sequence_replay(1, 8, 2)
+  state = buffer.init(jaxbuf.offline_example(steps, buffer))
+  steps[field] = steps[field][:, None]
+  with pytest.raises(ValueError, match=rf"from_rlds_steps: {field} has shape "
+                     rf"\(3, 1\); RLDS steps hold one scalar per step"):
+    jaxbuf.from_rlds_steps(steps, buffer, state)
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def test_a_load_that_fails_part_way_says_the_state_was_consumed(datasets):
+  """A from_minari failing at a chunk consumed the state passed in without a
+  word, and the next sample spoke of an "earlier call" that returned
+  nothing; held_episodes, to_rlds_steps and to_minari of it raised
+  `RuntimeError: Array has been deleted`."""
+  del datasets  # sets MINARI_DATASETS_PATH
+  episodes = [_episode(2), dict(_episode(2), rewards=np.array([0.1, 0.2]))]
+  dataset = _write("consumed", episodes, _box((3,)), gymnasium.spaces.Discrete(2))
+  buffer = jaxbuf.sequence_replay(1, 16, 2)
+  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
+  with pytest.raises(ValueError, match=r"not kept exactly as float32 .* The state "
+                     r"passed to from_minari was consumed \(its arrays are "
+                     r"deleted.*make a new one with buffer.init"):
+    jaxbuf.from_minari(dataset, buffer, state, chunk_size=3)
+  donated = r"the state passed in was donated to an earlier call.*from_minari"
+  with pytest.raises(ValueError, match="sample: " + donated):
+    buffer.sample(state, jax.random.key(0), 2)
+  for call, name in ((lambda: jaxbuf.held_episodes(buffer, state), "held_episodes"),
+                     (lambda: jaxbuf.to_rlds_steps(buffer, state), "to_rlds_steps"),
+                     (lambda: jaxbuf.to_minari(
+                         "test/bad/consumed-out-v0", buffer, state,
+                         observation_space=_box((3,)),
+                         action_space=gymnasium.spaces.Discrete(2)), "to_minari"),
+                     (lambda: jaxbuf.from_minari(dataset, buffer, state), "from_minari")):
+    with pytest.raises(ValueError, match=f"{name}: " + donated):
+      call()

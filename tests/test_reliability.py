@@ -966,3 +966,177 @@ def test_an_empty_batch_of_priority_updates_changes_nothing(kind, checked):
     assert len(changed) == 1
   else:
     assert not changed
+
+
+# --- Issue 35: flags, settings through checkpoints, raw errors ------------------
+
+def _goal_distance(achieved, desired):
+  return -jnp.abs(achieved - desired).sum(-1)
+
+
+BOOL_SETTINGS = {
+    "uniform_replay-checked": lambda flag: jaxbuf.uniform_replay(8, checked=flag),
+    "prioritized_replay-checked": lambda flag: jaxbuf.prioritized_replay(
+        8, checked=flag),
+    "prioritized_replay-stratified": lambda flag: jaxbuf.prioritized_replay(
+        8, stratified=flag),
+    "sequence_replay-checked": lambda flag: jaxbuf.sequence_replay(
+        1, 8, 2, checked=flag),
+    "prioritized_sequence_replay-stratified":
+        lambda flag: jaxbuf.prioritized_sequence_replay(1, 8, 2, stratified=flag),
+    "prioritized_sequence_replay-checked":
+        lambda flag: jaxbuf.prioritized_sequence_replay(1, 8, 2, checked=flag),
+    "episode_replay-weight_by_length": lambda flag: jaxbuf.episode_replay(
+        1, 8, 4, weight_by_length=flag),
+    "episode_replay-checked": lambda flag: jaxbuf.episode_replay(
+        1, 8, 4, checked=flag),
+    "hindsight_replay-prioritized": lambda flag: jaxbuf.hindsight_replay(
+        1, 8, _goal_distance, prioritized=flag),
+    "hindsight_replay-stratified": lambda flag: jaxbuf.hindsight_replay(
+        1, 8, _goal_distance, prioritized=True, stratified=flag),
+    "hindsight_replay-checked": lambda flag: jaxbuf.hindsight_replay(
+        1, 8, _goal_distance, checked=flag),
+    "frame_stack_replay-checked": lambda flag: jaxbuf.frame_stack_replay(
+        1, 8, 2, checked=flag),
+    "prioritized_frame_stack_replay-stratified":
+        lambda flag: jaxbuf.prioritized_frame_stack_replay(1, 8, 2, stratified=flag),
+    "prioritized_frame_stack_replay-checked":
+        lambda flag: jaxbuf.prioritized_frame_stack_replay(1, 8, 2, checked=flag),
+    "rollout_buffer-checked": lambda flag: jaxbuf.rollout_buffer(2, 2, checked=flag),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(BOOL_SETTINGS))
+def test_every_bool_setting_refuses_what_is_not_a_bool(setting):
+  """"False" was read as True (drawn by length, prioritized)."""
+  factory, name = setting.split("-")
+  make = BOOL_SETTINGS[setting]
+  for flag in (False, True, np.bool_(True)):
+    make(flag)
+  for given, shown in (("False", "str 'False'"), (0, "int 0"), (None, "NoneType"),
+                       (jnp.bool_(True), "an array of dtype bool")):
+    with pytest.raises(TypeError) as raised:
+      make(given)
+    assert str(raised.value).startswith(
+        f"{factory}: {name} must be a bool (True or False), given {shown}"), (
+            given, str(raised.value))
+
+
+GOAL_STEP = {"obs": {"observation": jnp.zeros(1), "achieved_goal": jnp.zeros(1),
+                     "desired_goal": jnp.zeros(1)},
+             "action": jnp.int32(0), "reward": jnp.float32(0),
+             "terminated": jnp.bool_(False)}
+STREAM_KINDS = {
+    "sequence": lambda: jaxbuf.sequence_replay(2, 8, 2),
+    "prioritized_sequence": lambda: jaxbuf.prioritized_sequence_replay(2, 8, 2),
+    "episode": lambda: jaxbuf.episode_replay(2, 8, 2),
+    "frame_stack": lambda: jaxbuf.frame_stack_replay(2, 8, 2),
+    "prioritized_frame_stack": lambda: jaxbuf.prioritized_frame_stack_replay(2, 8, 2),
+    "hindsight": lambda: jaxbuf.hindsight_replay(2, 8, _goal_distance),
+    "prioritized_hindsight": lambda: jaxbuf.hindsight_replay(
+        2, 8, _goal_distance, prioritized=True),
+}
+
+
+def _chunk(length, start=1):
+  return jax.tree.map(
+      lambda x: jnp.full((2, length) + x.shape, start, x.dtype), GOAL_STEP)
+
+
+@pytest.mark.parametrize("kind", sorted(STREAM_KINDS))
+def test_an_empty_chunk_adds_nothing_to_every_stream_kind(kind):
+  """Was `IndexError: index is out of bounds for axis 1 with size 0` for
+  hindsight, episode and frame-stack replay."""
+  buffer = STREAM_KINDS[kind]()
+  state = buffer.add(buffer.init(GOAL_STEP), _chunk(3))
+  before = snapshot(state)
+  assert_same(jax.jit(buffer.add)(state, _chunk(0)), before)
+  assert_same(buffer.add(state, _chunk(0)), before)  # donated: consumed
+
+
+@pytest.mark.parametrize("write", ["numpy", "float"])
+@pytest.mark.parametrize("function", ["reward_fn", "terminated_fn"])
+def test_a_goal_function_written_with_numpy_is_told_to_use_jax_numpy(function, write):
+  """Were JAX's raw tracer errors (TracerArrayConversionError,
+  ConcretizationTypeError)."""
+  bad = {"numpy": lambda a, d: np.linalg.norm(a - d, axis=-1) > 0.5,
+         "float": lambda a, d: float(a[0, 0]) > 0.5}[write]
+  if function == "reward_fn":
+    buffer = jaxbuf.hindsight_replay(2, 8, lambda a, d: -bad(a, d).astype(
+        np.float32))
+  else:
+    buffer = jaxbuf.hindsight_replay(2, 8, _goal_distance, terminated_fn=bad)
+  state = buffer.add(buffer.init(GOAL_STEP), _chunk(3))
+  with pytest.raises(TypeError, match=rf"sample: {function} runs under jit, on "
+                     r"traced achieved_goal and desired_goal leaves \[S, \.\.\.\]: "
+                     r"write it with jax.numpy .*JAX said: \w+Error"):
+    buffer.sample(state, jax.random.key(0), 4)
+
+
+def test_goals_of_other_dtypes_are_named_by_their_dtypes():
+  step = {**GOAL_STEP, "obs": {**GOAL_STEP["obs"],
+                               "desired_goal": jnp.zeros(1, jnp.int32)}}
+  with pytest.raises(ValueError, match=r"must have the same shapes and dtypes, "
+                     r"given shapes \(1,\) and \(1,\), dtypes float32 and int32"):
+    jaxbuf.hindsight_replay(1, 8, _goal_distance).init(step)
+
+
+@pytest.mark.parametrize("call", ["add", "sample", "can_sample", "clear"])
+def test_a_frame_stack_state_given_to_prioritized_sequence_replay_is_another_kind(call):
+  """Was "this state was made by a buffer with other settings"."""
+  frames = jaxbuf.prioritized_frame_stack_replay(2, 8, 2)
+  sequences = jaxbuf.prioritized_sequence_replay(2, 8, 2)
+  state = frames.add(frames.init(GOAL_STEP), _chunk(3))
+  calls = {"add": lambda b, s: b.add(s, _chunk(1)),
+           "sample": lambda b, s: b.sample(s, jax.random.key(0), 2),
+           "can_sample": lambda b, s: b.can_sample(s, 2),
+           "clear": lambda b, s: b.clear(s)}
+  assert_raises_leaving_state_intact(
+      calls[call], sequences, state, TypeError,
+      [f"{call}: expected a PrioritizedSequenceReplayState, given a "
+       "FrameStackReplayState; pass each buffer's state to its own functions"])
+
+
+def test_r2d2_priorities_of_windows_without_steps_are_zero():
+  """[S, 0] TD errors raised NumPy's "zero-size array to reduction operation"."""
+  for td_errors in (jnp.zeros((3, 0)), np.zeros((3, 0), np.float32)):
+    assert jaxbuf.r2d2_priorities(td_errors).tolist() == [0.0] * 3
+    assert jax.jit(jaxbuf.r2d2_priorities)(td_errors).tolist() == [0.0] * 3
+  assert jaxbuf.r2d2_priorities(jnp.zeros((0, 0))).shape == (0,)
+
+
+@pytest.mark.parametrize("gamma", [1.5, -0.1, np.float32(2.0), jnp.float32(1.5)])
+def test_a_concrete_gamma_outside_0_1_is_refused(gamma):
+  """A traced gamma cannot be read while tracing: documented in
+  `help(jaxbuf.n_step_targets)` (a traced 1.5 discounts two steps by 2.25)."""
+  rewards = jnp.ones((1, 4))
+  flags = jnp.zeros((1, 4), bool)
+  call = lambda r: jaxbuf.n_step_targets(r, flags, flags, n=2, gamma=gamma)
+  for targets in (call, jax.jit(call)):  # closed over: concrete in the jit
+    with pytest.raises(ValueError, match=r"n_step_targets: gamma must be in "
+                       r"\[0, 1\], given"):
+      targets(rewards)
+  traced = jax.jit(lambda g: jaxbuf.n_step_targets(
+      rewards, flags, flags, n=2, gamma=g).discounts)(1.5)
+  assert traced.tolist() == [[2.25, 2.25]]
+  assert "a traced 1.5 discounts two steps by 2.25" in " ".join(
+      jaxbuf.n_step_targets.__doc__.split())
+
+
+def test_flags_of_numbers_other_than_0_and_1_are_refused():
+  """terminated=0.5 was read as True. Traced flags cannot be read while
+  tracing (every nonzero value is True there)."""
+  rewards = jnp.ones((1, 4))
+  flags = jnp.zeros((1, 4), bool)
+  half = np.array([[0, 0.5, 0, 0]], np.float32)
+  with pytest.raises(ValueError, match=r"n_step_targets: terminated holds 0.5 at "
+                     r"index \(0, 1\); flags are bool or 0/1 numbers"):
+    jaxbuf.n_step_targets(rewards, half, flags, n=2, gamma=0.9)
+  with pytest.raises(ValueError, match=r"compute_gae: terminated holds 0.5 at "
+                     r"index \(1,\)"):
+    jaxbuf.compute_gae(jnp.ones(4), jnp.ones(4), half[0], jnp.float32(0),
+                       gamma=0.9, gae_lambda=0.9)
+  ones = np.array([[0, 1, 0, 0]], np.float32)
+  assert (jaxbuf.n_step_targets(rewards, ones, flags, n=2, gamma=0.9).discounts
+          == jaxbuf.n_step_targets(rewards, ones.astype(bool), flags, n=2,
+                                   gamma=0.9).discounts).all()

@@ -11,6 +11,7 @@ error of its own, and the CRC-32 turns that into an error naming the leaf.
 """
 
 import concurrent.futures
+import json
 import math
 import os
 import pathlib
@@ -194,7 +195,7 @@ def _unreadable(where: str, entries: list[tuple[str, Any]],
   keys = sorted({int(i) for i in re.findall(r"\bleaf_(\d+)\b", text)
                  if int(i) < len(entries)})
   named = f" of leaf {', '.join(entries[i][0] for i in keys)}" if keys else ""
-  named_files = re.findall(r"/state/([^\s\"']+)", text)
+  named_files = re.findall(r"/state/([^\s\"'\\]+)", text)
   in_file = (f" (file {files.STATE}/{named_files[-1]})" if named_files else
              f" ({suspected_files})" if suspected_files else "")
   # orbax appends the whole tensorstore spec, kilobytes of it.
@@ -205,6 +206,24 @@ def _unreadable(where: str, entries: list[tuple[str, Any]],
   return ValueError(f"{where}: the stored arrays{named} cannot be read"
                     f"{in_file}, corrupted or edited: {type(error).__name__}: "
                     f"{reason}")
+
+
+def _check_array_metadatas(state_path: pathlib.Path, where: str) -> None:
+  """Raises `ValueError` naming an orbax array-metadata file that does not
+  parse: orbax reads them while its reads of the arrays are under way, and a
+  failure there abandons those reads, whose callbacks then print "Event loop
+  is closed" tracebacks to stderr, long after the error."""
+  folder = state_path / "array_metadatas"
+  if not folder.is_dir():
+    return
+  for metadata in sorted(folder.iterdir()):
+    try:
+      json.loads(metadata.read_bytes())
+    except (ValueError, UnicodeDecodeError) as error:
+      raise ValueError(
+          f"{where}: the stored arrays cannot be read (file {files.STATE}/"
+          f"array_metadatas/{metadata.name}), corrupted or edited: "
+          f"{type(error).__name__}: {str(error).splitlines()[0]}") from None
 
 
 def read_arrays(handle: int, found: pathlib.Path, stored: dict[str, Any],
@@ -242,6 +261,7 @@ def read_arrays(handle: int, found: pathlib.Path, stored: dict[str, Any],
           raise ValueError(f"{where}: leaf {name} is stored with {found_as}, "
                            f"but the layout says shape {target.shape} and "
                            f"dtype {target.dtype}.")
+      _check_array_metadatas(pathlib.Path(state_path), where)
       try:
         restored = handler.restore(state_path, args=ocp.args.StandardRestore(to_read))
       except Exception as error:  # pylint: disable=broad-except

@@ -261,7 +261,25 @@ def open_committed(path: pathlib.Path) -> tuple[int, pathlib.Path]:
       os.close(handle)
     if not seen:
       break
+  held = sorted(entry.name for entry in path.iterdir()) if path.is_dir() else []
+  if {LAYOUT, STATE} & set(held):
+    raise FileNotFoundError(
+        f"load: {path} holds checkpoint data ({held}) but "
+        f"no valid marker {MARKER}, which save writes last: the save that "
+        "wrote it did not finish, or the marker was removed or replaced. "
+        "Nothing was read.")
   raise FileNotFoundError(f"load: no checkpoint at {path}.")
+
+
+def check_marker_version(marker: Any, where: str) -> None:
+  """Raises `ValueError` unless the marker is of the format version this
+  jaxbuf reads (a newer jaxbuf may write a layout this one misreads)."""
+  version = marker.get("version") if isinstance(marker, dict) else None
+  if version != layouts.FORMAT_VERSION:
+    raise ValueError(f"{where} has a marker of format version {version!r}; "
+                     f"this jaxbuf reads version {layouts.FORMAT_VERSION}"
+                     + (" (upgrade jaxbuf to read it)." if layouts.is_int(version)
+                        and version > layouts.FORMAT_VERSION else "."))
 
 
 def check_file_sizes(directory_fd: int, marker: Any, where: str) -> None:

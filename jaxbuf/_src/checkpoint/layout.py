@@ -36,6 +36,24 @@ def _type_name(state: PyTree) -> str:
   return f"{type(state).__module__}.{type(state).__qualname__}"
 
 
+# The modules of the state types that issue 31 moved (commit e196a8f, moves
+# only): checkpoints saved before it record the old paths, and are the same
+# types. A new move of a state type adds its old path here.
+_MOVED_MODULES = {f"jaxbuf._src.{old}": f"jaxbuf._src.{new}" for old, new in (
+    ("ring", "core.ring"), ("prioritized", "items.prioritized"),
+    ("rollout", "onpolicy.rollout"), ("sequence", "streams.sequence"),
+    ("prioritized_sequence", "streams.prioritized_sequence"),
+    ("episode", "streams.episode"), ("frames", "streams.frames"),
+    ("hindsight", "streams.hindsight"), ("base", "core.base"),
+    ("transitions", "streams.transitions"), ("offline", "offline.mapping"))}
+
+
+def current_type_name(recorded: str) -> str:
+  """A recorded `module.qualname` with a moved module's old path made new."""
+  module, _, name = recorded.rpartition(".")
+  return f"{_MOVED_MODULES.get(module, module)}.{name}"
+
+
 def _buffer_dims(state: PyTree) -> dict[str, Any]:
   """The sizes a buffer was made with (none for a plain pytree of arrays)."""
   return state.buffer_dims() if isinstance(state, BufferState) else {}
@@ -217,7 +235,7 @@ def _stack_words(stack: Any) -> str:
 def check_layout(stored: dict[str, Any], expected: dict[str, Any],
                  where: str) -> None:
   """Raises naming the first difference between a stored and an expected layout."""
-  if stored["state_type"] != expected["state_type"]:
+  if current_type_name(stored["state_type"]) != expected["state_type"]:
     raise TypeError(f"{where} holds a {stored['state_type']}, but `like` is a "
                     f"{expected['state_type']}.")
   stored_stack = stored["buffer_dims"].get(STACK_DIM)

@@ -104,12 +104,13 @@ import jax
 import numpy as np
 
 from jaxbuf._src.core import base
+from jaxbuf._src.core import kind
 from jaxbuf._src.checkpoint import agreement
 from jaxbuf._src.checkpoint import arrays
 from jaxbuf._src.checkpoint import files
 from jaxbuf._src.checkpoint import layout as layouts
 from jaxbuf._src.core import validation
-from jaxbuf._src.core.base import PyTree
+from jaxbuf._src.core.base import BufferState, PyTree
 
 
 def save(path: str | os.PathLike, state: PyTree) -> None:
@@ -374,6 +375,7 @@ def _load_as(path: str | os.PathLike, like: PyTree) -> PyTree:
       opened, found = files.open_committed(path)
       try:
         marker = files.read_json(opened, files.MARKER, where)
+        files.check_marker_version(marker, where)
         files.check_file_sizes(opened, marker, where)
         stored = files.read_json(opened, files.LAYOUT, where)
         layouts.validate_layout(stored, where)
@@ -399,4 +401,13 @@ def _load_as(path: str | os.PathLike, like: PyTree) -> PyTree:
   finally:
     if handle is not None:
       os.close(handle)
-  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
+  state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like),
+                                       leaves)
+  recorded = stored.get("settings") or {}
+  if isinstance(state, BufferState) and recorded and not layouts.settings_of(
+      state):
+    # A `like` that records none (a module's `init`) must not drop what the
+    # checkpoint recorded: the state's bookkeeping depends on it, and a
+    # buffer of other settings would then sample it unchecked.
+    state = state.replace(settings=kind.settings_of(**recorded))
+  return state

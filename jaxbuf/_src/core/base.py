@@ -521,6 +521,7 @@ def bind(init: Callable, add: Callable, sample: Callable,
   Checked mode keeps the functions unjitted: called eagerly, a failed check
   raises at once; staged inside a jit, it needs `checkify.checkify`.
   """
+  validation.check_bool(checked, "checked", what=kind.name)
   init, add, sample, update_priorities, can_sample, clear = map(
       documented, (init, add, sample, update_priorities, can_sample, clear))
   kind = kind._replace(checked=checked)

@@ -183,6 +183,14 @@ def check_settings(state: Any, kind: Kind, *, what: str) -> None:
   a state of another type: the function's own type check names both types.
   """
   recorded = getattr(state, "settings", NO_SETTINGS)
+  if (kind.exact_type and type(state) is not kind.state_type
+      and isinstance(state, kind.state_type)):
+    # A state of a kind built on this one (frame-stack on prioritized
+    # sequence replay): another kind, not other settings.
+    raise TypeError(
+        f"{what}: expected a {kind.state_type.__name__}, given a "
+        f"{type(state).__name__}; pass each buffer's state to its own "
+        f"functions ({kind.name}'s state to {kind.name}'s).")
   of_the_kind = (type(state) is kind.state_type if kind.exact_type
                  else isinstance(state, kind.state_type))
   if recorded in (NO_SETTINGS, kind.settings) or not of_the_kind:

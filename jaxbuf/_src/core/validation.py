@@ -253,6 +253,18 @@ def check_python_int(value: Any, name: str, *, prefix: str = "",
                     f"{describe(value)}.{hint}")
 
 
+def check_bool(value: Any, name: str, *, what: str) -> None:
+  """Raises `TypeError` unless `value` is a Python (or NumPy) bool.
+
+  A flag read with `if` takes any object's truth: the string "False" would
+  switch the setting on, so nothing but a bool is accepted.
+  """
+  if not isinstance(value, (bool, np.bool_)):
+    shown = f" {value!r}" if isinstance(value, (str, int, float)) else ""
+    raise TypeError(f"{what}: {name} must be a bool (True or False), given "
+                    f"{describe(value)}{shown}.")
+
+
 def check_not_donated(state: Any, *, what: str) -> None:
   """Raises `ValueError` if an array of `state` was donated to an earlier call.
 
@@ -264,8 +276,9 @@ def check_not_donated(state: Any, *, what: str) -> None:
       raise ValueError(
           f"{what}: the state passed in was donated to an earlier call, which "
           f"consumed its arrays (add, update_priorities and clear update the "
-          f"storage in place). Use the state that call returned: "
-          f"`state = buffer.add(state, items)`.")
+          f"storage in place; a from_minari or from_rlds_steps that raised "
+          f"deletes the state it was given). Use the state that call "
+          f"returned: `state = buffer.add(state, items)`.")
 
 
 def check_on_the_states_devices(state: Any, arguments: tuple, *,
@@ -463,12 +476,25 @@ def check_floating(name: str, value: Any, *, what: str) -> None:
 
 
 def check_flags(name: str, value: Any, *, what: str) -> None:
-  """Raises `TypeError` unless `value` is bool or numbers (0/1 flags)."""
+  """Raises `TypeError` unless `value` is bool or numbers (0/1 flags), and
+  `ValueError` where concrete numbers hold anything but 0 and 1 (0.5 would
+  be read as True). Traced numbers cannot be read while tracing: every
+  nonzero value is True there, as the docstrings of the callers say."""
   dtype = _given_dtype(value)
   if not (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer)
           or jnp.issubdtype(dtype, jnp.floating)):
     raise TypeError(f"{what}: {name} must be bool (or 0/1 numbers), given "
                     f"dtype {dtype}.")
+  if dtype == jnp.bool_ or isinstance(value, jax.core.Tracer):
+    return
+  numbers = np.asarray(value)
+  other = np.flatnonzero((numbers != 0) & (numbers != 1))
+  if other.size:
+    index = np.unravel_index(other[0], numbers.shape)
+    raise ValueError(
+        f"{what}: {name} holds {numbers[index]} at index "
+        f"{tuple(int(i) for i in index)}; flags are bool or 0/1 numbers "
+        f"(any other number would be read as True).")
 
 
 def check_shape(name: str, value: Any, shape: tuple[int, ...], *, what: str,

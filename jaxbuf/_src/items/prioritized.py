@@ -224,6 +224,7 @@ def prioritized_replay(capacity: int, *, alpha: float = 0.6,
   1.0
   """
   validation.check_capacity(capacity)
+  validation.check_bool(stratified, "stratified", what="prioritized_replay")
   validation.check_hyperparameter(alpha, "alpha")
   validation.check_hyperparameter(eps, "eps", positive=True)
   if not callable(beta):

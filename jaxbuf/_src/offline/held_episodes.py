@@ -7,6 +7,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
+from jaxbuf._src.core import validation
 from jaxbuf._src.core.base import Buffer, PyTree
 from jaxbuf._src.offline.mapping import Episode, Transition, checked_layout, devices_of
 
@@ -89,11 +90,12 @@ def _stream_episodes(state: Any) -> Iterator[Episode]:
   storage = _host(state.storage)
   episode_ends = np.asarray(state.episode_ends)
   num_envs, per_env = episode_ends.shape
+  whole_starts = np.asarray(state.oldest_held_starts_an_episode())
   for env in range(num_envs):
     held = int(state.steps_held[env])
     start = (int(state.write_heads[env]) - held) % per_env
     order = (start + np.arange(held)) % per_env
-    whole_start = int(state.step_counts[env]) == held
+    whole_start = bool(whole_starts[env])
     ends = np.flatnonzero(episode_ends[env, order]).tolist()
     run_start = 0
     for run_index, end in enumerate(ends):
@@ -136,6 +138,7 @@ def iterate_held_episodes(buffer: Buffer, state: Any, *, what: str
   A sharded state is read as the unsharded buffer it stands for (its
   `joined` state, of a host copy)."""
   layout = checked_layout(buffer, state, what=what)
+  validation.check_not_donated(state, what=what)
   if devices_of(buffer) is not None:
     state = type(state).joined(jax.device_get(state))
   if layout == "items":

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import numpy as np
 
+from jaxbuf._src.core import validation
 from jaxbuf._src.core.base import Buffer
 from jaxbuf._src.offline.mapping import Episode, checked_episode, checked_layout
 from jaxbuf._src.offline.mapping import devices_of, episode_rows, storage_spec
@@ -127,14 +128,18 @@ def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
     chunk_size, progress, round_floats: as for `from_minari`.
     what: the caller's name, for errors.
   """
+  for name, flag in (("progress", progress), ("round_floats", round_floats)):
+    validation.check_bool(flag, name, what=what)
   layout = checked_layout(buffer, state, what=what)
   assert buffer.kind is not None  # checked_layout refuses a buffer without one
+  validation.check_not_donated(state, what=what)
   spec = storage_spec(buffer, state, layout)
   shapes = unsharded_shapes(buffer, state)
   num_devices = devices_of(buffer) or 1
   per_add = _chunk_size_per_env(chunk_size, num_devices) * num_devices
   if not lengths:
     raise ValueError(f"{what}: the dataset holds no episodes.")
+  _check_no_running_episode(buffer, state, layout, what=what)
   if layout == "items":
     capacity = jax.tree.leaves(shapes.storage)[0].shape[0]
     kept = _newest_items(lengths, capacity)
@@ -184,6 +189,16 @@ def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
       state = _add_streams(buffer, state, readers, groups, lengths, spec,
                            _chunk_size_per_env(chunk_size, len(groups)), bar)
       _check_episode_ends(buffer, state, groups, lengths, what=what)
+  except Exception as error:
+    _deleted(state)
+    consumed = (f"The state passed to {what} was consumed (its arrays are "
+                "deleted, so no partly loaded state can pass for loaded): "
+                "make a new one with buffer.init.")
+    if type(error) in (ValueError, TypeError):
+      raise type(error)(f"{error} {consumed}").with_traceback(
+          error.__traceback__) from None
+    error.add_note(consumed)
+    raise
   except BaseException:
     _deleted(state)
     raise
@@ -191,6 +206,57 @@ def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
     if bar is not None:
       bar.close()
   return state
+
+
+def _check_no_running_episode(buffer: Buffer, state: Any, layout: str, *,
+                              what: str) -> None:
+  """Raises `ValueError` if `state` holds an episode that has not ended.
+
+  The dataset's first episode would continue it: stream kinds would sample
+  windows, stacks and goals across the two, and write them back as one
+  episode; item replay would write back neither. Only the small per-env
+  arrays (item replay: the two flags) are read to the host.
+  """
+  if layout == "items":
+    flags = state.replace(storage=state.storage._replace(
+        obs=None, action=None, reward=None, next_obs=None))
+    if devices_of(buffer) is not None:
+      flags = type(flags).joined(jax.device_get(flags))
+    size = int(flags.size)
+    if not size:
+      return
+    capacity = flags.storage.terminated.shape[0]
+    newest = (int(flags.insert_position) - 1) % capacity
+    ends = np.asarray(flags.storage.terminated) | np.asarray(
+        flags.storage.truncated)
+    if ends[newest]:
+      return
+    order = (newest - np.arange(size)) % capacity
+    running = int(np.argmax(ends[order])) if ends[order].any() else size
+    raise ValueError(
+        f"{what}: the state's newest item (slot {newest}) neither terminated "
+        f"nor truncated: it holds a running episode ({running} items since "
+        "the last end), which the dataset's first episode would seem to "
+        "continue, so neither could be written back whole. Add the rest of "
+        "that episode first (up to a termination or truncation), or load "
+        "into a fresh state (buffer.init); nothing was added.")
+  num_envs = int(np.prod(state.write_heads.shape))
+  ends = np.asarray(jax.device_get(state.episode_ends)).reshape(num_envs, -1)
+  heads = np.asarray(jax.device_get(state.write_heads)).reshape(num_envs)
+  held = np.asarray(jax.device_get(state.steps_held)).reshape(num_envs)
+  per_env = ends.shape[1]
+  for env in range(num_envs):
+    newest = (heads[env] - 1 - np.arange(held[env])) % per_env
+    if held[env] and not ends[env, newest[0]]:
+      running = (int(np.argmax(ends[env, newest])) if ends[env, newest].any()
+                 else int(held[env]))
+      raise ValueError(
+          f"{what}: env {env} of the state holds a running episode ({running} "
+          "steps since its last episode end); the dataset's first episode "
+          "would be glued onto it (windows, frame stacks and hindsight goals "
+          "across the two, written back as one episode). Add its final step "
+          "first (`last` True, or episode_end), or load into a fresh state "
+          "(buffer.init); nothing was added.")
 
 
 def _in_device_blocks(rows: np.ndarray, num_devices: int) -> np.ndarray:

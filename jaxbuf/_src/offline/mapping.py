@@ -69,6 +69,13 @@ transitions; streams: each episode goes to the env with the most room left,
 T + 1 steps, while it fits into R), so a loaded buffer never holds part of an
 episode. A newest episode longer than the buffer is a `ValueError`.
 
+Into a state that holds data. The episodes are added after what the state
+holds, but never onto a running episode: a stream of the state whose newest
+step is not an episode end (`last`), or item replay whose newest item
+neither terminated nor truncated, is a `ValueError` before anything is
+added (the dataset's first episode would seem to continue it). Add the
+episode's final step first, or load into a fresh `buffer.init` state.
+
 Memory. Episodes are read one at a time (Minari's file reopened every 16
 episodes, so that h5py's caches stay small) and added in chunks of
 `chunk_size` items (`chunk_size // N` steps per env) through `buffer.add`,
@@ -81,9 +88,11 @@ is deleted: no partly loaded state is ever returned.
 
 Writing back (`held_episodes`, `to_minari`, `to_rlds_steps`). Streams hold
 episodes in order: each env's held steps are cut at its episode ends. The
-first run of an env is written only if none of its steps was overwritten
-(else its start is lost), and the run after the last end (a running
-episode) is not written. With one env the episodes come out in the order
+first run of an env is written only if its start is held: none of its
+steps was overwritten, or (frame-stack and hindsight replay, which record
+where episodes start: `oldest_held_starts_an_episode`) the ring wrapped
+exactly at its first step. The run after the last end (a running episode)
+is not written. With one env the episodes come out in the order
 they were added; with N envs, env by env. Item replay holds transitions in
 the order they were added; it writes back only when consecutive items chain
 (each `next_obs` is the next item's `obs`, bit for bit, until a termination

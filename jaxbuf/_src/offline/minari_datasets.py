@@ -205,6 +205,45 @@ def from_minari(dataset: Any, buffer: Buffer, state: Any, *,
 
 
 
+def _check_in_space(values: PyTree, space: Any, field: str, where: str) -> None:
+  """Raises `ValueError` naming the first step whose value `space` does not
+  contain (a Minari dataset whose own `space.contains` fails for its data).
+
+  Args:
+    values: one episode's values, leaves `[T, ...]` in the space's dtypes,
+      nested as the space (`_space_spec`).
+  """
+  import gymnasium  # pylint: disable=import-outside-toplevel
+  spaces = gymnasium.spaces
+  if isinstance(space, spaces.Dict):
+    for key, subspace in space.spaces.items():
+      _check_in_space(values[key], subspace, f"{field}[{key!r}]", where)
+    return
+  if isinstance(space, spaces.Tuple):
+    for index, subspace in enumerate(space.spaces):
+      _check_in_space(values[index], subspace, f"{field}[{index}]", where)
+    return
+  values = np.asarray(values)
+  per_step = lambda inside: inside.reshape(len(values), -1).all(axis=1)
+  if isinstance(space, spaces.Box):
+    inside = per_step((values >= space.low) & (values <= space.high))
+  elif isinstance(space, spaces.Discrete):
+    inside = (values >= space.start) & (values < space.start + space.n)
+  elif isinstance(space, spaces.MultiDiscrete):
+    inside = per_step((values >= space.start) &
+                      (values < space.start + space.nvec))
+  elif isinstance(space, spaces.MultiBinary):
+    inside = per_step((values == 0) | (values == 1))
+  else:
+    inside = np.array([space.contains(value) for value in values], bool)
+  if not inside.all():
+    step = int(np.argmin(inside))
+    raise ValueError(f"{field}: {values[step].tolist()!r} at step {step} of "
+                     f"{where} is not in the space {space}; Minari's "
+                     "`space.contains` would be False for it. Pass the spaces "
+                     "the data was collected in.")
+
+
 def _as_space_dtypes(tree: PyTree, space_spec: PyTree, field: str,
                      where: str) -> PyTree:
   """`tree`'s leaves converted exactly to the space's dtypes."""
@@ -242,8 +281,9 @@ def to_minari(dataset_id: str, buffer: Buffer, state: Any, *,
   Raises:
     FileExistsError: a dataset with that id exists (it is left as it is).
     ValueError: the state holds no whole episode, its items are not in
-      episode order, or a value does not fit the spaces' dtypes exactly; no
-      partly written dataset is left behind.
+      episode order, or a value does not fit the spaces' dtypes exactly or
+      lies outside the spaces (a Box's bounds, a Discrete's n: the first
+      such step is named); no partly written dataset is left behind.
 
   A sequence replay buffer holding one episode (loaded here from RLDS
   steps) written out, and read back by Minari:
@@ -287,12 +327,14 @@ def to_minari(dataset_id: str, buffer: Buffer, state: Any, *,
     # One episode at a time: Minari writes each as it comes.
     for number, episode in enumerate(itertools.chain([first], held)):
       where = f"episode {number} of the state"
+      observations = _as_space_dtypes(episode.observations, observation_spec,
+                                      "observations", where)
+      actions = _as_space_dtypes(episode.actions, action_spec, "actions",
+                                 where)
+      _check_in_space(observations, observation_space, "observations", where)
+      _check_in_space(actions, action_space, "actions", where)
       yield EpisodeBuffer(
-          observations=_as_space_dtypes(episode.observations,
-                                        observation_spec, "observations",
-                                        where),
-          actions=_as_space_dtypes(episode.actions, action_spec, "actions",
-                                   where),
+          observations=observations, actions=actions,
           rewards=exact("rewards", episode.rewards, np.dtype(reward_dtype),
                         where),
           terminations=episode.terminations,

@@ -11,7 +11,7 @@ import numpy as np
 from jaxbuf._src.core.base import Buffer
 from jaxbuf._src.offline.mapping import Episode, check_spec, checked_layout
 from jaxbuf._src.offline.mapping import common_length, episode_rows, exact, storage_spec
-from jaxbuf._src.offline.held_episodes import held_episodes
+from jaxbuf._src.offline.held_episodes import iterate_held_episodes
 from jaxbuf._src.offline.loading import DEFAULT_CHUNK_SIZE, load_episodes
 
 
@@ -36,6 +36,13 @@ def step_arrays(steps: Any, *, what: str) -> dict[str, Any]:
                                  ("observation", "action", "reward",
                                  *_RLDS_FLAGS)}, "the RLDS steps")
   del num_steps
+  for field in ("reward", *_RLDS_FLAGS):
+    # Known before the first add: a [T, 1] reward would fail in NumPy's
+    # broadcast at the first chunk, after the state was consumed.
+    if steps[field].ndim != 1:
+      raise ValueError(f"{what}: {field} has shape {steps[field].shape}; "
+                       "RLDS steps hold one scalar per step, shape (T,) "
+                       f"(squeeze it: {field}[:, 0]). Nothing was added.")
   for field in _RLDS_FLAGS:
     steps[field] = exact(field, steps[field], np.dtype(bool), "the RLDS steps")
   return steps
@@ -158,7 +165,7 @@ def to_rlds_steps(buffer: Buffer, state: Any) -> dict[str, Any]:
   >>> jaxbuf.to_rlds_steps(buffer, state)["reward"].tolist()
   [1.0, 1.0, 0.0]
   """
-  held = held_episodes(buffer, state)
+  held = list(iterate_held_episodes(buffer, state, what="to_rlds_steps"))
   if not held:
     raise ValueError("to_rlds_steps: the state holds no whole episode.")
   parts = [episode_rows(episode, "streams") for episode in held]

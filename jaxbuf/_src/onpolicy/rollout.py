@@ -255,6 +255,7 @@ def rollout_buffer(num_steps: int, num_envs: int, *,
   [[True, False], [False, False]]
   """
   _check_sizes(num_steps, num_envs)
+  validation.check_bool(checked, "checked", what="rollout_buffer")
   # update_wrapper: help(rollout.add) shows add's docstring, not partial's.
   bound_init = functools.update_wrapper(
       functools.partial(init, num_steps=num_steps, num_envs=num_envs), init)

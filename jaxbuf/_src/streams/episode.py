@@ -153,6 +153,9 @@ def write_steps(state: EpisodeReplayState, steps: PyTree,
   the pieces they complete."""
   steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
                                                        episode_end)
+  if not episode_end.shape[1]:
+    # An empty chunk [N, 0, ...] adds nothing, as in sequence replay.
+    return state
   written = sequence.add_steps(state, steps, mask, episode_end, **_STEPS,
                                new_leaf_value=jnp.float32(0.0))
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
@@ -310,6 +313,8 @@ def episode_replay(num_envs: int, capacity: int, max_episode_length: int, *,
   [True, True, True, False]
   """
   check_sizes(num_envs, capacity, max_episode_length)
+  validation.check_bool(weight_by_length, "weight_by_length",
+                        what="episode_replay")
   bound_add = functools.partial(add, max_episode_length=max_episode_length,
                                 weight_by_length=weight_by_length)
   bound_sample = functools.partial(sample,

@@ -124,6 +124,13 @@ class FrameStackReplayState(PrioritizedSequenceReplayState):
   def per_env_fields(self) -> tuple[str, ...]:
     return super().per_env_fields() + ("episode_positions", "next_positions")
 
+  def oldest_held_starts_an_episode(self) -> jax.Array:
+    """Also where the ring wrapped at an episode's start: the oldest held
+    step's position in its episode is 0."""
+    oldest = jnp.take_along_axis(self.episode_positions,
+                                 self.oldest_held_slots()[:, None], axis=1)
+    return super().oldest_held_starts_an_episode() | (oldest[:, 0] == 0)
+
 
 def _field(tree: Any, name: str) -> Any:
   if isinstance(tree, collections.abc.Mapping):
@@ -309,6 +316,9 @@ def add_steps(state: FrameStackReplayState, steps: PyTree,
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
   steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
                                                        episode_end)
+  if not episode_end.shape[1]:
+    # An empty chunk [N, 0, ...] adds nothing, as in sequence replay.
+    return state
   positions, after = episode_positions_of(state.next_positions, episode_end,
                                           num_stack=num_stack)
   new_state, chunk = sequence.write_chunk(
@@ -806,6 +816,8 @@ def prioritized_frame_stack_replay(
   >>> batch.items.obs.shape, float(batch.weights.max())
   ((4, 3, 2), 1.0)
   """
+  validation.check_bool(stratified, "stratified",
+                        what="prioritized_frame_stack_replay")
   if not callable(beta):
     validation.check_hyperparameter(beta, "beta")
   validation.check_hyperparameter(alpha, "alpha")

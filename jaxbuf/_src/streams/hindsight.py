@@ -134,6 +134,15 @@ class HindsightReplayState(PrioritizedSequenceReplayState):
     `joined` and `divided` move with its steps."""
     return super().per_env_fields() + _EPISODE_FIELDS
 
+  def oldest_held_starts_an_episode(self) -> jax.Array:
+    """Also where the ring wrapped at an episode's start: the oldest held
+    step's id is its episode's first step id."""
+    oldest_id = self.step_counts - self.steps_held.astype(jnp.uint32)
+    first = jnp.take_along_axis(self.episode_firsts,
+                                self.oldest_held_slots()[:, None], axis=1)
+    return super().oldest_held_starts_an_episode() | (
+        (first[:, 0] == oldest_id) & (self.steps_held > 0))
+
 
 # The episode fields, one row per env `[N, ...]`.
 _EPISODE_FIELDS = ("episode_keys", "episode_firsts", "episode_lasts",
@@ -164,12 +173,13 @@ def check_step(example_step: PyTree) -> None:
                      f"{GOAL_KEYS} (the GoalEnv layout), given {given}.")
   achieved = jax.tree.map(jnp.shape, obs["achieved_goal"])
   desired = jax.tree.map(jnp.shape, obs["desired_goal"])
-  if achieved != desired or jax.tree.map(
-      validation.canonical_dtype, obs["achieved_goal"]) != jax.tree.map(
-          validation.canonical_dtype, obs["desired_goal"]):
+  dtypes = [jax.tree.map(lambda leaf: str(validation.canonical_dtype(leaf)),
+                         obs[key]) for key in ("achieved_goal", "desired_goal")]
+  if achieved != desired or dtypes[0] != dtypes[1]:
     raise ValueError("hindsight_replay: obs['achieved_goal'] and "
                      "obs['desired_goal'] must have the same shapes and "
-                     f"dtypes, given shapes {achieved} and {desired}.")
+                     f"dtypes, given shapes {achieved} and {desired}, dtypes "
+                     f"{dtypes[0]} and {dtypes[1]}.")
   validation.check_reward_and_terminated(
       _field(example_step, "reward"), _field(example_step, "terminated"),
       what="hindsight_replay")
@@ -286,6 +296,9 @@ def write_steps(state: HindsightReplayState, steps: PyTree,
   `sequence.add_steps` does, then records their episodes."""
   steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
                                                        episode_end)
+  if not episode_end.shape[1]:
+    # An empty chunk [N, 0, ...] adds nothing, as in sequence replay.
+    return state
   written = sequence.add_steps(state, steps, mask, episode_end, **_WINDOW,
                                new_leaf_value=new_leaf_value)
   return record_episodes(state, written, mask, episode_end)
@@ -361,6 +374,27 @@ def goal_steps_ago(state: HindsightReplayState, window_ids: jax.Array,
   span = jnp.maximum(latest_ago - last_ago + 1, 1).astype(jnp.uint32)
   return last_ago + random.scale_to_span(higher_bits, lower_bits,
                                          span).astype(jnp.int32)
+
+
+_TRACER_ERRORS = (jax.errors.TracerArrayConversionError,
+                  jax.errors.ConcretizationTypeError,
+                  jax.errors.TracerBoolConversionError,
+                  jax.errors.TracerIntegerConversionError)
+
+
+def _traced_call(name: str, function: Callable, achieved: PyTree,
+                 desired: PyTree) -> Any:
+  """`function(achieved, desired)`, its tracer errors (NumPy, `float()`, a
+  Python `if` on a goal) explained: it runs while `sample` is traced."""
+  try:
+    return function(achieved, desired)
+  except _TRACER_ERRORS as error:
+    raise TypeError(
+        f"sample: {name} runs under jit, on traced achieved_goal and "
+        f"desired_goal leaves [S, ...]: write it with jax.numpy (jnp.linalg."
+        f"norm, jnp.where), not NumPy, float() or a Python if on the goals. "
+        f"JAX said: {type(error).__name__}: "
+        f"{str(error).splitlines()[0]}") from error
 
 
 def _checked_output(name: str, value: Any, shape: tuple[int, ...],
@@ -502,13 +536,14 @@ def relabelled_transitions(steps: TransitionSteps, *, reward_fn: Callable,
   desired = jax.tree.map(lambda goal, given: jnp.where(rows(goal), goal, given),
                          steps.goal, steps.obs["desired_goal"])
   next_obs = {**steps.next_obs, "desired_goal": desired}
-  reward = _checked_output("reward_fn", reward_fn(
-      next_obs["achieved_goal"], desired), steps.reward.shape,
-                           steps.reward.dtype)
+  reward = _checked_output("reward_fn", _traced_call(
+      "reward_fn", reward_fn, next_obs["achieved_goal"], desired),
+                           steps.reward.shape, steps.reward.dtype)
   terminated = steps.terminated
   if terminated_fn is not None:
     terminated = jnp.where(relabelled, _checked_output(
-        "terminated_fn", terminated_fn(next_obs["achieved_goal"], desired),
+        "terminated_fn", _traced_call("terminated_fn", terminated_fn,
+                                      next_obs["achieved_goal"], desired),
         terminated.shape, jnp.bool_), terminated)
   return HindsightTransition(
       obs={**steps.obs, "desired_goal": desired}, action=steps.action,
@@ -715,6 +750,8 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
   """
   check_settings(num_envs, capacity, reward_fn, strategy, relabel_fraction,
                  terminated_fn, gamma)
+  for name, flag in (("prioritized", prioritized), ("stratified", stratified)):
+    validation.check_bool(flag, name, what="hindsight_replay")
   if prioritized:
     validation.check_hyperparameter(alpha, "alpha")
     validation.check_hyperparameter(eps, "eps", positive=True)

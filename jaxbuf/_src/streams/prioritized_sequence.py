@@ -236,6 +236,8 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
   ((4, 3, 4), 1.0)
   """
   sequence.check_sizes(num_envs, capacity, sequence_length, period, episodes)
+  validation.check_bool(stratified, "stratified",
+                        what="prioritized_sequence_replay")
   validation.check_hyperparameter(alpha, "alpha")
   validation.check_hyperparameter(eps, "eps", positive=True)
   if not callable(beta):
@@ -264,7 +266,7 @@ def prioritized_sequence_replay(num_envs: int, capacity: int,
       clear=clear,
       kind=kind.Kind(
           name="prioritized_sequence_replay",
-          state_type=PrioritizedSequenceReplayState, exact_type=False,
+          state_type=PrioritizedSequenceReplayState, exact_type=True,
           settings=sequence.window_settings(
               num_envs, capacity, sequence_length, period, episodes,
               alpha=float(alpha), eps=float(eps)),

@@ -111,6 +111,20 @@ class SequenceReplayState(BufferState):
     such fields extends this."""
     return _PER_ENV_FIELDS
 
+  def oldest_held_starts_an_episode(self) -> jax.Array:
+    """bool `[N]`: each env's oldest held step is the first of its episode,
+    so the episode it starts is held whole (what `held_episodes` writes).
+
+    Known here only while no step of the env was overwritten; a kind that
+    records where episodes start extends this to a ring that wrapped
+    exactly at an episode's start.
+    """
+    return self.step_counts == self.steps_held.astype(jnp.uint32)
+
+  def oldest_held_slots(self) -> jax.Array:
+    """int32 `[N]`: the slot of each env's oldest held step."""
+    return (self.write_heads - self.steps_held) % self.episode_ends.shape[-1]
+
   def joined(self) -> Self:
     """D devices' blocks of N / D envs as one buffer of N envs: each env's
     ring, counters and window masses move whole, so window `g` of the

@@ -119,7 +119,12 @@ def n_step_targets(rewards: jax.Array, terminated: jax.Array,
       observation (the extra step after the episode's last action).
     n: a positive Python int, with L >= n + 1.
     gamma: discount in [0, 1], a scalar or `[S, L]` per step (rlax's
-      `discount_t`: gamma[t] discounts what follows step t).
+      `discount_t`: gamma[t] discounts what follows step t). A concrete
+      scalar outside [0, 1] is a `ValueError`; a traced one (computed inside
+      your jit) and per-step arrays (whose padding may hold anything) cannot
+      be read while tracing and are used as given: a traced 1.5 discounts
+      two steps by 2.25. Check them yourself, e.g. with
+      `checkify.check(gamma <= 1, ...)`.
 
   Returns:
     `NStepTargets` with `[S, P]` leaves; rewards and discounts in `rewards`'
@@ -316,4 +321,6 @@ def r2d2_priorities(td_errors: jax.Array, mask: jax.Array | None = None, *,
   mean = jnp.sum(magnitudes, axis=1) / jnp.maximum(count, 1).astype(
       td_errors.dtype)
   eta = jnp.asarray(eta).astype(td_errors.dtype)
-  return eta * jnp.max(magnitudes, axis=1) + (1 - eta) * mean
+  # Magnitudes are >= 0, so 0 is the max of none: windows of T = 0 steps
+  # ([S, 0]) get priority 0, as windows with no valid step.
+  return eta * jnp.max(magnitudes, axis=1, initial=0.0) + (1 - eta) * mean
