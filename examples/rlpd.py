@@ -18,7 +18,8 @@ fraction of the steps an agent from scratch needs. Here:
 3. Train online: TD3 (Fujimoto et al. 2018) with LayerNorm critics, on
    gymnax's Pendulum-v1 (the same dynamics, in JAX), 4 updates per env step
    (RLPD's point is a high update-to-data ratio, where data, not updates,
-   limits learning; at 1 update per step online-only kept pace). Every batch comes from `jaxbuf.mixture([offline, online],
+   limits learning; at 1 update per step online-only kept pace). Every
+   batch comes from `jaxbuf.mixture([offline, online],
    [offline_fraction, 1 - offline_fraction])`: 0.5 is RLPD's symmetric
    sampling, 0 is online-only from scratch, the same code with the
    dataset's part given no rows. Env steps, adds, the mixed sample and the

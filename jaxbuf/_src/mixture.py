@@ -171,7 +171,7 @@ def _check_items_agree(samples: Sequence[Any], buffers: Sequence[Buffer], *,
     part = (f"{what}: part {k} ({_name(buffer)}) samples items unlike part "
             f"0's ({_name(buffers[0])})")
     structure = jax.tree_util.tree_structure(drawn.items)
-    if structure != reference_structure:
+    if structure != reference_structure:  # type: ignore[operator]
       missing = [path for path in reference if path not in given]
       unexpected = [path for path in given if path not in reference]
       # Same leaf paths under other node types (a dict for a NamedTuple):
@@ -316,7 +316,7 @@ def update_priorities(states: Sequence[Any], batch: MixtureSample,
           state, part.indices, priorities[start:start + count], part.item_ids)
     updated.append(state)
     start += count
-  return type(states)(updated)
+  return tuple(updated) if isinstance(states, tuple) else updated
 
 
 def can_sample(states: Sequence[Any], batch_size: int, *,
@@ -423,7 +423,7 @@ def mixture(buffers: Sequence[Buffer],
     raise ValueError(f"mixture: {len(proportions)} proportions for "
                      f"{len(buffers)} buffers; give one per buffer.")
   buffers = tuple(buffers)
-  bound = dict(buffers=buffers, proportions=proportions)
+  bound: dict[str, Any] = dict(buffers=buffers, proportions=proportions)
   # `documented`: help() shows each function's own docstring and signature.
   mixed_sample = base.documented(functools.partial(sample, **bound))
   mixed_update = base.documented(functools.partial(update_priorities, **bound))

@@ -278,7 +278,8 @@ def check_marker_version(marker: Any, where: str) -> None:
   if version != layouts.FORMAT_VERSION:
     raise ValueError(f"{where} has a marker of format version {version!r}; "
                      f"this jaxbuf reads version {layouts.FORMAT_VERSION}"
-                     + (" (upgrade jaxbuf to read it)." if layouts.is_int(version)
+                     + (" (upgrade jaxbuf to read it)." if isinstance(version, int)
+                        and not isinstance(version, bool)
                         and version > layouts.FORMAT_VERSION else "."))
 
 

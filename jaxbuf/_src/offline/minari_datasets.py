@@ -228,7 +228,8 @@ def _check_in_space(values: PyTree, space: Any, field: str, where: str) -> None:
   if isinstance(space, spaces.Box):
     inside = per_step((values >= space.low) & (values <= space.high))
   elif isinstance(space, spaces.Discrete):
-    inside = (values >= space.start) & (values < space.start + space.n)
+    start = int(space.start)
+    inside = (values >= start) & (values < start + int(space.n))
   elif isinstance(space, spaces.MultiDiscrete):
     inside = per_step((values >= space.start) &
                       (values < space.start + space.nvec))
