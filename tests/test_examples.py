@@ -2,8 +2,8 @@
 
 Fast tests compile one training step of each example, check its lowered
 program holds no host callback, run it under `jax.transfer_guard("disallow")`,
-and smoke-run each script end to end. Each runs twice, with 32-bit defaults
-and with x64 on (the `x64_mode` fixture): an x64 user copying an example gets
+and smoke-run each script end to end. The step tests run twice, with 32-bit
+defaults and with x64 on (the `x64_mode` fixture): an x64 user copying an example gets
 float64 from gymnax and from unannotated constants, which jaxbuf's float32
 storage and the examples' `lax.cond` branches refuse unless cast. The
 learning bars on CartPole-v1 are `@pytest.mark.slow` (run them with
@@ -198,7 +198,8 @@ def test_training_step_is_one_program_without_host_transfers(case):
   check_data(state, config)
 
 
-@pytest.mark.usefixtures("x64_mode")
+# 32-bit defaults only: the x64 case of each training step is the program
+# test above; a second end-to-end run per script added minutes to the suite.
 @pytest.mark.parametrize("module,flags", [
     (dqn, ["--replay", "prioritized", "--no-double-q", "--num-seeds", "2"]),
     (ppo, ["--num-seeds", "2"]),
