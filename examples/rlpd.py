@@ -73,7 +73,7 @@ if __package__ in (None, ""):
   # Run as a script: the checkout goes first on the path (examples/dqn.py).
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import jaxbuf  # noqa: E402  pylint: disable=wrong-import-position
-from examples import common  # noqa: E402
+from examples import training  # noqa: E402
 
 MAX_TORQUE = 2.0  # Pendulum-v1's action bound
 
@@ -213,7 +213,7 @@ def load_offline(config: Config) -> tuple[jaxbuf.Buffer, Any, dict[str, Any]]:
 
 
 def make_trainer(config: Config, offline: jaxbuf.Buffer,
-                 offline_state: Any) -> common.Trainer:
+                 offline_state: Any) -> training.Trainer:
   """One seed's TD3 with batches mixed from `offline` and online replay."""
   env, env_params = gymnax.make("Pendulum-v1")
   online = jaxbuf.uniform_replay(config.buffer_size)
@@ -235,7 +235,7 @@ def make_trainer(config: Config, offline: jaxbuf.Buffer,
             actor_opt=optimizer.init(actor_params),
             critic_opt=optimizer.init(critic_params)),
         buffer_states=[offline_state, online.init(example)],
-        env_state=env_state, obs=common.as_float32(obs)[None],
+        env_state=env_state, obs=training.as_float32(obs)[None],
         episode_returns=jnp.zeros(1, jnp.float32),
         iteration=jnp.zeros((), jnp.int32), key=key)
 
@@ -293,7 +293,7 @@ def make_trainer(config: Config, offline: jaxbuf.Buffer,
         (jax.random.split(key, config.updates_per_step), counts))
     return state.replace(nets=nets)
 
-  def step(state: RunnerState) -> tuple[RunnerState, common.QLearningMetrics]:
+  def step(state: RunnerState) -> tuple[RunnerState, training.Metrics]:
     key, noise_key, random_key, env_key, learn_key = jax.random.split(
         state.key, 5)
     explore = jnp.clip(
@@ -306,18 +306,18 @@ def make_trainer(config: Config, offline: jaxbuf.Buffer,
                        explore)
     obs, env_state, reward, terminated, truncated, info = env.step(
         env_key, state.env_state, action[0], env_params)
-    reward = common.as_float32(reward)[None]
+    reward = training.as_float32(reward)[None]
     terminated, truncated = terminated[None], truncated[None]
     offline_state, online_state = state.buffer_states
     online_state = online.add(online_state, jaxbuf.Transition(
         obs=state.obs, action=action, reward=reward,
-        next_obs=common.as_float32(info["final_observation"])[None],
+        next_obs=training.as_float32(info["final_observation"])[None],
         terminated=terminated, truncated=truncated))
     episode_returns = state.episode_returns + reward
     ended = terminated | truncated
     state = state.replace(
         buffer_states=[offline_state, online_state], env_state=env_state,
-        obs=common.as_float32(obs)[None],
+        obs=training.as_float32(obs)[None],
         episode_returns=jnp.where(ended, 0.0, episode_returns), key=key)
     # Vmapped over seeds, a cond is a select of every output: cond_update
     # keeps the replay storage, which learning only reads, out of it.
@@ -325,17 +325,19 @@ def make_trainer(config: Config, offline: jaxbuf.Buffer,
                                learn, lambda state, key: state, state,
                                learn_key)
     state = state.replace(iteration=state.iteration + 1)
-    return state, common.episode_metrics(ended, episode_returns,
+    return state, training.episode_metrics(ended, episode_returns,
                                          jnp.zeros((), jnp.float32))
 
-  return common.Trainer(init=init, step=step)
+  title = "TD3, " + ("mixing" if config.offline_fraction else "online only")
+  return training.Trainer(init=init, step=step, env_steps_per_iteration=1,
+                          title=title)
 
 
 def mean_curve(result: dict[str, Any], points: int
                ) -> tuple[np.ndarray, np.ndarray]:
   """Env steps at the end of each window `[P]`, and the seeds' mean return
   in it `[P]`."""
-  iterations, curves = common.learning_curve(
+  iterations, curves = training.learning_curve(
       result["returns_sum"], result["episodes_ended"], points)
   window = 2 * iterations[0]
   return iterations + window / 2, np.nanmean(curves, axis=0)
@@ -353,11 +355,8 @@ def run(config: Config, datasets_path: str | None = None,
   runs = {"mixing": config,
           "online only": dataclasses.replace(config, offline_fraction=0.0)}
   for name, run_config in runs.items():
-    trained = common.train_in_chunks(
-        make_trainer(run_config, offline, offline_state),
-        num_iterations=config.total_steps, env_steps_per_iteration=1,
-        num_chunks=config.num_chunks, num_seeds=config.num_seeds,
-        seed=config.seed, description=f"TD3, {name}",
+    trained = training.train(
+        make_trainer(run_config, offline, offline_state), run_config,
         show_progress=show_progress)
     steps, curve = mean_curve(trained, config.curve_points)
     results[name] = dict(trained, curve_steps=steps, curve=curve)
@@ -385,7 +384,7 @@ def plot_curves(results: dict[str, Any], path: str) -> None:
   axes = figure.subplots()
   for name, color in (("mixing", "tab:red"), ("online only", "tab:gray")):
     result = results[name]
-    _, seeds = common.learning_curve(result["returns_sum"],
+    _, seeds = training.learning_curve(result["returns_sum"],
                                      result["episodes_ended"],
                                      len(result["curve"]))
     for curve in seeds:
@@ -403,7 +402,7 @@ def plot_curves(results: dict[str, Any], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-  config, plot = common.parse_config(Config, __doc__.splitlines()[0], argv)
+  config, plot = training.parse_config(Config, __doc__.splitlines()[0], argv)
   with tempfile.TemporaryDirectory() as scratch:
     results = run(config, os.environ.get("MINARI_DATASETS_PATH", scratch))
   print(f"dataset: {results['dataset_episodes']} episodes, "

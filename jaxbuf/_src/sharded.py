@@ -546,13 +546,13 @@ def sharded(buffer: Buffer[StateT, SampleT], mesh: jax.sharding.Mesh,
   >>> int(state.size.sum()), batch.items["obs"].shape
   (8, (4, 3))
 
-  Sequence replay, 8 envs over 4 devices, 2 envs each:
+  Sequence replay, 8 envs over the devices (2 envs each on 4 devices):
 
   >>> windows = jaxbuf.sharded(jaxbuf.sequence_replay(
   ...     num_envs=8, capacity=128, sequence_length=3), mesh)
   >>> state = windows.init({"obs": jnp.zeros(3)})
-  >>> state.storage["obs"].shape
-  (4, 2, 16, 3)
+  >>> state.storage["obs"].shape == (devices, 8 // devices, 16, 3)
+  True
   >>> state = windows.add(state, {"obs": jnp.ones((8, 5, 3))})  # 5 steps
   >>> windows.sample(state, jax.random.key(0), 4).items["obs"].shape
   (4, 3, 3)
