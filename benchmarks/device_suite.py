@@ -39,6 +39,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -118,10 +119,16 @@ def run_part(part: Part, smoke: bool) -> dict[str, Any]:
   command = [sys.executable, str(script), *arguments]
   result["command"] = " ".join(["python", f"benchmarks/{part.script}",
                                 *arguments])
+  # JAX's default 32-bit mode, whatever the caller's: every figure and
+  # peer is defined in it (a JAX_ENABLE_X64=1 test run stays a test of the
+  # suite's code, not of other programs).
+  environment = {name: value for name, value in os.environ.items()
+                 if name != "JAX_ENABLE_X64"}
   start = time.perf_counter()
   try:
     completed = subprocess.run(command, capture_output=True, text=True,
-                               timeout=budget, check=False, cwd=HERE.parent)
+                               timeout=budget, check=False, cwd=HERE.parent,
+                               env=environment)
     output, status = completed.stdout + completed.stderr, (
         "ok" if completed.returncode == 0 else "failed")
   except subprocess.TimeoutExpired as expired:
@@ -133,8 +140,17 @@ def run_part(part: Part, smoke: bool) -> dict[str, Any]:
   result.update(status=status, seconds=round(time.perf_counter() - start, 1),
                 output=output, verdicts=verdict_lines(output))
   if status == "failed":
-    result["reason"] = (output.strip().splitlines() or ["no output"])[-1]
+    result["reason"] = failure_line(output)
   return result
+
+
+def failure_line(output: str) -> str:
+  """The exception line of a failed part's output (JAX prints a note about
+  its filtered frames after it), else its last line."""
+  lines = output.strip().splitlines() or ["no output"]
+  raised = [line for line in lines
+            if re.match(r"^[\w.]*(Error|Exception|Exit)\b", line)]
+  return (raised or lines)[-1]
 
 
 def describe_device() -> dict[str, Any]:

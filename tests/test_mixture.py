@@ -17,7 +17,7 @@ import jaxbuf
 from tests import devices
 
 CHECK_FAILED = checkify.JaxRuntimeError
-ITEM = {"obs": jnp.zeros(3), "action": jnp.int32(0)}
+ITEM = {"obs": jnp.zeros(3, jnp.float32), "action": jnp.int32(0)}
 
 
 def items(start: int, count: int, part: int = 0) -> dict:
