@@ -3,8 +3,9 @@
 import os
 
 # Must be set before JAX initialises its backends.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=4")
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+)
 
 import hypothesis  # noqa: E402
 import pytest  # noqa: E402
@@ -13,8 +14,12 @@ import jax  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 hypothesis.settings.register_profile(
-    "ci", max_examples=40, deadline=None, derandomize=True,
-    suppress_health_check=[hypothesis.HealthCheck.too_slow])
+  "ci",
+  max_examples=40,
+  deadline=None,
+  derandomize=True,
+  suppress_health_check=[hypothesis.HealthCheck.too_slow],
+)
 hypothesis.settings.load_profile("ci")
 
 
@@ -51,5 +56,4 @@ def _minari_doctests_write_to_a_scratch_directory(request):
   (MINARI_DATASETS_PATH), not ~/.minari."""
   if _MINARI_DOCTESTS in request.node.nodeid:
     monkeypatch = request.getfixturevalue("monkeypatch")
-    monkeypatch.setenv("MINARI_DATASETS_PATH",
-                       str(request.getfixturevalue("tmp_path")))
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(request.getfixturevalue("tmp_path")))

@@ -55,7 +55,8 @@ def make_state(capacity: int) -> jaxbuf.PrioritizedReplayState:
   for start in range(0, capacity, batch * 16):
     indices = jnp.arange(start, min(start + batch, capacity), dtype=jnp.int32)
     state = buffer.update_priorities(
-        state, indices, jax.random.uniform(jax.random.key(start), indices.shape) * 10)
+      state, indices, jax.random.uniform(jax.random.key(start), indices.shape) * 10
+    )
   return jax.block_until_ready(state)
 
 
@@ -76,22 +77,26 @@ def load_module(file: str):
 
 
 def bit_exact(restored, state) -> bool:
-  return all(np.array_equal(np.asarray(a).reshape(-1).view(np.uint8),
-                            np.asarray(b).reshape(-1).view(np.uint8))
-             for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
+  return all(
+    np.array_equal(
+      np.asarray(a).reshape(-1).view(np.uint8), np.asarray(b).reshape(-1).view(np.uint8)
+    )
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state))
+  )
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--capacity", type=int, default=1_000_000)
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--baseline", default=None,
-                      help="a checkpoint module file to compare with")
+  parser.add_argument("--baseline", default=None, help="a checkpoint module file to compare with")
   args = parser.parse_args()
 
   state = make_state(args.capacity)
-  leaves = {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in
-            jax.tree_util.tree_flatten_with_path(state)[0]}
+  leaves = {
+    jax.tree_util.keystr(path): np.asarray(leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+  }
   array_bytes = sum(leaf.nbytes for leaf in leaves.values())
   like = jax.eval_shape(lambda: state)
   libraries = {"jaxbuf": (jaxbuf.save, jaxbuf.load)}
@@ -106,10 +111,10 @@ def main() -> None:
       for name, (save, load) in libraries.items():
         fresh = work / f"{name}_{repeat}"
         for phase, call in (
-            ("save", lambda: save(fresh, state)),
-            ("overwrite", lambda: save(work / f"{name}_0", state)),
-            ("load", lambda: jax.block_until_ready(load(work / f"{name}_0",
-                                                        like=like)))):
+          ("save", lambda: save(fresh, state)),
+          ("overwrite", lambda: save(work / f"{name}_0", state)),
+          ("load", lambda: jax.block_until_ready(load(work / f"{name}_0", like=like))),
+        ):
           seconds, result = timed(call, 1)
           times[name][phase].append(seconds)
         exact[name] = bit_exact(result, state)
@@ -130,28 +135,45 @@ def main() -> None:
   finally:
     shutil.rmtree(work, ignore_errors=True)
 
-  median = {name: {phase: statistics.median(values) for phase, values in phases.items()}
-            for name, phases in times.items()}
+  median = {
+    name: {phase: statistics.median(values) for phase, values in phases.items()}
+    for name, phases in times.items()
+  }
   harness.print_machine(("jax", "jaxlib", "orbax-checkpoint", "numpy"))
-  print(f"state: prioritized replay, capacity {args.capacity}, obs (84,) float32, "
-        f"{len(leaves)} arrays, {array_bytes / 1e6:.1f} MB of array data; "
-        f"median of {args.repeats}")
+  print(
+    f"state: prioritized replay, capacity {args.capacity}, obs (84,) float32, "
+    f"{len(leaves)} arrays, {array_bytes / 1e6:.1f} MB of array data; "
+    f"median of {args.repeats}"
+  )
   print(f"{'':28s}{'save s':>9s}{'load s':>9s}{'overwrite s':>13s}{'MB on disk':>12s}")
   for name in libraries:
     # Built only for the rows present: without --baseline there is no file name.
-    label = ("jaxbuf.save/load (orbax)" if name == "jaxbuf"
-             else f"baseline ({pathlib.Path(args.baseline).name})")
-    print(f"{label:28s}{median[name]['save']:9.2f}{median[name]['load']:9.2f}"
-          f"{median[name]['overwrite']:13.2f}{on_disk[name] / 1e6:12.1f}")
-  print(f"{'numpy.savez/load':28s}{numpy_save_seconds:9.2f}{numpy_load_seconds:9.2f}"
-        f"{'':13s}{numpy_bytes / 1e6:12.1f}")
+    label = (
+      "jaxbuf.save/load (orbax)"
+      if name == "jaxbuf"
+      else f"baseline ({pathlib.Path(args.baseline).name})"
+    )
+    print(
+      f"{label:28s}{median[name]['save']:9.2f}{median[name]['load']:9.2f}"
+      f"{median[name]['overwrite']:13.2f}{on_disk[name] / 1e6:12.1f}"
+    )
+  print(
+    f"{'numpy.savez/load':28s}{numpy_save_seconds:9.2f}{numpy_load_seconds:9.2f}"
+    f"{'':13s}{numpy_bytes / 1e6:12.1f}"
+  )
   ours = median["jaxbuf"]
-  print(f"jaxbuf / numpy: save {ours['save'] / numpy_save_seconds:.2f}x, "
-        f"load {ours['load'] / numpy_load_seconds:.2f}x")
+  print(
+    f"jaxbuf / numpy: save {ours['save'] / numpy_save_seconds:.2f}x, "
+    f"load {ours['load'] / numpy_load_seconds:.2f}x"
+  )
   if "baseline" in median:
-    print("jaxbuf / baseline: " + ", ".join(
+    print(
+      "jaxbuf / baseline: "
+      + ", ".join(
         f"{phase} {ours[phase] / median['baseline'][phase]:.2f}x"
-        for phase in ("save", "load", "overwrite")))
+        for phase in ("save", "load", "overwrite")
+      )
+    )
   print("round trip bit-exact: " + ", ".join(f"{n} {e}" for n, e in exact.items()))
 
 

@@ -63,9 +63,9 @@ def repeats_for(num_items: int, repeats: int) -> int:
 def rlax_gae(rewards, values, dones, last_value):
   discounts = GAMMA * (1.0 - dones)
   bootstrap_values = jnp.concatenate([values, last_value[None]])
-  advantages = jax.vmap(rlax.truncated_generalized_advantage_estimation,
-                        in_axes=(1, 1, None, 1), out_axes=1)(
-                            rewards, discounts, GAE_LAMBDA, bootstrap_values)
+  advantages = jax.vmap(
+    rlax.truncated_generalized_advantage_estimation, in_axes=(1, 1, None, 1), out_axes=1
+  )(rewards, discounts, GAE_LAMBDA, bootstrap_values)
   return advantages, advantages + values
 
 
@@ -77,23 +77,34 @@ def purejaxrl_gae(rewards, values, dones, last_value):
     gae = delta + GAMMA * GAE_LAMBDA * (1 - done) * gae
     return (gae, value), gae
 
-  _, advantages = jax.lax.scan(get_advantages,
-                               (jnp.zeros_like(last_value), last_value),
-                               (dones, values, rewards), reverse=True,
-                               unroll=16)
+  _, advantages = jax.lax.scan(
+    get_advantages,
+    (jnp.zeros_like(last_value), last_value),
+    (dones, values, rewards),
+    reverse=True,
+    unroll=16,
+  )
   return advantages, advantages + values
 
 
 def jaxbuf_gae(rewards, values, dones, last_value, *, associative):
-  return jaxbuf.compute_gae(rewards, values, dones, last_value, gamma=GAMMA,
-                            gae_lambda=GAE_LAMBDA, associative=associative)
+  return jaxbuf.compute_gae(
+    rewards, values, dones, last_value, gamma=GAMMA, gae_lambda=GAE_LAMBDA, associative=associative
+  )
 
 
-def jaxbuf_gae_full(rewards, values, dones, last_value, truncated,
-                    truncated_values, valid):
-  return jaxbuf.compute_gae(rewards, values, dones, last_value, gamma=GAMMA,
-                            gae_lambda=GAE_LAMBDA, truncated=truncated,
-                            truncated_values=truncated_values, valid=valid)
+def jaxbuf_gae_full(rewards, values, dones, last_value, truncated, truncated_values, valid):
+  return jaxbuf.compute_gae(
+    rewards,
+    values,
+    dones,
+    last_value,
+    gamma=GAMMA,
+    gae_lambda=GAE_LAMBDA,
+    truncated=truncated,
+    truncated_values=truncated_values,
+    valid=valid,
+  )
 
 
 def gae_inputs(num_steps: int, num_envs: int):
@@ -107,16 +118,15 @@ def gae_inputs(num_steps: int, num_envs: int):
   truncated_values = jax.random.normal(keys[5], shape)
   counts = jnp.full((num_envs,), num_steps).at[::2].set(num_steps - 3)
   valid = jnp.arange(num_steps)[:, None] < counts[None, :]
-  return (rewards, values, dones, last_value), (truncated, truncated_values,
-                                                valid)
+  return (rewards, values, dones, last_value), (truncated, truncated_values, valid)
 
 
 def bench_gae(shapes, repeats):
   variants = {
-      "jaxbuf scan": jax.jit(functools.partial(jaxbuf_gae, associative=False)),
-      "jaxbuf assoc": jax.jit(functools.partial(jaxbuf_gae, associative=True)),
-      "rlax vmap": jax.jit(rlax_gae),
-      "purejaxrl": jax.jit(purejaxrl_gae),
+    "jaxbuf scan": jax.jit(functools.partial(jaxbuf_gae, associative=False)),
+    "jaxbuf assoc": jax.jit(functools.partial(jaxbuf_gae, associative=True)),
+    "rlax vmap": jax.jit(rlax_gae),
+    "purejaxrl": jax.jit(purejaxrl_gae),
   }
   full = jax.jit(jaxbuf_gae_full)
   rows = []
@@ -124,13 +134,10 @@ def bench_gae(shapes, repeats):
     inputs, extras = gae_inputs(num_steps, num_envs)
     reference = variants["rlax vmap"](*inputs)[0]
     for function in variants.values():
-      np.testing.assert_allclose(function(*inputs)[0], reference, rtol=2e-3,
-                                 atol=2e-3)
-    calls = {name: functools.partial(function, *inputs)
-             for name, function in variants.items()}
+      np.testing.assert_allclose(function(*inputs)[0], reference, rtol=2e-3, atol=2e-3)
+    calls = {name: functools.partial(function, *inputs) for name, function in variants.items()}
     calls["jaxbuf full"] = functools.partial(full, *inputs, *extras)
-    times = harness.time_interleaved(
-        calls, repeats=repeats_for(num_steps * num_envs, repeats))
+    times = harness.time_interleaved(calls, repeats=repeats_for(num_steps * num_envs, repeats))
     floor_mb = 5 * 4 * num_steps * num_envs / 1e6
     rows.append((num_steps, num_envs, floor_mb, times))
   return rows
@@ -140,29 +147,36 @@ def bench_gae(shapes, repeats):
 
 
 def example_step():
-  return {"obs": jnp.zeros(OBS_SIZE), "action": jnp.int32(0),
-          "log_prob": jnp.float32(0), "value": jnp.float32(0),
-          "reward": jnp.float32(0), "terminated": jnp.bool_(False),
-          "truncated": jnp.bool_(False), "truncated_value": jnp.float32(0)}
+  return {
+    "obs": jnp.zeros(OBS_SIZE),
+    "action": jnp.int32(0),
+    "log_prob": jnp.float32(0),
+    "value": jnp.float32(0),
+    "reward": jnp.float32(0),
+    "terminated": jnp.bool_(False),
+    "truncated": jnp.bool_(False),
+    "truncated_value": jnp.float32(0),
+  }
 
 
 def fake_step(key, num_envs):
   """Random data standing in for one vectorised env + policy step."""
   k = jax.random.split(key, 4)
-  return {"obs": jax.random.normal(k[0], (num_envs, OBS_SIZE)),
-          "action": jax.random.randint(k[1], (num_envs,), 0, 2),
-          "log_prob": jnp.full((num_envs,), -0.69),
-          "value": jax.random.normal(k[2], (num_envs,)),
-          "reward": jnp.ones((num_envs,)),
-          "terminated": jax.random.uniform(k[3], (num_envs,)) < 0.01,
-          "truncated": jnp.zeros((num_envs,), bool),
-          "truncated_value": jnp.zeros((num_envs,))}
+  return {
+    "obs": jax.random.normal(k[0], (num_envs, OBS_SIZE)),
+    "action": jax.random.randint(k[1], (num_envs,), 0, 2),
+    "log_prob": jnp.full((num_envs,), -0.69),
+    "value": jax.random.normal(k[2], (num_envs,)),
+    "reward": jnp.ones((num_envs,)),
+    "terminated": jax.random.uniform(k[3], (num_envs,)) < 0.01,
+    "truncated": jnp.zeros((num_envs,), bool),
+    "truncated_value": jnp.zeros((num_envs,)),
+  }
 
 
 def consume(total, minibatch):
   """Stands in for the loss: reads every leaf of the minibatch."""
-  return total + sum(jnp.sum(leaf.astype(jnp.float32))
-                     for leaf in jax.tree.leaves(minibatch)), None
+  return total + sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(minibatch)), None
 
 
 def total_of(tree):
@@ -180,22 +194,24 @@ def make_jaxbuf_update(num_steps, num_envs, *, collect_only=False):
       return rollout.add(state, fake_step(key, num_envs)), None
 
     collect_key, last_key, shuffle_key = jax.random.split(key, 3)
-    state, _ = jax.lax.scan(collect, state, jax.random.split(collect_key,
-                                                             num_steps))
+    state, _ = jax.lax.scan(collect, state, jax.random.split(collect_key, num_steps))
     data = state.data
     if collect_only:
       return state, total_of(data)
     advantages, returns = jaxbuf.compute_gae(
-        data["reward"], data["value"], data["terminated"],
-        jax.random.normal(last_key, (num_envs,)), gamma=GAMMA,
-        gae_lambda=GAE_LAMBDA, truncated=data["truncated"],
-        truncated_values=data["truncated_value"])
-    batch = {**data, "advantage": jaxbuf.normalize_advantages(advantages),
-             "return": returns}
+      data["reward"],
+      data["value"],
+      data["terminated"],
+      jax.random.normal(last_key, (num_envs,)),
+      gamma=GAMMA,
+      gae_lambda=GAE_LAMBDA,
+      truncated=data["truncated"],
+      truncated_values=data["truncated_value"],
+    )
+    batch = {**data, "advantage": jaxbuf.normalize_advantages(advantages), "return": returns}
 
     def epoch(total, key):
-      minibatches = jaxbuf.shuffled_minibatches(key, batch,
-                                                num_minibatches=MINIBATCHES)
+      minibatches = jaxbuf.shuffled_minibatches(key, batch, num_minibatches=MINIBATCHES)
       return jax.lax.scan(consume, total, minibatches)[0], None
 
     total, _ = jax.lax.scan(epoch, 0.0, jax.random.split(shuffle_key, EPOCHS))
@@ -210,22 +226,26 @@ def make_purejaxrl_update(num_steps, num_envs, *, collect_only=False):
       return carry, fake_step(key, num_envs)
 
     collect_key, last_key, shuffle_key = jax.random.split(key, 3)
-    _, data = jax.lax.scan(collect, None, jax.random.split(collect_key,
-                                                           num_steps))
+    _, data = jax.lax.scan(collect, None, jax.random.split(collect_key, num_steps))
     if collect_only:
       return total_of(data)
     advantages, returns = purejaxrl_gae(
-        data["reward"], data["value"], data["terminated"].astype(jnp.float32),
-        jax.random.normal(last_key, (num_envs,)))
+      data["reward"],
+      data["value"],
+      data["terminated"].astype(jnp.float32),
+      jax.random.normal(last_key, (num_envs,)),
+    )
     advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     batch = {**data, "advantage": advantages, "return": returns}
 
     def epoch(total, key):
       permutation = jax.random.permutation(key, num_steps * num_envs)
       shuffled = jax.tree.map(
-          lambda x: jnp.take(x.reshape((num_steps * num_envs,) + x.shape[2:]),
-                             permutation, axis=0).reshape(
-                                 (MINIBATCHES, -1) + x.shape[2:]), batch)
+        lambda x: jnp.take(
+          x.reshape((num_steps * num_envs,) + x.shape[2:]), permutation, axis=0
+        ).reshape((MINIBATCHES, -1) + x.shape[2:]),
+        batch,
+      )
       return jax.lax.scan(consume, total, shuffled)[0], None
 
     total, _ = jax.lax.scan(epoch, 0.0, jax.random.split(shuffle_key, EPOCHS))
@@ -240,16 +260,14 @@ def bench_ppo(shapes, repeats):
     key = jax.random.key(1)
     calls = {}
     for collect_only in (True, False):
-      jaxbuf_update, state = make_jaxbuf_update(num_steps, num_envs,
-                                                collect_only=collect_only)
-      baseline = make_purejaxrl_update(num_steps, num_envs,
-                                       collect_only=collect_only)
+      jaxbuf_update, state = make_jaxbuf_update(num_steps, num_envs, collect_only=collect_only)
+      baseline = make_purejaxrl_update(num_steps, num_envs, collect_only=collect_only)
       part = "collect" if collect_only else "update"
       calls[f"jaxbuf {part}"] = harness.carrying(
-          lambda state, update=jaxbuf_update: update(state, key), state)
+        lambda state, update=jaxbuf_update: update(state, key), state
+      )
       calls[f"purejaxrl {part}"] = functools.partial(baseline, key)
-    rows.append((num_steps, num_envs,
-                 harness.time_interleaved(calls, repeats=repeats)))
+    rows.append((num_steps, num_envs, harness.time_interleaved(calls, repeats=repeats)))
   return rows
 
 
@@ -258,8 +276,9 @@ def bench_ppo(shapes, repeats):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="small shapes and few repeats: a smoke run")
+  parser.add_argument(
+    "--quick", action="store_true", help="small shapes and few repeats: a smoke run"
+  )
   parser.add_argument("--repeats", type=int, default=None)
   args = parser.parse_args()
   if args.quick:
@@ -271,34 +290,43 @@ def main():
   repeats = args.repeats or repeats
 
   harness.print_machine(("jax", "jaxlib", "numpy", "rlax"))
-  print(f"GAE, gamma={GAMMA}, lambda={GAE_LAMBDA}: median ms per call "
-        f"(at least {repeats} interleaved repeats, more for small shapes); "
-        "ratio = rlax time / this time (>1: faster than rlax)")
-  names = ("jaxbuf scan", "jaxbuf assoc", "jaxbuf full", "rlax vmap",
-           "purejaxrl")
-  print("| T | N | floor MB | " + " | ".join(names)
-        + " | scan vs rlax | assoc vs rlax |")
+  print(
+    f"GAE, gamma={GAMMA}, lambda={GAE_LAMBDA}: median ms per call "
+    f"(at least {repeats} interleaved repeats, more for small shapes); "
+    "ratio = rlax time / this time (>1: faster than rlax)"
+  )
+  names = ("jaxbuf scan", "jaxbuf assoc", "jaxbuf full", "rlax vmap", "purejaxrl")
+  print("| T | N | floor MB | " + " | ".join(names) + " | scan vs rlax | assoc vs rlax |")
   print("|---|---|---|" + "---|" * (len(names) + 2))
   for num_steps, num_envs, floor_mb, times in bench_gae(gae_shapes, repeats):
     rlax_time = times["rlax vmap"]
-    print(f"| {num_steps} | {num_envs} | {floor_mb:.1f} | "
-          + " | ".join(f"{1e3 * times[name]:.3f}" for name in names)
-          + f" | {rlax_time / times['jaxbuf scan']:.2f}x"
-          + f" | {rlax_time / times['jaxbuf assoc']:.2f}x |")
+    print(
+      f"| {num_steps} | {num_envs} | {floor_mb:.1f} | "
+      + " | ".join(f"{1e3 * times[name]:.3f}" for name in names)
+      + f" | {rlax_time / times['jaxbuf scan']:.2f}x"
+      + f" | {rlax_time / times['jaxbuf assoc']:.2f}x |"
+    )
 
   print()
-  print(f"PPO data path per update (collect T steps into the buffer, GAE with "
-        f"truncation, normalise, {EPOCHS} epochs x {MINIBATCHES} shuffled "
-        f"minibatches): median ms of {repeats} interleaved repeats")
-  print("| T | N | collect: jaxbuf add | collect: scan ys | update: jaxbuf | "
-        "update: purejaxrl-style | update ratio |")
+  print(
+    f"PPO data path per update (collect T steps into the buffer, GAE with "
+    f"truncation, normalise, {EPOCHS} epochs x {MINIBATCHES} shuffled "
+    f"minibatches): median ms of {repeats} interleaved repeats"
+  )
+  print(
+    "| T | N | collect: jaxbuf add | collect: scan ys | update: jaxbuf | "
+    "update: purejaxrl-style | update ratio |"
+  )
   print("|---|---|---|---|---|---|---|")
   for num_steps, num_envs, times in bench_ppo(ppo_shapes, repeats):
-    print(f"| {num_steps} | {num_envs} | "
-          + " | ".join(f"{1e3 * times[name]:.2f}" for name in
-                       ("jaxbuf collect", "purejaxrl collect", "jaxbuf update",
-                        "purejaxrl update"))
-          + f" | {times['purejaxrl update'] / times['jaxbuf update']:.2f}x |")
+    print(
+      f"| {num_steps} | {num_envs} | "
+      + " | ".join(
+        f"{1e3 * times[name]:.2f}"
+        for name in ("jaxbuf collect", "purejaxrl collect", "jaxbuf update", "purejaxrl update")
+      )
+      + f" | {times['purejaxrl update'] / times['jaxbuf update']:.2f}x |"
+    )
 
 
 if __name__ == "__main__":

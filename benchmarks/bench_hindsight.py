@@ -61,9 +61,11 @@ def reward_fn(achieved_goal, desired_goal):
 
 
 def goal_obs(rng, shape):
-  return {"observation": rng.standard_normal(shape + (OBS,), np.float32),
-          "achieved_goal": rng.standard_normal(shape + (GOAL,), np.float32),
-          "desired_goal": rng.standard_normal(shape + (GOAL,), np.float32)}
+  return {
+    "observation": rng.standard_normal(shape + (OBS,), np.float32),
+    "achieved_goal": rng.standard_normal(shape + (GOAL,), np.float32),
+    "desired_goal": rng.standard_normal(shape + (GOAL,), np.float32),
+  }
 
 
 def tree_bytes(tree) -> int:
@@ -74,8 +76,12 @@ def hindsight_at(revision: str):
   """`jaxbuf/_src/streams/hindsight.py` as it was at git `revision`, as a module."""
   root = pathlib.Path(__file__).resolve().parent.parent
   source = subprocess.run(
-      ["git", "show", f"{revision}:jaxbuf/_src/streams/hindsight.py"], cwd=root,
-      capture_output=True, text=True, check=True).stdout
+    ["git", "show", f"{revision}:jaxbuf/_src/streams/hindsight.py"],
+    cwd=root,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout
   path = pathlib.Path(tempfile.mkdtemp()) / f"hindsight_{revision}.py"
   path.write_text(source)
   spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -88,14 +94,14 @@ def her_state(capacity: int, make=jaxbuf.hindsight_replay):
   buffer = make(NUM_ENVS, capacity, reward_fn)
   rng = np.random.default_rng(0)
   per_env = capacity // NUM_ENVS
-  steps = {"obs": goal_obs(rng, (NUM_ENVS, per_env)),
-           "action": rng.standard_normal((NUM_ENVS, per_env, ACTION),
-                                         np.float32),
-           "reward": np.zeros((NUM_ENVS, per_env), np.float32),
-           "terminated": np.zeros((NUM_ENVS, per_env), bool)}
+  steps = {
+    "obs": goal_obs(rng, (NUM_ENVS, per_env)),
+    "action": rng.standard_normal((NUM_ENVS, per_env, ACTION), np.float32),
+    "reward": np.zeros((NUM_ENVS, per_env), np.float32),
+    "terminated": np.zeros((NUM_ENVS, per_env), bool),
+  }
   # Episodes of 50 transitions: 51 steps, the last the final observation.
-  ends = (np.arange(per_env) % (EPISODE + 1) == EPISODE)[None].repeat(
-      NUM_ENVS, 0)
+  ends = (np.arange(per_env) % (EPISODE + 1) == EPISODE)[None].repeat(NUM_ENVS, 0)
   state = buffer.init(jax.tree.map(lambda x: x[0, 0], steps))
   return buffer, buffer.add(state, steps, episode_end=ends)
 
@@ -103,11 +109,13 @@ def her_state(capacity: int, make=jaxbuf.hindsight_replay):
 def item_state(capacity: int):
   buffer = jaxbuf.uniform_replay(capacity)
   rng = np.random.default_rng(1)
-  items = {"obs": goal_obs(rng, (capacity,)),
-           "action": rng.standard_normal((capacity, ACTION), np.float32),
-           "reward": np.zeros(capacity, np.float32),
-           "next_obs": goal_obs(rng, (capacity,)),
-           "terminated": np.zeros(capacity, bool)}
+  items = {
+    "obs": goal_obs(rng, (capacity,)),
+    "action": rng.standard_normal((capacity, ACTION), np.float32),
+    "reward": np.zeros(capacity, np.float32),
+    "next_obs": goal_obs(rng, (capacity,)),
+    "terminated": np.zeros(capacity, bool),
+  }
   state = buffer.init(jax.tree.map(lambda x: x[0], items))
   return buffer, buffer.add(state, items)
 
@@ -129,8 +137,8 @@ def sb3_buffer(capacity: int):
     def __init__(self):
       box = lambda n: gym.spaces.Box(-np.inf, np.inf, (n,), np.float32)
       self.observation_space = gym.spaces.Dict(
-          {"observation": box(OBS), "achieved_goal": box(GOAL),
-           "desired_goal": box(GOAL)})
+        {"observation": box(OBS), "achieved_goal": box(GOAL), "desired_goal": box(GOAL)}
+      )
       self.action_space = gym.spaces.Box(-1, 1, (ACTION,), np.float32)
 
     def compute_reward(self, achieved_goal, desired_goal, _info):
@@ -138,12 +146,17 @@ def sb3_buffer(capacity: int):
       return -(distance > 0.05).astype(np.float32)
 
   env = DummyVecEnv([GoalEnv])
-  buffer = HerReplayBuffer(capacity, env.observation_space, env.action_space,
-                           env, device="cpu", n_sampled_goal=4,
-                           goal_selection_strategy="future")
+  buffer = HerReplayBuffer(
+    capacity,
+    env.observation_space,
+    env.action_space,
+    env,
+    device="cpu",
+    n_sampled_goal=4,
+    goal_selection_strategy="future",
+  )
   rng = np.random.default_rng(2)
-  for _name, column in (*buffer.observations.items(),
-                       *buffer.next_observations.items()):
+  for _name, column in (*buffer.observations.items(), *buffer.next_observations.items()):
     column[:] = rng.standard_normal(column.shape).astype(column.dtype)
   positions = np.arange(capacity)
   buffer.ep_start[:, 0] = positions - positions % EPISODE
@@ -156,9 +169,16 @@ def sb3_bytes_per_transition() -> float | None:
   buffer = sb3_buffer(1000)
   if buffer is None:
     return None
-  arrays = [*buffer.observations.values(), *buffer.next_observations.values(),
-            buffer.actions, buffer.rewards, buffer.dones, buffer.timeouts,
-            buffer.ep_start, buffer.ep_length]
+  arrays = [
+    *buffer.observations.values(),
+    *buffer.next_observations.values(),
+    buffer.actions,
+    buffer.rewards,
+    buffer.dones,
+    buffer.timeouts,
+    buffer.ep_start,
+    buffer.ep_length,
+  ]
   return sum(a.nbytes for a in arrays) / 1000
 
 
@@ -174,10 +194,10 @@ def main() -> None:
   parser.add_argument("--capacity", type=int, default=1_000_000)
   parser.add_argument("--batch-size", type=int, default=256)
   parser.add_argument("--repeats", type=int, default=20)
-  parser.add_argument("--no-sb3", action="store_true",
-                      help="leave SB3 out of the timing")
-  parser.add_argument("--before", metavar="REV",
-                      help="also time hindsight.py as at git revision REV")
+  parser.add_argument("--no-sb3", action="store_true", help="leave SB3 out of the timing")
+  parser.add_argument(
+    "--before", metavar="REV", help="also time hindsight.py as at git revision REV"
+  )
   args = parser.parse_args()
   harness.print_machine(harness.PACKAGES + ("stable_baselines3", "torch"))
   capacity = args.capacity - args.capacity % NUM_ENVS
@@ -185,29 +205,37 @@ def main() -> None:
   items, items_held = item_state(capacity)
   keys = iter(jax.random.split(jax.random.key(0), 10_000))
   calls = {
-      "hindsight_replay": lambda: her.sample(her_held, next(keys),
-                                             args.batch_size),
-      "uniform_replay (items)": lambda: items.sample(items_held, next(keys),
-                                                     args.batch_size),
+    "hindsight_replay": lambda: her.sample(her_held, next(keys), args.batch_size),
+    "uniform_replay (items)": lambda: items.sample(items_held, next(keys), args.batch_size),
   }
   if args.before:
-    before, before_held = her_state(
-        capacity, hindsight_at(args.before).hindsight_replay)
+    before, before_held = her_state(capacity, hindsight_at(args.before).hindsight_replay)
     calls[f"hindsight_replay at {args.before}"] = lambda: before.sample(
-        before_held, next(keys), args.batch_size)
+      before_held, next(keys), args.batch_size
+    )
   times = harness.time_interleaved(calls, repeats=args.repeats, warmup=2)
   # SB3 is timed after, not interleaved: torch's threads, once woken, slowed
   # XLA's next calls several-fold on this 2-core machine.
   sb3 = None if args.no_sb3 else sb3_buffer(capacity)
   if sb3 is not None:
     times["SB3 HerReplayBuffer"] = harness.time_call(
-        lambda: sb3.sample(args.batch_size), repeats=args.repeats)
-  print(f"\nsample of {args.batch_size} at capacity {capacity:,} (median of "
-        f"{args.repeats}; the jaxbuf calls interleaved), microseconds per call")
-  harness.print_table([("buffer", -32), ("us", 10), ("vs HER", 8)], [
-      (name, harness.microseconds(seconds),
-       harness.ratio_text(harness.ratio(seconds, times["hindsight_replay"])))
-      for name, seconds in times.items()])
+      lambda: sb3.sample(args.batch_size), repeats=args.repeats
+    )
+  print(
+    f"\nsample of {args.batch_size} at capacity {capacity:,} (median of "
+    f"{args.repeats}; the jaxbuf calls interleaved), microseconds per call"
+  )
+  harness.print_table(
+    [("buffer", -32), ("us", 10), ("vs HER", 8)],
+    [
+      (
+        name,
+        harness.microseconds(seconds),
+        harness.ratio_text(harness.ratio(seconds, times["hindsight_replay"])),
+      )
+      for name, seconds in times.items()
+    ],
+  )
 
   transitions = capacity * EPISODE / (EPISODE + 1)
   her_bytes = tree_bytes(her_held) / transitions
@@ -215,30 +243,43 @@ def main() -> None:
   sb3_bytes = sb3_bytes_per_transition()
   cpprb_bytes = cpprb_bytes_per_transition()
   print("\nbytes per transition held (FetchReach shapes, episodes of 50)")
-  harness.print_table([("buffer", -34), ("bytes", 8), ("vs HER", 8)], [
-      (name, "-" if value is None else f"{value:.1f}",
-       harness.ratio_text(harness.ratio(value, her_bytes)))
+  harness.print_table(
+    [("buffer", -34), ("bytes", 8), ("vs HER", 8)],
+    [
+      (
+        name,
+        "-" if value is None else f"{value:.1f}",
+        harness.ratio_text(harness.ratio(value, her_bytes)),
+      )
       for name, value in (
-          ("jaxbuf hindsight_replay", her_bytes),
-          ("jaxbuf uniform_replay (items)", item_bytes),
-          ("SB3 HerReplayBuffer", sb3_bytes),
-          ("cpprb HindsightReplayBuffer (k=4)", cpprb_bytes))])
+        ("jaxbuf hindsight_replay", her_bytes),
+        ("jaxbuf uniform_replay (items)", item_bytes),
+        ("SB3 HerReplayBuffer", sb3_bytes),
+        ("cpprb HindsightReplayBuffer (k=4)", cpprb_bytes),
+      )
+    ],
+  )
 
   verdicts = harness.Verdicts()
   for name, seconds in times.items():
-    verdicts.info(f"{name} sample of {args.batch_size}, C={capacity:,}: "
-                  f"{harness.microseconds(seconds)} us per call")
-  verdicts.judge("HER sample / item replay sample",
-                 harness.ratio(times["hindsight_replay"],
-                               times["uniform_replay (items)"]), 1.5,
-                 higher_is_better=False)
-  if args.before:
     verdicts.info(
-        f"HER sample at {args.before} / item replay sample: "
-        f"{harness.ratio_text(harness.ratio(times[f'hindsight_replay at {args.before}'], times['uniform_replay (items)']))}")  # noqa: E501
+      f"{name} sample of {args.batch_size}, C={capacity:,}: "
+      f"{harness.microseconds(seconds)} us per call"
+    )
+  verdicts.judge(
+    "HER sample / item replay sample",
+    harness.ratio(times["hindsight_replay"], times["uniform_replay (items)"]),
+    1.5,
+    higher_is_better=False,
+  )
+  if args.before:
+    before = harness.ratio(
+      times[f"hindsight_replay at {args.before}"], times["uniform_replay (items)"]
+    )
+    verdicts.info(f"HER sample at {args.before} / item replay sample: {harness.ratio_text(before)}")
   if sb3 is not None:
-    verdicts.info(f"SB3 HerReplayBuffer.sample / jaxbuf: "
-                  f"{harness.ratio_text(harness.ratio(times['SB3 HerReplayBuffer'], times['hindsight_replay']))}")  # noqa: E501
+    sb3_ratio = harness.ratio(times["SB3 HerReplayBuffer"], times["hindsight_replay"])
+    verdicts.info(f"SB3 HerReplayBuffer.sample / jaxbuf: {harness.ratio_text(sb3_ratio)}")
   verdicts.print("verdicts")
   print(f"\nload average at the end: {harness.load_average()}")
 

@@ -30,17 +30,22 @@ def main() -> None:
   args = parser.parse_args()
   harness.print_machine()
   buffer = jaxbuf.uniform_replay(10_000)
-  example = dict(obs=np.zeros(4, np.float32), action=np.int64(0),
-                 reward=np.float32(0), next_obs=np.zeros(4, np.float32),
-                 terminated=np.bool_(False))
+  example = dict(
+    obs=np.zeros(4, np.float32),
+    action=np.int64(0),
+    reward=np.float32(0),
+    next_obs=np.zeros(4, np.float32),
+    terminated=np.bool_(False),
+  )
   rng = np.random.default_rng(0)
-  items = dict(obs=rng.normal(size=(4, 4)).astype(np.float32),
-               action=rng.integers(0, 2, 4),
-               reward=np.ones(4, np.float32),
-               next_obs=rng.normal(size=(4, 4)).astype(np.float32),
-               terminated=np.zeros(4, bool))
-  holder = {"state": buffer.add(buffer.init(example), dict(
-      items, action=np.zeros(4, np.int64)))}
+  items = dict(
+    obs=rng.normal(size=(4, 4)).astype(np.float32),
+    action=rng.integers(0, 2, 4),
+    reward=np.ones(4, np.float32),
+    next_obs=rng.normal(size=(4, 4)).astype(np.float32),
+    terminated=np.zeros(4, bool),
+  )
+  holder = {"state": buffer.add(buffer.init(example), dict(items, action=np.zeros(4, np.int64)))}
   key = jax.random.key(0)
   identity = jax.jit(lambda state: state, donate_argnums=0)
 
@@ -61,18 +66,21 @@ def main() -> None:
   def sample_step():
     return buffer.sample(holder["state"], key, 128, step=next(counter))
 
-  calls = {"add from NumPy": add, "jitted identity on the state (floor)": floor,
-           "split + sample": sample_split, "sample(step=)": sample_step}
+  calls = {
+    "add from NumPy": add,
+    "jitted identity on the state (floor)": floor,
+    "split + sample": sample_split,
+    "sample(step=)": sample_step,
+  }
   if "step" not in inspect.signature(buffer.sample).parameters:
     del calls["sample(step=)"]  # a jaxbuf from before step=, for comparison
-  seconds = harness.time_interleaved(
-      calls, repeats=args.repeats, warmup=2, number=args.calls)
-  harness.print_table([("call", -38), ("us per call", 12)],
-                      [(name, harness.microseconds(value))
-                       for name, value in seconds.items()])
+  seconds = harness.time_interleaved(calls, repeats=args.repeats, warmup=2, number=args.calls)
+  harness.print_table(
+    [("call", -38), ("us per call", 12)],
+    [(name, harness.microseconds(value)) for name, value in seconds.items()],
+  )
   for name, value in seconds.items():
-    print(f"info  {name}: {harness.microseconds(value)} us per call "
-          f"({jax.default_backend()})")
+    print(f"info  {name}: {harness.microseconds(value)} us per call ({jax.default_backend()})")
   print(f"load average at end: {harness.load_average()}")
 
 

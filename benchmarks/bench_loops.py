@@ -40,17 +40,18 @@ import harness  # noqa: E402
 import jaxbuf  # noqa: E402
 
 
-def time_fused(module, config, iterations_per_chunk: int, num_chunks: int,
-               num_seeds: int = 1) -> float:
+def time_fused(
+  module, config, iterations_per_chunk: int, num_chunks: int, num_seeds: int = 1
+) -> float:
   """Env steps/s of the example's own jitted chunk runner (vmapped over seeds)."""
   trainer = module.make_trainer(config)
   runner = training.make_chunk_runner(trainer.step, iterations_per_chunk)
-  state = jax.jit(jax.vmap(trainer.init))(
-      jax.random.split(jax.random.key(0), num_seeds))
+  state = jax.jit(jax.vmap(trainer.init))(jax.random.split(jax.random.key(0), num_seeds))
   compiled = runner.lower(state).compile()
   # Warm-up chunks: DQN fills its buffer past learning_starts.
-  warmup_chunks = -(-config.learning_starts // (
-      config.num_envs * iterations_per_chunk)) if module is dqn else 1
+  warmup_chunks = (
+    -(-config.learning_starts // (config.num_envs * iterations_per_chunk)) if module is dqn else 1
+  )
   for _ in range(max(warmup_chunks, 1)):
     state, metrics = compiled(state)
   jax.block_until_ready(metrics)
@@ -59,8 +60,7 @@ def time_fused(module, config, iterations_per_chunk: int, num_chunks: int,
     state, metrics = compiled(state)
     jax.device_get(metrics)  # as the examples do, to move the progress bar
   seconds = time.perf_counter() - start
-  steps_per_iteration = (config.num_envs if module is dqn
-                         else config.num_envs * config.num_steps)
+  steps_per_iteration = config.num_envs if module is dqn else config.num_envs * config.num_steps
   return num_seeds * num_chunks * iterations_per_chunk * steps_per_iteration / seconds
 
 
@@ -68,9 +68,10 @@ class NumpyReplay:
   """A uniform ring buffer of transitions in host memory."""
 
   def __init__(self, example: dict[str, np.ndarray], capacity: int):
-    self.storage = {name: np.zeros((capacity, *np.shape(value)),
-                                   np.asarray(value).dtype)
-                    for name, value in example.items()}
+    self.storage = {
+      name: np.zeros((capacity, *np.shape(value)), np.asarray(value).dtype)
+      for name, value in example.items()
+    }
     self.capacity, self.position, self.size = capacity, 0, 0
     self.rng = np.random.default_rng(0)
 
@@ -90,11 +91,13 @@ class NumpyReplay:
 def time_dqn_host(config: dqn.Config, num_iterations: int) -> float:
   """DQN with the same network, loss and optimizer; replay in NumPy."""
   import gymnax
+
   env, env_params = gymnax.make(config.env_name)
   num_actions = env.action_space(env_params).n
   network = dqn.QNetwork(num_actions, config.hidden_size)
-  optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
-                          optax.adam(config.learning_rate))
+  optimizer = optax.chain(
+    optax.clip_by_global_norm(config.max_grad_norm), optax.adam(config.learning_rate)
+  )
   epsilon = config.epsilon_end  # the annealing schedule does not change the cost
 
   @jax.jit
@@ -104,31 +107,34 @@ def time_dqn_host(config: dqn.Config, num_iterations: int) -> float:
     random_actions = jax.random.randint(action_key, greedy.shape, 0, num_actions)
     explore = jax.random.uniform(explore_key, greedy.shape) < epsilon
     actions = jnp.where(explore, random_actions, greedy).astype(jnp.int32)
-    next_obs, env_state, rewards, terminated, _, info = jax.vmap(
-        env.step, in_axes=(0, 0, 0, None))(
-            jax.random.split(env_key, config.num_envs), env_state, actions,
-            env_params)
-    transition = dict(obs=obs, action=actions,
-                      reward=rewards.astype(jnp.float32),
-                      next_obs=info["final_observation"], terminated=terminated)
+    next_obs, env_state, rewards, terminated, _, info = jax.vmap(env.step, in_axes=(0, 0, 0, None))(
+      jax.random.split(env_key, config.num_envs), env_state, actions, env_params
+    )
+    transition = dict(
+      obs=obs,
+      action=actions,
+      reward=rewards.astype(jnp.float32),
+      next_obs=info["final_observation"],
+      terminated=terminated,
+    )
     return env_state, next_obs, transition
 
   @jax.jit
   def learn(params, target_params, opt_state, batch):
     def loss_fn(params):
       q_values = network.apply(params, batch["obs"])
-      q_taken = jnp.take_along_axis(q_values, batch["action"][:, None],
-                                    axis=-1)[:, 0]
+      q_taken = jnp.take_along_axis(q_values, batch["action"][:, None], axis=-1)[:, 0]
       next_q_values = network.apply(target_params, batch["next_obs"])
       if config.double_q:
         next_actions = network.apply(params, batch["next_obs"]).argmax(axis=-1)
-        next_q = jnp.take_along_axis(next_q_values, next_actions[:, None],
-                                     axis=-1)[:, 0]
+        next_q = jnp.take_along_axis(next_q_values, next_actions[:, None], axis=-1)[:, 0]
       else:
         next_q = next_q_values.max(axis=-1)
-      target = batch["reward"] + config.gamma * (
-          1.0 - batch["terminated"].astype(jnp.float32)) * next_q
+      target = (
+        batch["reward"] + config.gamma * (1.0 - batch["terminated"].astype(jnp.float32)) * next_q
+      )
       return jnp.mean(0.5 * (q_taken - jax.lax.stop_gradient(target)) ** 2)
+
     grads = jax.grad(loss_fn)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -136,24 +142,36 @@ def time_dqn_host(config: dqn.Config, num_iterations: int) -> float:
   key = jax.random.key(0)
   key, reset_key, network_key = jax.random.split(key, 3)
   obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
-      jax.random.split(reset_key, config.num_envs), env_params)
+    jax.random.split(reset_key, config.num_envs), env_params
+  )
   params = network.init(network_key, obs[0])
   target_params, opt_state = params, optimizer.init(params)
-  replay = NumpyReplay(jax.device_get(jax.tree.map(lambda x: x[0], dict(
-      obs=obs, action=jnp.zeros(config.num_envs, jnp.int32),
-      reward=jnp.zeros(config.num_envs), next_obs=obs,
-      terminated=jnp.zeros(config.num_envs, bool)))), config.buffer_size)
+  replay = NumpyReplay(
+    jax.device_get(
+      jax.tree.map(
+        lambda x: x[0],
+        dict(
+          obs=obs,
+          action=jnp.zeros(config.num_envs, jnp.int32),
+          reward=jnp.zeros(config.num_envs),
+          next_obs=obs,
+          terminated=jnp.zeros(config.num_envs, bool),
+        ),
+      )
+    ),
+    config.buffer_size,
+  )
   target_period = max(config.target_update_interval // config.num_envs, 1)
 
-  def run(iterations, key, env_state, obs, params, target_params, opt_state,
-          start_iteration):
+  def run(iterations, key, env_state, obs, params, target_params, opt_state, start_iteration):
     for iteration in range(start_iteration, start_iteration + iterations):
       key, step_key = jax.random.split(key)
       env_state, obs, transition = act_and_step(params, env_state, obs, step_key)
       replay.add(jax.device_get(transition))
       if replay.size >= config.batch_size:
-        params, opt_state = learn(params, target_params, opt_state,
-                                  replay.sample(config.batch_size))
+        params, opt_state = learn(
+          params, target_params, opt_state, replay.sample(config.batch_size)
+        )
       if iteration % target_period == 0:
         target_params = params
     jax.block_until_ready(params)
@@ -170,27 +188,34 @@ def time_dqn_host(config: dqn.Config, num_iterations: int) -> float:
 def time_ppo_host(config: ppo.Config, num_updates: int) -> float:
   """PPO with the same network and loss; the rollout gathered in NumPy."""
   import gymnax
+
   env, env_params = gymnax.make(config.env_name)
   num_actions = env.action_space(env_params).n
   network = ppo.ActorCritic(num_actions, config.hidden_size)
-  optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
-                          optax.adam(config.learning_rate, eps=1e-5))
+  optimizer = optax.chain(
+    optax.clip_by_global_norm(config.max_grad_norm), optax.adam(config.learning_rate, eps=1e-5)
+  )
 
   @jax.jit
   def act_and_step(params, env_state, obs, key):
     action_key, env_key = jax.random.split(key)
     logits, value = network.apply(params, obs)
     action = jax.random.categorical(action_key, logits).astype(jnp.int32)
-    log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None],
-                                   axis=-1)[:, 0]
+    log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], axis=-1)[:, 0]
     next_obs, env_state, reward, terminated, truncated, info = jax.vmap(
-        env.step, in_axes=(0, 0, 0, None))(
-            jax.random.split(env_key, config.num_envs), env_state, action,
-            env_params)
+      env.step, in_axes=(0, 0, 0, None)
+    )(jax.random.split(env_key, config.num_envs), env_state, action, env_params)
     _, truncated_value = network.apply(params, info["final_observation"])
-    step = dict(obs=obs, action=action, log_prob=log_prob, value=value,
-                reward=reward.astype(jnp.float32), terminated=terminated,
-                truncated=truncated, truncated_value=truncated_value)
+    step = dict(
+      obs=obs,
+      action=action,
+      log_prob=log_prob,
+      value=value,
+      reward=reward.astype(jnp.float32),
+      terminated=terminated,
+      truncated=truncated,
+      truncated_value=truncated_value,
+    )
     return env_state, next_obs, step
 
   @jax.jit
@@ -200,21 +225,22 @@ def time_ppo_host(config: ppo.Config, num_updates: int) -> float:
 
     def gradient_step(carry, minibatch):
       params, opt_state = carry
-      grads = jax.grad(lambda p: ppo.ppo_loss(*network.apply(p, minibatch["obs"]),
-                                              minibatch, config))(params)
+      grads = jax.grad(
+        lambda p: ppo.ppo_loss(*network.apply(p, minibatch["obs"]), minibatch, config)
+      )(params)
       updates, opt_state = optimizer.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), None
 
     def epoch(carry, key):
-      minibatches = jaxbuf.shuffled_minibatches(
-          key, batch, num_minibatches=config.num_minibatches)
+      minibatches = jaxbuf.shuffled_minibatches(key, batch, num_minibatches=config.num_minibatches)
       return jax.lax.scan(gradient_step, carry, minibatches)[0], None
-    return jax.lax.scan(epoch, (params, opt_state),
-                        jax.random.split(key, config.update_epochs))[0]
+
+    return jax.lax.scan(epoch, (params, opt_state), jax.random.split(key, config.update_epochs))[0]
 
   key, reset_key, network_key = jax.random.split(jax.random.key(0), 3)
   obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
-      jax.random.split(reset_key, config.num_envs), env_params)
+    jax.random.split(reset_key, config.num_envs), env_params
+  )
   params = network.init(network_key, obs)
   opt_state = optimizer.init(params)
 
@@ -246,57 +272,96 @@ def wide_rows(num_envs: int, scale: int) -> list[tuple[str, float]]:
   N envs x 128 steps per update, 4 epochs of 4 minibatches.
   """
   dqn_config = dataclasses.replace(
-      dqn.Config(), num_envs=num_envs, buffer_size=max(10_000, 100 * num_envs),
-      learning_starts=10 * num_envs)
+    dqn.Config(),
+    num_envs=num_envs,
+    buffer_size=max(10_000, 100 * num_envs),
+    learning_starts=10 * num_envs,
+  )
   ppo_config = dataclasses.replace(ppo.Config(), num_envs=num_envs)
   return [
-      (f"DQN prioritized, fused, {num_envs} envs", time_fused(
-          dqn, dqn_config, iterations_per_chunk=50, num_chunks=2 * scale)),
-      (f"DQN uniform, fused, {num_envs} envs", time_fused(
-          dqn, dataclasses.replace(dqn_config, replay="uniform"),
-          iterations_per_chunk=50, num_chunks=2 * scale)),
-      (f"PPO, fused, {num_envs} envs", time_fused(
-          ppo, ppo_config, iterations_per_chunk=2, num_chunks=scale)),
+    (
+      f"DQN prioritized, fused, {num_envs} envs",
+      time_fused(dqn, dqn_config, iterations_per_chunk=50, num_chunks=2 * scale),
+    ),
+    (
+      f"DQN uniform, fused, {num_envs} envs",
+      time_fused(
+        dqn,
+        dataclasses.replace(dqn_config, replay="uniform"),
+        iterations_per_chunk=50,
+        num_chunks=2 * scale,
+      ),
+    ),
+    (
+      f"PPO, fused, {num_envs} envs",
+      time_fused(ppo, ppo_config, iterations_per_chunk=2, num_chunks=scale),
+    ),
   ]
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="fewer timed iterations (noisier)")
-  parser.add_argument("--num-envs", type=int, nargs="+", metavar="N",
-                      help="instead of the default settings: the fused DQN "
-                      "and PPO loops at each N vmapped envs (wide_rows)")
+  parser.add_argument("--quick", action="store_true", help="fewer timed iterations (noisier)")
+  parser.add_argument(
+    "--num-envs",
+    type=int,
+    nargs="+",
+    metavar="N",
+    help="instead of the default settings: the fused DQN "
+    "and PPO loops at each N vmapped envs (wide_rows)",
+  )
   args = parser.parse_args()
   scale = 1 if args.quick else 4
   if args.num_envs:
-    harness.print_machine(("jax", "jaxlib", "numpy", "flax", "optax",
-                           "gymnax"))
-    print_rows(f"loop ({ppo.Config.env_name}, N vmapped envs)",
-               [row for num_envs in args.num_envs
-                for row in wide_rows(num_envs, scale)])
+    harness.print_machine(("jax", "jaxlib", "numpy", "flax", "optax", "gymnax"))
+    print_rows(
+      f"loop ({ppo.Config.env_name}, N vmapped envs)",
+      [row for num_envs in args.num_envs for row in wide_rows(num_envs, scale)],
+    )
     return
   dqn_config = dqn.Config()
   ppo_config = ppo.Config()
   harness.print_machine(("jax", "jaxlib", "numpy", "flax", "optax", "gymnax"))
   rows = []
-  rows.append(("DQN uniform, fused (jaxbuf)", time_fused(
-      dqn, dqn_config, iterations_per_chunk=500, num_chunks=2 * scale)))
-  rows.append(("DQN prioritized, fused (jaxbuf)", time_fused(
-      dqn, dataclasses.replace(dqn_config, replay="prioritized"),
-      iterations_per_chunk=500, num_chunks=2 * scale)))
-  rows.append(("DQN uniform, fused, 4 seeds vmapped", time_fused(
-      dqn, dqn_config, iterations_per_chunk=500, num_chunks=scale,
-      num_seeds=4)))
-  rows.append(("DQN uniform, host NumPy buffer", time_dqn_host(
-      dqn_config, num_iterations=250 * scale)))
-  rows.append(("PPO, fused (jaxbuf)", time_fused(
-      ppo, ppo_config, iterations_per_chunk=10, num_chunks=2 * scale)))
-  rows.append(("PPO, fused, 4 seeds vmapped", time_fused(
-      ppo, ppo_config, iterations_per_chunk=10, num_chunks=scale,
-      num_seeds=4)))
-  rows.append(("PPO, host NumPy rollout", time_ppo_host(
-      ppo_config, num_updates=2 * scale)))
+  rows.append(
+    (
+      "DQN uniform, fused (jaxbuf)",
+      time_fused(dqn, dqn_config, iterations_per_chunk=500, num_chunks=2 * scale),
+    )
+  )
+  rows.append(
+    (
+      "DQN prioritized, fused (jaxbuf)",
+      time_fused(
+        dqn,
+        dataclasses.replace(dqn_config, replay="prioritized"),
+        iterations_per_chunk=500,
+        num_chunks=2 * scale,
+      ),
+    )
+  )
+  rows.append(
+    (
+      "DQN uniform, fused, 4 seeds vmapped",
+      time_fused(dqn, dqn_config, iterations_per_chunk=500, num_chunks=scale, num_seeds=4),
+    )
+  )
+  rows.append(
+    ("DQN uniform, host NumPy buffer", time_dqn_host(dqn_config, num_iterations=250 * scale))
+  )
+  rows.append(
+    (
+      "PPO, fused (jaxbuf)",
+      time_fused(ppo, ppo_config, iterations_per_chunk=10, num_chunks=2 * scale),
+    )
+  )
+  rows.append(
+    (
+      "PPO, fused, 4 seeds vmapped",
+      time_fused(ppo, ppo_config, iterations_per_chunk=10, num_chunks=scale, num_seeds=4),
+    )
+  )
+  rows.append(("PPO, host NumPy rollout", time_ppo_host(ppo_config, num_updates=2 * scale)))
   print_rows("loop (CartPole-v1, default example settings)", rows)
 
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import harness
 import jaxbuf
 
-MIXTURE_OVER_PARTS = 1.1   # mixture time / the sum of its parts', at most
+MIXTURE_OVER_PARTS = 1.1  # mixture time / the sum of its parts', at most
 OBS_SIZE, ACTION_SIZE = 17, 6
 SAMPLE_BATCH = 256
 PROPORTIONS = (0.5, 0.5)
@@ -46,7 +46,7 @@ PROPORTIONS = (0.5, 0.5)
 @dataclasses.dataclass
 class Settings:
   capacities: tuple[int, ...]
-  iterations: int      # K, per timed fused call
+  iterations: int  # K, per timed fused call
   repeats: int
   update: bool = True
 
@@ -56,20 +56,23 @@ QUICK = Settings(capacities=(2_000,), iterations=10, repeats=2)
 
 
 def example_transition() -> dict:
-  return {"obs": jnp.zeros(OBS_SIZE), "action": jnp.zeros(ACTION_SIZE),
-          "reward": jnp.zeros(()), "discount": jnp.zeros(()),
-          "next_obs": jnp.zeros(OBS_SIZE)}
+  return {
+    "obs": jnp.zeros(OBS_SIZE),
+    "action": jnp.zeros(ACTION_SIZE),
+    "reward": jnp.zeros(()),
+    "discount": jnp.zeros(()),
+    "next_obs": jnp.zeros(OBS_SIZE),
+  }
 
 
 def transitions(key: jax.Array, count: int) -> dict:
   return jax.tree.map(
-      lambda leaf: jax.random.normal(key, (count, *leaf.shape)),
-      example_transition())
+    lambda leaf: jax.random.normal(key, (count, *leaf.shape)), example_transition()
+  )
 
 
 def checksum(items: dict, weights: jax.Array) -> jax.Array:
-  return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(items)) + jnp.sum(
-      weights)
+  return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(items)) + jnp.sum(weights)
 
 
 def td_errors(items: dict) -> jax.Array:
@@ -80,15 +83,17 @@ def td_errors(items: dict) -> jax.Array:
 def make_loop(body, iterations: int, num_keys: int):
   """`(state, key) -> (state, checksum)`: K iterations of `body(state,
   keys [num_keys], acc)` in one donated jit, every key split before."""
+
   def loop(state, key):
     keys = jax.random.split(key, (iterations, num_keys))
 
     def iteration(carry, step_keys):
       state, acc = carry
       return body(state, step_keys, acc), None
-    (state, acc), _ = jax.lax.scan(
-        iteration, (state, jnp.zeros((), jnp.float32)), keys)
+
+    (state, acc), _ = jax.lax.scan(iteration, (state, jnp.zeros((), jnp.float32)), keys)
     return state, acc
+
   return jax.jit(loop, donate_argnums=0)
 
 
@@ -112,8 +117,7 @@ def make_loops(capacity: int, settings: Settings):
   def online_part(state, key, acc):
     batch = online.sample(state, key, online_rows)
     if update:
-      state = online.update_priorities(state, batch.indices,
-                                       td_errors(batch.items), batch.item_ids)
+      state = online.update_priorities(state, batch.indices, td_errors(batch.items), batch.item_ids)
     return state, acc + checksum(batch.items, batch.weights)
 
   def parts(states, keys, acc):
@@ -122,22 +126,26 @@ def make_loops(capacity: int, settings: Settings):
     return [offline_state, online_state], acc
 
   loops = {
-      "mixture": make_loop(mixed, settings.iterations, 1),
-      "parts": make_loop(parts, settings.iterations, 2),
-      "uniform alone": make_loop(
-          lambda s, k, acc: offline_part(s, k[0], acc), settings.iterations, 1),
-      "prioritized alone": make_loop(
-          lambda s, k, acc: online_part(s, k[0], acc), settings.iterations, 1),
+    "mixture": make_loop(mixed, settings.iterations, 1),
+    "parts": make_loop(parts, settings.iterations, 2),
+    "uniform alone": make_loop(
+      lambda s, k, acc: offline_part(s, k[0], acc), settings.iterations, 1
+    ),
+    "prioritized alone": make_loop(
+      lambda s, k, acc: online_part(s, k[0], acc), settings.iterations, 1
+    ),
   }
 
   def filled(buffer, seed):
     state = buffer.init(example_transition())
     return buffer.add(state, transitions(jax.random.key(seed), capacity))
 
-  states = {"mixture": [filled(offline, 0), filled(online, 1)],
-            "parts": [filled(offline, 0), filled(online, 1)],
-            "uniform alone": filled(offline, 0),
-            "prioritized alone": filled(online, 1)}
+  states = {
+    "mixture": [filled(offline, 0), filled(online, 1)],
+    "parts": [filled(offline, 0), filled(online, 1)],
+    "uniform alone": filled(offline, 0),
+    "prioritized alone": filled(online, 1),
+  }
   return loops, states, (offline_rows, online_rows)
 
 
@@ -147,46 +155,65 @@ def run_benchmark(settings: Settings) -> dict:
     print(f"C={capacity}: filling", flush=True)
     loops, states, rows = make_loops(capacity, settings)
     print(f"C={capacity}: fused, rows per part {rows}", flush=True)
-    seconds = harness.time_fused_loops(loops, states,
-                                       iterations=settings.iterations,
-                                       repeats=settings.repeats)
-    results["rows"].append(dict(capacity=capacity, rows=rows,
-                                update=settings.update, seconds=seconds))
+    seconds = harness.time_fused_loops(
+      loops, states, iterations=settings.iterations, repeats=settings.repeats
+    )
+    results["rows"].append(
+      dict(capacity=capacity, rows=rows, update=settings.update, seconds=seconds)
+    )
     del loops, states
   results["load_average_after"] = harness.print_load_average_after()
   results["verdicts"] = report(results)
   return results
 
 
-COLUMNS = (("C", 10), ("rows", -10), ("mixture us", 11), ("parts us", 9),
-           ("uniform us", 11), ("prioritized us", 15), ("mix/parts", 10))
+COLUMNS = (
+  ("C", 10),
+  ("rows", -10),
+  ("mixture us", 11),
+  ("parts us", 9),
+  ("uniform us", 11),
+  ("prioritized us", 15),
+  ("mix/parts", 10),
+)
 
 
 def report(results: dict) -> list[str]:
-  print(f"\nS={SAMPLE_BATCH}, proportions {PROPORTIONS}, per iteration of a "
-        f"fused scan (sample"
-        f"{' + update_priorities' if results['rows'][0]['update'] else ''})")
+  print(
+    f"\nS={SAMPLE_BATCH}, proportions {PROPORTIONS}, per iteration of a "
+    f"fused scan (sample"
+    f"{' + update_priorities' if results['rows'][0]['update'] else ''})"
+  )
   table = []
   verdicts = harness.Verdicts()
   for row in results["rows"]:
     seconds = row["seconds"]
     overhead = harness.ratio(seconds["mixture"], seconds["parts"])
-    table.append((row["capacity"], "/".join(map(str, row["rows"])),
-                  harness.microseconds(seconds["mixture"]),
-                  harness.microseconds(seconds["parts"]),
-                  harness.microseconds(seconds["uniform alone"]),
-                  harness.microseconds(seconds["prioritized alone"]),
-                  harness.ratio_text(overhead)))
-    verdicts.judge(f"mixture / sum of its parts' samples, C={row['capacity']} "
-                   f"each", overhead, MIXTURE_OVER_PARTS,
-                   higher_is_better=False)
+    table.append(
+      (
+        row["capacity"],
+        "/".join(map(str, row["rows"])),
+        harness.microseconds(seconds["mixture"]),
+        harness.microseconds(seconds["parts"]),
+        harness.microseconds(seconds["uniform alone"]),
+        harness.microseconds(seconds["prioritized alone"]),
+        harness.ratio_text(overhead),
+      )
+    )
+    verdicts.judge(
+      f"mixture / sum of its parts' samples, C={row['capacity']} each",
+      overhead,
+      MIXTURE_OVER_PARTS,
+      higher_is_better=False,
+    )
     verdicts.info(
-        f"C={row['capacity']}: mixture {harness.microseconds(seconds['mixture'])}"
-        f" us, parts {harness.microseconds(seconds['parts'])} us (uniform "
-        f"alone {harness.microseconds(seconds['uniform alone'])} us + "
-        f"prioritized alone "
-        f"{harness.microseconds(seconds['prioritized alone'])} us) per "
-        f"iteration")
+      f"C={row['capacity']}: mixture {harness.microseconds(seconds['mixture'])}"
+      f" us, parts {harness.microseconds(seconds['parts'])} us (uniform "
+      f"alone {harness.microseconds(seconds['uniform alone'])} us + "
+      f"prioritized alone "
+      f"{harness.microseconds(seconds['prioritized alone'])} us) per "
+      f"iteration"
+    )
   harness.print_table(COLUMNS, table)
   verdicts.print("Targets (mixture time / parts' time, lower is better):")
   return verdicts.lines
@@ -194,16 +221,16 @@ def report(results: dict) -> list[str]:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="small sizes and few repeats: a smoke test")
-  parser.add_argument("--capacities", type=int, nargs="+",
-                      help="capacity of each part")
-  parser.add_argument("--no-update", dest="update", action="store_false",
-                      help="sample only, no priority updates")
+  parser.add_argument(
+    "--quick", action="store_true", help="small sizes and few repeats: a smoke test"
+  )
+  parser.add_argument("--capacities", type=int, nargs="+", help="capacity of each part")
+  parser.add_argument(
+    "--no-update", dest="update", action="store_false", help="sample only, no priority updates"
+  )
   parser.add_argument("--json", help="write the results to this file")
   args = parser.parse_args()
-  settings = harness.override(QUICK if args.quick else FULL, args,
-                              ("capacities",))
+  settings = harness.override(QUICK if args.quick else FULL, args, ("capacities",))
   settings = dataclasses.replace(settings, update=args.update)
   harness.write_json(args.json, run_benchmark(settings))
 

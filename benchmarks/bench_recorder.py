@@ -36,19 +36,28 @@ NUM_ENVS = 4
 
 
 def cartpole_envs(mode):
-  return gym.make_vec("CartPole-v1", num_envs=NUM_ENVS,
-                      vectorization_mode="sync",
-                      vector_kwargs={"autoreset_mode": mode})
+  return gym.make_vec(
+    "CartPole-v1",
+    num_envs=NUM_ENVS,
+    vectorization_mode="sync",
+    vector_kwargs={"autoreset_mode": mode},
+  )
 
 
 def made_up_steps(rng):
   """Two env steps: one where env 0 ends (terminated), one with no end."""
+
   def step(ended):
     terminated = np.zeros(NUM_ENVS, bool)
     terminated[0] = ended
-    return (rng.integers(0, 2, NUM_ENVS),
-            rng.normal(size=(NUM_ENVS, 4)).astype(np.float32),
-            np.ones(NUM_ENVS), terminated, np.zeros(NUM_ENVS, bool))
+    return (
+      rng.integers(0, 2, NUM_ENVS),
+      rng.normal(size=(NUM_ENVS, 4)).astype(np.float32),
+      np.ones(NUM_ENVS),
+      terminated,
+      np.zeros(NUM_ENVS, bool),
+    )
+
   return step(True), step(False)
 
 
@@ -56,24 +65,28 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--calls", type=int, default=2000)
   parser.add_argument("--repeats", type=int, default=7)
-  parser.add_argument("--best", action="store_true",
-                      help="the least time over the repeats, not the median")
+  parser.add_argument(
+    "--best", action="store_true", help="the least time over the repeats, not the median"
+  )
   args = parser.parse_args()
   harness.print_machine()
   rng = np.random.default_rng(0)
   ending, running = made_up_steps(rng)
-  final_info = {"final_obs": np.array([np.ones(4, np.float32), None, None,
-                                       None], dtype=object),
-                "_final_obs": np.array([True, False, False, False])}
+  final_info = {
+    "final_obs": np.array([np.ones(4, np.float32), None, None, None], dtype=object),
+    "_final_obs": np.array([True, False, False, False]),
+  }
   obs = rng.normal(size=(NUM_ENVS, 4)).astype(np.float32)
   items = jaxbuf.uniform_replay(10_000)
   streams = jaxbuf.sequence_replay(NUM_ENVS, 10_000, 2)
-  modes = {"next": gym.vector.AutoresetMode.NEXT_STEP,
-           "same": gym.vector.AutoresetMode.SAME_STEP}
-  recorders = {(layout, mode): jaxbuf.VectorEnvRecorder(
-      cartpole_envs(autoreset), items if layout == "items" else streams)
-               for layout in ("items", "streams")
-               for mode, autoreset in modes.items()}
+  modes = {"next": gym.vector.AutoresetMode.NEXT_STEP, "same": gym.vector.AutoresetMode.SAME_STEP}
+  recorders = {
+    (layout, mode): jaxbuf.VectorEnvRecorder(
+      cartpole_envs(autoreset), items if layout == "items" else streams
+    )
+    for layout in ("items", "streams")
+    for mode, autoreset in modes.items()
+  }
   for recorder in recorders.values():
     recorder.reset(obs)
   item_example = recorders["items", "next"].example
@@ -86,16 +99,26 @@ def main() -> None:
     def thunk():
       states[name] = call(states[name])
       return states[name]
+
     return thunk
 
   actions, next_obs, rewards, terminated, truncated = running
   transitions = jaxbuf.Transition(
-      obs=obs, action=actions, reward=rewards.astype(np.float32),
-      next_obs=next_obs, terminated=terminated, truncated=truncated)
+    obs=obs,
+    action=actions,
+    reward=rewards.astype(np.float32),
+    next_obs=next_obs,
+    terminated=terminated,
+    truncated=truncated,
+  )
   steps = jaxbuf.EpisodeStep(
-      obs=obs, action=actions, reward=rewards.astype(np.float32),
-      terminated=terminated, truncated=truncated,
-      last=np.zeros(NUM_ENVS, bool))
+    obs=obs,
+    action=actions,
+    reward=rewards.astype(np.float32),
+    terminated=terminated,
+    truncated=truncated,
+    last=np.zeros(NUM_ENVS, bool),
+  )
   final_steps = steps._replace(last=terminated)
   every_env = np.ones(NUM_ENVS, bool)
   identity = jax.jit(lambda state: state, donate_argnums=0)
@@ -104,6 +127,7 @@ def main() -> None:
     def call(state):
       step, info = next(cycle)
       return recorder.add(state, *step, info)
+
     return call
 
   no_end = itertools.repeat((running, {}))
@@ -119,48 +143,51 @@ def main() -> None:
     return recording.record(*step, info).items
 
   calls = {
-      "items: buffer.add(Transition [4])": carried(
-          "plain", items, item_example,
-          lambda state: items.add(state, transitions)),
-      "items: recorder.add, no episode end": carried(
-          "no end", items, item_example,
-          recorded(recorders["items", "next"], no_end)),
-      "items: recorder.add NEXT_STEP, end 1 in 2": carried(
-          "next", items, item_example,
-          recorded(recorders["items", "next"], next_step_ends)),
-      "items: recorder.add SAME_STEP, end 1 in 2": carried(
-          "same", items, item_example,
-          recorded(recorders["items", "same"], same_step_ends)),
-      "items: recorder.record only (no add)": record_only,
-      "items: jitted identity (floor)": carried(
-          "floor", items, item_example, identity),
-      "streams: buffer.add(EpisodeStep [4])": carried(
-          "plain steps", streams, step_example,
-          lambda state: streams.add(state, steps)),
-      "streams: buffer.add(steps, mask=, final_steps=)": carried(
-          "plain final", streams, step_example,
-          lambda state: streams.add(state, steps, mask=every_env,
-                                    final_steps=final_steps)),
-      "streams: recorder.add NEXT_STEP, end 1 in 2": carried(
-          "streams next", streams, step_example,
-          recorded(recorders["streams", "next"],
-                   itertools.cycle([(ending, {}), (running, {})]))),
+    "items: buffer.add(Transition [4])": carried(
+      "plain", items, item_example, lambda state: items.add(state, transitions)
+    ),
+    "items: recorder.add, no episode end": carried(
+      "no end", items, item_example, recorded(recorders["items", "next"], no_end)
+    ),
+    "items: recorder.add NEXT_STEP, end 1 in 2": carried(
+      "next", items, item_example, recorded(recorders["items", "next"], next_step_ends)
+    ),
+    "items: recorder.add SAME_STEP, end 1 in 2": carried(
+      "same", items, item_example, recorded(recorders["items", "same"], same_step_ends)
+    ),
+    "items: recorder.record only (no add)": record_only,
+    "items: jitted identity (floor)": carried("floor", items, item_example, identity),
+    "streams: buffer.add(EpisodeStep [4])": carried(
+      "plain steps", streams, step_example, lambda state: streams.add(state, steps)
+    ),
+    "streams: buffer.add(steps, mask=, final_steps=)": carried(
+      "plain final",
+      streams,
+      step_example,
+      lambda state: streams.add(state, steps, mask=every_env, final_steps=final_steps),
+    ),
+    "streams: recorder.add NEXT_STEP, end 1 in 2": carried(
+      "streams next",
+      streams,
+      step_example,
+      recorded(recorders["streams", "next"], itertools.cycle([(ending, {}), (running, {})])),
+    ),
   }
   if args.best:
     harness.time_interleaved(calls, repeats=1, warmup=2)  # compiles
-    rounds = [harness.time_interleaved(calls, repeats=1, warmup=0,
-                                       number=args.calls)
-              for _ in range(args.repeats)]
+    rounds = [
+      harness.time_interleaved(calls, repeats=1, warmup=0, number=args.calls)
+      for _ in range(args.repeats)
+    ]
     seconds = {name: min(times[name] for times in rounds) for name in calls}
   else:
-    seconds = harness.time_interleaved(
-        calls, repeats=args.repeats, warmup=2, number=args.calls)
-  harness.print_table([("call", -48), ("us per call", 12)],
-                      [(name, harness.microseconds(value))
-                       for name, value in seconds.items()])
+    seconds = harness.time_interleaved(calls, repeats=args.repeats, warmup=2, number=args.calls)
+  harness.print_table(
+    [("call", -48), ("us per call", 12)],
+    [(name, harness.microseconds(value)) for name, value in seconds.items()],
+  )
   for name, value in seconds.items():
-    print(f"info  {name}: {harness.microseconds(value)} us per call "
-          f"({jax.default_backend()})")
+    print(f"info  {name}: {harness.microseconds(value)} us per call ({jax.default_backend()})")
   print(f"load average at end: {harness.load_average()}")
 
 

@@ -42,27 +42,22 @@ UNIFORM_VS_CPPRB = 1.0
 @dataclasses.dataclass
 class Settings:
   capacities: tuple[int, ...]
-  iterations: int          # K, per timed fused call
+  iterations: int  # K, per timed fused call
   repeats: int
   libraries: tuple[str, ...] = replay.LIBRARIES
   kinds: tuple[str, ...] = replay.KINDS
 
 
-FULL = Settings(capacities=(10_000, 100_000, 1_000_000), iterations=200,
-                repeats=5)
+FULL = Settings(capacities=(10_000, 100_000, 1_000_000), iterations=200, repeats=5)
 QUICK = Settings(capacities=(10_000,), iterations=20, repeats=2)
 
 
-def time_fused_add_only(capacity: int, kind: str, iterations: int,
-                        repeats: int) -> float:
+def time_fused_add_only(capacity: int, kind: str, iterations: int, repeats: int) -> float:
   """jaxbuf add alone in a donated scan: its device time, no dispatch."""
   adapter = replay.jaxbuf_adapter(kind, capacity)
-  base_obs = jax.random.normal(jax.random.key(1),
-                               (replay.ADD_BATCH, replay.OBS_SIZE))
-  loop = harness.make_add_loop(adapter.add, iterations,
-                               lambda step: base_obs + step)
-  return harness.time_add_loop(loop, adapter.init(), iterations=iterations,
-                               repeats=repeats)
+  base_obs = jax.random.normal(jax.random.key(1), (replay.ADD_BATCH, replay.OBS_SIZE))
+  loop = harness.make_add_loop(adapter.add, iterations, lambda step: base_obs + step)
+  return harness.time_add_loop(loop, adapter.init(), iterations=iterations, repeats=repeats)
 
 
 def run_benchmark(settings: Settings) -> dict:
@@ -70,37 +65,41 @@ def run_benchmark(settings: Settings) -> dict:
   for capacity in settings.capacities:
     for kind in settings.kinds:
       print(f"C={capacity} {kind}: filling", flush=True)
-      adapters = {library: replay.ADAPTERS[library](kind, capacity)
-                  for library in settings.libraries}
+      adapters = {
+        library: replay.ADAPTERS[library](kind, capacity) for library in settings.libraries
+      }
       states = replay.fill_states(adapters, capacity)
       print(f"C={capacity} {kind}: fused", flush=True)
-      loops = {library: replay.make_loop(adapter, settings.iterations)
-               for library, adapter in adapters.items()}
-      fused = harness.time_fused_loops(loops, states,
-                                       iterations=settings.iterations,
-                                       repeats=settings.repeats)
-      results["rows"].append(dict(capacity=capacity, kind=kind, mode="fused",
-                                  seconds=fused))
+      loops = {
+        library: replay.make_loop(adapter, settings.iterations)
+        for library, adapter in adapters.items()
+      }
+      fused = harness.time_fused_loops(
+        loops, states, iterations=settings.iterations, repeats=settings.repeats
+      )
+      results["rows"].append(dict(capacity=capacity, kind=kind, mode="fused", seconds=fused))
       del states, loops, adapters
       if "jaxbuf" in settings.libraries:
-        add_only = time_fused_add_only(capacity, kind, settings.iterations,
-                                       settings.repeats)
-        results["rows"].append(dict(capacity=capacity, kind=kind,
-                                    mode="fused: add only",
-                                    seconds={"jaxbuf": add_only}))
+        add_only = time_fused_add_only(capacity, kind, settings.iterations, settings.repeats)
+        results["rows"].append(
+          dict(capacity=capacity, kind=kind, mode="fused: add only", seconds={"jaxbuf": add_only})
+        )
   results["load_average_after"] = harness.print_load_average_after()
   results["verdicts"] = report(results, settings)
   return results
 
 
 def report(results: dict, settings: Settings) -> list[str]:
-  harness.print_table(replay.REPLAY_COLUMNS,
-                      [replay.replay_table_row(row) for row in results["rows"]])
+  harness.print_table(
+    replay.REPLAY_COLUMNS, [replay.replay_table_row(row) for row in results["rows"]]
+  )
   verdicts = harness.Verdicts()
-  targets = {("uniform", "flashbax"): UNIFORM_VS_FLASHBAX,
-             ("uniform", "cpprb"): UNIFORM_VS_CPPRB,
-             ("prioritized", "flashbax"): PRIORITIZED_VS_FLASHBAX,
-             ("prioritized", "cpprb"): PRIORITIZED_VS_CPPRB}
+  targets = {
+    ("uniform", "flashbax"): UNIFORM_VS_FLASHBAX,
+    ("uniform", "cpprb"): UNIFORM_VS_CPPRB,
+    ("prioritized", "flashbax"): PRIORITIZED_VS_FLASHBAX,
+    ("prioritized", "cpprb"): PRIORITIZED_VS_CPPRB,
+  }
   for row in results["rows"]:
     if row["mode"] != "fused":
       continue
@@ -108,50 +107,62 @@ def report(results: dict, settings: Settings) -> list[str]:
     for peer in ("flashbax", "cpprb"):
       if peer in times and "jaxbuf" in times:
         verdicts.judge(
-            f"{row['kind']} fused, C={row['capacity']}, {peer}/jaxbuf",
-            harness.ratio(times[peer], times["jaxbuf"]),
-            targets[(row["kind"], peer)])
+          f"{row['kind']} fused, C={row['capacity']}, {peer}/jaxbuf",
+          harness.ratio(times[peer], times["jaxbuf"]),
+          targets[(row["kind"], peer)],
+        )
   for row in results["rows"]:
-    verdicts.info(f"{row['kind']} {row['mode']}, C={row['capacity']}: " + ", ".join(
+    verdicts.info(
+      f"{row['kind']} {row['mode']}, C={row['capacity']}: "
+      + ", ".join(
         f"{library} {harness.microseconds(seconds)} us"
-        for library, seconds in row["seconds"].items()) + " per iteration")
-  fused = {(row["capacity"], row["kind"]): row["seconds"].get("jaxbuf")
-           for row in results["rows"] if row["mode"] == "fused"}
+        for library, seconds in row["seconds"].items()
+      )
+      + " per iteration"
+    )
+  fused = {
+    (row["capacity"], row["kind"]): row["seconds"].get("jaxbuf")
+    for row in results["rows"]
+    if row["mode"] == "fused"
+  }
   for capacity in settings.capacities:
-    uniform, prioritized = (fused.get((capacity, kind))
-                            for kind in ("uniform", "prioritized"))
+    uniform, prioritized = (fused.get((capacity, kind)) for kind in ("uniform", "prioritized"))
     if uniform and prioritized:
       name = f"jaxbuf prioritized / uniform fused, C={capacity}"
       ratio = prioritized / uniform
       if capacity == 1_000_000:
-        verdicts.judge(name, ratio, PRIORITIZED_OVER_UNIFORM,
-                       higher_is_better=False)
+        verdicts.judge(name, ratio, PRIORITIZED_OVER_UNIFORM, higher_is_better=False)
       else:
         verdicts.info(f"{name}: {ratio:.2f}x")
-  add_only = {(row["capacity"], row["kind"]): row["seconds"]["jaxbuf"]
-              for row in results["rows"] if row["mode"] == "fused: add only"}
+  add_only = {
+    (row["capacity"], row["kind"]): row["seconds"]["jaxbuf"]
+    for row in results["rows"]
+    if row["mode"] == "fused: add only"
+  }
   smallest, largest = min(settings.capacities), max(settings.capacities)
   for kind in settings.kinds:
     if largest > smallest and (largest, kind) in add_only:
       # Device time alone: at 10k the storage sits in cache, at 1M each add
       # writes 43 KB of cold memory; a copy would be 1000x, not 2x.
       verdicts.info(
-          f"jaxbuf {kind} fused add, C={largest} / C={smallest}: "
-          f"{add_only[(largest, kind)] / add_only[(smallest, kind)]:.2f}x "
-          "(no dispatch; cache effects, not copies)")
-  verdicts.print("Targets (ratios are library time / jaxbuf time, so higher "
-                 "is better):")
+        f"jaxbuf {kind} fused add, C={largest} / C={smallest}: "
+        f"{add_only[(largest, kind)] / add_only[(smallest, kind)]:.2f}x "
+        "(no dispatch; cache effects, not copies)"
+      )
+  verdicts.print("Targets (ratios are library time / jaxbuf time, so higher is better):")
   return verdicts.lines
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="small sizes and few repeats: a smoke test")
+  parser.add_argument(
+    "--quick", action="store_true", help="small sizes and few repeats: a smoke test"
+  )
   replay.add_common_arguments(parser)
   args = parser.parse_args()
-  settings = harness.override(QUICK if args.quick else FULL, args,
-                              ("capacities", "libraries", "kinds"))
+  settings = harness.override(
+    QUICK if args.quick else FULL, args, ("capacities", "libraries", "kinds")
+  )
   harness.write_json(args.json, run_benchmark(settings))
 
 

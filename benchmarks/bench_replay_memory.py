@@ -31,38 +31,43 @@ MEMORY_RATIO = 1.2
 def measure_memory(library: str, kind: str, capacity: int) -> dict:
   """Runs in the child: peak memory of building and filling one buffer."""
   adapter = replay.ADAPTERS[library](kind, capacity)
-  iterations = math.ceil(capacity / replay.ADD_BATCH) + 1   # wraps the ring
+  iterations = math.ceil(capacity / replay.ADD_BATCH) + 1  # wraps the ring
   key = jax.random.key(0)
   if library == "cpprb":
     loop = replay.make_cpprb_loop(adapter, iterations)
   else:
     abstract_state = jax.eval_shape(adapter.init)
-    loop = replay.make_fused_loop(adapter, iterations).lower(
-        abstract_state, key).compile()
+    loop = replay.make_fused_loop(adapter, iterations).lower(abstract_state, key).compile()
   # cpprb's storage is host memory whatever JAX's backend.
-  memory, seconds = harness.measure_peak(lambda: loop(adapter.init(), key),
-                                         host=library == "cpprb")
+  memory, seconds = harness.measure_peak(lambda: loop(adapter.init(), key), host=library == "cpprb")
   storage_bytes = capacity * replay.OBS_SIZE * 4
-  return dict(library=library, kind=kind, capacity=capacity,
-              measured=memory.measured, baseline_bytes=memory.baseline,
-              peak_bytes=memory.peak, peak_was_reset=memory.peak_was_reset,
-              storage_bytes=storage_bytes, iterations=iterations,
-              seconds=seconds, ratio=memory.added / storage_bytes)
+  return dict(
+    library=library,
+    kind=kind,
+    capacity=capacity,
+    measured=memory.measured,
+    baseline_bytes=memory.baseline,
+    peak_bytes=memory.peak,
+    peak_was_reset=memory.peak_was_reset,
+    storage_bytes=storage_bytes,
+    iterations=iterations,
+    seconds=seconds,
+    ratio=memory.added / storage_bytes,
+  )
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="C = 100k: a smoke test, too small to judge")
+  parser.add_argument(
+    "--quick", action="store_true", help="C = 100k: a smoke test, too small to judge"
+  )
   parser.add_argument("--capacity", type=int, default=None)
-  parser.add_argument("--libraries", nargs="+", choices=replay.LIBRARIES,
-                      default=replay.LIBRARIES)
-  parser.add_argument("--kinds", nargs="+", choices=replay.KINDS,
-                      default=replay.KINDS)
+  parser.add_argument("--libraries", nargs="+", choices=replay.LIBRARIES, default=replay.LIBRARIES)
+  parser.add_argument("--kinds", nargs="+", choices=replay.KINDS, default=replay.KINDS)
   parser.add_argument("--json", help="also write the results to this file")
-  parser.add_argument("--child", nargs=3,
-                      metavar=("LIBRARY", "KIND", "CAPACITY"),
-                      help=argparse.SUPPRESS)
+  parser.add_argument(
+    "--child", nargs=3, metavar=("LIBRARY", "KIND", "CAPACITY"), help=argparse.SUPPRESS
+  )
   args = parser.parse_args()
   if args.child:
     library, kind, capacity = args.child
@@ -74,30 +79,30 @@ def main():
   for library in args.libraries:
     for kind in args.kinds:
       print(f"memory: {library} {kind}, C={capacity}", flush=True)
-      result = harness.run_child(__file__, ["--child", library, kind,
-                                            str(capacity)])
-      results.append(dict(dict(library=library, kind=kind, capacity=capacity),
-                          **result))
+      result = harness.run_child(__file__, ["--child", library, kind, str(capacity)])
+      results.append(dict(dict(library=library, kind=kind, capacity=capacity), **result))
   verdicts = harness.Verdicts()
-  mib = 2 ** 20
+  mib = 2**20
   for memory in results:
-    name = (f"memory ({memory.get('measured', '?')}) {memory['library']} "
-            f"{memory['kind']}, C={memory['capacity']}, "
-            "(peak - before) / storage")
+    name = (
+      f"memory ({memory.get('measured', '?')}) {memory['library']} "
+      f"{memory['kind']}, C={memory['capacity']}, "
+      "(peak - before) / storage"
+    )
     if "error" in memory:
       verdicts.info(f"{name}: error {memory['error']}")
       continue
-    name += (f" = ({memory['peak_bytes'] / mib:.0f} - "
-             f"{memory['baseline_bytes'] / mib:.0f} MiB) / "
-             f"{memory['storage_bytes'] / mib:.0f} MiB")
+    name += (
+      f" = ({memory['peak_bytes'] / mib:.0f} - "
+      f"{memory['baseline_bytes'] / mib:.0f} MiB) / "
+      f"{memory['storage_bytes'] / mib:.0f} MiB"
+    )
     if memory["library"] == "jaxbuf" and memory["capacity"] >= 1_000_000:
-      verdicts.judge(name, memory["ratio"], MEMORY_RATIO,
-                     higher_is_better=False)
+      verdicts.judge(name, memory["ratio"], MEMORY_RATIO, higher_is_better=False)
     else:
       verdicts.info(f"{name}: {memory['ratio']:.2f}x")
   verdicts.print("Memory:")
-  harness.write_json(args.json, dict(machine=machine, memory=results,
-                                     verdicts=verdicts.lines))
+  harness.write_json(args.json, dict(machine=machine, memory=results, verdicts=verdicts.lines))
 
 
 if __name__ == "__main__":

@@ -51,38 +51,84 @@ HERE = pathlib.Path(__file__).resolve().parent
 @dataclasses.dataclass(frozen=True)
 class Part:
   name: str
-  script: str                 # in benchmarks/
+  script: str  # in benchmarks/
   arguments: tuple[str, ...]  # full sizes
   smoke_arguments: tuple[str, ...]
-  budget_seconds: float       # full sizes; the smoke run has SMOKE_BUDGET
+  budget_seconds: float  # full sizes; the smoke run has SMOKE_BUDGET
   needs: tuple[str, ...] = ()  # importable modules the part needs
 
 
 PARTS = (
-    Part("replay_fused", "bench_replay_fused.py",
-         ("--capacities", "1000000", "10000000", "--libraries", "jaxbuf",
-          "flashbax"),
-         ("--quick", "--capacities", "1000", "--libraries", "jaxbuf",
-          "flashbax"),
-         100, ("flashbax",)),
-    Part("sequence", "bench_sequence.py", ("--periods", "20", "--no-memory"),
-         ("--quick",), 75, ("flashbax",)),
-    Part("loops", "bench_loops.py", ("--num-envs", "1024", "4096"),
-         ("--quick", "--num-envs", "2"), 75, ("gymnax",)),
-    Part("frames", "bench_frames.py",
-         ("--cases", "fill", "speed", "--fill-capacity", "1000000",
-          "--speed-capacity", "200000", "--repeats", "5"),
-         ("--cases", "fill", "speed", "--fill-capacity", "800",
-          "--speed-capacity", "800", "--repeats", "1"),
-         75, ("flashbax",)),
-    Part("hindsight", "bench_hindsight.py",
-         ("--no-sb3", "--capacity", "1000000", "--repeats", "10"),
-         ("--no-sb3", "--capacity", "2000", "--repeats", "1"), 45),
-    Part("mixture", "bench_mixture.py", (), ("--quick",), 30),
-    Part("dispatch", "bench_host_calls.py", ("--calls", "500", "--repeats", "5"),
-         ("--calls", "3", "--repeats", "1"), 30),
-    Part("sharded", "bench_sharded.py", ("--cases", "overhead"),
-         ("--cases", "overhead", "--quick"), 30),
+  Part(
+    "replay_fused",
+    "bench_replay_fused.py",
+    ("--capacities", "1000000", "10000000", "--libraries", "jaxbuf", "flashbax"),
+    ("--quick", "--capacities", "1000", "--libraries", "jaxbuf", "flashbax"),
+    100,
+    ("flashbax",),
+  ),
+  Part(
+    "sequence",
+    "bench_sequence.py",
+    ("--periods", "20", "--no-memory"),
+    ("--quick",),
+    75,
+    ("flashbax",),
+  ),
+  Part(
+    "loops",
+    "bench_loops.py",
+    ("--num-envs", "1024", "4096"),
+    ("--quick", "--num-envs", "2"),
+    75,
+    ("gymnax",),
+  ),
+  Part(
+    "frames",
+    "bench_frames.py",
+    (
+      "--cases",
+      "fill",
+      "speed",
+      "--fill-capacity",
+      "1000000",
+      "--speed-capacity",
+      "200000",
+      "--repeats",
+      "5",
+    ),
+    (
+      "--cases",
+      "fill",
+      "speed",
+      "--fill-capacity",
+      "800",
+      "--speed-capacity",
+      "800",
+      "--repeats",
+      "1",
+    ),
+    75,
+    ("flashbax",),
+  ),
+  Part(
+    "hindsight",
+    "bench_hindsight.py",
+    ("--no-sb3", "--capacity", "1000000", "--repeats", "10"),
+    ("--no-sb3", "--capacity", "2000", "--repeats", "1"),
+    45,
+  ),
+  Part("mixture", "bench_mixture.py", (), ("--quick",), 30),
+  Part(
+    "dispatch",
+    "bench_host_calls.py",
+    ("--calls", "500", "--repeats", "5"),
+    ("--calls", "3", "--repeats", "1"),
+    30,
+  ),
+  Part(
+    "sharded", "bench_sharded.py", ("--cases", "overhead"), ("--cases", "overhead", "--quick"), 30
+  ),
 )
 SMOKE_BUDGET = 300.0
 VERDICT_WORDS = ("PASS", "FAIL", "info", "n/a")
@@ -90,6 +136,7 @@ VERDICT_WORDS = ("PASS", "FAIL", "info", "n/a")
 
 def missing_modules(modules: tuple[str, ...]) -> list[str]:
   import importlib.util  # pylint: disable=import-outside-toplevel
+
   return [name for name in modules if importlib.util.find_spec(name) is None]
 
 
@@ -112,33 +159,43 @@ def run_part(part: Part, smoke: bool) -> dict[str, Any]:
   if not script.exists():
     return dict(result, status="skipped", reason=f"{part.script} not found")
   if absent:
-    return dict(result, status="skipped",
-                reason=f"not installed: {', '.join(absent)}")
+    return dict(result, status="skipped", reason=f"not installed: {', '.join(absent)}")
   arguments = part.smoke_arguments if smoke else part.arguments
   budget = SMOKE_BUDGET if smoke else part.budget_seconds
   command = [sys.executable, str(script), *arguments]
-  result["command"] = " ".join(["python", f"benchmarks/{part.script}",
-                                *arguments])
+  result["command"] = " ".join(["python", f"benchmarks/{part.script}", *arguments])
   # JAX's default 32-bit mode, whatever the caller's: every figure and
   # peer is defined in it (a JAX_ENABLE_X64=1 test run stays a test of the
   # suite's code, not of other programs).
-  environment = {name: value for name, value in os.environ.items()
-                 if name != "JAX_ENABLE_X64"}
+  environment = {name: value for name, value in os.environ.items() if name != "JAX_ENABLE_X64"}
   start = time.perf_counter()
   try:
-    completed = subprocess.run(command, capture_output=True, text=True,
-                               timeout=budget, check=False, cwd=HERE.parent,
-                               env=environment)
-    output, status = completed.stdout + completed.stderr, (
-        "ok" if completed.returncode == 0 else "failed")
+    completed = subprocess.run(
+      command,
+      capture_output=True,
+      text=True,
+      timeout=budget,
+      check=False,
+      cwd=HERE.parent,
+      env=environment,
+    )
+    output, status = (
+      completed.stdout + completed.stderr,
+      ("ok" if completed.returncode == 0 else "failed"),
+    )
   except subprocess.TimeoutExpired as expired:
-    output = "".join(stream.decode() if isinstance(stream, bytes) else
-                     (stream or "") for stream in (expired.stdout,
-                                                   expired.stderr))
+    output = "".join(
+      stream.decode() if isinstance(stream, bytes) else (stream or "")
+      for stream in (expired.stdout, expired.stderr)
+    )
     status = "skipped"
     result["reason"] = f"ran past its budget of {budget:.0f} s"
-  result.update(status=status, seconds=round(time.perf_counter() - start, 1),
-                output=output, verdicts=verdict_lines(output))
+  result.update(
+    status=status,
+    seconds=round(time.perf_counter() - start, 1),
+    output=output,
+    verdicts=verdict_lines(output),
+  )
   if status == "failed":
     result["reason"] = failure_line(output)
   return result
@@ -148,24 +205,26 @@ def failure_line(output: str) -> str:
   """The exception line of a failed part's output (JAX prints a note about
   its filtered frames after it), else its last line."""
   lines = output.strip().splitlines() or ["no output"]
-  raised = [line for line in lines
-            if re.match(r"^[\w.]*(Error|Exception|Exit)\b", line)]
+  raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Exit)\b", line)]
   return (raised or lines)[-1]
 
 
 def describe_device() -> dict[str, Any]:
   """Device, driver, CUDA, jax and jaxlib, read in a child process so that
   this process never holds device memory the parts need."""
-  probe = ("import json, jax, jaxlib; d = jax.devices();"
-           "print(json.dumps(dict(backend=jax.default_backend(),"
-           " devices=[x.device_kind for x in d], jax=jax.__version__,"
-           " jaxlib=jaxlib.__version__)))")
+  probe = (
+    "import json, jax, jaxlib; d = jax.devices();"
+    "print(json.dumps(dict(backend=jax.default_backend(),"
+    " devices=[x.device_kind for x in d], jax=jax.__version__,"
+    " jaxlib=jaxlib.__version__)))"
+  )
   environment = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  completed = subprocess.run([sys.executable, "-c", probe], capture_output=True,
-                             text=True, check=False, env=environment)
-  description: dict[str, Any] = dict(python=platform.python_version(),
-                                     host=platform.node(), cpu=cpu_name(),
-                                     cores=os.cpu_count())
+  completed = subprocess.run(
+    [sys.executable, "-c", probe], capture_output=True, text=True, check=False, env=environment
+  )
+  description: dict[str, Any] = dict(
+    python=platform.python_version(), host=platform.node(), cpu=cpu_name(), cores=os.cpu_count()
+  )
   if completed.returncode == 0:
     description.update(json.loads(completed.stdout.strip().splitlines()[-1]))
   else:
@@ -188,59 +247,62 @@ def cpu_name() -> str:
 def nvidia_versions() -> dict[str, str]:
   """Driver and CUDA versions from nvidia-smi; empty without one."""
   try:
-    header = subprocess.run(["nvidia-smi"], capture_output=True, text=True,
-                            check=False).stdout
+    header = subprocess.run(["nvidia-smi"], capture_output=True, text=True, check=False).stdout
     query = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-         "--format=csv,noheader"], capture_output=True, text=True,
-        check=False).stdout.strip()
+      ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+      capture_output=True,
+      text=True,
+      check=False,
+    ).stdout.strip()
   except OSError:
     return {}
   found = {}
   if query:
-    name, driver, memory = (field.strip() for field in
-                            query.splitlines()[0].split(","))
+    name, driver, memory = (field.strip() for field in query.splitlines()[0].split(","))
     found.update(gpu=name, driver=driver, gpu_memory=memory)
   if "CUDA Version:" in header:
     found["cuda"] = header.split("CUDA Version:")[1].split()[0]
   return found
 
 
-def markdown(device: dict[str, Any], parts: list[dict[str, Any]],
-             smoke: bool) -> str:
+def markdown(device: dict[str, Any], parts: list[dict[str, Any]], smoke: bool) -> str:
   lines = [
-      f"### Device suite{' (smoke run)' if smoke else ''}",
-      "",
-      f"device: {device.get('gpu') or ', '.join(device.get('devices', []))}"
-      f" ({device.get('backend', '?')}), driver {device.get('driver', '-')}, "
-      f"CUDA {device.get('cuda', '-')}, jax {device.get('jax', '?')}, jaxlib "
-      f"{device.get('jaxlib', '?')}; host {device['cpu']}, {device['cores']} "
-      f"cores, python {device['python']}",
-      "",
-      "| part | status | s | figure |",
-      "| --- | --- | --- | --- |",
+    f"### Device suite{' (smoke run)' if smoke else ''}",
+    "",
+    f"device: {device.get('gpu') or ', '.join(device.get('devices', []))}"
+    f" ({device.get('backend', '?')}), driver {device.get('driver', '-')}, "
+    f"CUDA {device.get('cuda', '-')}, jax {device.get('jax', '?')}, jaxlib "
+    f"{device.get('jaxlib', '?')}; host {device['cpu']}, {device['cores']} "
+    f"cores, python {device['python']}",
+    "",
+    "| part | status | s | figure |",
+    "| --- | --- | --- | --- |",
   ]
   for part in parts:
     figures = part.get("verdicts") or [part.get("reason", "")]
     for index, figure in enumerate(figures):
-      head = ((part["name"], part["status"], str(part.get("seconds", "-")))
-              if index == 0 else ("", "", ""))
-      lines.append("| " + " | ".join((*head, figure.replace("|", "/")))
-                   + " |")
-  skipped = [f"{part['name']} ({part['reason']})" for part in parts
-             if part["status"] != "ok"]
+      head = (
+        (part["name"], part["status"], str(part.get("seconds", "-")))
+        if index == 0
+        else ("", "", "")
+      )
+      lines.append("| " + " | ".join((*head, figure.replace("|", "/"))) + " |")
+  skipped = [f"{part['name']} ({part['reason']})" for part in parts if part["status"] != "ok"]
   lines += ["", "skipped or failed: " + ("; ".join(skipped) or "none")]
   return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--smoke", action="store_true",
-                      help="tiny sizes: the same code paths, on the CPU")
-  parser.add_argument("--parts", nargs="+", choices=[p.name for p in PARTS],
-                      help="run only these parts")
-  parser.add_argument("--out", default=None,
-                      help="folder for device_suite.json and device_suite.md")
+  parser.add_argument(
+    "--smoke", action="store_true", help="tiny sizes: the same code paths, on the CPU"
+  )
+  parser.add_argument(
+    "--parts", nargs="+", choices=[p.name for p in PARTS], help="run only these parts"
+  )
+  parser.add_argument(
+    "--out", default=None, help="folder for device_suite.json and device_suite.md"
+  )
   args = parser.parse_args(argv)
   chosen = [part for part in PARTS if not args.parts or part.name in args.parts]
   device = describe_device()
@@ -249,17 +311,20 @@ def main(argv: list[str] | None = None) -> int:
   for part in chosen:
     print(f"== {part.name}", flush=True)
     result = run_part(part, args.smoke)
-    print(f"   {result['status']} {result.get('seconds', '')} s "
-          f"{result.get('reason', '')}", flush=True)
+    print(
+      f"   {result['status']} {result.get('seconds', '')} s {result.get('reason', '')}", flush=True
+    )
     for line in result.get("verdicts", []):
       print(f"   {line}", flush=True)
     results.append(result)
   table = markdown(device, results, args.smoke)
   report = dict(device=device, smoke=args.smoke, parts=results)
-  print(json.dumps({key: value for key, value in report.items()
-                    if key != "parts"} | {"parts": [
-                        {k: v for k, v in part.items() if k != "output"}
-                        for part in results]}))
+  print(
+    json.dumps(
+      {key: value for key, value in report.items() if key != "parts"}
+      | {"parts": [{k: v for k, v in part.items() if k != "output"} for part in results]}
+    )
+  )
   print(table)
   if args.out:
     folder = pathlib.Path(args.out)

@@ -38,8 +38,19 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-PACKAGES = ("jax", "jaxlib", "numpy", "flax", "optax", "chex", "gymnax",
-            "flashbax", "cpprb", "rlax", "orbax-checkpoint")
+PACKAGES = (
+  "jax",
+  "jaxlib",
+  "numpy",
+  "flax",
+  "optax",
+  "chex",
+  "gymnax",
+  "flashbax",
+  "cpprb",
+  "rlax",
+  "orbax-checkpoint",
+)
 
 
 def block(tree):
@@ -52,8 +63,7 @@ def block(tree):
 
 def _command_output(command: Sequence[str]) -> str:
   try:
-    return subprocess.run(command, capture_output=True, text=True,
-                          check=False).stdout.strip()
+    return subprocess.run(command, capture_output=True, text=True, check=False).stdout.strip()
   except OSError:
     return ""
 
@@ -89,26 +99,33 @@ def print_load_average_after() -> str:
 def machine_description(packages: Sequence[str] = PACKAGES) -> dict[str, Any]:
   """CPU, cores, JAX backend and devices, Python and package versions, load."""
   device = jax.devices()[0]
-  return dict(cpu=cpu_name(), cores=os.cpu_count(),
-              backend=jax.default_backend(), device_kind=device.device_kind,
-              devices=[str(d) for d in jax.devices()],
-              python=platform.python_version(), versions=versions(packages),
-              load_average=load_average(),
-              date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-              command=" ".join(shlex.quote(a) for a in sys.argv))
+  return dict(
+    cpu=cpu_name(),
+    cores=os.cpu_count(),
+    backend=jax.default_backend(),
+    device_kind=device.device_kind,
+    devices=[str(d) for d in jax.devices()],
+    python=platform.python_version(),
+    versions=versions(packages),
+    load_average=load_average(),
+    date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    command=" ".join(shlex.quote(a) for a in sys.argv),
+  )
 
 
 def machine_lines(machine: dict[str, Any]) -> list[str]:
   return [
-      f"machine: {machine['cpu']}, {machine['cores']} cores; backend "
-      f"{machine['backend']} ({machine['device_kind']}), "
-      f"{len(machine['devices'])} device(s)",
-      f"python {machine['python']}, " + ", ".join(
-          f"{name} {version}" for name, version in machine["versions"].items()
-          if version != "not installed"),
-      f"date {machine['date']}; load average (1, 5, 15 min) at start: "
-      f"{machine['load_average']}",
-      f"command: {machine['command']}",
+    f"machine: {machine['cpu']}, {machine['cores']} cores; backend "
+    f"{machine['backend']} ({machine['device_kind']}), "
+    f"{len(machine['devices'])} device(s)",
+    f"python {machine['python']}, "
+    + ", ".join(
+      f"{name} {version}"
+      for name, version in machine["versions"].items()
+      if version != "not installed"
+    ),
+    f"date {machine['date']}; load average (1, 5, 15 min) at start: {machine['load_average']}",
+    f"command: {machine['command']}",
   ]
 
 
@@ -123,10 +140,14 @@ def print_machine(packages: Sequence[str] = PACKAGES) -> dict[str, Any]:
 # ---------------------------------------------------------------- timing
 
 
-def time_interleaved(calls: dict[str, Callable[[], Any]], *, repeats: int,
-                     warmup: int = 1, number: int = 1,
-                     statistic: Callable[[list[float]], float] = statistics.median
-                     ) -> dict[str, float]:
+def time_interleaved(
+  calls: dict[str, Callable[[], Any]],
+  *,
+  repeats: int,
+  warmup: int = 1,
+  number: int = 1,
+  statistic: Callable[[list[float]], float] = statistics.median,
+) -> dict[str, float]:
   """Median seconds per call of each thunk, the thunks interleaved.
 
   Args:
@@ -157,15 +178,12 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], *, repeats: int,
   return {name: statistic(values) for name, values in samples.items()}
 
 
-def time_call(call: Callable[[], Any], *, repeats: int, warmup: int = 1,
-              number: int = 1) -> float:
+def time_call(call: Callable[[], Any], *, repeats: int, warmup: int = 1, number: int = 1) -> float:
   """Median seconds per call of one thunk (see `time_interleaved`)."""
-  return time_interleaved({"call": call}, repeats=repeats, warmup=warmup,
-                          number=number)["call"]
+  return time_interleaved({"call": call}, repeats=repeats, warmup=warmup, number=number)["call"]
 
 
-def carrying(step: Callable[[Any], tuple[Any, Any]], state: Any
-             ) -> Callable[[], Any]:
+def carrying(step: Callable[[Any], tuple[Any, Any]], state: Any) -> Callable[[], Any]:
   """A thunk for `time_interleaved` that runs `step` on a carried state.
 
   `step(state) -> (state, result)` donates the state it is given, so each
@@ -184,72 +202,86 @@ def carrying(step: Callable[[Any], tuple[Any, Any]], state: Any
 # ---------------------------------------------------------------- fused loops
 
 
-def make_fused_loop(body: Callable[[Any, Any, Any, jax.Array], Any],
-                    iterations: int, inputs: Callable[[jax.Array], Any]
-                    ) -> Callable:
+def make_fused_loop(
+  body: Callable[[Any, Any, Any, jax.Array], Any],
+  iterations: int,
+  inputs: Callable[[jax.Array], Any],
+) -> Callable:
   """`(state, key) -> (state, checksum)`: K iterations in one donated jit.
 
   Iteration `step` (float32, 0 to K - 1) calls `body(state, key, inputs(step),
   checksum) -> (state, checksum)` with its own key; the checksum starts at
   float32 zero and should sum everything sampled, so no work is dead code.
   """
+
   def loop(state, key):
     def iteration(carry, step_and_key):
       state, acc = carry
       step, step_key = step_and_key
       state, acc = body(state, step_key, inputs(step), acc)
       return (state, acc), None
+
     # Every iteration's key from one call before the loop: on CPU each call to
     # the generator is a loop of small kernels, which would otherwise be timed
     # as part of every library's iteration.
     step_keys = jax.random.split(key, iterations)
     (state, acc), _ = jax.lax.scan(
-        iteration, (state, jnp.zeros((), jnp.float32)),
-        (jnp.arange(iterations, dtype=jnp.float32), step_keys))
+      iteration,
+      (state, jnp.zeros((), jnp.float32)),
+      (jnp.arange(iterations, dtype=jnp.float32), step_keys),
+    )
     return state, acc
 
   return jax.jit(loop, donate_argnums=0)
 
 
-def make_add_loop(add: Callable[[Any, Any], Any], iterations: int,
-                  inputs: Callable[[jax.Array], Any]) -> Callable:
+def make_add_loop(
+  add: Callable[[Any, Any], Any], iterations: int, inputs: Callable[[jax.Array], Any]
+) -> Callable:
   """`state -> state`: K calls of `add(state, inputs(step))`, `step`
   float32 0 to K - 1, in one donated jit: the add's device time alone."""
+
   def loop(state):
     def iteration(state, step):
       return add(state, inputs(step)), None
-    return jax.lax.scan(iteration, state,
-                        jnp.arange(iterations, dtype=jnp.float32))[0]
+
+    return jax.lax.scan(iteration, state, jnp.arange(iterations, dtype=jnp.float32))[0]
 
   return jax.jit(loop, donate_argnums=0)
 
 
-def time_fused_loops(loops: dict[str, Callable], states: dict[str, Any], *,
-                     iterations: int, repeats: int, warmup: int = 2,
-                     statistic: Callable[[list[float]], float] = statistics.median
-                     ) -> dict[str, float]:
+def time_fused_loops(
+  loops: dict[str, Callable],
+  states: dict[str, Any],
+  *,
+  iterations: int,
+  repeats: int,
+  warmup: int = 2,
+  statistic: Callable[[list[float]], float] = statistics.median,
+) -> dict[str, float]:
   """Median (or `statistic`) seconds per iteration of each `make_fused_loop`
   loop (or one with its signature), interleaved, each on its own donated
   state."""
   key = jax.random.key(0)
-  calls = {name: carrying(lambda state, loop=loop: loop(state, key),
-                          states[name])
-           for name, loop in loops.items()}
-  seconds = time_interleaved(calls, repeats=repeats, warmup=warmup,
-                             statistic=statistic)
+  calls = {
+    name: carrying(lambda state, loop=loop: loop(state, key), states[name])
+    for name, loop in loops.items()
+  }
+  seconds = time_interleaved(calls, repeats=repeats, warmup=warmup, statistic=statistic)
   return {name: value / iterations for name, value in seconds.items()}
 
 
-def time_add_loop(loop: Callable, state: Any, *, iterations: int,
-                  repeats: int, warmup: int = 2) -> float:
+def time_add_loop(
+  loop: Callable, state: Any, *, iterations: int, repeats: int, warmup: int = 2
+) -> float:
   """Median seconds per iteration of a `make_add_loop` loop, the state
   donated."""
+
   def run(state):
     state = loop(state)
     return state, state
 
-  return time_call(carrying(run, state), repeats=repeats,
-                   warmup=warmup) / iterations
+  return time_call(carrying(run, state), repeats=repeats, warmup=warmup) / iterations
 
 
 # ---------------------------------------------------------------- memory
@@ -288,6 +320,7 @@ class PeakMemory:
   host library such as cpprb). `baseline` is what was in use at `start()`;
   `peak - baseline` is what the work added at its worst.
   """
+
   host: bool = False
   measured: str = ""
   baseline: int = 0
@@ -310,8 +343,7 @@ class PeakMemory:
 
   def stop(self) -> "PeakMemory":
     stats = self._device_stats()
-    self.peak = (stats["peak_bytes_in_use"] if stats is not None
-                 else peak_resident_bytes())
+    self.peak = stats["peak_bytes_in_use"] if stats is not None else peak_resident_bytes()
     return self
 
   @property
@@ -325,8 +357,7 @@ class PeakMemory:
     return stats if "peak_bytes_in_use" in stats else None
 
 
-def measure_peak(call: Callable[[], Any], *, host: bool = False
-                 ) -> tuple[PeakMemory, float]:
+def measure_peak(call: Callable[[], Any], *, host: bool = False) -> tuple[PeakMemory, float]:
   """Peak memory (`PeakMemory`) and seconds of one call, its result waited
   for; the result is dropped only after the peak is read."""
   memory = PeakMemory(host=host).start()
@@ -338,13 +369,16 @@ def measure_peak(call: Callable[[], Any], *, host: bool = False
   return memory, seconds
 
 
-def run_child(script: str, arguments: Sequence[str], timeout: float = 1800
-              ) -> dict[str, Any]:
+def run_child(script: str, arguments: Sequence[str], timeout: float = 1800) -> dict[str, Any]:
   """Runs `python script *arguments` in a fresh process; parses the JSON
   object on its last stdout line, or returns {"error": [last stderr line]}."""
-  completed = subprocess.run([sys.executable, os.path.abspath(script),
-                              *arguments], capture_output=True, text=True,
-                             check=False, timeout=timeout)
+  completed = subprocess.run(
+    [sys.executable, os.path.abspath(script), *arguments],
+    capture_output=True,
+    text=True,
+    check=False,
+    timeout=timeout,
+  )
   if completed.returncode != 0:
     return {"error": completed.stderr.strip().splitlines()[-1:]}
   return json.loads(completed.stdout.strip().splitlines()[-1])
@@ -367,14 +401,16 @@ def ratio_text(value: float | None) -> str:
   return "-" if value is None else f"{value:.2f}x"
 
 
-def print_table(columns: Sequence[tuple[str, int]],
-                rows: Sequence[Sequence[Any]]) -> None:
+def print_table(columns: Sequence[tuple[str, int]], rows: Sequence[Sequence[Any]]) -> None:
   """Fixed-width table: `columns` are (title, width), a negative width
   left-aligns; each row holds one value per column (str() is applied)."""
+
   def line(values):
-    return " ".join(f"{str(value):<{-width}}" if width < 0
-                    else f"{str(value):>{width}}"
-                    for value, (_, width) in zip(values, columns, strict=True))
+    return " ".join(
+      f"{str(value):<{-width}}" if width < 0 else f"{str(value):>{width}}"
+      for value, (_, width) in zip(values, columns, strict=True)
+    )
+
   header = line([title for title, _ in columns])
   print(header)
   print("-" * len(header))
@@ -388,16 +424,22 @@ class Verdicts:
   def __init__(self):
     self.lines: list[str] = []
 
-  def judge(self, name: str, value: float | None, target: float, *,
-            higher_is_better: bool = True, unit: str = "x") -> None:
+  def judge(
+    self,
+    name: str,
+    value: float | None,
+    target: float,
+    *,
+    higher_is_better: bool = True,
+    unit: str = "x",
+  ) -> None:
     if value is None:
       verdict, shown = "n/a ", "n/a"
     else:
       passed = value >= target if higher_is_better else value <= target
       verdict, shown = ("PASS" if passed else "FAIL"), f"{value:.2f}{unit}"
     bound = ">=" if higher_is_better else "<="
-    self.lines.append(f"{verdict}  {name}: {shown} (target {bound} "
-                      f"{target:g}{unit})")
+    self.lines.append(f"{verdict}  {name}: {shown} (target {bound} {target:g}{unit})")
 
   def info(self, text: str) -> None:
     self.lines.append(f"info  {text}")
@@ -416,8 +458,7 @@ def override(settings: Any, args: Any, names: Sequence[str]) -> Any:
   (`args.<name>`, a list) replaced by it, as a tuple."""
   for name in names:
     if getattr(args, name):
-      settings = dataclasses.replace(settings,
-                                     **{name: tuple(getattr(args, name))})
+      settings = dataclasses.replace(settings, **{name: tuple(getattr(args, name))})
   return settings
 
 

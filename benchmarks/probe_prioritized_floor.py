@@ -37,9 +37,12 @@ def minimum_us(loop, carry) -> tuple[float, object]:
 
 def scanned(body):
   """`(carry, key) -> carry`: `body(carry, key)` K times."""
+
   def loop(carry, key):
-    return jax.lax.scan(lambda c, k: (body(c, k), None), carry,
-                        jax.random.split(key, ITERATIONS))[0]
+    return jax.lax.scan(lambda c, k: (body(c, k), None), carry, jax.random.split(key, ITERATIONS))[
+      0
+    ]
+
   return loop
 
 
@@ -52,8 +55,8 @@ def tree_pieces(tree: sum_tree.SumTree) -> dict:
 
   def targets(acc, key):
     found, redraws = sum_tree.draw_targets(
-        key, SAMPLE_BATCH, sum_tree.total(tree), sum_tree.num_redraws(tree),
-        stratified=True)
+      key, SAMPLE_BATCH, sum_tree.total(tree), sum_tree.num_redraws(tree), stratified=True
+    )
     return acc + found.sum() + redraws.sum()
 
   def bare_chain(acc, key):
@@ -62,29 +65,28 @@ def tree_pieces(tree: sum_tree.SumTree) -> dict:
     choice = random.random_bits(key, (SAMPLE_BATCH,))
     node = jnp.zeros(SAMPLE_BATCH, jnp.int32)
     for depth, level in enumerate(reversed(tree.levels[:-1])):
-      rows = level.reshape(-1, sum_tree.BRANCHING).at[node].get(
-          mode="promise_in_bounds")
+      rows = level.reshape(-1, sum_tree.BRANCHING).at[node].get(mode="promise_in_bounds")
       child = ((choice >> (3 * depth)) & 7).astype(jnp.int32)
       node = node * sum_tree.BRANCHING + jnp.where(rows[:, 0] >= 0, child, 0)
     return acc + node.sum().astype(jnp.float32)
 
   def descent(acc, key):
-    found, values = sum_tree.sample_leaves(tree, key, SAMPLE_BATCH,
-                                           stratified=True)
+    found, values = sum_tree.sample_leaves(tree, key, SAMPLE_BATCH, stratified=True)
     return acc + found.sum().astype(jnp.float32) + values.sum()
 
-  return {"random bits [4, S]": bits,
-          "targets: bits + strata order (the sort)": targets,
-          f"bare chain of {levels - 1} dependent row gathers": bare_chain,
-          "sample_leaves, stratified (the whole descent)": descent}
+  return {
+    "random bits [4, S]": bits,
+    "targets: bits + strata order (the sort)": targets,
+    f"bare chain of {levels - 1} dependent row gathers": bare_chain,
+    "sample_leaves, stratified (the whole descent)": descent,
+  }
 
 
 def buffer_pieces(obs: jax.Array) -> dict:
   """Fused steps on a full buffer, the carry `(state, checksum)`."""
   add = functools.partial(jaxbuf.prioritized.add, alpha=0.6)
   sample = functools.partial(jaxbuf.prioritized.sample, beta=0.4)
-  update = functools.partial(jaxbuf.prioritized.update_priorities, alpha=0.6,
-                             eps=1e-6)
+  update = functools.partial(jaxbuf.prioritized.update_priorities, alpha=0.6, eps=1e-6)
 
   def uniform_step(carry, key):
     state, acc = carry
@@ -99,15 +101,18 @@ def buffer_pieces(obs: jax.Array) -> dict:
       batch = sample(state, key, SAMPLE_BATCH)
       acc = acc + batch.items["obs"].sum() + batch.weights.sum()
       if with_update:
-        state = update(state, batch.indices,
-                       jnp.abs(batch.items["obs"][:, 0]) + 0.01, batch.item_ids)
+        state = update(
+          state, batch.indices, jnp.abs(batch.items["obs"][:, 0]) + 0.01, batch.item_ids
+        )
       return state, acc
+
     return step
 
-  return {"uniform add + sample": ("uniform", uniform_step),
-          "prioritized add + sample": ("prioritized", prioritized_step(False)),
-          "prioritized add + sample + update": ("prioritized",
-                                                prioritized_step(True))}
+  return {
+    "uniform add + sample": ("uniform", uniform_step),
+    "prioritized add + sample": ("prioritized", prioritized_step(False)),
+    "prioritized add + sample + update": ("prioritized", prioritized_step(True)),
+  }
 
 
 def main() -> None:
@@ -118,17 +123,22 @@ def main() -> None:
     seconds, _ = minimum_us(scanned(body), jnp.zeros((), jnp.float32))
     print(f"{name:50s} {seconds:7.1f} us", flush=True)
   obs = jax.random.normal(jax.random.key(1), (ADD_BATCH, OBS_SIZE))
-  items = {"obs": jnp.asarray(np.random.default_rng(0).standard_normal(
-      (CAPACITY, OBS_SIZE), np.float32))}
-  buffers = {"uniform": jaxbuf.uniform_replay(CAPACITY),
-             "prioritized": jaxbuf.prioritized_replay(CAPACITY)}
-  states = {kind: jax.jit(buffer.add, donate_argnums=0)(
-                buffer.init({"obs": jnp.zeros(OBS_SIZE)}), items)
-            for kind, buffer in buffers.items()}
+  items = {
+    "obs": jnp.asarray(np.random.default_rng(0).standard_normal((CAPACITY, OBS_SIZE), np.float32))
+  }
+  buffers = {
+    "uniform": jaxbuf.uniform_replay(CAPACITY),
+    "prioritized": jaxbuf.prioritized_replay(CAPACITY),
+  }
+  states = {
+    kind: jax.jit(buffer.add, donate_argnums=0)(buffer.init({"obs": jnp.zeros(OBS_SIZE)}), items)
+    for kind, buffer in buffers.items()
+  }
   del items
   for name, (kind, body) in buffer_pieces(obs).items():
     seconds, (states[kind], _) = minimum_us(
-        scanned(body), (states[kind], jnp.zeros((), jnp.float32)))
+      scanned(body), (states[kind], jnp.zeros((), jnp.float32))
+    )
     print(f"{name:50s} {seconds:7.1f} us", flush=True)
 
 

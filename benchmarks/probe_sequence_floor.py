@@ -32,8 +32,10 @@ DRAWS = 200
 def random_windows(key: jax.Array, per_env: int) -> tuple[jax.Array, jax.Array]:
   """Envs and start slots of S windows, int32 `[S]` each."""
   env_key, start_key = jax.random.split(key)
-  return (jax.random.randint(env_key, (BATCH,), 0, NUM_ENVS),
-          jax.random.randint(start_key, (BATCH,), 0, per_env))
+  return (
+    jax.random.randint(env_key, (BATCH,), 0, NUM_ENVS),
+    jax.random.randint(start_key, (BATCH,), 0, per_env),
+  )
 
 
 def flat_rows(storage, key):
@@ -45,6 +47,7 @@ def flat_rows(storage, key):
   def rows():
     offsets = (starts[:, None] + jnp.arange(LENGTH)[None, :]) % per_env
     return (envs[:, None] * per_env + offsets).reshape(-1)
+
   rows = random.computed_once(rows, envs[0])
   return storage.reshape(-1, OBS_SIZE).at[rows].get(mode="promise_in_bounds")
 
@@ -52,8 +55,9 @@ def flat_rows(storage, key):
 def window_slices(padded, key):
   """`vmap(dynamic_slice)`: every window contiguous in a ring padded by L - 1."""
   envs, starts = random_windows(key, padded.shape[1] - LENGTH + 1)
-  return jax.vmap(lambda env, start: jax.lax.dynamic_slice(
-      padded, (env, start, 0), (1, LENGTH, OBS_SIZE))[0])(envs, starts)
+  return jax.vmap(
+    lambda env, start: jax.lax.dynamic_slice(padded, (env, start, 0), (1, LENGTH, OBS_SIZE))[0]
+  )(envs, starts)
 
 
 def flat_slices(padded, key):
@@ -61,9 +65,11 @@ def flat_slices(padded, key):
   per_env = padded.shape[1]
   envs, starts = random_windows(key, per_env - LENGTH + 1)
   flat = padded.reshape(-1)
-  return jax.vmap(lambda env, start: jax.lax.dynamic_slice(
-      flat, ((env * per_env + start) * OBS_SIZE,), (LENGTH * OBS_SIZE,)))(
-          envs, starts)
+  return jax.vmap(
+    lambda env, start: jax.lax.dynamic_slice(
+      flat, ((env * per_env + start) * OBS_SIZE,), (LENGTH * OBS_SIZE,)
+    )
+  )(envs, starts)
 
 
 def window_gather(padded, key):
@@ -72,11 +78,14 @@ def window_gather(padded, key):
   per_env = padded.shape[1]
   envs, starts = random_windows(key, per_env - LENGTH + 1)
   return jax.lax.gather(
-      padded.reshape(-1, OBS_SIZE), (envs * per_env + starts)[:, None],
-      jax.lax.GatherDimensionNumbers(offset_dims=(1, 2),
-                                     collapsed_slice_dims=(),
-                                     start_index_map=(0,)),
-      (LENGTH, OBS_SIZE), mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    padded.reshape(-1, OBS_SIZE),
+    (envs * per_env + starts)[:, None],
+    jax.lax.GatherDimensionNumbers(
+      offset_dims=(1, 2), collapsed_slice_dims=(), start_index_map=(0,)
+    ),
+    (LENGTH, OBS_SIZE),
+    mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+  )
 
 
 def slice_loop(padded, key):
@@ -84,11 +93,10 @@ def slice_loop(padded, key):
   envs, starts = random_windows(key, padded.shape[1] - LENGTH + 1)
 
   def copy(i, out):
-    window = jax.lax.dynamic_slice(padded, (envs[i], starts[i], 0),
-                                   (1, LENGTH, OBS_SIZE))
+    window = jax.lax.dynamic_slice(padded, (envs[i], starts[i], 0), (1, LENGTH, OBS_SIZE))
     return jax.lax.dynamic_update_slice(out, window, (i, 0, 0))
-  return jax.lax.fori_loop(0, BATCH, copy,
-                           jnp.zeros((BATCH, LENGTH, OBS_SIZE), padded.dtype))
+
+  return jax.lax.fori_loop(0, BATCH, copy, jnp.zeros((BATCH, LENGTH, OBS_SIZE), padded.dtype))
 
 
 def contiguous(storage, key):
@@ -103,21 +111,24 @@ def timed_draws(form, storage):
   def run(key):
     def draw(acc, draw_key):
       return acc + jnp.sum(form(storage, draw_key)), None
+
     return jax.lax.scan(draw, jnp.float32(0), jax.random.split(key, DRAWS))[0]
+
   compiled = jax.jit(run)
   return lambda: compiled(jax.random.key(0))
 
 
 def probe_gather(per_env: int) -> dict[str, float]:
   rng = np.random.default_rng(0)
-  storage = jnp.asarray(rng.normal(size=(NUM_ENVS, per_env, OBS_SIZE)),
-                        jnp.float32)
-  padded = jnp.concatenate([storage, storage[:, :LENGTH - 1]], axis=1)
-  calls = {"flat rows (jaxbuf)": timed_draws(flat_rows, storage),
-           "window slices, padded": timed_draws(window_slices, padded),
-           "1-D slices, padded": timed_draws(flat_slices, padded),
-           "window gather, padded": timed_draws(window_gather, padded),
-           "fori_loop of slices": timed_draws(slice_loop, padded)}
+  storage = jnp.asarray(rng.normal(size=(NUM_ENVS, per_env, OBS_SIZE)), jnp.float32)
+  padded = jnp.concatenate([storage, storage[:, : LENGTH - 1]], axis=1)
+  calls = {
+    "flat rows (jaxbuf)": timed_draws(flat_rows, storage),
+    "window slices, padded": timed_draws(window_slices, padded),
+    "1-D slices, padded": timed_draws(flat_slices, padded),
+    "window gather, padded": timed_draws(window_gather, padded),
+    "fori_loop of slices": timed_draws(slice_loop, padded),
+  }
   if per_env * NUM_ENVS > 2 * BATCH * LENGTH * NUM_ENVS:
     calls["one contiguous slice"] = timed_draws(contiguous, storage)
   seconds = harness.time_interleaved(calls, repeats=7, warmup=2)
@@ -126,23 +137,30 @@ def probe_gather(per_env: int) -> dict[str, float]:
 
 def main():
   harness.print_machine(("jax", "jaxlib", "numpy"))
-  for per_env in (sequence.LARGE_STEPS_PER_ENV,
-                  sequence.SMALL_STEPS_PER_ENV):
-    print(f"\ngather of {BATCH} x {LENGTH} x {OBS_SIZE} float32 from "
-          f"{NUM_ENVS * per_env:,} steps, us per draw:")
+  for per_env in (sequence.LARGE_STEPS_PER_ENV, sequence.SMALL_STEPS_PER_ENV):
+    print(
+      f"\ngather of {BATCH} x {LENGTH} x {OBS_SIZE} float32 from "
+      f"{NUM_ENVS * per_env:,} steps, us per draw:"
+    )
     for name, seconds in probe_gather(per_env).items():
       print(f"  {name:24s}{seconds * 1e6:8.1f}")
   print("\nadd of one step per env, us (period 20):")
   for per_env in (80, 800, sequence.LARGE_STEPS_PER_ENV):
-    row = {(library, kind): sequence.time_add_only(
-               library, kind, per_env, 20, iterations=200, repeats=5)
-           for library, kind in (("floor_rows", "uniform"),
-                                 ("floor_slices", "uniform"),
-                                 ("jaxbuf", "uniform"),
-                                 ("jaxbuf", "prioritized"))}
-    print(f"  C={NUM_ENVS * per_env:>9,}: " + ", ".join(
-        f"{library} {kind} {seconds * 1e6:.1f}"
-        for (library, kind), seconds in row.items()))
+    row = {
+      (library, kind): sequence.time_add_only(library, kind, per_env, 20, iterations=200, repeats=5)
+      for library, kind in (
+        ("floor_rows", "uniform"),
+        ("floor_slices", "uniform"),
+        ("jaxbuf", "uniform"),
+        ("jaxbuf", "prioritized"),
+      )
+    }
+    print(
+      f"  C={NUM_ENVS * per_env:>9,}: "
+      + ", ".join(
+        f"{library} {kind} {seconds * 1e6:.1f}" for (library, kind), seconds in row.items()
+      )
+    )
 
 
 if __name__ == "__main__":

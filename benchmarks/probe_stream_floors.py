@@ -44,28 +44,37 @@ def checksum(tree) -> jax.Array:
 
 def timed_samples(sample, state):
   """A thunk: `DRAWS` samples of `state` in one jitted scan."""
+
   def run(state, key):
     def draw(acc, draw_key):
       return acc + checksum(sample(state, draw_key)), None
+
     return jax.lax.scan(draw, jnp.float32(0), jax.random.split(key, DRAWS))[0]
+
   compiled = jax.jit(run)
   return lambda: compiled(state, jax.random.key(0))
 
 
 def slices(storage, envs, starts, length):
   """`[S, length, ...]`: one contiguous `dynamic_slice` per (env, start)."""
+
   def cut(column):
     tail = column.shape[2:]
-    return jax.vmap(lambda env, start: jax.lax.dynamic_slice(
-        column, (env, start) + (0,) * len(tail), (1, length) + tail)[0])(
-            envs, starts)
+    return jax.vmap(
+      lambda env, start: jax.lax.dynamic_slice(
+        column, (env, start) + (0,) * len(tail), (1, length) + tail
+      )[0]
+    )(envs, starts)
+
   return jax.tree.map(cut, storage)
 
 
 def random_starts(key, num_envs, num_starts, batch):
   env_key, start_key = jax.random.split(key)
-  return (jax.random.randint(env_key, (batch,), 0, num_envs),
-          jax.random.randint(start_key, (batch,), 0, num_starts))
+  return (
+    jax.random.randint(env_key, (batch,), 0, num_envs),
+    jax.random.randint(start_key, (batch,), 0, num_starts),
+  )
 
 
 def bare(state):
@@ -81,10 +90,12 @@ def filled(buffer, state, per_env, chunk, end_rate, observations):
   rng = np.random.default_rng(0)
   num_envs = state.episode_ends.shape[0]
   for _ in range(per_env // chunk):
-    steps = {"obs": observations(rng, (num_envs, chunk)),
-             "action": np.zeros((num_envs, chunk), np.int32),
-             "reward": np.ones((num_envs, chunk), np.float32),
-             "terminated": np.zeros((num_envs, chunk), bool)}
+    steps = {
+      "obs": observations(rng, (num_envs, chunk)),
+      "action": np.zeros((num_envs, chunk), np.int32),
+      "reward": np.ones((num_envs, chunk), np.float32),
+      "terminated": np.zeros((num_envs, chunk), bool),
+    }
     ends = rng.random((num_envs, chunk)) < end_rate
     state = add(state, steps, episode_end=ends)
   return state
@@ -97,43 +108,58 @@ def frames_case():
   num_envs, capacity, stack, n_step, batch = 8, 80_000, 4, 3, 32
   buffer = jaxbuf.frame_stack_replay(num_envs, capacity, stack, n_step=n_step)
   per_env = capacity // num_envs
-  state = buffer.init({"obs": jnp.zeros((84, 84), jnp.uint8),
-                       "action": jnp.int32(0), "reward": jnp.float32(0),
-                       "terminated": jnp.bool_(False)})
-  state = filled(buffer, state, per_env, 1000, 1 / 500,
-                 lambda rng, shape: rng.integers(0, 255, shape + (84, 84),
-                                                 np.uint8))
+  state = buffer.init(
+    {
+      "obs": jnp.zeros((84, 84), jnp.uint8),
+      "action": jnp.int32(0),
+      "reward": jnp.float32(0),
+      "terminated": jnp.bool_(False),
+    }
+  )
+  state = filled(
+    buffer,
+    state,
+    per_env,
+    1000,
+    1 / 500,
+    lambda rng, shape: rng.integers(0, 255, shape + (84, 84), np.uint8),
+  )
 
   def floor(storage, key):
     envs, starts = random_starts(key, num_envs, per_env - stack - n_step, batch)
     frames = slices(storage["obs"], envs, starts, stack + n_step)
-    rows = slices({name: storage[name] for name in ("action", "reward",
-                                                    "terminated")},
-                  envs, starts + stack - 1, n_step + 1)
-    return (jnp.moveaxis(frames[:, :stack], 1, -1),
-            jnp.moveaxis(frames[:, n_step:], 1, -1), rows)
+    rows = slices(
+      {name: storage[name] for name in ("action", "reward", "terminated")},
+      envs,
+      starts + stack - 1,
+      n_step + 1,
+    )
+    return (jnp.moveaxis(frames[:, :stack], 1, -1), jnp.moveaxis(frames[:, n_step:], 1, -1), rows)
 
-  return {"jaxbuf frame_stack_replay": timed_samples(
-              lambda s, k: buffer.sample(s, k, batch).items, state),
-          "floor (contiguous slices)": timed_samples(floor, bare(state))}
+  return {
+    "jaxbuf frame_stack_replay": timed_samples(
+      lambda s, k: buffer.sample(s, k, batch).items, state
+    ),
+    "floor (contiguous slices)": timed_samples(floor, bare(state)),
+  }
 
 
 def hindsight_case():
   num_envs, capacity, batch, episode = 16, 1_000_000, 256, 50
-  reward_fn = lambda achieved, desired: -(jnp.linalg.norm(
-      achieved - desired, axis=-1) > 0.05).astype(jnp.float32)
+  reward_fn = lambda achieved, desired: (
+    -(jnp.linalg.norm(achieved - desired, axis=-1) > 0.05).astype(jnp.float32)
+  )
   buffer = jaxbuf.hindsight_replay(num_envs, capacity, reward_fn)
   per_env = capacity // num_envs
   rng = np.random.default_rng(0)
-  vector = lambda size: rng.standard_normal((num_envs, per_env, size),
-                                            np.float32)
-  steps = {"obs": {"observation": vector(10), "achieved_goal": vector(3),
-                   "desired_goal": vector(3)},
-           "action": vector(4),
-           "reward": np.zeros((num_envs, per_env), np.float32),
-           "terminated": np.zeros((num_envs, per_env), bool)}
-  ends = (np.arange(per_env) % (episode + 1) == episode)[None].repeat(
-      num_envs, 0)
+  vector = lambda size: rng.standard_normal((num_envs, per_env, size), np.float32)
+  steps = {
+    "obs": {"observation": vector(10), "achieved_goal": vector(3), "desired_goal": vector(3)},
+    "action": vector(4),
+    "reward": np.zeros((num_envs, per_env), np.float32),
+    "terminated": np.zeros((num_envs, per_env), bool),
+  }
+  ends = (np.arange(per_env) % (episode + 1) == episode)[None].repeat(num_envs, 0)
   state = buffer.init(jax.tree.map(lambda x: x[0, 0], steps))
   state = buffer.add(state, steps, episode_end=ends)
 
@@ -141,14 +167,18 @@ def hindsight_case():
     step_key, goal_key = jax.random.split(key)
     envs, starts = random_starts(step_key, num_envs, per_env - 1, batch)
     pairs = slices(storage, envs, starts, 2)
-    goals = slices(storage["obs"]["achieved_goal"], envs,
-                   jnp.minimum(starts + jax.random.randint(
-                       goal_key, (batch,), 1, episode), per_env - 1), 1)
+    goals = slices(
+      storage["obs"]["achieved_goal"],
+      envs,
+      jnp.minimum(starts + jax.random.randint(goal_key, (batch,), 1, episode), per_env - 1),
+      1,
+    )
     return pairs, goals
 
-  return {"jaxbuf hindsight_replay": timed_samples(
-              lambda s, k: buffer.sample(s, k, batch).items, state),
-          "floor (contiguous slices)": timed_samples(floor, bare(state))}
+  return {
+    "jaxbuf hindsight_replay": timed_samples(lambda s, k: buffer.sample(s, k, batch).items, state),
+    "floor (contiguous slices)": timed_samples(floor, bare(state)),
+  }
 
 
 def episode_case():
@@ -156,27 +186,31 @@ def episode_case():
   length, batch = 40, sequence_adapters.SAMPLE_BATCH
   buffer = jaxbuf.episode_replay(num_envs, num_envs * per_env, length)
   state = buffer.init(sequence_adapters.example_step())
-  state = filled(buffer, state, per_env, 980, 1 / 30,
-                 lambda rng, shape: rng.normal(size=shape + (84,)).astype(
-                     np.float32))
+  state = filled(
+    buffer,
+    state,
+    per_env,
+    980,
+    1 / 30,
+    lambda rng, shape: rng.normal(size=shape + (84,)).astype(np.float32),
+  )
 
   def floor(storage, key):
     envs, starts = random_starts(key, num_envs, per_env - length + 1, batch)
     return slices(storage, envs, starts, length)
 
-  return {"jaxbuf episode_replay": timed_samples(
-              lambda s, k: buffer.sample(s, k, batch).items, state),
-          "floor (contiguous slices)": timed_samples(floor, bare(state))}
+  return {
+    "jaxbuf episode_replay": timed_samples(lambda s, k: buffer.sample(s, k, batch).items, state),
+    "floor (contiguous slices)": timed_samples(floor, bare(state)),
+  }
 
 
-CASES = {"frames": frames_case, "hindsight": hindsight_case,
-         "episode": episode_case}
+CASES = {"frames": frames_case, "hindsight": hindsight_case, "episode": episode_case}
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--kinds", nargs="+", choices=sorted(CASES),
-                      default=list(CASES))
+  parser.add_argument("--kinds", nargs="+", choices=sorted(CASES), default=list(CASES))
   parser.add_argument("--repeats", type=int, default=15)
   args = parser.parse_args()
   harness.print_machine(("jax", "jaxlib", "numpy"))
@@ -184,10 +218,13 @@ def main():
     calls = CASES[name]()
     seconds = harness.time_interleaved(calls, repeats=args.repeats, warmup=2)
     jaxbuf_name, floor_name = calls
-    print(f"{name}: " + ", ".join(
-        f"{label} {value / DRAWS * 1e6:.1f} us" for label, value in
-        seconds.items()) + f"; jaxbuf / floor "
-        f"{seconds[jaxbuf_name] / seconds[floor_name]:.2f}x", flush=True)
+    print(
+      f"{name}: "
+      + ", ".join(f"{label} {value / DRAWS * 1e6:.1f} us" for label, value in seconds.items())
+      + f"; jaxbuf / floor "
+      f"{seconds[jaxbuf_name] / seconds[floor_name]:.2f}x",
+      flush=True,
+    )
     del calls
   harness.print_load_average_after()
 

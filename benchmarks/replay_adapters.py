@@ -38,17 +38,18 @@ KINDS = ("uniform", "prioritized")
 # One adapter per library and kind: the same operations behind one interface.
 # `state` is a JAX pytree for the JAX libraries and the cpprb buffer object.
 
+
 @dataclasses.dataclass
 class Adapter:
   library: str
   kind: str
-  capacity: int            # what the library actually holds
+  capacity: int  # what the library actually holds
   init: Callable[[], Any]
-  fill: Callable[[Any, np.ndarray], Any]        # adds C items at once
-  add: Callable[[Any, Any], Any]                # state, obs [B, 84]
-  sample: Callable[[Any, Any], Any]             # state, key -> sample
-  update: Callable[[Any, Any, Any], Any]        # state, sample, priorities
-  fused_body: Callable | None = None            # (state, key, obs, acc) -> ...
+  fill: Callable[[Any, np.ndarray], Any]  # adds C items at once
+  add: Callable[[Any, Any], Any]  # state, obs [B, 84]
+  sample: Callable[[Any, Any], Any]  # state, key -> sample
+  update: Callable[[Any, Any, Any], Any]  # state, sample, priorities
+  fused_body: Callable | None = None  # (state, key, obs, acc) -> ...
   to_device: Callable[[np.ndarray], Any] = jnp.asarray
 
 
@@ -76,8 +77,7 @@ def jaxbuf_adapter(kind: str, capacity: int) -> Adapter:
     buffer = jaxbuf.prioritized_replay(capacity, alpha=ALPHA, beta=BETA)
     raw_add = functools.partial(jaxbuf.prioritized.add, alpha=ALPHA)
     raw_sample = functools.partial(jaxbuf.prioritized.sample, beta=BETA)
-    raw_update = functools.partial(jaxbuf.prioritized.update_priorities,
-                                   alpha=ALPHA, eps=1e-6)
+    raw_update = functools.partial(jaxbuf.prioritized.update_priorities, alpha=ALPHA, eps=1e-6)
 
   def fused_body(state, key, obs, acc):
     state = raw_add(state, {"obs": obs})
@@ -89,28 +89,38 @@ def jaxbuf_adapter(kind: str, capacity: int) -> Adapter:
     return state, acc
 
   return Adapter(
-      library="jaxbuf", kind=kind, capacity=capacity,
-      init=lambda: buffer.init({"obs": jnp.zeros(OBS_SIZE, jnp.float32)}),
-      fill=lambda state, obs: buffer.add(state, {"obs": jnp.asarray(obs)}),
-      add=lambda state, obs: buffer.add(state, {"obs": obs}),
-      sample=lambda state, key: buffer.sample(state, key, SAMPLE_BATCH),
-      update=lambda state, batch, priorities: buffer.update_priorities(
-          state, batch.indices, priorities, batch.item_ids),
-      fused_body=fused_body)
+    library="jaxbuf",
+    kind=kind,
+    capacity=capacity,
+    init=lambda: buffer.init({"obs": jnp.zeros(OBS_SIZE, jnp.float32)}),
+    fill=lambda state, obs: buffer.add(state, {"obs": jnp.asarray(obs)}),
+    add=lambda state, obs: buffer.add(state, {"obs": obs}),
+    sample=lambda state, key: buffer.sample(state, key, SAMPLE_BATCH),
+    update=lambda state, batch, priorities: buffer.update_priorities(
+      state, batch.indices, priorities, batch.item_ids
+    ),
+    fused_body=fused_body,
+  )
 
 
 def flashbax_adapter(kind: str, capacity: int) -> Adapter:
   import flashbax  # pylint: disable=import-outside-toplevel
+
   # Flashbax stores [B, C // B, ...] and adds one time step of B items per
   # call; a second buffer over the same state adds whole sequences, to fill.
-  settings = dict(max_length=capacity, min_length=SAMPLE_BATCH,
-                  sample_batch_size=SAMPLE_BATCH, add_batch_size=ADD_BATCH)
+  settings = dict(
+    max_length=capacity,
+    min_length=SAMPLE_BATCH,
+    sample_batch_size=SAMPLE_BATCH,
+    add_batch_size=ADD_BATCH,
+  )
   if kind == "uniform":
     make = flashbax.make_flat_buffer
   else:
     device = {"gpu": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "cpu")
-    make = functools.partial(flashbax.make_prioritised_flat_buffer,
-                             priority_exponent=ALPHA, device=device)
+    make = functools.partial(
+      flashbax.make_prioritised_flat_buffer, priority_exponent=ALPHA, device=device
+    )
   buffer = make(add_sequences=False, **settings)
   sequence_buffer = make(add_sequences=True, **settings)
   time_axis = capacity // ADD_BATCH
@@ -118,19 +128,18 @@ def flashbax_adapter(kind: str, capacity: int) -> Adapter:
   add = jax.jit(buffer.add, donate_argnums=0)
   sample = jax.jit(buffer.sample)
   fill = jax.jit(sequence_buffer.add, donate_argnums=0)
-  set_priorities = (jax.jit(buffer.set_priorities, donate_argnums=0)
-                    if kind == "prioritized" else None)
+  set_priorities = (
+    jax.jit(buffer.set_priorities, donate_argnums=0) if kind == "prioritized" else None
+  )
 
   def fill_state(state, obs):
-    obs = jnp.asarray(obs[:ADD_BATCH * time_axis]).reshape(
-        ADD_BATCH, time_axis, OBS_SIZE)
+    obs = jnp.asarray(obs[: ADD_BATCH * time_axis]).reshape(ADD_BATCH, time_axis, OBS_SIZE)
     return fill(state, {"obs": obs})
 
   def fused_body(state, key, obs, acc):
     state = buffer.add(state, {"obs": obs})
     batch = buffer.sample(state, key)
-    weights = (batch.probabilities if kind == "prioritized"
-               else jnp.zeros((), jnp.float32))
+    weights = batch.probabilities if kind == "prioritized" else jnp.zeros((), jnp.float32)
     acc = acc + sample_checksum(batch.experience.first["obs"], weights)
     if kind == "prioritized":
       priorities = stand_in_td_errors(batch.experience.first["obs"])
@@ -143,17 +152,21 @@ def flashbax_adapter(kind: str, capacity: int) -> Adapter:
     return set_priorities(state, batch.indices, priorities)
 
   return Adapter(
-      library="flashbax", kind=kind, capacity=ADD_BATCH * time_axis,
-      init=lambda: buffer.init({"obs": jnp.zeros(OBS_SIZE, jnp.float32)}),
-      fill=fill_state,
-      add=lambda state, obs: add(state, {"obs": obs}),
-      sample=sample,
-      update=update,
-      fused_body=fused_body)
+    library="flashbax",
+    kind=kind,
+    capacity=ADD_BATCH * time_axis,
+    init=lambda: buffer.init({"obs": jnp.zeros(OBS_SIZE, jnp.float32)}),
+    fill=fill_state,
+    add=lambda state, obs: add(state, {"obs": obs}),
+    sample=sample,
+    update=update,
+    fused_body=fused_body,
+  )
 
 
 def cpprb_adapter(kind: str, capacity: int) -> Adapter:
   import cpprb  # pylint: disable=import-outside-toplevel
+
   env_dict = {"obs": {"shape": OBS_SIZE, "dtype": np.float32}}
 
   def init():
@@ -176,25 +189,30 @@ def cpprb_adapter(kind: str, capacity: int) -> Adapter:
       buffer.update_priorities(batch["indexes"], priorities)
     return buffer
 
-  return Adapter(library="cpprb", kind=kind, capacity=capacity, init=init,
-                 fill=add, add=add, sample=sample, update=update,
-                 to_device=np.asarray)
+  return Adapter(
+    library="cpprb",
+    kind=kind,
+    capacity=capacity,
+    init=init,
+    fill=add,
+    add=add,
+    sample=sample,
+    update=update,
+    to_device=np.asarray,
+  )
 
 
-ADAPTERS = {"jaxbuf": jaxbuf_adapter, "flashbax": flashbax_adapter,
-            "cpprb": cpprb_adapter}
+ADAPTERS = {"jaxbuf": jaxbuf_adapter, "flashbax": flashbax_adapter, "cpprb": cpprb_adapter}
 
 
 def make_fused_loop(adapter: Adapter, iterations: int) -> Callable:
   """`(state, key) -> (state, checksum)`: K iterations in one donated jit."""
   base_obs = jax.random.normal(jax.random.key(1), (ADD_BATCH, OBS_SIZE))
-  return harness.make_fused_loop(adapter.fused_body, iterations,
-                                 lambda step: base_obs + step)
+  return harness.make_fused_loop(adapter.fused_body, iterations, lambda step: base_obs + step)
 
 
 def make_cpprb_loop(adapter: Adapter, iterations: int) -> Callable:
-  obs = np.random.default_rng(1).normal(
-      size=(ADD_BATCH, OBS_SIZE)).astype(np.float32)
+  obs = np.random.default_rng(1).normal(size=(ADD_BATCH, OBS_SIZE)).astype(np.float32)
 
   def loop(buffer, key):
     acc = 0.0
@@ -217,33 +235,42 @@ def make_loop(adapter: Adapter, iterations: int) -> Callable:
 
 def fill_states(adapters: dict[str, Adapter], capacity: int) -> dict[str, Any]:
   """Each library's buffer, full: C random items added at once."""
-  fill_obs = np.random.default_rng(0).normal(
-      size=(capacity, OBS_SIZE)).astype(np.float32)
-  return {library: jax.block_until_ready(adapter.fill(adapter.init(), fill_obs))
-          for library, adapter in adapters.items()}
+  fill_obs = np.random.default_rng(0).normal(size=(capacity, OBS_SIZE)).astype(np.float32)
+  return {
+    library: jax.block_until_ready(adapter.fill(adapter.init(), fill_obs))
+    for library, adapter in adapters.items()
+  }
 
 
 def add_common_arguments(parser) -> None:
-  parser.add_argument("--capacities", type=int, nargs="+",
-                      help="override the capacities")
-  parser.add_argument("--libraries", nargs="+", choices=LIBRARIES,
-                      help="override the libraries")
-  parser.add_argument("--kinds", nargs="+", choices=KINDS,
-                      help="override the buffer kinds")
+  parser.add_argument("--capacities", type=int, nargs="+", help="override the capacities")
+  parser.add_argument("--libraries", nargs="+", choices=LIBRARIES, help="override the libraries")
+  parser.add_argument("--kinds", nargs="+", choices=KINDS, help="override the buffer kinds")
   parser.add_argument("--json", help="also write the results to this file")
 
 
-REPLAY_COLUMNS = (("capacity", 9), ("kind", -11), ("mode", -24),
-                  ("jaxbuf us", 10), ("flashbax us", 11), ("cpprb us", 9),
-                  ("fbx/jaxbuf", 10), ("cpprb/jaxbuf", 12))
+REPLAY_COLUMNS = (
+  ("capacity", 9),
+  ("kind", -11),
+  ("mode", -24),
+  ("jaxbuf us", 10),
+  ("flashbax us", 11),
+  ("cpprb us", 9),
+  ("fbx/jaxbuf", 10),
+  ("cpprb/jaxbuf", 12),
+)
 
 
 def replay_table_row(row: dict) -> list:
   """One printed row of `REPLAY_COLUMNS`; ratios are peer / jaxbuf time."""
   times = row["seconds"]
-  return [row["capacity"], row["kind"], row["mode"],
-          microseconds(times.get("jaxbuf")),
-          microseconds(times.get("flashbax")),
-          microseconds(times.get("cpprb")),
-          ratio_text(ratio(times.get("flashbax"), times.get("jaxbuf"))),
-          ratio_text(ratio(times.get("cpprb"), times.get("jaxbuf")))]
+  return [
+    row["capacity"],
+    row["kind"],
+    row["mode"],
+    microseconds(times.get("jaxbuf")),
+    microseconds(times.get("flashbax")),
+    microseconds(times.get("cpprb")),
+    ratio_text(ratio(times.get("flashbax"), times.get("jaxbuf"))),
+    ratio_text(ratio(times.get("cpprb"), times.get("jaxbuf"))),
+  ]

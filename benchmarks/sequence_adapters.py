@@ -54,10 +54,12 @@ SMALL_STEPS_PER_ENV = 80
 
 
 def example_step() -> dict[str, jax.Array]:
-  return {"obs": jnp.zeros(OBS_SIZE, jnp.float32),
-          "action": jnp.zeros((), jnp.int32),
-          "reward": jnp.zeros((), jnp.float32),
-          "terminated": jnp.zeros((), jnp.bool_)}
+  return {
+    "obs": jnp.zeros(OBS_SIZE, jnp.float32),
+    "action": jnp.zeros((), jnp.int32),
+    "reward": jnp.zeros((), jnp.float32),
+    "terminated": jnp.zeros((), jnp.bool_),
+  }
 
 
 def step_bytes() -> int:
@@ -66,18 +68,23 @@ def step_bytes() -> int:
 
 def env_steps(base_obs: jax.Array, offset) -> dict[str, jax.Array]:
   """One step for each of the N envs, `obs [N, 84]`, the others `[N]`."""
-  return {"obs": base_obs + offset,
-          "action": jnp.full((NUM_ENVS,), 1, jnp.int32),
-          "reward": jnp.full((NUM_ENVS,), 0.5, jnp.float32),
-          "terminated": jnp.zeros((NUM_ENVS,), jnp.bool_)}
+  return {
+    "obs": base_obs + offset,
+    "action": jnp.full((NUM_ENVS,), 1, jnp.int32),
+    "reward": jnp.full((NUM_ENVS,), 0.5, jnp.float32),
+    "terminated": jnp.zeros((NUM_ENVS,), jnp.bool_),
+  }
 
 
 def checksum(windows: dict[str, jax.Array], weights) -> jax.Array:
   """Everything sampled flows into this sum, so no gather can be skipped."""
-  return (jnp.sum(windows["obs"]) + jnp.sum(windows["reward"])
-          + jnp.sum(windows["action"]).astype(jnp.float32)
-          + jnp.sum(windows["terminated"]).astype(jnp.float32)
-          + jnp.sum(weights))
+  return (
+    jnp.sum(windows["obs"])
+    + jnp.sum(windows["reward"])
+    + jnp.sum(windows["action"]).astype(jnp.float32)
+    + jnp.sum(windows["terminated"]).astype(jnp.float32)
+    + jnp.sum(weights)
+  )
 
 
 def stand_in_td_errors(windows: dict[str, jax.Array]) -> jax.Array:
@@ -98,47 +105,56 @@ class Adapter:
   add_chunk: Callable[[Any, Any], Any]
   # (state, key, steps [N, ...], acc) -> (state, acc); traced in the loop
   fused_body: Callable[[Any, Any, Any, Any], Any]
-  add_step: Callable[[Any, Any], Any]   # traced: one step per env
+  add_step: Callable[[Any, Any], Any]  # traced: one step per env
 
 
 def jaxbuf_adapter(kind: str, steps_per_env: int, period: int) -> Adapter:
   capacity = NUM_ENVS * steps_per_env
   if kind == "uniform":
-    buffer = jaxbuf.sequence_replay(NUM_ENVS, capacity, SEQUENCE_LENGTH,
-                                    period=period)
+    buffer = jaxbuf.sequence_replay(NUM_ENVS, capacity, SEQUENCE_LENGTH, period=period)
   else:
     buffer = jaxbuf.prioritized_sequence_replay(
-        NUM_ENVS, capacity, SEQUENCE_LENGTH, period=period, alpha=ALPHA,
-        beta=BETA)
+      NUM_ENVS, capacity, SEQUENCE_LENGTH, period=period, alpha=ALPHA, beta=BETA
+    )
 
   def fused_body(state, key, steps, acc):
     state = buffer.add(state, steps)
     batch = buffer.sample(state, key, SAMPLE_BATCH)
     acc = acc + checksum(batch.items, batch.weights)
     if kind == "prioritized":
-      state = buffer.update_priorities(state, batch.indices,
-                                       stand_in_td_errors(batch.items),
-                                       batch.item_ids)
+      state = buffer.update_priorities(
+        state, batch.indices, stand_in_td_errors(batch.items), batch.item_ids
+      )
     return state, acc
 
-  return Adapter(library="jaxbuf", kind=kind,
-                 init=lambda: buffer.init(example_step()),
-                 add_chunk=buffer.add, fused_body=fused_body,
-                 add_step=buffer.add)
+  return Adapter(
+    library="jaxbuf",
+    kind=kind,
+    init=lambda: buffer.init(example_step()),
+    add_chunk=buffer.add,
+    fused_body=fused_body,
+    add_step=buffer.add,
+  )
 
 
 def flashbax_adapter(kind: str, steps_per_env: int, period: int) -> Adapter:
   import flashbax  # pylint: disable=import-outside-toplevel
-  settings = dict(add_batch_size=NUM_ENVS, sample_batch_size=SAMPLE_BATCH,
-                  sample_sequence_length=SEQUENCE_LENGTH, period=period,
-                  min_length_time_axis=SEQUENCE_LENGTH,
-                  max_length_time_axis=steps_per_env)
+
+  settings = dict(
+    add_batch_size=NUM_ENVS,
+    sample_batch_size=SAMPLE_BATCH,
+    sample_sequence_length=SEQUENCE_LENGTH,
+    period=period,
+    min_length_time_axis=SEQUENCE_LENGTH,
+    max_length_time_axis=steps_per_env,
+  )
   if kind == "uniform":
     buffer = flashbax.make_trajectory_buffer(**settings)
   else:
     device = {"gpu": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "cpu")
     buffer = flashbax.make_prioritised_trajectory_buffer(
-        priority_exponent=ALPHA, device=device, **settings)
+      priority_exponent=ALPHA, device=device, **settings
+    )
 
   def add_step(state, steps):
     # flashbax adds [N, T, ...]: one step per env is T = 1.
@@ -147,47 +163,55 @@ def flashbax_adapter(kind: str, steps_per_env: int, period: int) -> Adapter:
   def fused_body(state, key, steps, acc):
     state = add_step(state, steps)
     batch = buffer.sample(state, key)
-    weights = (batch.probabilities if kind == "prioritized"
-               else jnp.zeros((), jnp.float32))
+    weights = batch.probabilities if kind == "prioritized" else jnp.zeros((), jnp.float32)
     acc = acc + checksum(batch.experience, weights)
     if kind == "prioritized":
-      state = buffer.set_priorities(state, batch.indices,
-                                    stand_in_td_errors(batch.experience))
+      state = buffer.set_priorities(state, batch.indices, stand_in_td_errors(batch.experience))
     return state, acc
 
-  return Adapter(library="flashbax", kind=kind,
-                 init=lambda: buffer.init(example_step()),
-                 add_chunk=jax.jit(buffer.add, donate_argnums=0),
-                 fused_body=fused_body, add_step=add_step)
+  return Adapter(
+    library="flashbax",
+    kind=kind,
+    init=lambda: buffer.init(example_step()),
+    add_chunk=jax.jit(buffer.add, donate_argnums=0),
+    fused_body=fused_body,
+    add_step=add_step,
+  )
 
 
 def _floor_init(steps_per_env: int) -> Callable[[], Any]:
   def init():
-    return {"storage": jax.tree.map(
-                lambda x: jnp.zeros((NUM_ENVS, steps_per_env) + x.shape,
-                                    x.dtype), example_step()),
-            "head": jnp.zeros((), jnp.int32)}
+    return {
+      "storage": jax.tree.map(
+        lambda x: jnp.zeros((NUM_ENVS, steps_per_env) + x.shape, x.dtype), example_step()
+      ),
+      "head": jnp.zeros((), jnp.int32),
+    }
+
   return init
 
 
 def _floor_add_chunk(steps_per_env: int) -> Callable[[Any, Any], Any]:
   """Fills a floor's arrays (not timed): the chunk at the shared head."""
+
   def add_chunk(state, chunk):
     length = jax.tree.leaves(chunk)[0].shape[1]
     slots = (state["head"] + jnp.arange(length)) % steps_per_env
-    storage = jax.tree.map(lambda column, rows: column.at[:, slots].set(rows),
-                           state["storage"], chunk)
-    return {"storage": storage,
-            "head": (state["head"] + length) % steps_per_env}
+    storage = jax.tree.map(
+      lambda column, rows: column.at[:, slots].set(rows), state["storage"], chunk
+    )
+    return {"storage": storage, "head": (state["head"] + length) % steps_per_env}
+
   return jax.jit(add_chunk, donate_argnums=0)
 
 
-def _random_windows(key: jax.Array, num_starts: int
-                    ) -> tuple[jax.Array, jax.Array]:
+def _random_windows(key: jax.Array, num_starts: int) -> tuple[jax.Array, jax.Array]:
   """Envs and start slots of S windows, int32 `[S]` each."""
   env_key, start_key = jax.random.split(key)
-  return (jax.random.randint(env_key, (SAMPLE_BATCH,), 0, NUM_ENVS),
-          jax.random.randint(start_key, (SAMPLE_BATCH,), 0, num_starts))
+  return (
+    jax.random.randint(env_key, (SAMPLE_BATCH,), 0, NUM_ENVS),
+    jax.random.randint(start_key, (SAMPLE_BATCH,), 0, num_starts),
+  )
 
 
 def floor_rows_adapter(kind: str, steps_per_env: int, period: int) -> Adapter:
@@ -202,10 +226,9 @@ def floor_rows_adapter(kind: str, steps_per_env: int, period: int) -> Adapter:
 
   def add_step(state, steps):
     storage = jax.tree.map(
-        lambda column, row: column.at[:, state["head"]].set(row),
-        state["storage"], steps)
-    return {"storage": storage,
-            "head": (state["head"] + 1) % steps_per_env}
+      lambda column, row: column.at[:, state["head"]].set(row), state["storage"], steps
+    )
+    return {"storage": storage, "head": (state["head"] + 1) % steps_per_env}
 
   def fused_body(state, key, steps, acc):
     state = add_step(state, steps)
@@ -213,20 +236,27 @@ def floor_rows_adapter(kind: str, steps_per_env: int, period: int) -> Adapter:
     offsets = starts[:, None] + jnp.arange(SEQUENCE_LENGTH)[None, :]
     rows = (envs[:, None] * steps_per_env + offsets % steps_per_env).reshape(-1)
     windows = jax.tree.map(
-        lambda column: column.reshape((-1,) + column.shape[2:]).at[rows].get(
-            mode="promise_in_bounds").reshape(
-                (SAMPLE_BATCH, SEQUENCE_LENGTH) + column.shape[2:]),
-        state["storage"])
+      lambda column: (
+        column.reshape((-1,) + column.shape[2:])
+        .at[rows]
+        .get(mode="promise_in_bounds")
+        .reshape((SAMPLE_BATCH, SEQUENCE_LENGTH) + column.shape[2:])
+      ),
+      state["storage"],
+    )
     return state, acc + checksum(windows, jnp.zeros((), jnp.float32))
 
-  return Adapter(library="floor_rows", kind="floor", init=_floor_init(
-                     steps_per_env),
-                 add_chunk=_floor_add_chunk(steps_per_env),
-                 fused_body=fused_body, add_step=add_step)
+  return Adapter(
+    library="floor_rows",
+    kind="floor",
+    init=_floor_init(steps_per_env),
+    add_chunk=_floor_add_chunk(steps_per_env),
+    fused_body=fused_body,
+    add_step=add_step,
+  )
 
 
-def floor_slices_adapter(kind: str, steps_per_env: int,
-                         period: int) -> Adapter:
+def floor_slices_adapter(kind: str, steps_per_env: int, period: int) -> Adapter:
   """The contiguous-slice floor: windows read as windows, with no library.
 
   Bare `[N, R, ...]` arrays and one write head shared by all envs: the add
@@ -241,8 +271,11 @@ def floor_slices_adapter(kind: str, steps_per_env: int,
     def write(column, row):
       start = (jnp.int32(0), state["head"]) + (jnp.int32(0),) * (row.ndim - 1)
       return jax.lax.dynamic_update_slice(column, row[:, None], start)
-    return {"storage": jax.tree.map(write, state["storage"], steps),
-            "head": (state["head"] + 1) % steps_per_env}
+
+    return {
+      "storage": jax.tree.map(write, state["storage"], steps),
+      "head": (state["head"] + 1) % steps_per_env,
+    }
 
   def fused_body(state, key, steps, acc):
     state = add_step(state, steps)
@@ -250,21 +283,31 @@ def floor_slices_adapter(kind: str, steps_per_env: int,
 
     def window(column):
       tail = column.shape[2:]
-      return jax.vmap(lambda env, start: jax.lax.dynamic_slice(
-          column, (env, start) + (0,) * len(tail),
-          (1, SEQUENCE_LENGTH) + tail)[0])(envs, starts)
+      return jax.vmap(
+        lambda env, start: jax.lax.dynamic_slice(
+          column, (env, start) + (0,) * len(tail), (1, SEQUENCE_LENGTH) + tail
+        )[0]
+      )(envs, starts)
+
     windows = jax.tree.map(window, state["storage"])
     return state, acc + checksum(windows, jnp.zeros((), jnp.float32))
 
-  return Adapter(library="floor_slices", kind="floor", init=_floor_init(
-                     steps_per_env),
-                 add_chunk=_floor_add_chunk(steps_per_env),
-                 fused_body=fused_body, add_step=add_step)
+  return Adapter(
+    library="floor_slices",
+    kind="floor",
+    init=_floor_init(steps_per_env),
+    add_chunk=_floor_add_chunk(steps_per_env),
+    fused_body=fused_body,
+    add_step=add_step,
+  )
 
 
-ADAPTERS = {"jaxbuf": jaxbuf_adapter, "flashbax": flashbax_adapter,
-            "floor_rows": floor_rows_adapter,
-            "floor_slices": floor_slices_adapter}
+ADAPTERS = {
+  "jaxbuf": jaxbuf_adapter,
+  "flashbax": flashbax_adapter,
+  "floor_rows": floor_rows_adapter,
+  "floor_slices": floor_slices_adapter,
+}
 
 
 def fill(adapter: Adapter, steps_per_env: int, chunk: int = 980) -> Any:
@@ -274,11 +317,11 @@ def fill(adapter: Adapter, steps_per_env: int, chunk: int = 980) -> Any:
   for start in range(0, steps_per_env, chunk):
     length = min(chunk, steps_per_env - start)
     steps = {
-        "obs": rng.normal(size=(NUM_ENVS, length, OBS_SIZE)).astype(
-            np.float32),
-        "action": rng.integers(0, 2, (NUM_ENVS, length), np.int32),
-        "reward": np.ones((NUM_ENVS, length), np.float32),
-        "terminated": np.zeros((NUM_ENVS, length), bool)}
+      "obs": rng.normal(size=(NUM_ENVS, length, OBS_SIZE)).astype(np.float32),
+      "action": rng.integers(0, 2, (NUM_ENVS, length), np.int32),
+      "reward": np.ones((NUM_ENVS, length), np.float32),
+      "terminated": np.zeros((NUM_ENVS, length), bool),
+    }
     state = adapter.add_chunk(state, jax.tree.map(jnp.asarray, steps))
   return harness.block(state)
 
@@ -286,21 +329,25 @@ def fill(adapter: Adapter, steps_per_env: int, chunk: int = 980) -> Any:
 def make_fused_loop(adapter: Adapter, iterations: int) -> Callable:
   """`(state, key) -> (state, checksum)`: K iterations in one donated jit."""
   base_obs = jax.random.normal(jax.random.key(1), (NUM_ENVS, OBS_SIZE))
-  return harness.make_fused_loop(adapter.fused_body, iterations,
-                                 lambda step: env_steps(base_obs, step))
+  return harness.make_fused_loop(
+    adapter.fused_body, iterations, lambda step: env_steps(base_obs, step)
+  )
 
 
 def make_add_only_loop(adapter: Adapter, iterations: int) -> Callable:
   """`state -> state`: K adds of one step per env in one donated jit."""
   base_obs = jax.random.normal(jax.random.key(1), (NUM_ENVS, OBS_SIZE))
-  return harness.make_add_loop(adapter.add_step, iterations,
-                               lambda step: env_steps(base_obs, step))
+  return harness.make_add_loop(adapter.add_step, iterations, lambda step: env_steps(base_obs, step))
 
 
-def time_add_only(library: str, kind: str, steps_per_env: int, period: int,
-                  iterations: int, repeats: int) -> float:
+def time_add_only(
+  library: str, kind: str, steps_per_env: int, period: int, iterations: int, repeats: int
+) -> float:
   """Seconds per add of one step per env, into a full buffer, in the scan."""
   adapter = ADAPTERS[library](kind, steps_per_env, period)
-  return harness.time_add_loop(make_add_only_loop(adapter, iterations),
-                               fill(adapter, steps_per_env),
-                               iterations=iterations, repeats=repeats)
+  return harness.time_add_loop(
+    make_add_only_loop(adapter, iterations),
+    fill(adapter, steps_per_env),
+    iterations=iterations,
+    repeats=repeats,
+  )

@@ -48,18 +48,17 @@ def _reward(achieved, desired):
 
 
 KINDS = {
-    "uniform": lambda: jaxbuf.uniform_replay(CAPACITY),
-    "prioritized": lambda: jaxbuf.prioritized_replay(CAPACITY),
-    "sequence": lambda: jaxbuf.sequence_replay(NUM_ENVS, CAPACITY, 4),
-    "prioritized_sequence": lambda: jaxbuf.prioritized_sequence_replay(
-        NUM_ENVS, CAPACITY, 4),
-    "episode": lambda: jaxbuf.episode_replay(NUM_ENVS, CAPACITY, 16),
-    "frame_stack": lambda: jaxbuf.frame_stack_replay(NUM_ENVS, CAPACITY, 4),
-    "prioritized_frame_stack": lambda: jaxbuf.prioritized_frame_stack_replay(
-        NUM_ENVS, CAPACITY, 4),
-    "hindsight": lambda: jaxbuf.hindsight_replay(NUM_ENVS, CAPACITY, _reward),
-    "prioritized_hindsight": lambda: jaxbuf.hindsight_replay(
-        NUM_ENVS, CAPACITY, _reward, prioritized=True),
+  "uniform": lambda: jaxbuf.uniform_replay(CAPACITY),
+  "prioritized": lambda: jaxbuf.prioritized_replay(CAPACITY),
+  "sequence": lambda: jaxbuf.sequence_replay(NUM_ENVS, CAPACITY, 4),
+  "prioritized_sequence": lambda: jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, 4),
+  "episode": lambda: jaxbuf.episode_replay(NUM_ENVS, CAPACITY, 16),
+  "frame_stack": lambda: jaxbuf.frame_stack_replay(NUM_ENVS, CAPACITY, 4),
+  "prioritized_frame_stack": lambda: jaxbuf.prioritized_frame_stack_replay(NUM_ENVS, CAPACITY, 4),
+  "hindsight": lambda: jaxbuf.hindsight_replay(NUM_ENVS, CAPACITY, _reward),
+  "prioritized_hindsight": lambda: jaxbuf.hindsight_replay(
+    NUM_ENVS, CAPACITY, _reward, prioritized=True
+  ),
 }
 ITEM_KINDS = ("uniform", "prioritized")
 
@@ -67,10 +66,12 @@ ITEM_KINDS = ("uniform", "prioritized")
 def example_step() -> dict:
   """One step every kind takes: goals for hindsight, a frame for stacks."""
   goal = np.zeros(2, np.float32)
-  return {"obs": {"observation": np.zeros(8, np.float32),
-                  "achieved_goal": goal, "desired_goal": goal},
-          "action": np.int32(0), "reward": np.float32(0),
-          "terminated": np.bool_(False)}
+  return {
+    "obs": {"observation": np.zeros(8, np.float32), "achieved_goal": goal, "desired_goal": goal},
+    "action": np.int32(0),
+    "reward": np.float32(0),
+    "terminated": np.bool_(False),
+  }
 
 
 def batch_of(kind: str, step, numpy=np) -> tuple[dict, dict]:
@@ -78,9 +79,7 @@ def batch_of(kind: str, step, numpy=np) -> tuple[dict, dict]:
   add's keywords, every 50th ending each env's episode: NumPy arrays from
   the host, or (`numpy=jnp`, `step` traced) inside the jitted loop."""
   leading = (BATCH,) if kind in ITEM_KINDS else (NUM_ENVS,)
-  steps = jax.tree.map(
-      lambda x: numpy.full(leading + x.shape, step % 100, x.dtype),
-      example_step())
+  steps = jax.tree.map(lambda x: numpy.full(leading + x.shape, step % 100, x.dtype), example_step())
   if kind in ITEM_KINDS:
     return steps, {}
   return steps, {"episode_end": numpy.full(NUM_ENVS, step % 50 == 49)}
@@ -95,8 +94,7 @@ def jitted_body(buffer, kind: str):
     state = buffer.add(state, steps, **keywords)
     sample = buffer.sample(state, key, BATCH)
     priorities = jnp.abs(sample.weights) + 1.0
-    state = buffer.update_priorities(state, sample.indices, priorities,
-                                     sample.item_ids)
+    state = buffer.update_priorities(state, sample.indices, priorities, sample.item_ids)
     return state, acc + jnp.sum(sample.weights)
 
   return body, inputs
@@ -107,8 +105,11 @@ def cache_sizes(buffer) -> dict[str, int]:
   sizes = {}
   for name in ("add", "sample", "update_priorities"):
     function = getattr(buffer, name)
-    for candidate in (function, getattr(function, "jitted", None),
-                      getattr(function, "__wrapped__", None)):
+    for candidate in (
+      function,
+      getattr(function, "jitted", None),
+      getattr(function, "__wrapped__", None),
+    ):
       size = getattr(candidate, "_cache_size", None)
       if size is not None:
         sizes[name] = size()
@@ -119,8 +120,7 @@ def cache_sizes(buffer) -> dict[str, int]:
 def readings_of(run_part, parts: int, readings: int, warmup: int) -> dict:
   """Runs `run_part()` `parts` times; the resident set and live arrays
   after the warm-up parts and at `readings` points after."""
-  marks = set(np.linspace(warmup, parts, readings).round().astype(int)
-              .tolist())
+  marks = set(np.linspace(warmup, parts, readings).round().astype(int).tolist())
   resident, live = [], []
   start = time.perf_counter()
   for part in range(1, parts + 1):
@@ -129,14 +129,23 @@ def readings_of(run_part, parts: int, readings: int, warmup: int) -> dict:
       gc.collect()
       resident.append(harness.resident_bytes())
       live.append(len(jax.live_arrays()))
-  return {"resident_mb": [round(r / 2**20, 1) for r in resident],
-          "live_arrays": live, "seconds": time.perf_counter() - start,
-          "growth": resident[-1] / resident[0] - 1,
-          "largest_growth": max(resident) / resident[0] - 1}
+  return {
+    "resident_mb": [round(r / 2**20, 1) for r in resident],
+    "live_arrays": live,
+    "seconds": time.perf_counter() - start,
+    "growth": resident[-1] / resident[0] - 1,
+    "largest_growth": max(resident) / resident[0] - 1,
+  }
 
 
-def soak(kind: str, host_calls: int, jitted_iterations: int, scan_length: int,
-         readings: int, warmup_fraction: float) -> dict:
+def soak(
+  kind: str,
+  host_calls: int,
+  jitted_iterations: int,
+  scan_length: int,
+  readings: int,
+  warmup_fraction: float,
+) -> dict:
   buffer = KINDS[kind]()
   holder = {"state": buffer.init(example_step()), "step": 0}
 
@@ -147,8 +156,11 @@ def soak(kind: str, host_calls: int, jitted_iterations: int, scan_length: int,
     holder["state"] = buffer.add(holder["state"], steps, **keywords)
     sample = buffer.sample(holder["state"], jax.random.key(step), BATCH)
     holder["state"] = buffer.update_priorities(
-        holder["state"], np.asarray(sample.indices),
-        np.abs(np.asarray(sample.weights)) + 1.0, np.asarray(sample.item_ids))
+      holder["state"],
+      np.asarray(sample.indices),
+      np.abs(np.asarray(sample.weights)) + 1.0,
+      np.asarray(sample.item_ids),
+    )
     holder["step"] = step + 1
 
   host_parts = max(host_calls // 3, readings)
@@ -160,8 +172,7 @@ def soak(kind: str, host_calls: int, jitted_iterations: int, scan_length: int,
     if holder["step"] == int(host_parts * warmup_fraction):
       caches_before = cache_sizes(buffer)
 
-  host = readings_of(host_with_caches, host_parts, readings,
-                     int(host_parts * warmup_fraction))
+  host = readings_of(host_with_caches, host_parts, readings, int(host_parts * warmup_fraction))
   host["caches_after_warmup"] = caches_before
   host["caches_at_end"] = cache_sizes(buffer)
 
@@ -174,12 +185,16 @@ def soak(kind: str, host_calls: int, jitted_iterations: int, scan_length: int,
     acc.block_until_ready()
 
   jitted_parts = max(jitted_iterations // scan_length, readings)
-  jitted = readings_of(jitted_part, jitted_parts, readings,
-                       max(1, int(jitted_parts * warmup_fraction)))
+  jitted = readings_of(
+    jitted_part, jitted_parts, readings, max(1, int(jitted_parts * warmup_fraction))
+  )
   jitted["programs"] = loop._cache_size()
-  return {"host": host, "jitted": jitted,
-          "host_calls": 3 * host_parts,
-          "jitted_iterations": jitted_parts * scan_length}
+  return {
+    "host": host,
+    "jitted": jitted,
+    "host_calls": 3 * host_parts,
+    "jitted_iterations": jitted_parts * scan_length,
+  }
 
 
 def main() -> None:
@@ -197,35 +212,52 @@ def main() -> None:
     args.host_calls, args.jitted_iterations = 3 * 10**4, 10**6
   harness.print_machine()
   results, verdicts = {}, []
-  columns = [("kind", 24), ("host calls", 11), ("host RSS MB", 17),
-             ("growth", 7), ("live", 9), ("jitted it.", 11),
-             ("jitted RSS MB", 17), ("growth", 7), ("live", 9), ("s", 6)]
+  columns = [
+    ("kind", 24),
+    ("host calls", 11),
+    ("host RSS MB", 17),
+    ("growth", 7),
+    ("live", 9),
+    ("jitted it.", 11),
+    ("jitted RSS MB", 17),
+    ("growth", 7),
+    ("live", 9),
+    ("s", 6),
+  ]
   print("".join(f"{name:>{width}}" for name, width in columns))
   for kind in args.kinds:
-    result = soak(kind, args.host_calls, args.jitted_iterations,
-                  args.scan_length, args.readings, args.warmup)
+    result = soak(
+      kind, args.host_calls, args.jitted_iterations, args.scan_length, args.readings, args.warmup
+    )
     results[kind] = result
     host, jitted = result["host"], result["jitted"]
-    row = [kind, result["host_calls"],
-           f"{host['resident_mb'][0]}->{host['resident_mb'][-1]}",
-           f"{100 * host['largest_growth']:+.1f}%",
-           f"{host['live_arrays'][0]}->{host['live_arrays'][-1]}",
-           result["jitted_iterations"],
-           f"{jitted['resident_mb'][0]}->{jitted['resident_mb'][-1]}",
-           f"{100 * jitted['largest_growth']:+.1f}%",
-           f"{jitted['live_arrays'][0]}->{jitted['live_arrays'][-1]}",
-           f"{host['seconds'] + jitted['seconds']:.0f}"]
-    print("".join(f"{value!s:>{width}}" for value, (_, width)
-                  in zip(row, columns)), flush=True)
-    flat = (host["largest_growth"] <= 0.05 and jitted["largest_growth"] <= 0.05
-            and host["live_arrays"][-1] <= host["live_arrays"][0]
-            and jitted["live_arrays"][-1] <= jitted["live_arrays"][0]
-            and host["caches_at_end"] == host["caches_after_warmup"]
-            and jitted["programs"] == 1)
-    verdicts.append(f"{'PASS' if flat else 'FAIL'} {kind}: resident set "
-                    f"within 5% after warm-up, live arrays and compiled "
-                    f"programs not growing (caches {host['caches_at_end']}, "
-                    f"scan programs {jitted['programs']})")
+    row = [
+      kind,
+      result["host_calls"],
+      f"{host['resident_mb'][0]}->{host['resident_mb'][-1]}",
+      f"{100 * host['largest_growth']:+.1f}%",
+      f"{host['live_arrays'][0]}->{host['live_arrays'][-1]}",
+      result["jitted_iterations"],
+      f"{jitted['resident_mb'][0]}->{jitted['resident_mb'][-1]}",
+      f"{100 * jitted['largest_growth']:+.1f}%",
+      f"{jitted['live_arrays'][0]}->{jitted['live_arrays'][-1]}",
+      f"{host['seconds'] + jitted['seconds']:.0f}",
+    ]
+    print("".join(f"{value!s:>{width}}" for value, (_, width) in zip(row, columns)), flush=True)
+    flat = (
+      host["largest_growth"] <= 0.05
+      and jitted["largest_growth"] <= 0.05
+      and host["live_arrays"][-1] <= host["live_arrays"][0]
+      and jitted["live_arrays"][-1] <= jitted["live_arrays"][0]
+      and host["caches_at_end"] == host["caches_after_warmup"]
+      and jitted["programs"] == 1
+    )
+    verdicts.append(
+      f"{'PASS' if flat else 'FAIL'} {kind}: resident set "
+      f"within 5% after warm-up, live arrays and compiled "
+      f"programs not growing (caches {host['caches_at_end']}, "
+      f"scan programs {jitted['programs']})"
+    )
   print("\n".join(verdicts))
   harness.print_load_average_after()
   harness.write_json(args.json, results)

@@ -23,15 +23,14 @@ copyright = "2026, the jaxbuf authors"  # noqa: A001
 release = version = jaxbuf.__version__
 
 extensions = [
-    "sphinx.ext.autodoc",
-    "sphinx.ext.autosummary",
-    "sphinx.ext.napoleon",
-    "sphinx.ext.viewcode",
-    "myst_nb",
+  "sphinx.ext.autodoc",
+  "sphinx.ext.autosummary",
+  "sphinx.ext.napoleon",
+  "sphinx.ext.viewcode",
+  "myst_nb",
 ]
 
-source_suffix = {".rst": "restructuredtext", ".md": "myst-nb",
-                 ".ipynb": "myst-nb"}
+source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints"]
 
 templates_path = ["_templates"]
@@ -39,8 +38,8 @@ html_theme = "sphinx_book_theme"
 html_title = "jaxbuf"
 html_static_path = ["_static"]
 html_theme_options = {
-    "show_toc_level": 2,
-    "home_page_in_toc": True,
+  "show_toc_level": 2,
+  "home_page_in_toc": True,
 }
 
 # Docstrings are Google style, with `name` in single backticks for code.
@@ -77,9 +76,18 @@ nb_execution_raise_on_error = True
 # jaxbuf's modules of module-level functions (`jaxbuf.uniform`, ...) are
 # attributes of the package, not importable submodules. Registering them under
 # their public names lets autodoc document `jaxbuf.uniform.add` as such.
-MODULE_ALIASES = ("uniform", "prioritized", "rollout", "sequence",
-                  "prioritized_sequence", "hindsight", "episode", "frames",
-                  "streams", "offline")
+MODULE_ALIASES = (
+  "uniform",
+  "prioritized",
+  "rollout",
+  "sequence",
+  "prioritized_sequence",
+  "hindsight",
+  "episode",
+  "frames",
+  "streams",
+  "offline",
+)
 for _name in MODULE_ALIASES:
   sys.modules[f"jaxbuf.{_name}"] = getattr(jaxbuf, _name)
 
@@ -88,30 +96,30 @@ for _name in MODULE_ALIASES:
 # docstrings stay plain text instead of links; every other unresolved
 # reference still fails the build.
 nitpick_ignore_regex = [
-    # JAX's public types: jax.Array, jax.ShapeDtypeStruct, jax.sharding.*.
-    ("py:class", r"jax\.[A-Za-z_.]+"),
-    ("py:class", r"jaxlib\.[A-Za-z_.]+"),
-    # NumPy's arrays and dtypes.
-    ("py:class", r"numpy\.[A-Za-z_.]+"),
-    ("py:class", r"np\.[A-Za-z_.]+"),
-    # flax.struct dataclasses' generated members, chex and optax types.
-    ("py:class", r"flax\.[A-Za-z_.]+"),
-    ("py:class", r"chex\.[A-Za-z_.]+"),
-    ("py:class", r"optax\.[A-Za-z_.]+"),
-    # The gymnasium spaces and Minari datasets the host-loop and offline
-    # functions take (optional dependencies).
-    ("py:class", r"gymnasium\.[A-Za-z_.]+"),
-    ("py:class", r"minari\.[A-Za-z_.]+"),
-    # Standard-library types spelt by module path in annotations.
-    ("py:class", r"(os|pathlib|collections\.abc|typing|types)\.[A-Za-z_.]+"),
+  # JAX's public types: jax.Array, jax.ShapeDtypeStruct, jax.sharding.*.
+  ("py:class", r"jax\.[A-Za-z_.]+"),
+  ("py:class", r"jaxlib\.[A-Za-z_.]+"),
+  # NumPy's arrays and dtypes.
+  ("py:class", r"numpy\.[A-Za-z_.]+"),
+  ("py:class", r"np\.[A-Za-z_.]+"),
+  # flax.struct dataclasses' generated members, chex and optax types.
+  ("py:class", r"flax\.[A-Za-z_.]+"),
+  ("py:class", r"chex\.[A-Za-z_.]+"),
+  ("py:class", r"optax\.[A-Za-z_.]+"),
+  # The gymnasium spaces and Minari datasets the host-loop and offline
+  # functions take (optional dependencies).
+  ("py:class", r"gymnasium\.[A-Za-z_.]+"),
+  ("py:class", r"minari\.[A-Za-z_.]+"),
+  # Standard-library types spelt by module path in annotations.
+  ("py:class", r"(os|pathlib|collections\.abc|typing|types)\.[A-Za-z_.]+"),
 ]
 # Private types that appear only as the annotation of a state's field (the
 # sum tree of prioritized kinds) or of `Buffer.kind` (the description
 # `jaxbuf.sharded` and checkpoints read): users never build them, so the
 # reference names them without documenting them.
 nitpick_ignore = [
-    ("py:class", "jaxbuf._src.core.sum_tree.SumTree"),
-    ("py:class", "jaxbuf._src.core.kind.Kind"),
+  ("py:class", "jaxbuf._src.core.sum_tree.SumTree"),
+  ("py:class", "jaxbuf._src.core.kind.Kind"),
 ]
 # The Protocols that type a buffer's bound functions (`Buffer.init` is an
 # `InitFn`, `rollout_buffer`'s add a `RolloutAddFn`) and the type variables
@@ -119,13 +127,20 @@ nitpick_ignore = [
 # type checkers (jaxbuf ships py.typed), users never name them, and each
 # function's own page documents what it takes and returns.
 nitpick_ignore_regex.append(
-    ("py:class", r"jaxbuf\._src\.core\.base\.(InitFn|AddFn|SampleFn|"
-                 r"UpdatePrioritiesFn|CanSampleFn|ClearFn|StateT|SampleT)"))
+  (
+    "py:class",
+    r"jaxbuf\._src\.core\.base\.(InitFn|AddFn|SampleFn|"
+    r"UpdatePrioritiesFn|CanSampleFn|ClearFn|StateT|SampleT)",
+  )
+)
+nitpick_ignore_regex.append(("py:class", r"jaxbuf\._src\.onpolicy\.rollout\.RolloutAddFn"))
 nitpick_ignore_regex.append(
-    ("py:class", r"jaxbuf\._src\.onpolicy\.rollout\.RolloutAddFn"))
-nitpick_ignore_regex.append(
-    ("py:class", r"jaxbuf\._src\.streams\.(prioritized_)?sequence\."
-                 r"(PrioritizedStateT|SequenceStateT)"))
+  (
+    "py:class",
+    r"jaxbuf\._src\.streams\.(prioritized_)?sequence\."
+    r"(PrioritizedStateT|SequenceStateT)",
+  )
+)
 
 
 def _public_name(target: str) -> str | None:
@@ -149,8 +164,9 @@ def _resolve_private_paths(app, env, node, contnode):
   if public is None:
     return None
   domain = env.get_domain("py")
-  return domain.resolve_xref(env, node.get("refdoc"), app.builder,
-                             node["reftype"], public, node, contnode)
+  return domain.resolve_xref(
+    env, node.get("refdoc"), app.builder, node["reftype"], public, node, contnode
+  )
 
 
 def setup(app):

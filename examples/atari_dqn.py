@@ -50,40 +50,43 @@ NUM_STACK = 4
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Hyperparameters; each field is also a command-line flag."""
+
   game: str = "pong"
-  total_steps: int = 10_000_000       # env steps, all envs together
+  total_steps: int = 10_000_000  # env steps, all envs together
   seed: int = 0
   num_envs: int = 8
-  buffer_size: int = 1_000_000        # frames over all envs
+  buffer_size: int = 1_000_000  # frames over all envs
   batch_size: int = 32
-  learning_starts: int = 80_000       # env steps before learning
-  train_every: int = 1                # vector steps (N env steps) per update
+  learning_starts: int = 80_000  # env steps before learning
+  train_every: int = 1  # vector steps (N env steps) per update
   n_step: int = 3
   learning_rate: float = 6.25e-5
   gamma: float = 0.99
   target_update_interval: int = 8_000  # env steps
   epsilon_end: float = 0.01
   epsilon_fraction: float = 0.1
-  report_every: int = 1_000           # vector steps between progress lines
+  report_every: int = 1_000  # vector steps between progress lines
 
 
 class Step(NamedTuple):
-  obs: jax.Array         # [84, 84] uint8: one frame
-  action: jax.Array      # () int32
-  reward: jax.Array      # () float32, clipped to [-1, 1] by the env
+  obs: jax.Array  # [84, 84] uint8: one frame
+  action: jax.Array  # () int32
+  reward: jax.Array  # () float32, clipped to [-1, 1] by the env
   terminated: jax.Array  # () bool
 
 
 class EnvOutput(NamedTuple):
   """What one `AtariVectorEnv.step` returned, leaves `[N, ...]`."""
-  frame: jax.Array       # [N, 84, 84] uint8
-  reward: jax.Array      # [N] float32
+
+  frame: jax.Array  # [N, 84, 84] uint8
+  reward: jax.Array  # [N] float32
   terminated: jax.Array  # [N] bool
-  truncated: jax.Array   # [N] bool
+  truncated: jax.Array  # [N] bool
 
 
 class NatureCNN(nn.Module):
   """Mnih et al. (2015): stacks `[..., 84, 84, 4]` uint8 -> Q `[..., A]`."""
+
   num_actions: int
 
   @nn.compact
@@ -97,40 +100,52 @@ class NatureCNN(nn.Module):
 
 
 class RunnerState(q_learning.LearnerState):
-  stacks: jax.Array        # [N, 84, 84, 4] uint8: the actor's stacks
-  actions: jax.Array       # [N] int32: the actions the env is stepping
-  resetting: jax.Array     # [N] bool: the env's next output is a reset frame
+  stacks: jax.Array  # [N, 84, 84, 4] uint8: the actor's stacks
+  actions: jax.Array  # [N] int32: the actions the env is stepping
+  resetting: jax.Array  # [N] bool: the env's next output is a reset frame
 
 
 def make_step(config: Config, num_actions: int):
   """`init(key, first_frames) -> state`, `step(state, output) -> (state, loss)`."""
   network = NatureCNN(num_actions)
-  buffer = jaxbuf.frame_stack_replay(config.num_envs, config.buffer_size,
-                                     NUM_STACK, n_step=config.n_step,
-                                     gamma=config.gamma, pad="first")
+  buffer = jaxbuf.frame_stack_replay(
+    config.num_envs,
+    config.buffer_size,
+    NUM_STACK,
+    n_step=config.n_step,
+    gamma=config.gamma,
+    pad="first",
+  )
   optimizer = optax.adam(config.learning_rate, eps=1.5e-4)
   vector_steps = config.total_steps // config.num_envs
   epsilon = optax.linear_schedule(
-      1.0, config.epsilon_end,
-      int(config.epsilon_fraction * vector_steps))
+    1.0, config.epsilon_end, int(config.epsilon_fraction * vector_steps)
+  )
   learning_starts = config.learning_starts // config.num_envs
   target_period = max(config.target_update_interval // config.num_envs, 1)
 
   def init(key, frames):
     stacks = jnp.repeat(frames[..., None], NUM_STACK, axis=-1)
     params = network.init(key, stacks[:1])
-    example = Step(obs=frames[0], action=jnp.int32(0), reward=jnp.float32(0),
-                   terminated=jnp.bool_(False))
+    example = Step(
+      obs=frames[0], action=jnp.int32(0), reward=jnp.float32(0), terminated=jnp.bool_(False)
+    )
     return RunnerState.start(
-        key, params, optimizer, buffer.init(example), stacks=stacks,
-        actions=jnp.zeros(config.num_envs, jnp.int32),
-        resetting=jnp.zeros(config.num_envs, bool))
+      key,
+      params,
+      optimizer,
+      buffer.init(example),
+      stacks=stacks,
+      actions=jnp.zeros(config.num_envs, jnp.int32),
+      resetting=jnp.zeros(config.num_envs, bool),
+    )
 
   def td_loss(params, target_params, sample):
     batch = sample.items
     q_taken = q_learning.q_of(network.apply(params, batch.obs), batch.action)
-    next_q = q_learning.double_q(network.apply(params, batch.next_obs),
-                                 network.apply(target_params, batch.next_obs))
+    next_q = q_learning.double_q(
+      network.apply(params, batch.next_obs), network.apply(target_params, batch.next_obs)
+    )
     target = jax.lax.stop_gradient(batch.reward + batch.discount * next_q)
     return jnp.mean(optax.huber_loss(q_taken, target)), q_taken - target
 
@@ -138,31 +153,51 @@ def make_step(config: Config, num_actions: int):
 
   def step(state: RunnerState, output: EnvOutput):
     key, explore_key, action_key, learn_key = jax.random.split(state.key, 4)
-    stepped = ~state.resetting           # a reset step holds no transition
+    stepped = ~state.resetting  # a reset step holds no transition
     ended = stepped & (output.terminated | output.truncated)
     no = jnp.zeros(config.num_envs, bool)
-    buffer_state = buffer.add(state.buffer_state, Step(
-        obs=state.stacks[..., -1], action=state.actions, reward=output.reward,
-        terminated=output.terminated & stepped), mask=stepped)
-    buffer_state = buffer.add(buffer_state, Step(
-        obs=output.frame, action=jnp.zeros_like(state.actions),
-        reward=jnp.zeros_like(output.reward), terminated=no),
-        mask=ended, episode_end=~no)
-    pushed = jnp.concatenate([state.stacks[..., 1:], output.frame[..., None]],
-                             axis=-1)
+    buffer_state = buffer.add(
+      state.buffer_state,
+      Step(
+        obs=state.stacks[..., -1],
+        action=state.actions,
+        reward=output.reward,
+        terminated=output.terminated & stepped,
+      ),
+      mask=stepped,
+    )
+    buffer_state = buffer.add(
+      buffer_state,
+      Step(
+        obs=output.frame,
+        action=jnp.zeros_like(state.actions),
+        reward=jnp.zeros_like(output.reward),
+        terminated=no,
+      ),
+      mask=ended,
+      episode_end=~no,
+    )
+    pushed = jnp.concatenate([state.stacks[..., 1:], output.frame[..., None]], axis=-1)
     fresh = jnp.repeat(output.frame[..., None], NUM_STACK, axis=-1)
     stacks = jnp.where(state.resetting[:, None, None, None], fresh, pushed)
-    state = state.replace(buffer_state=buffer_state, stacks=stacks,
-                          resetting=ended, iteration=state.iteration + 1,
-                          key=key)
-    should_learn = (buffer.can_sample(buffer_state, config.batch_size)
-                    & (state.iteration >= learning_starts)
-                    & (state.iteration % config.train_every == 0))
-    state, loss = q_learning.learn_when(should_learn, learn, state, learn_key,
-                                    target_period=target_period)
+    state = state.replace(
+      buffer_state=buffer_state,
+      stacks=stacks,
+      resetting=ended,
+      iteration=state.iteration + 1,
+      key=key,
+    )
+    should_learn = (
+      buffer.can_sample(buffer_state, config.batch_size)
+      & (state.iteration >= learning_starts)
+      & (state.iteration % config.train_every == 0)
+    )
+    state, loss = q_learning.learn_when(
+      should_learn, learn, state, learn_key, target_period=target_period
+    )
     actions = q_learning.epsilon_greedy(
-        explore_key, action_key, network.apply(state.params, stacks),
-        epsilon(state.iteration))
+      explore_key, action_key, network.apply(state.params, stacks), epsilon(state.iteration)
+    )
     return state.replace(actions=actions), loss
 
   return init, jax.jit(step, donate_argnums=0)
@@ -172,8 +207,8 @@ def main(argv: list[str] | None = None) -> None:
   config, plot = training.parse_config(Config, __doc__.split("\n")[0], argv)
   # After the flags: `--help` works without the atari extra installed.
   from ale_py.vector_env import AtariVectorEnv  # pylint: disable=import-outside-toplevel
-  envs = AtariVectorEnv(config.game, config.num_envs, stack_num=1,
-                        autoreset_mode="NextStep")
+
+  envs = AtariVectorEnv(config.game, config.num_envs, stack_num=1, autoreset_mode="NextStep")
   frames, _ = envs.reset(seed=config.seed)
   init, step = make_step(config, int(envs.single_action_space.n))
   state = jax.jit(init)(jax.random.key(config.seed), jnp.asarray(frames[:, 0]))
@@ -182,34 +217,38 @@ def main(argv: list[str] | None = None) -> None:
   compile_seconds = 0.0
   vector_steps = config.total_steps // config.num_envs
   for iteration in range(vector_steps):
-    frames, rewards, terminated, truncated, _ = envs.step(
-        np.asarray(state.actions))
-    output = EnvOutput(frame=frames[:, 0], reward=rewards.astype(np.float32),
-                       terminated=terminated, truncated=truncated)
+    frames, rewards, terminated, truncated, _ = envs.step(np.asarray(state.actions))
+    output = EnvOutput(
+      frame=frames[:, 0],
+      reward=rewards.astype(np.float32),
+      terminated=terminated,
+      truncated=truncated,
+    )
     before = time.perf_counter()
     state, loss = step(state, output)
     if iteration == 0:
       jax.block_until_ready(state)
       compile_seconds = time.perf_counter() - before
-    returns.record(iteration * config.num_envs, rewards,
-                   terminated | truncated)
+    returns.record(iteration * config.num_envs, rewards, terminated | truncated)
     if (iteration + 1) % config.report_every == 0:
-      recent = (np.mean([r for _, r in returns.ended[-20:]]) if returns.ended
-                else float("nan"))
-      print(f"{(iteration + 1) * config.num_envs:,} env steps, "
-            f"{len(returns.ended)} episodes, recent return {recent:.1f}, "
-            f"loss {float(loss):.4f}", flush=True)
+      recent = np.mean([r for _, r in returns.ended[-20:]]) if returns.ended else float("nan")
+      print(
+        f"{(iteration + 1) * config.num_envs:,} env steps, "
+        f"{len(returns.ended)} episodes, recent return {recent:.1f}, "
+        f"loss {float(loss):.4f}",
+        flush=True,
+      )
   jax.block_until_ready(state)
   seconds = time.perf_counter() - start - compile_seconds
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   held = int(np.sum(state.buffer_state.steps_held))
-  print(f"env steps per second: {vector_steps * config.num_envs / seconds:,.0f}"
-        f" ({config.num_envs} envs, {vector_steps * config.num_envs:,} steps,"
-        f" first call {compile_seconds:.1f} s not counted)")
-  print(f"frames held {held:,} of {config.buffer_size:,}; peak RSS "
-        f"{peak / 2**30:.2f} GiB")
-  print(f"episodes finished: {len(returns.ended)}; mean return "
-        f"{returns.mean_since(0):.1f}")
+  print(
+    f"env steps per second: {vector_steps * config.num_envs / seconds:,.0f}"
+    f" ({config.num_envs} envs, {vector_steps * config.num_envs:,} steps,"
+    f" first call {compile_seconds:.1f} s not counted)"
+  )
+  print(f"frames held {held:,} of {config.buffer_size:,}; peak RSS {peak / 2**30:.2f} GiB")
+  print(f"episodes finished: {len(returns.ended)}; mean return {returns.mean_since(0):.1f}")
   if plot:
     returns.plot(plot, f"DQN on ALE {config.game}")
 

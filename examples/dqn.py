@@ -78,8 +78,9 @@ if __package__ in (None, ""):
 if __name__ == "__main__" and "--devices" in sys.argv and "jax" not in sys.modules:
   # Fake CPU devices must be asked for before JAX starts its backends.
   _count = sys.argv[sys.argv.index("--devices") + 1]
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + f" --xla_force_host_platform_device_count={_count}")
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_count}"
+  )
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +89,7 @@ import jaxbuf
 
 from examples import q_learning  # noqa: E402
 from examples import training  # noqa: E402
+
 # examples/gymnasium_dqn.py and benchmarks/bench_loops.py use `dqn.QNetwork`;
 # the quickstart notebook plots with `dqn.learning_curve`.
 from examples.q_learning import QNetwork  # noqa: E402, F401
@@ -95,16 +97,16 @@ from examples.training import learning_curve  # noqa: E402, F401
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(q_learning.ReplayConfig, q_learning.QLearningConfig,
-             training.GymnaxConfig):
+class Config(q_learning.ReplayConfig, q_learning.QLearningConfig, training.GymnaxConfig):
   """Hyperparameters; each field is also a command-line flag (the shared
   ones in examples/training.py and examples/q_learning.py)."""
-  replay: str = "prioritized"         # or "uniform": see the module docstring
-  learning_rate_end: float = -1.0     # -1: 10% of learning_rate with
-                                      # prioritized replay, constant with uniform
-  epsilon_end: float = 0.01           # see the module notes
-  double_q: bool = True               # Double DQN target (--no-double-q: max)
-  devices: int = 1                    # D > 1: data-parallel over D devices
+
+  replay: str = "prioritized"  # or "uniform": see the module docstring
+  learning_rate_end: float = -1.0  # -1: 10% of learning_rate with
+  # prioritized replay, constant with uniform
+  epsilon_end: float = 0.01  # see the module notes
+  double_q: bool = True  # Double DQN target (--no-double-q: max)
+  devices: int = 1  # D > 1: data-parallel over D devices
 
 
 def final_learning_rate(config: Config) -> float:
@@ -116,10 +118,11 @@ def final_learning_rate(config: Config) -> float:
 
 class Transition(NamedTuple):
   """One replay item; `next_obs` is the observation before any auto-reset."""
-  obs: jax.Array         # [*obs_shape], float32
-  action: jax.Array      # (), int32
-  reward: jax.Array      # (), float32
-  next_obs: jax.Array    # [*obs_shape], float32
+
+  obs: jax.Array  # [*obs_shape], float32
+  action: jax.Array  # (), int32
+  reward: jax.Array  # (), float32
+  next_obs: jax.Array  # [*obs_shape], float32
   terminated: jax.Array  # (), bool: true end of episode, no bootstrap
 
 
@@ -129,66 +132,82 @@ def split_over(config: Config, buffer: jaxbuf.Buffer):
   if config.devices == 1:
     return buffer, lambda tree: tree  # one device: nothing to place
   if config.devices > jax.device_count():
-    raise ValueError(f"--devices {config.devices}: only "
-                     f"{jax.device_count()} devices are visible.")
+    raise ValueError(f"--devices {config.devices}: only {jax.device_count()} devices are visible.")
   if config.num_envs % config.devices or config.batch_size % config.devices:
     raise ValueError(
-        f"--devices {config.devices}: --num-envs ({config.num_envs}) and "
-        f"--batch-size ({config.batch_size}) must divide by it, each device "
-        "stepping its share of the envs and learning from its share of "
-        "the batch; e.g. --num-envs 12 for 4 devices.")
+      f"--devices {config.devices}: --num-envs ({config.num_envs}) and "
+      f"--batch-size ({config.batch_size}) must divide by it, each device "
+      "stepping its share of the envs and learning from its share of "
+      "the batch; e.g. --num-envs 12 for 4 devices."
+    )
   # Auto axes: XLA's partitioner propagates the envs' split through the
   # network and inserts the gradient all-reduce.
-  mesh = jax.make_mesh((config.devices,), ("data",),
-                       axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:config.devices])
-  envs_split = jax.sharding.NamedSharding(mesh,
-                                          jax.sharding.PartitionSpec("data"))
+  mesh = jax.make_mesh(
+    (config.devices,),
+    ("data",),
+    axis_types=(jax.sharding.AxisType.Auto,),
+    devices=jax.devices()[: config.devices],
+  )
+  envs_split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   return jaxbuf.sharded(buffer, mesh, axis="data"), (
-      lambda tree: jax.lax.with_sharding_constraint(
-          tree, jax.tree.map(lambda _: envs_split, tree)))
+    lambda tree: jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: envs_split, tree))
+  )
 
 
 def make_trainer(config: Config) -> training.Trainer:
   """Builds `init(key) -> state` and `step(state) -> (state, metrics)`."""
-  envs = training.make_vector_env(config.env_name, config.time_limit,
-                                  config.num_envs)
+  envs = training.make_vector_env(config.env_name, config.time_limit, config.num_envs)
   network = QNetwork(envs.num_actions, config.hidden_size)
-  buffer, place = split_over(config, q_learning.replay_buffer(
-      config, functools.partial(jaxbuf.uniform_replay, config.buffer_size),
-      functools.partial(jaxbuf.prioritized_replay, config.buffer_size)))
+  buffer, place = split_over(
+    config,
+    q_learning.replay_buffer(
+      config,
+      functools.partial(jaxbuf.uniform_replay, config.buffer_size),
+      functools.partial(jaxbuf.prioritized_replay, config.buffer_size),
+    ),
+  )
   optimizer = q_learning.make_optimizer(config, final_learning_rate(config))
 
   def placed(state: q_learning.EnvLearnerState) -> q_learning.EnvLearnerState:
     # The same layout at every step, so the compiled chunk that takes the
     # first state takes all the later ones.
-    env_state, obs, episode_returns = place(
-        (state.env_state, state.obs, state.episode_returns))
-    return state.replace(env_state=env_state, obs=obs,
-                         episode_returns=episode_returns)
+    env_state, obs, episode_returns = place((state.env_state, state.obs, state.episode_returns))
+    return state.replace(env_state=env_state, obs=obs, episode_returns=episode_returns)
 
   def init(key: jax.Array) -> q_learning.EnvLearnerState:
     key, network_key, reset_key = jax.random.split(key, 3)
     obs, env_state = envs.reset(reset_key)
-    example = Transition(obs=obs[0], action=jnp.int32(0),
-                         reward=jnp.float32(0), next_obs=obs[0],
-                         terminated=jnp.bool_(False))
-    return placed(q_learning.EnvLearnerState.start(
-        key, network.init(network_key, obs[0]), optimizer,
-        buffer.init(example), env_state=env_state, obs=obs,
-        episode_returns=jnp.zeros(config.num_envs, jnp.float32)))
+    example = Transition(
+      obs=obs[0],
+      action=jnp.int32(0),
+      reward=jnp.float32(0),
+      next_obs=obs[0],
+      terminated=jnp.bool_(False),
+    )
+    return placed(
+      q_learning.EnvLearnerState.start(
+        key,
+        network.init(network_key, obs[0]),
+        optimizer,
+        buffer.init(example),
+        env_state=env_state,
+        obs=obs,
+        episode_returns=jnp.zeros(config.num_envs, jnp.float32),
+      )
+    )
 
   def td_loss(params, target_params, sample: jaxbuf.ReplaySample):
     batch = sample.items
-    q_taken = q_learning.q_of(network.apply(params, batch.obs),    # [S]
-                              batch.action)
-    next_q_values = network.apply(target_params, batch.next_obs)   # [S, A]
+    q_taken = q_learning.q_of(
+      network.apply(params, batch.obs),  # [S]
+      batch.action,
+    )
+    next_q_values = network.apply(target_params, batch.next_obs)  # [S, A]
     if config.double_q:
       # On CartPole-v1 with uniform replay, 4-seed runs with the plain max
       # ended at a mean return of 362, with this 491 (before the library's
       # exact index draws changed the random stream).
-      next_q = q_learning.double_q(network.apply(params, batch.next_obs),
-                                   next_q_values)
+      next_q = q_learning.double_q(network.apply(params, batch.next_obs), next_q_values)
     else:
       next_q = next_q_values.max(axis=-1)
     bootstrap = config.gamma * (1.0 - batch.terminated.astype(jnp.float32))
@@ -196,21 +215,34 @@ def make_trainer(config: Config) -> training.Trainer:
     td_error = q_taken - target
     # Importance weights are all 1 for uniform replay. A squared error, as in
     # PureJaxRL: with a Huber loss, Q-values on CartPole ran away here.
-    loss = jnp.mean(sample.weights * 0.5 * td_error ** 2)
+    loss = jnp.mean(sample.weights * 0.5 * td_error**2)
     return loss, td_error
 
   def collect(state, actions, env_key):
     step = envs.step(env_key, state.env_state, actions)
-    buffer_state = buffer.add(state.buffer_state, Transition(
-        obs=state.obs, action=actions, reward=step.reward,
-        next_obs=step.final_obs, terminated=step.terminated))
+    buffer_state = buffer.add(
+      state.buffer_state,
+      Transition(
+        obs=state.obs,
+        action=actions,
+        reward=step.reward,
+        next_obs=step.final_obs,
+        terminated=step.terminated,
+      ),
+    )
     state, episode_ended, episode_returns = state.stepped(buffer_state, step)
     return placed(state), episode_ended, episode_returns
 
   return q_learning.make_trainer(
-      config, buffer=buffer, optimizer=optimizer, td_loss=td_loss, init=init,
-      q_values=lambda params, state: network.apply(params, state.obs),
-      collect=collect, title=f"DQN ({config.replay} replay), {config.env_name}")
+    config,
+    buffer=buffer,
+    optimizer=optimizer,
+    td_loss=td_loss,
+    init=init,
+    q_values=lambda params, state: network.apply(params, state.obs),
+    collect=collect,
+    title=f"DQN ({config.replay} replay), {config.env_name}",
+  )
 
 
 def train(config: Config, *, show_progress: bool = True) -> dict[str, Any]:

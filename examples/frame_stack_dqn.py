@@ -46,14 +46,14 @@ VELOCITY_SCALE = 50.0  # 1 / tau, gymnax CartPole's 0.02 s time step
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(q_learning.ReplayConfig, q_learning.QLearningConfig,
-             training.GymnaxConfig):
+class Config(q_learning.ReplayConfig, q_learning.QLearningConfig, training.GymnaxConfig):
   """Hyperparameters; each field is also a command-line flag (the shared
   ones in examples/training.py and examples/q_learning.py)."""
+
   num_stack: int = 4
-  pad: str = "first"                  # "first" or "zeros"
+  pad: str = "first"  # "first" or "zeros"
   n_step: int = 3
-  buffer_size: int = 10_000           # stream steps over all envs
+  buffer_size: int = 10_000  # stream steps over all envs
   learning_rate: float = 1.25e-4
   # At a constant learning rate, a seed that had reached 480 fell back to
   # 260 in the last 5% of training.
@@ -62,9 +62,10 @@ class Config(q_learning.ReplayConfig, q_learning.QLearningConfig,
 
 class Step(NamedTuple):
   """One stream step: a single observation, never a stack."""
-  obs: jax.Array         # [2], float32: position and angle
-  action: jax.Array      # (), int32: taken at obs
-  reward: jax.Array      # (), float32: the reward that followed
+
+  obs: jax.Array  # [2], float32: position and angle
+  action: jax.Array  # (), int32: taken at obs
+  reward: jax.Array  # (), float32: the reward that followed
   terminated: jax.Array  # (), bool: that action truly ended the episode
 
 
@@ -87,69 +88,98 @@ def flat(stack: jax.Array) -> jax.Array:
   weights of 1 / tau from steps of about 0.01.
   """
   differences = jnp.diff(stack, axis=-1) * VELOCITY_SCALE
-  return jnp.concatenate([stack.reshape(stack.shape[:-2] + (-1,)),
-                          differences.reshape(stack.shape[:-2] + (-1,))],
-                         axis=-1)
+  return jnp.concatenate(
+    [stack.reshape(stack.shape[:-2] + (-1,)), differences.reshape(stack.shape[:-2] + (-1,))],
+    axis=-1,
+  )
 
 
 def make_trainer(config: Config) -> training.Trainer:
   """Builds `init(key) -> state` and `step(state) -> (state, metrics)`; the
   state's `obs` `[N, 2, F]` holds the actor's stacks, oldest frame first."""
-  envs = training.make_vector_env(config.env_name, config.time_limit,
-                                  config.num_envs,
-                                  observe=training.position_and_angle)
+  envs = training.make_vector_env(
+    config.env_name, config.time_limit, config.num_envs, observe=training.position_and_angle
+  )
   network = q_learning.QNetwork(envs.num_actions, config.hidden_size)
-  stream = dict(num_envs=config.num_envs, capacity=config.buffer_size,
-                num_stack=config.num_stack, n_step=config.n_step,
-                gamma=config.gamma, pad=config.pad)
+  stream = dict(
+    num_envs=config.num_envs,
+    capacity=config.buffer_size,
+    num_stack=config.num_stack,
+    n_step=config.n_step,
+    gamma=config.gamma,
+    pad=config.pad,
+  )
   buffer = q_learning.replay_buffer(
-      config, functools.partial(jaxbuf.frame_stack_replay, **stream),
-      functools.partial(jaxbuf.prioritized_frame_stack_replay, **stream))
+    config,
+    functools.partial(jaxbuf.frame_stack_replay, **stream),
+    functools.partial(jaxbuf.prioritized_frame_stack_replay, **stream),
+  )
   optimizer = q_learning.make_optimizer(config)
 
   def init(key: jax.Array) -> q_learning.EnvLearnerState:
     key, network_key, reset_key = jax.random.split(key, 3)
     obs, env_state = envs.reset(reset_key)
     stack = new_stacks(obs, config.num_stack)
-    example = Step(obs=obs[0], action=jnp.int32(0), reward=jnp.float32(0),
-                   terminated=jnp.bool_(False))
+    example = Step(
+      obs=obs[0], action=jnp.int32(0), reward=jnp.float32(0), terminated=jnp.bool_(False)
+    )
     return q_learning.EnvLearnerState.start(
-        key, network.init(network_key, flat(stack[0])), optimizer,
-        buffer.init(example), env_state=env_state, obs=stack,
-        episode_returns=jnp.zeros(config.num_envs, jnp.float32))
+      key,
+      network.init(network_key, flat(stack[0])),
+      optimizer,
+      buffer.init(example),
+      env_state=env_state,
+      obs=stack,
+      episode_returns=jnp.zeros(config.num_envs, jnp.float32),
+    )
 
   def td_loss(params, target_params, sample: jaxbuf.ReplaySample):
-    batch = sample.items                                   # FrameStackTransition
+    batch = sample.items  # FrameStackTransition
     obs, next_obs = flat(batch.obs), flat(batch.next_obs)  # [S, 4F - 2]
     q_taken = q_learning.q_of(network.apply(params, obs), batch.action)
-    next_q = q_learning.double_q(network.apply(params, next_obs),
-                                 network.apply(target_params, next_obs))
+    next_q = q_learning.double_q(
+      network.apply(params, next_obs), network.apply(target_params, next_obs)
+    )
     target = jax.lax.stop_gradient(batch.reward + batch.discount * next_q)
     td_error = q_taken - target
-    loss = jnp.mean(sample.weights * 0.5 * td_error ** 2)
+    loss = jnp.mean(sample.weights * 0.5 * td_error**2)
     return loss, td_error
 
   def collect(state, actions, env_key):
     step = envs.step(env_key, state.env_state, actions)
-    buffer_state = buffer.add(state.buffer_state, Step(
-        obs=state.obs[..., -1], action=actions, reward=step.reward,
-        terminated=step.terminated))
+    buffer_state = buffer.add(
+      state.buffer_state,
+      Step(obs=state.obs[..., -1], action=actions, reward=step.reward, terminated=step.terminated),
+    )
     # The final observation, once, as its own step of the envs that ended.
-    buffer_state = buffer.add(buffer_state, Step(
-        obs=step.final_obs, action=jnp.zeros_like(actions),
+    buffer_state = buffer.add(
+      buffer_state,
+      Step(
+        obs=step.final_obs,
+        action=jnp.zeros_like(actions),
         reward=jnp.zeros_like(step.reward),
-        terminated=jnp.zeros_like(step.terminated)),
-        mask=step.ended, episode_end=jnp.ones_like(step.ended))
-    stack = jnp.where(step.ended[:, None, None],
-                      new_stacks(step.obs, config.num_stack),
-                      pushed(state.obs, step.obs))
+        terminated=jnp.zeros_like(step.terminated),
+      ),
+      mask=step.ended,
+      episode_end=jnp.ones_like(step.ended),
+    )
+    stack = jnp.where(
+      step.ended[:, None, None], new_stacks(step.obs, config.num_stack), pushed(state.obs, step.obs)
+    )
     return state.stepped(buffer_state, step, obs=stack)
 
   return q_learning.make_trainer(
-      config, buffer=buffer, optimizer=optimizer, td_loss=td_loss, init=init,
-      q_values=lambda params, state: network.apply(params, flat(state.obs)),
-      collect=collect, title=(f"{config.n_step}-step DQN, {config.num_stack} "
-                              "stacked frames, CartPole-v1 without velocities"))
+    config,
+    buffer=buffer,
+    optimizer=optimizer,
+    td_loss=td_loss,
+    init=init,
+    q_values=lambda params, state: network.apply(params, flat(state.obs)),
+    collect=collect,
+    title=(
+      f"{config.n_step}-step DQN, {config.num_stack} stacked frames, CartPole-v1 without velocities"
+    ),
+  )
 
 
 def train(config: Config, *, show_progress: bool = True) -> dict[str, Any]:

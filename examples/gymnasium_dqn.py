@@ -61,111 +61,122 @@ from examples import training  # noqa: E402
 from examples.q_learning import QNetwork  # noqa: E402
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Config(q_learning.ReplayConfig, q_learning.QLearningConfig):
   """Hyperparameters (CleanRL's dqn.py); each field is also a flag (the
   shared ones in examples/q_learning.py)."""
+
   env_id: str = "CartPole-v1"
-  total_steps: int = 500_000         # env steps, all envs together
-  num_envs: int = 4                  # N
+  total_steps: int = 500_000  # env steps, all envs together
+  num_envs: int = 4  # N
   seed: int = 0
-  natural: bool = False              # plain add / sample / learner calls
-  train_frequency: int = 8           # env steps per learner update
-  progress: bool = True              # the tqdm bar
-
-
+  natural: bool = False  # plain add / sample / learner calls
+  train_frequency: int = 8  # env steps per learner update
+  progress: bool = True  # the tqdm bar
 
 
 class Agent(NamedTuple):
   """The pure parts both loops share, settings bound."""
+
   buffer: jaxbuf.Buffer
   network: QNetwork
   optimizer: optax.GradientTransformation
-  example: jaxbuf.Transition            # one unbatched item, NumPy
-  td_loss: Callable                     # params, target, sample -> loss, td
-  act: Callable                         # params, obs [N, ...], key, iteration
-  iterations: int                       # vectorized env steps
-  learning_starts: int                  # iterations
-  train_period: int                     # iterations between updates
-  target_period: int                    # iterations between target copies
+  example: jaxbuf.Transition  # one unbatched item, NumPy
+  td_loss: Callable  # params, target, sample -> loss, td
+  act: Callable  # params, obs [N, ...], key, iteration
+  iterations: int  # vectorized env steps
+  learning_starts: int  # iterations
+  train_period: int  # iterations between updates
+  target_period: int  # iterations between target copies
 
 
 def make_envs(config: Config) -> gym.vector.VectorEnv:
   """N synchronous envs that reset an ended episode in the same step."""
   return gym.make_vec(
-      config.env_id, num_envs=config.num_envs, vectorization_mode="sync",
-      vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+    config.env_id,
+    num_envs=config.num_envs,
+    vectorization_mode="sync",
+    vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+  )
 
 
-def make_agent(config: Config, envs: gym.vector.VectorEnv,
-               buffer: jaxbuf.Buffer | None = None) -> Agent:
+def make_agent(
+  config: Config, envs: gym.vector.VectorEnv, buffer: jaxbuf.Buffer | None = None
+) -> Agent:
   """The buffer (unless given), network, optimizer, loss and policy."""
   if buffer is None:
     buffer = q_learning.replay_buffer(
-        config, functools.partial(jaxbuf.uniform_replay, config.buffer_size),
-        functools.partial(jaxbuf.prioritized_replay, config.buffer_size))
+      config,
+      functools.partial(jaxbuf.uniform_replay, config.buffer_size),
+      functools.partial(jaxbuf.prioritized_replay, config.buffer_size),
+    )
   network = QNetwork(int(envs.single_action_space.n), config.hidden_size)
   epsilon = q_learning.epsilon_schedule(config)
 
   def td_loss(params, target_params, sample: jaxbuf.ReplaySample):
     batch = sample.items
-    q_taken = q_learning.q_of(network.apply(params, batch.obs),
-                              batch.action.astype(jnp.int32))
+    q_taken = q_learning.q_of(network.apply(params, batch.obs), batch.action.astype(jnp.int32))
     next_q = network.apply(target_params, batch.next_obs).max(axis=-1)
     bootstrap = config.gamma * (1.0 - batch.terminated.astype(jnp.float32))
     target = jax.lax.stop_gradient(batch.reward + bootstrap * next_q)
     td_error = q_taken - target
-    return jnp.mean(sample.weights * 0.5 * td_error ** 2), td_error
+    return jnp.mean(sample.weights * 0.5 * td_error**2), td_error
 
   def act(params, obs, key, iteration):
     explore_key, action_key = jax.random.split(key)
-    return q_learning.epsilon_greedy(explore_key, action_key,
-                                     network.apply(params, obs),
-                                     epsilon(iteration))
+    return q_learning.epsilon_greedy(
+      explore_key, action_key, network.apply(params, obs), epsilon(iteration)
+    )
 
   return Agent(
-      buffer=buffer, network=network,
-      optimizer=q_learning.make_optimizer(config),
-      example=jaxbuf.VectorEnvRecorder(envs, buffer).example,
-      td_loss=td_loss, act=act, iterations=config.num_iterations,
-      learning_starts=config.learning_starts_iterations,
-      train_period=max(config.train_frequency // config.num_envs, 1),
-      target_period=config.target_period)
+    buffer=buffer,
+    network=network,
+    optimizer=q_learning.make_optimizer(config),
+    example=jaxbuf.VectorEnvRecorder(envs, buffer).example,
+    td_loss=td_loss,
+    act=act,
+    iterations=config.num_iterations,
+    learning_starts=config.learning_starts_iterations,
+    train_period=max(config.train_frequency // config.num_envs, 1),
+    target_period=config.target_period,
+  )
 
 
 def make_recipe_step(config: Config, agent: Agent) -> tuple[Callable, Callable]:
   """`start(key, obs) -> (state, actions)` and the donated, jitted
   `step(state, recorded, obs) -> (state, actions [N])`."""
-  learn = q_learning.td_learner(agent.buffer, agent.optimizer, agent.td_loss,
-                            config.batch_size)
+  learn = q_learning.td_learner(agent.buffer, agent.optimizer, agent.td_loss, config.batch_size)
 
   def start(key, obs):
     key, network_key, act_key = jax.random.split(key, 3)
     params = agent.network.init(network_key, obs[0])
     # The key lives in the state and is split inside the step.
-    state = q_learning.LearnerState.start(key, params, agent.optimizer,
-                                          agent.buffer.init(agent.example))
+    state = q_learning.LearnerState.start(
+      key, params, agent.optimizer, agent.buffer.init(agent.example)
+    )
     return state, agent.act(params, obs, act_key, state.iteration)
 
   def step(state: q_learning.LearnerState, recorded: jaxbuf.RecordedStep, obs):
     key, learn_key, act_key = jax.random.split(state.key, 3)
     state = state.replace(
-        buffer_state=recorded.add_to(agent.buffer, state.buffer_state),
-        iteration=state.iteration + 1, key=key)
+      buffer_state=recorded.add_to(agent.buffer, state.buffer_state),
+      iteration=state.iteration + 1,
+      key=key,
+    )
     should_learn = (
-        agent.buffer.can_sample(state.buffer_state, config.batch_size)
-        & (state.iteration >= agent.learning_starts)
-        & (state.iteration % agent.train_period == 0))
-    state, _ = q_learning.learn_when(should_learn, learn, state, learn_key,
-                                 target_period=agent.target_period)
+      agent.buffer.can_sample(state.buffer_state, config.batch_size)
+      & (state.iteration >= agent.learning_starts)
+      & (state.iteration % agent.train_period == 0)
+    )
+    state, _ = q_learning.learn_when(
+      should_learn, learn, state, learn_key, target_period=agent.target_period
+    )
     return state, agent.act(state.params, obs, act_key, state.iteration)
 
   return jax.jit(start), jax.jit(step, donate_argnums=0)
 
 
-def train(config: Config, *, buffer: jaxbuf.Buffer | None = None
-          ) -> dict[str, Any]:
+def train(config: Config, *, buffer: jaxbuf.Buffer | None = None) -> dict[str, Any]:
   """Trains one agent; returns "final_mean_return" (episodes ended in the
   last 10% of env steps), "steps_per_second" (compilation included),
   "env_steps" and "episode_returns" (a `training.EpisodeReturns`)."""
@@ -177,22 +188,23 @@ def train(config: Config, *, buffer: jaxbuf.Buffer | None = None
   recorder.reset(obs)
   key = jax.random.key(config.seed)
   action_dtype = envs.single_action_space.dtype
-  progress = tqdm.tqdm(total=agent.iterations * config.num_envs,
-                       unit=" env steps", unit_scale=True,
-                       disable=not config.progress,
-                       desc="DQN " + ("natural" if config.natural else "recipe"))
-  loop = (natural_loop if config.natural else recipe_loop)(config, agent, key,
-                                                             obs)
+  progress = tqdm.tqdm(
+    total=agent.iterations * config.num_envs,
+    unit=" env steps",
+    unit_scale=True,
+    disable=not config.progress,
+    desc="DQN " + ("natural" if config.natural else "recipe"),
+  )
+  loop = (natural_loop if config.natural else recipe_loop)(config, agent, key, obs)
   actions = next(loop)
   start = time.perf_counter()
   for iteration in range(agent.iterations):
     actions = np.asarray(actions).astype(action_dtype)
     next_obs, rewards, terminated, truncated, info = envs.step(actions)
-    returns.record(iteration * config.num_envs, rewards,
-                   terminated | truncated)
-    actions = loop.send((recorder.record(actions, next_obs, rewards,
-                                         terminated, truncated, info),
-                         next_obs))
+    returns.record(iteration * config.num_envs, rewards, terminated | truncated)
+    actions = loop.send(
+      (recorder.record(actions, next_obs, rewards, terminated, truncated, info), next_obs)
+    )
     if iteration % 500 == 499:
       recent = returns.mean_since((iteration - 5000) * config.num_envs)
       progress.update(500 * config.num_envs)
@@ -202,13 +214,15 @@ def train(config: Config, *, buffer: jaxbuf.Buffer | None = None
   progress.close()
   envs.close()
   env_steps = agent.iterations * config.num_envs
-  return dict(final_mean_return=returns.mean_since(int(env_steps * 0.9)),
-              steps_per_second=env_steps / seconds, env_steps=env_steps,
-              episode_returns=returns)
+  return dict(
+    final_mean_return=returns.mean_since(int(env_steps * 0.9)),
+    steps_per_second=env_steps / seconds,
+    env_steps=env_steps,
+    episode_returns=returns,
+  )
 
 
-def recipe_loop(config: Config, agent: Agent, key: jax.Array,
-                obs: np.ndarray):
+def recipe_loop(config: Config, agent: Agent, key: jax.Array, obs: np.ndarray):
   """A generator of actions [N]: the first for `obs`, then one for each
   `(recorded, obs)` sent: a `jaxbuf.RecordedStep` and the new
   observations after it."""
@@ -219,8 +233,7 @@ def recipe_loop(config: Config, agent: Agent, key: jax.Array,
     state, actions = step(state, recorded, obs)
 
 
-def natural_loop(config: Config, agent: Agent, key: jax.Array,
-                 obs: np.ndarray):
+def natural_loop(config: Config, agent: Agent, key: jax.Array, obs: np.ndarray):
   """As `recipe_loop`, with the plain calls: one jitted call per function.
 
   One key for acting and one for sampling serve every step: the step is
@@ -230,13 +243,13 @@ def natural_loop(config: Config, agent: Agent, key: jax.Array,
 
   @jax.jit
   def act(params, obs, key, iteration):
-    return agent.act(params, obs, jax.random.fold_in(key, iteration),
-                     iteration)
+    return agent.act(params, obs, jax.random.fold_in(key, iteration), iteration)
 
   @jax.jit
   def learn(params, target_params, opt_state, sample):
     (_, td_errors), grads = jax.value_and_grad(agent.td_loss, has_aux=True)(
-        params, target_params, sample)
+      params, target_params, sample
+    )
     updates, opt_state = agent.optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, jnp.abs(td_errors)
 
@@ -249,14 +262,12 @@ def natural_loop(config: Config, agent: Agent, key: jax.Array,
     recorded, obs = yield act(params, obs, act_key, iteration)
     buffer_state = recorded.add_to(buffer, buffer_state)
     iteration += 1
-    if (iteration >= agent.learning_starts
-        and iteration % agent.train_period == 0):
-      sample = buffer.sample(buffer_state, sample_key, config.batch_size,
-                             step=iteration)
-      params, opt_state, priorities = learn(params, target_params, opt_state,
-                                            sample)
+    if iteration >= agent.learning_starts and iteration % agent.train_period == 0:
+      sample = buffer.sample(buffer_state, sample_key, config.batch_size, step=iteration)
+      params, opt_state, priorities = learn(params, target_params, opt_state, sample)
       buffer_state = buffer.update_priorities(
-          buffer_state, sample.indices, priorities, sample.item_ids)
+        buffer_state, sample.indices, priorities, sample.item_ids
+      )
     if iteration % agent.target_period == 0:
       target_params = params
 
@@ -266,12 +277,16 @@ def main(argv: list[str] | None = None) -> None:
   result = train(config)
   if plot:
     result["episode_returns"].plot(
-        plot, f"DQN on gymnasium {config.env_id}, "
-        f"{'natural calls' if config.natural else 'the recipe'} "
-        f"({config.replay} replay)")
-  print(f"env steps per second: {result['steps_per_second']:,.0f} "
-        f"({config.num_envs} envs, {result['env_steps']:,} env steps, "
-        f"compilation included)")
+      plot,
+      f"DQN on gymnasium {config.env_id}, "
+      f"{'natural calls' if config.natural else 'the recipe'} "
+      f"({config.replay} replay)",
+    )
+  print(
+    f"env steps per second: {result['steps_per_second']:,.0f} "
+    f"({config.num_envs} envs, {result['env_steps']:,} env steps, "
+    f"compilation included)"
+  )
   print(f"final mean return: {result['final_mean_return']:.1f}")
 
 

@@ -60,12 +60,13 @@ from examples import training  # noqa: E402
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Hyperparameters; each field is also a command-line flag."""
-  dataset_steps: int = 50_000       # env steps recorded
-  epsilon: float = 0.2              # behaviour: random action probability
-  wrong: float = 0.55               # behaviour: else the scripted action's
-                                    # opposite, with this probability
-  time_limit: int = 500             # CartPole-v1's own
-  num_seeds: int = 2                # K: CQL and BC seeds, vmapped
+
+  dataset_steps: int = 50_000  # env steps recorded
+  epsilon: float = 0.2  # behaviour: random action probability
+  wrong: float = 0.55  # behaviour: else the scripted action's
+  # opposite, with this probability
+  time_limit: int = 500  # CartPole-v1's own
+  num_seeds: int = 2  # K: CQL and BC seeds, vmapped
   seed: int = 0
   num_updates: int = 20_000
   batch_size: int = 256
@@ -74,13 +75,14 @@ class Config:
   cql_alpha: float = 1.0
   target_update_interval: int = 500
   hidden_size: int = 128
-  eval_episodes: int = 10           # E per seed
-  margin: float = 100.0             # the bar: CQL - dataset mean return
+  eval_episodes: int = 10  # E per seed
+  margin: float = 100.0  # the bar: CQL - dataset mean return
 
 
 class QNetwork(nn.Module):
   """An MLP from observations `[..., D]` to one value per action `[..., A]`
   (Q-values for CQL, logits for behaviour cloning)."""
+
   num_actions: int
   hidden_size: int
 
@@ -99,8 +101,7 @@ def scripted_action(obs: np.ndarray) -> int:
 
 def record(dataset_id: str, config: Config) -> minari.MinariDataset:
   """Runs the epsilon-noisy scripted policy under Minari's DataCollector."""
-  env = minari.DataCollector(gymnasium.make(
-      "CartPole-v1", max_episode_steps=config.time_limit))
+  env = minari.DataCollector(gymnasium.make("CartPole-v1", max_episode_steps=config.time_limit))
   rng = np.random.default_rng(config.seed)
   obs, _ = env.reset(seed=config.seed)
   for _ in range(config.dataset_steps):
@@ -114,16 +115,19 @@ def record(dataset_id: str, config: Config) -> minari.MinariDataset:
     if terminated or truncated:
       obs, _ = env.reset()
   dataset = env.create_dataset(
-      dataset_id, algorithm_name=f"scripted, epsilon {config.epsilon}",
-      author="jaxbuf examples", author_email="-", code_permalink="-",
-      description="CartPole-v1, scripted policy with epsilon-random actions")
+    dataset_id,
+    algorithm_name=f"scripted, epsilon {config.epsilon}",
+    author="jaxbuf examples",
+    author_email="-",
+    code_permalink="-",
+    description="CartPole-v1, scripted policy with epsilon-random actions",
+  )
   env.close()
   return dataset
 
 
 def dataset_mean_return(dataset: minari.MinariDataset) -> float:
-  return float(np.mean([episode.rewards.sum()
-                        for episode in dataset.iterate_episodes()]))
+  return float(np.mean([episode.rewards.sum() for episode in dataset.iterate_episodes()]))
 
 
 def cql_loss(params, target_params, batch, network, config, cql_alpha):
@@ -131,8 +135,9 @@ def cql_loss(params, target_params, batch, network, config, cql_alpha):
   q = network.apply(params, batch.obs)
   q_taken = jnp.take_along_axis(q, batch.action[:, None], axis=1)[:, 0]
   next_action = jnp.argmax(network.apply(params, batch.next_obs), axis=1)
-  next_q = jnp.take_along_axis(network.apply(target_params, batch.next_obs),
-                               next_action[:, None], axis=1)[:, 0]
+  next_q = jnp.take_along_axis(
+    network.apply(target_params, batch.next_obs), next_action[:, None], axis=1
+  )[:, 0]
   # A truncated episode bootstraps from its true final observation; only a
   # termination stops the bootstrap.
   target = batch.reward + config.gamma * (1.0 - batch.terminated) * next_q
@@ -144,12 +149,10 @@ def cql_loss(params, target_params, batch, network, config, cql_alpha):
 def bc_loss(params, target_params, batch, network, config, cql_alpha):
   del target_params, config, cql_alpha
   logits = network.apply(params, batch.obs)
-  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch.action))
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch.action))
 
 
-def make_train(buffer: jaxbuf.Buffer, network: nn.Module, config: Config,
-               loss_fn) -> Any:
+def make_train(buffer: jaxbuf.Buffer, network: nn.Module, config: Config, loss_fn) -> Any:
   """`train(buffer_state, key) -> params`: every update in one `lax.scan`."""
   optimizer = optax.adam(config.learning_rate)
 
@@ -162,20 +165,23 @@ def make_train(buffer: jaxbuf.Buffer, network: nn.Module, config: Config,
       params, target_params, opt_state, key = carry
       key, sample_key = jax.random.split(key)
       batch = buffer.sample(buffer_state, sample_key, config.batch_size).items
-      batch = batch._replace(reward=batch.reward.astype(jnp.float32),
-                             terminated=batch.terminated.astype(jnp.float32),
-                             action=batch.action.astype(jnp.int32))
+      batch = batch._replace(
+        reward=batch.reward.astype(jnp.float32),
+        terminated=batch.terminated.astype(jnp.float32),
+        action=batch.action.astype(jnp.int32),
+      )
       loss, grads = jax.value_and_grad(loss_fn)(
-          params, target_params, batch, network, config, config.cql_alpha)
+        params, target_params, batch, network, config, config.cql_alpha
+      )
       updates, opt_state = optimizer.update(grads, opt_state)
       params = optax.apply_updates(params, updates)
       target_params = optax.periodic_update(
-          params, target_params, step, config.target_update_interval)
+        params, target_params, step, config.target_update_interval
+      )
       return (params, target_params, opt_state, key), loss
 
     carry = (params, params, optimizer.init(params), key)
-    (params, _, _, _), losses = jax.lax.scan(
-        update, carry, jnp.arange(config.num_updates))
+    (params, _, _, _), losses = jax.lax.scan(update, carry, jnp.arange(config.num_updates))
     return params, losses[-100:].mean()
 
   return train
@@ -183,8 +189,7 @@ def make_train(buffer: jaxbuf.Buffer, network: nn.Module, config: Config,
 
 def make_evaluate(network: nn.Module, config: Config) -> Any:
   """`evaluate(params, key) -> mean return` of E greedy episodes in gymnax."""
-  envs = training.make_vector_env("CartPole-v1", config.time_limit,
-                                  config.eval_episodes)
+  envs = training.make_vector_env("CartPole-v1", config.time_limit, config.eval_episodes)
 
   def evaluate(params, key):
     reset_key, key = jax.random.split(key)
@@ -198,10 +203,8 @@ def make_evaluate(network: nn.Module, config: Config) -> Any:
       running = running & ~outcome.ended
       return (outcome.obs, outcome.env_state, returns, running), None
 
-    carry = (obs, env_state, jnp.zeros(config.eval_episodes),
-             jnp.ones(config.eval_episodes, bool))
-    (_, _, returns, _), _ = jax.lax.scan(
-        step, carry, jax.random.split(key, config.time_limit))
+    carry = (obs, env_state, jnp.zeros(config.eval_episodes), jnp.ones(config.eval_episodes, bool))
+    (_, _, returns, _), _ = jax.lax.scan(step, carry, jax.random.split(key, config.time_limit))
     return returns.mean()
 
   return evaluate
@@ -211,9 +214,11 @@ def run(config: Config, datasets_path: str | None = None) -> dict[str, Any]:
   """Records, loads, trains CQL and BC on K seeds, evaluates; the results."""
   if datasets_path is not None:
     os.environ["MINARI_DATASETS_PATH"] = datasets_path
-  dataset_id = (f"cartpole/scripted-eps{int(config.epsilon * 100)}-"
-                f"wrong{int(config.wrong * 100)}-seed{config.seed}-"
-                f"steps{config.dataset_steps}-v0")
+  dataset_id = (
+    f"cartpole/scripted-eps{int(config.epsilon * 100)}-"
+    f"wrong{int(config.wrong * 100)}-seed{config.seed}-"
+    f"steps{config.dataset_steps}-v0"
+  )
   with warnings.catch_warnings():
     # Minari warns that this dataset has no eval_env or versioned code.
     warnings.simplefilter("ignore", UserWarning)
@@ -230,22 +235,21 @@ def run(config: Config, datasets_path: str | None = None) -> dict[str, Any]:
   network = QNetwork(2, config.hidden_size)
   evaluate = jax.vmap(make_evaluate(network, config))
   keys = jax.random.split(jax.random.key(config.seed), config.num_seeds)
-  results = {"dataset_mean_return": dataset_mean_return(dataset),
-             "dataset_episodes": dataset.total_episodes,
-             "dataset_steps": dataset.total_steps,
-             "load_seconds": load_seconds}
+  results = {
+    "dataset_mean_return": dataset_mean_return(dataset),
+    "dataset_episodes": dataset.total_episodes,
+    "dataset_steps": dataset.total_steps,
+    "load_seconds": load_seconds,
+  }
   for name, loss_fn in (("cql", cql_loss), ("bc", bc_loss)):
-    train = jax.jit(jax.vmap(make_train(buffer, network, config, loss_fn),
-                             in_axes=(None, 0)))
+    train = jax.jit(jax.vmap(make_train(buffer, network, config, loss_fn), in_axes=(None, 0)))
     start = time.perf_counter()
     params, _ = jax.block_until_ready(train(state, keys))
     results[f"{name}_seconds"] = time.perf_counter() - start
     eval_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys)
     results[f"{name}_returns"] = np.asarray(evaluate(params, eval_keys))
-  baseline = max(results["dataset_mean_return"],
-                 float(np.mean(results["bc_returns"])))
-  results["bar_met"] = bool(np.all(
-      results["cql_returns"] > baseline + config.margin))
+  baseline = max(results["dataset_mean_return"], float(np.mean(results["bc_returns"])))
+  results["bar_met"] = bool(np.all(results["cql_returns"] > baseline + config.margin))
   return results
 
 
@@ -254,18 +258,24 @@ def plot_returns(results: dict[str, Any], path: str) -> None:
   dataset's mean return (a line), to `path`: offline training has no
   learning curve in env steps."""
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+
   figure = Figure(figsize=(5, 3.5))
   axes = figure.subplots()
-  for position, (name, color) in enumerate((("cql", "tab:red"),
-                                            ("bc", "tab:gray"))):
+  for position, (name, color) in enumerate((("cql", "tab:red"), ("bc", "tab:gray"))):
     returns = results[f"{name}_returns"]
-    axes.scatter(np.full(len(returns), position), returns, color=color,
-                 label=f"{name.upper()}, one dot a seed")
-  axes.axhline(results["dataset_mean_return"], color="black", linestyle="--",
-               label="dataset mean return")
-  axes.set(xticks=[0, 1], xticklabels=["CQL", "BC"], xlim=(-0.5, 1.5),
-           ylabel="evaluation return",
-           title=f"Offline CartPole from {results['dataset_episodes']} episodes")
+    axes.scatter(
+      np.full(len(returns), position), returns, color=color, label=f"{name.upper()}, one dot a seed"
+    )
+  axes.axhline(
+    results["dataset_mean_return"], color="black", linestyle="--", label="dataset mean return"
+  )
+  axes.set(
+    xticks=[0, 1],
+    xticklabels=["CQL", "BC"],
+    xlim=(-0.5, 1.5),
+    ylabel="evaluation return",
+    title=f"Offline CartPole from {results['dataset_episodes']} episodes",
+  )
   axes.legend()
   figure.tight_layout()
   figure.savefig(path, dpi=100)
@@ -275,17 +285,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   config, plot = training.parse_config(Config, __doc__.splitlines()[0], argv)
   with tempfile.TemporaryDirectory() as scratch:
     results = run(config, os.environ.get("MINARI_DATASETS_PATH", scratch))
-  print(f"dataset: {results['dataset_episodes']} episodes, "
-        f"{results['dataset_steps']} steps, loaded in "
-        f"{results['load_seconds']:.2f} s; mean return "
-        f"{results['dataset_mean_return']:.1f}")
+  print(
+    f"dataset: {results['dataset_episodes']} episodes, "
+    f"{results['dataset_steps']} steps, loaded in "
+    f"{results['load_seconds']:.2f} s; mean return "
+    f"{results['dataset_mean_return']:.1f}"
+  )
   for name in ("cql", "bc"):
-    print(f"{name.upper():>3} return per seed: " + " ".join(
-        f"{r:.1f}" for r in results[f"{name}_returns"])
-          + f"  ({results[f'{name}_seconds']:.1f} s, compilation included)")
-  print(f"bar (CQL > max(dataset mean, BC mean) + {config.margin:g} on every "
-        f"seed): "
-        f"{'met' if results['bar_met'] else 'NOT met'}")
+    print(
+      f"{name.upper():>3} return per seed: "
+      + " ".join(f"{r:.1f}" for r in results[f"{name}_returns"])
+      + f"  ({results[f'{name}_seconds']:.1f} s, compilation included)"
+    )
+  print(
+    f"bar (CQL > max(dataset mean, BC mean) + {config.margin:g} on every "
+    f"seed): "
+    f"{'met' if results['bar_met'] else 'NOT met'}"
+  )
   if plot:
     plot_returns(results, plot)
   return results

@@ -54,18 +54,18 @@ from examples import training  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(q_learning.ReplayConfig, q_learning.QLearningConfig,
-             training.GymnaxConfig):
+class Config(q_learning.ReplayConfig, q_learning.QLearningConfig, training.GymnaxConfig):
   """Hyperparameters; each field is also a command-line flag (the shared
   ones in examples/training.py and examples/q_learning.py)."""
-  network: str = "gru"                # "gru" or "mlp" (the baseline)
-  replay: str = "prioritized"         # or "uniform"
-  buffer_size: int = 20_000           # stream steps over all envs
-  sequence_length: int = 20           # L
-  period: int = 10                    # windows overlap by L - period steps
-  burn_in: int = 5                    # B
+
+  network: str = "gru"  # "gru" or "mlp" (the baseline)
+  replay: str = "prioritized"  # or "uniform"
+  buffer_size: int = 20_000  # stream steps over all envs
+  sequence_length: int = 20  # L
+  period: int = 10  # windows overlap by L - period steps
+  burn_in: int = 5  # B
   n_step: int = 3
-  batch_size: int = 32                # S windows: S * P trained positions
+  batch_size: int = 32  # S windows: S * P trained positions
   learning_rate: float = 1e-3
   target_update_interval: int = 1_000
   eta: float = 0.9
@@ -74,16 +74,18 @@ class Config(q_learning.ReplayConfig, q_learning.QLearningConfig,
 
 class Step(NamedTuple):
   """One stream step; at a `last` step only obs and hidden are meaningful."""
-  obs: jax.Array         # [2], float32: position and angle only
-  action: jax.Array      # (), int32
-  reward: jax.Array      # (), float32
+
+  obs: jax.Array  # [2], float32: position and angle only
+  action: jax.Array  # (), int32
+  reward: jax.Array  # (), float32
   terminated: jax.Array  # (), bool
-  last: jax.Array        # (), bool: obs is an episode's final observation
-  hidden: jax.Array      # [H], float32: the state fed to the network at obs
+  last: jax.Array  # (), bool: obs is an episode's final observation
+  hidden: jax.Array  # [H], float32: the state fed to the network at obs
 
 
 class QNetwork(nn.Module):
   """One step: `(hidden [..., H], obs [..., 2]) -> (hidden, Q [..., A])`."""
+
   num_actions: int
   hidden_size: int
   recurrent: bool
@@ -100,74 +102,84 @@ class QNetwork(nn.Module):
 
 
 class RunnerState(q_learning.EnvLearnerState):
-  hidden: jax.Array            # [N, H]: zero at each episode's first step
+  hidden: jax.Array  # [N, H]: zero at each episode's first step
 
 
 def make_trainer(config: Config) -> training.Trainer:
   """Builds `init(key) -> RunnerState` and `step(state) -> (state, metrics)`."""
   if config.network not in ("gru", "mlp"):
     raise ValueError(f"--network must be gru or mlp, given {config.network!r}.")
-  envs = training.make_vector_env(config.env_name, config.time_limit,
-                                  config.num_envs,
-                                  observe=training.position_and_angle)
-  network = QNetwork(envs.num_actions, config.hidden_size,
-                     recurrent=config.network == "gru")
+  envs = training.make_vector_env(
+    config.env_name, config.time_limit, config.num_envs, observe=training.position_and_angle
+  )
+  network = QNetwork(envs.num_actions, config.hidden_size, recurrent=config.network == "gru")
   stream = (config.num_envs, config.buffer_size, config.sequence_length)
   buffer = q_learning.replay_buffer(
-      config,
-      functools.partial(jaxbuf.sequence_replay, *stream, period=config.period),
-      functools.partial(jaxbuf.prioritized_sequence_replay, *stream,
-                        period=config.period))
+    config,
+    functools.partial(jaxbuf.sequence_replay, *stream, period=config.period),
+    functools.partial(jaxbuf.prioritized_sequence_replay, *stream, period=config.period),
+  )
   optimizer = q_learning.make_optimizer(config)
 
   def init(key: jax.Array) -> RunnerState:
     key, network_key, reset_key = jax.random.split(key, 3)
     obs, env_state = envs.reset(reset_key)
     hidden = jnp.zeros((config.num_envs, config.hidden_size), jnp.float32)
-    example = Step(obs=obs[0], action=jnp.int32(0), reward=jnp.float32(0),
-                   terminated=jnp.bool_(False), last=jnp.bool_(False),
-                   hidden=hidden[0])
+    example = Step(
+      obs=obs[0],
+      action=jnp.int32(0),
+      reward=jnp.float32(0),
+      terminated=jnp.bool_(False),
+      last=jnp.bool_(False),
+      hidden=hidden[0],
+    )
     return RunnerState.start(
-        key, network.init(network_key, hidden[0], obs[0]), optimizer,
-        buffer.init(example), env_state=env_state, obs=obs, hidden=hidden,
-        episode_returns=jnp.zeros(config.num_envs, jnp.float32))
+      key,
+      network.init(network_key, hidden[0], obs[0]),
+      optimizer,
+      buffer.init(example),
+      env_state=env_state,
+      obs=obs,
+      hidden=hidden,
+      episode_returns=jnp.zeros(config.num_envs, jnp.float32),
+    )
 
   def unroll(params, hidden, steps):
     """Q-values `[S, T, A]` and the final hidden state from `hidden [S, H]`."""
+
     def one_step(hidden, inputs):
       obs, reset = inputs
       hidden = jnp.where(reset[:, None], 0.0, hidden)
       return network.apply(params, hidden, obs)
+
     hidden, q_values = jax.lax.scan(
-        one_step, hidden, (jnp.swapaxes(steps["obs"], 0, 1),
-                           jnp.swapaxes(steps["reset"], 0, 1)))
+      one_step, hidden, (jnp.swapaxes(steps["obs"], 0, 1), jnp.swapaxes(steps["reset"], 0, 1))
+    )
     return jnp.swapaxes(q_values, 0, 1), hidden
 
   def td_loss(params, target_params, sample):
-    window = sample.items                                   # [S, L, ...]
+    window = sample.items  # [S, L, ...]
     # The step after a final observation starts a new episode: zero state.
-    reset = jnp.concatenate([jnp.zeros_like(window.last[:, :1]),
-                             window.last[:, :-1]], axis=1)
+    reset = jnp.concatenate([jnp.zeros_like(window.last[:, :1]), window.last[:, :-1]], axis=1)
     inputs = {"obs": window.obs, "reset": reset}
     burn, trained = jaxbuf.burn_in_split(inputs, config.burn_in)
     _, hidden = unroll(params, window.hidden[:, 0], burn)
     q_values, _ = unroll(params, jax.lax.stop_gradient(hidden), trained)
     target_q, _ = unroll(target_params, window.hidden[:, 0], inputs)
-    target_q = target_q[:, config.burn_in:]                 # [S, L - B, A]
+    target_q = target_q[:, config.burn_in :]  # [S, L - B, A]
     _, steps = jaxbuf.burn_in_split(window, config.burn_in)
-    targets = jaxbuf.n_step_targets(steps.reward, steps.terminated, steps.last,
-                                    n=config.n_step, gamma=config.gamma)
-    positions = targets.rewards.shape[1]                    # P
-    at_next = lambda q: jnp.take_along_axis(
-        q, targets.next_index[..., None], axis=1)           # [S, P, A]
+    targets = jaxbuf.n_step_targets(
+      steps.reward, steps.terminated, steps.last, n=config.n_step, gamma=config.gamma
+    )
+    positions = targets.rewards.shape[1]  # P
+    at_next = lambda q: jnp.take_along_axis(q, targets.next_index[..., None], axis=1)  # [S, P, A]
     next_q = q_learning.double_q(at_next(q_values), at_next(target_q))
-    target = jax.lax.stop_gradient(targets.rewards
-                                   + targets.discounts * next_q)
-    q_taken = q_learning.q_of(q_values[:, :positions],
-                              steps.action[:, :positions])
-    td_error = jnp.where(targets.valid, q_taken - target, 0.0)   # [S, P]
-    loss = (jnp.sum(sample.weights[:, None] * 0.5 * td_error ** 2)
-            / jnp.maximum(jnp.sum(targets.valid), 1))
+    target = jax.lax.stop_gradient(targets.rewards + targets.discounts * next_q)
+    q_taken = q_learning.q_of(q_values[:, :positions], steps.action[:, :positions])
+    td_error = jnp.where(targets.valid, q_taken - target, 0.0)  # [S, P]
+    loss = jnp.sum(sample.weights[:, None] * 0.5 * td_error**2) / jnp.maximum(
+      jnp.sum(targets.valid), 1
+    )
     return loss, (td_error, targets.valid)
 
   def act(params, state):
@@ -178,21 +190,40 @@ def make_trainer(config: Config) -> training.Trainer:
     next_hidden, _ = act(state.params, state)
     step = envs.step(env_key, state.env_state, actions)
     no = jnp.zeros(config.num_envs, bool)
-    buffer_state = buffer.add(state.buffer_state, Step(
-        obs=state.obs, action=actions, reward=step.reward,
-        terminated=step.terminated, last=no, hidden=state.hidden),
-        final_steps=Step(obs=step.final_obs, action=jnp.zeros_like(actions),
-                         reward=jnp.zeros_like(step.reward), terminated=no,
-                         last=step.ended, hidden=next_hidden))
+    buffer_state = buffer.add(
+      state.buffer_state,
+      Step(
+        obs=state.obs,
+        action=actions,
+        reward=step.reward,
+        terminated=step.terminated,
+        last=no,
+        hidden=state.hidden,
+      ),
+      final_steps=Step(
+        obs=step.final_obs,
+        action=jnp.zeros_like(actions),
+        reward=jnp.zeros_like(step.reward),
+        terminated=no,
+        last=step.ended,
+        hidden=next_hidden,
+      ),
+    )
     return state.stepped(
-        buffer_state, step,
-        hidden=jnp.where(step.ended[:, None], 0.0, next_hidden))
+      buffer_state, step, hidden=jnp.where(step.ended[:, None], 0.0, next_hidden)
+    )
 
   return q_learning.make_trainer(
-      config, buffer=buffer, optimizer=optimizer, td_loss=td_loss, init=init,
-      q_values=lambda params, state: act(params, state)[1], collect=collect,
-      title=f"{config.network} Q-network, CartPole-v1 without velocities",
-      priorities=lambda aux: jaxbuf.r2d2_priorities(*aux, eta=config.eta))
+    config,
+    buffer=buffer,
+    optimizer=optimizer,
+    td_loss=td_loss,
+    init=init,
+    q_values=lambda params, state: act(params, state)[1],
+    collect=collect,
+    title=f"{config.network} Q-network, CartPole-v1 without velocities",
+    priorities=lambda aux: jaxbuf.r2d2_priorities(*aux, eta=config.eta),
+  )
 
 
 def train(config: Config, *, show_progress: bool = True) -> dict[str, Any]:

@@ -40,8 +40,7 @@ class ReferenceReplay:
       if item_ids is not None and self.ids[index] % 2**32 != item_ids[position]:
         continue
       # Signed values count by their magnitude, as |TD error|.
-      self.priorities[index] = float(np.abs(np.float32(priority))
-                                     + np.float32(self.eps))
+      self.priorities[index] = float(np.abs(np.float32(priority)) + np.float32(self.eps))
       self.max_priority = max(self.max_priority, self.priorities[index])
     self.updates += 1
 
@@ -63,8 +62,7 @@ class ReferenceReplay:
 
   def probabilities(self) -> np.ndarray:
     """P(i) for every slot; zero outside the items held."""
-    mass = np.where(np.arange(self.capacity) < self.size,
-                    self.priorities ** self.alpha, 0.0)
+    mass = np.where(np.arange(self.capacity) < self.size, self.priorities**self.alpha, 0.0)
     return mass / mass.sum()
 
   def weights(self, indices, beta: float) -> np.ndarray:
@@ -80,7 +78,7 @@ class ReferencePriorities:
 
   def __init__(self, eps: float):
     self.eps = eps
-    self.of: dict = {}   # key -> priority + eps
+    self.of: dict = {}  # key -> priority + eps
     self.max_priority = 1.0
 
   def refresh(self, keys) -> None:

@@ -27,8 +27,10 @@ from tests import devices
 
 
 # Made once: each new buffer has new jitted functions, compiled afresh.
-BUFFERS = {"uniform": jaxbuf.uniform_replay(16),
-           "prioritized": jaxbuf.prioritized_replay(16, alpha=0.7, beta=0.5)}
+BUFFERS = {
+  "uniform": jaxbuf.uniform_replay(16),
+  "prioritized": jaxbuf.prioritized_replay(16, alpha=0.7, beta=0.5),
+}
 
 
 def bits(tree):
@@ -38,15 +40,13 @@ def bits(tree):
 
 def assert_bit_equal(restored, original):
   assert type(restored) is type(original)
-  assert (jax.tree_util.tree_structure(restored)
-          == jax.tree_util.tree_structure(original))
+  assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(original)
   for got, want in zip(jax.tree.leaves(bits(restored)), jax.tree.leaves(bits(original))):
     np.testing.assert_array_equal(got, want)
 
 
 def example_item():
-  return {"obs": jnp.zeros(5, jnp.float32), "action": jnp.int32(0),
-          "done": jnp.bool_(False)}
+  return {"obs": jnp.zeros(5, jnp.float32), "action": jnp.int32(0), "done": jnp.bool_(False)}
 
 
 def items(start, count):
@@ -62,8 +62,8 @@ def used_prioritized_state(buffer):
     state = buffer.add(state, items(start, 7))
     batch = buffer.sample(state, jax.random.key(start), 6)
     state = buffer.update_priorities(
-        state, batch.indices, np.abs(np.asarray(batch.items["obs"])[:, 0]) * 5,
-        batch.item_ids)
+      state, batch.indices, np.abs(np.asarray(batch.items["obs"])[:, 0]) * 5, batch.item_ids
+    )
   return state
 
 
@@ -79,14 +79,12 @@ def test_round_trip_is_bit_exact_and_resumes_identically(tmp_path, kind):
   for run in (state, restored):
     run = buffer.add(run, items(100, 5))
     batch = buffer.sample(run, jax.random.key(7), 8)
-    run = buffer.update_priorities(run, batch.indices, batch.weights + 0.5,
-                                   batch.item_ids)
+    run = buffer.update_priorities(run, batch.indices, batch.weights + 0.5, batch.item_ids)
     continued.append((run, batch))
   assert_bit_equal(continued[1], continued[0])
 
 
-@pytest.mark.parametrize("capacity", [
-    100_000, pytest.param(1_000_000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("capacity", [100_000, pytest.param(1_000_000, marks=pytest.mark.slow)])
 def test_large_prioritized_buffer_round_trips_bit_exactly(tmp_path, capacity):
   """The issue's case (slow): 1M items of (84,) float32, every bit pattern kept.
 
@@ -98,13 +96,18 @@ def test_large_prioritized_buffer_round_trips_bit_exactly(tmp_path, capacity):
   # Raw bit patterns: every float32 class appears, NaN payloads included.
   patterns = jnp.arange(capacity * 84, dtype=jnp.uint32) * jnp.uint32(2654435761)
   state = state.replace(
-      storage=jax.lax.bitcast_convert_type(patterns, jnp.float32).reshape(capacity, 84),
-      insert_position=jnp.int32(123_456), size=jnp.int32(capacity),
-      add_count=jnp.uint32(4_000_123_456), beta_step=jnp.int32(98_765),
-      max_priority=jnp.float32(17.5))
+    storage=jax.lax.bitcast_convert_type(patterns, jnp.float32).reshape(capacity, 84),
+    insert_position=jnp.int32(123_456),
+    size=jnp.int32(capacity),
+    add_count=jnp.uint32(4_000_123_456),
+    beta_step=jnp.int32(98_765),
+    max_priority=jnp.float32(17.5),
+  )
   state = buffer.update_priorities(
-      state, jnp.arange(0, capacity, 7, dtype=jnp.int32),
-      jnp.linspace(0.0, 40.0, len(range(0, capacity, 7)), dtype=jnp.float32))
+    state,
+    jnp.arange(0, capacity, 7, dtype=jnp.int32),
+    jnp.linspace(0.0, 40.0, len(range(0, capacity, 7)), dtype=jnp.float32),
+  )
   assert np.isnan(np.asarray(state.storage)).any()
   jaxbuf.save(tmp_path / "big", state)
   restored = jaxbuf.load(tmp_path / "big", like=jax.eval_shape(lambda: state))
@@ -113,8 +116,11 @@ def test_large_prioritized_buffer_round_trips_bit_exactly(tmp_path, capacity):
 
 def test_rollout_state_round_trips(tmp_path):
   rollout = jaxbuf.rollout_buffer(num_steps=4, num_envs=3)
-  step = {"obs": jnp.zeros(2), "action": {"move": jnp.int32(0)},
-          "hidden": (jnp.zeros(3, jnp.bfloat16), jnp.zeros(3, jnp.bfloat16))}
+  step = {
+    "obs": jnp.zeros(2),
+    "action": {"move": jnp.int32(0)},
+    "hidden": (jnp.zeros(3, jnp.bfloat16), jnp.zeros(3, jnp.bfloat16)),
+  }
   state = rollout.init(step)
   for t in range(3):
     batch = jax.tree.map(lambda x: jnp.full((3, *x.shape), t + 1, x.dtype), step)
@@ -142,8 +148,7 @@ def test_sharded_state_saves_and_loads_with_the_sharding_of_like(tmp_path):
   assert_bit_equal(restored, state)
   assert restored.storage["obs"].sharding.is_equivalent_to(rows, 2)
   # A state saved sharded loads onto one device when `like` carries no sharding.
-  single = jaxbuf.load(tmp_path / "sharded",
-                       like=jax.eval_shape(buffer.init, example_item()))
+  single = jaxbuf.load(tmp_path / "sharded", like=jax.eval_shape(buffer.init, example_item()))
   assert_bit_equal(single, state)
   assert len(single.storage["obs"].sharding.device_set) == 1
 
@@ -154,12 +159,11 @@ def test_vmapped_buffers_sharded_over_devices_round_trip(tmp_path):
   buffer = BUFFERS["prioritized"]
   mesh = jax.make_mesh((4,), ("buffers",))
   split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("buffers"))
-  init_many = lambda count: jax.vmap(lambda _: buffer.init(example_item()))(
-      jnp.arange(count))
+  init_many = lambda count: jax.vmap(lambda _: buffer.init(example_item()))(jnp.arange(count))
   states = jax.device_put(init_many(8), split)
   many_items = jax.device_put(
-      jax.tree.map(lambda *xs: np.stack(xs), *[items(10 * b, 5) for b in range(8)]),
-      split)
+    jax.tree.map(lambda *xs: np.stack(xs), *[items(10 * b, 5) for b in range(8)]), split
+  )
   states = jax.jit(jax.vmap(buffer.add))(states, many_items)
   jaxbuf.save(tmp_path / "many", states)
   restored = jaxbuf.load(tmp_path / "many", like=jax.device_put(init_many(8), split))
@@ -167,33 +171,49 @@ def test_vmapped_buffers_sharded_over_devices_round_trip(tmp_path):
   assert restored.sum_tree.levels[0].sharding.is_equivalent_to(split, 2)
   with pytest.raises(ValueError, match=r"stacked states mismatch.*\(8,\).*\(4,\)"):
     jaxbuf.load(tmp_path / "many", like=init_many(4))
-  other_capacity = jax.vmap(lambda _: jaxbuf.prioritized_replay(32).init(
-      example_item()))(jnp.arange(8))
+  other_capacity = jax.vmap(lambda _: jaxbuf.prioritized_replay(32).init(example_item()))(
+    jnp.arange(8)
+  )
   with pytest.raises(ValueError, match="capacity mismatch.*capacity 16.*capacity 32"):
     jaxbuf.load(tmp_path / "many", like=other_capacity)
 
 
 # --- Mismatches: clear errors, checkpoint untouched -------------------------------------
 
+
 def _mismatch_cases():
   prioritized = BUFFERS["prioritized"]
   return {
-      "capacity": (lambda: jaxbuf.prioritized_replay(32).init(example_item()),
-                   ValueError, ["capacity mismatch", "capacity 16", "capacity 32"]),
-      "kind": (lambda: jaxbuf.uniform_replay(16).init(example_item()), TypeError,
-               ["PrioritizedReplayState", "ReplayState"]),
-      "item structure": (
-          lambda: prioritized.init({**example_item(), "reward": jnp.float32(0)}),
-          TypeError, ["structure", "['reward']"]),
-      "missing leaf": (
-          lambda: prioritized.init({"obs": jnp.zeros(5), "action": jnp.int32(0)}),
-          TypeError, ["structure", "['done']"]),
-      "shape": (lambda: prioritized.init({**example_item(), "obs": jnp.zeros(4)}),
-                ValueError, ["shape mismatch", ".storage['obs']", "(16, 5)",
-                             "(16, 4)"]),
-      "dtype": (lambda: prioritized.init(
-          {**example_item(), "action": jnp.int8(0)}), TypeError,
-                ["dtype mismatch", ".storage['action']", "int32", "int8"]),
+    "capacity": (
+      lambda: jaxbuf.prioritized_replay(32).init(example_item()),
+      ValueError,
+      ["capacity mismatch", "capacity 16", "capacity 32"],
+    ),
+    "kind": (
+      lambda: jaxbuf.uniform_replay(16).init(example_item()),
+      TypeError,
+      ["PrioritizedReplayState", "ReplayState"],
+    ),
+    "item structure": (
+      lambda: prioritized.init({**example_item(), "reward": jnp.float32(0)}),
+      TypeError,
+      ["structure", "['reward']"],
+    ),
+    "missing leaf": (
+      lambda: prioritized.init({"obs": jnp.zeros(5), "action": jnp.int32(0)}),
+      TypeError,
+      ["structure", "['done']"],
+    ),
+    "shape": (
+      lambda: prioritized.init({**example_item(), "obs": jnp.zeros(4)}),
+      ValueError,
+      ["shape mismatch", ".storage['obs']", "(16, 5)", "(16, 4)"],
+    ),
+    "dtype": (
+      lambda: prioritized.init({**example_item(), "action": jnp.int8(0)}),
+      TypeError,
+      ["dtype mismatch", ".storage['action']", "int32", "int8"],
+    ),
   }
 
 
@@ -207,8 +227,7 @@ def test_loading_into_a_different_buffer_names_the_mismatch(tmp_path, case):
     jaxbuf.load(tmp_path / "ckpt", like=make_like())
   for word in words:
     assert word in str(raised.value)
-  assert_bit_equal(jaxbuf.load(tmp_path / "ckpt", like=buffer.init(example_item())),
-                   state)
+  assert_bit_equal(jaxbuf.load(tmp_path / "ckpt", like=buffer.init(example_item())), state)
 
 
 def test_rollout_mismatch_names_num_envs(tmp_path):
@@ -230,8 +249,7 @@ CHECKPOINT_BEFORE_ISSUE_31 = pathlib.Path(__file__).parent / "data" / "checkpoin
 def test_a_checkpoint_saved_before_the_module_move_loads(tmp_path):
   path = tmp_path / "old"
   shutil.copytree(CHECKPOINT_BEFORE_ISSUE_31, path)
-  assert '"jaxbuf._src.prioritized.PrioritizedReplayState"' in (
-      path / "layout.json").read_text()
+  assert '"jaxbuf._src.prioritized.PrioritizedReplayState"' in (path / "layout.json").read_text()
   buffer = jaxbuf.prioritized_replay(4, alpha=0.6)
   like = buffer.init({"obs": jnp.zeros(2, jnp.float32)})
   restored = jaxbuf.load(path, like=like)
@@ -239,39 +257,65 @@ def test_a_checkpoint_saved_before_the_module_move_loads(tmp_path):
   original = buffer.update_priorities(original, jnp.array([1]), jnp.array([5.0]))
   assert_bit_equal(restored, original)
   # Still a type check: another kind is refused, naming the type it holds.
-  with pytest.raises(TypeError, match=r"holds a jaxbuf\._src\.prioritized\."
-                     r"PrioritizedReplayState, but `like` is a .*\.ReplayState"):
+  with pytest.raises(
+    TypeError,
+    match=r"holds a jaxbuf\._src\.prioritized\."
+    r"PrioritizedReplayState, but `like` is a .*\.ReplayState",
+  ):
     jaxbuf.load(path, like=jaxbuf.uniform_replay(4).init({"obs": jnp.zeros(2)}))
 
 
 def _old_type_path(state):
   """The `module.qualname` a checkpoint saved before e196a8f records."""
   module = type(state).__module__.replace("jaxbuf._src.", "")
-  old = {"core.ring": "ring", "items.prioritized": "prioritized",
-         "onpolicy.rollout": "rollout"}.get(module, module.rpartition(".")[2])
+  old = {
+    "core.ring": "ring",
+    "items.prioritized": "prioritized",
+    "onpolicy.rollout": "rollout",
+  }.get(module, module.rpartition(".")[2])
   return f"jaxbuf._src.{old}.{type(state).__qualname__}"
 
 
-@pytest.mark.parametrize("kind", ["uniform", "prioritized", "rollout", "sequence",
-                                  "prioritized_sequence", "episode", "frames",
-                                  "hindsight"])
+@pytest.mark.parametrize(
+  "kind",
+  [
+    "uniform",
+    "prioritized",
+    "rollout",
+    "sequence",
+    "prioritized_sequence",
+    "episode",
+    "frames",
+    "hindsight",
+  ],
+)
 def test_every_kind_saved_under_its_old_module_path_loads(tmp_path, kind):
-  step = {"obs": jnp.zeros(2), "action": jnp.int32(0), "reward": jnp.float32(0),
-          "terminated": jnp.bool_(False)}
-  goal_step = {"obs": {"observation": jnp.zeros(2), "achieved_goal": jnp.zeros(1),
-                       "desired_goal": jnp.zeros(1)},
-               "action": jnp.int32(0), "reward": jnp.float32(0),
-               "terminated": jnp.bool_(False)}
+  step = {
+    "obs": jnp.zeros(2),
+    "action": jnp.int32(0),
+    "reward": jnp.float32(0),
+    "terminated": jnp.bool_(False),
+  }
+  goal_step = {
+    "obs": {
+      "observation": jnp.zeros(2),
+      "achieved_goal": jnp.zeros(1),
+      "desired_goal": jnp.zeros(1),
+    },
+    "action": jnp.int32(0),
+    "reward": jnp.float32(0),
+    "terminated": jnp.bool_(False),
+  }
   buffer, example = {
-      "uniform": (jaxbuf.uniform_replay(4), step),
-      "prioritized": (jaxbuf.prioritized_replay(4), step),
-      "rollout": (jaxbuf.rollout_buffer(2, 2), step),
-      "sequence": (jaxbuf.sequence_replay(2, 8, 2), step),
-      "prioritized_sequence": (jaxbuf.prioritized_sequence_replay(2, 8, 2), step),
-      "episode": (jaxbuf.episode_replay(2, 8, 4), step),
-      "frames": (jaxbuf.frame_stack_replay(2, 8, 2), step),
-      "hindsight": (jaxbuf.hindsight_replay(2, 8, lambda a, d: -jnp.abs(a - d).sum(-1)),
-                    goal_step)}[kind]
+    "uniform": (jaxbuf.uniform_replay(4), step),
+    "prioritized": (jaxbuf.prioritized_replay(4), step),
+    "rollout": (jaxbuf.rollout_buffer(2, 2), step),
+    "sequence": (jaxbuf.sequence_replay(2, 8, 2), step),
+    "prioritized_sequence": (jaxbuf.prioritized_sequence_replay(2, 8, 2), step),
+    "episode": (jaxbuf.episode_replay(2, 8, 4), step),
+    "frames": (jaxbuf.frame_stack_replay(2, 8, 2), step),
+    "hindsight": (jaxbuf.hindsight_replay(2, 8, lambda a, d: -jnp.abs(a - d).sum(-1)), goal_step),
+  }[kind]
   state = buffer.init(example)
   path = tmp_path / "ckpt"
   jaxbuf.save(path, state)
@@ -305,6 +349,7 @@ def test_missing_checkpoint_and_foreign_directory(tmp_path):
 
 # --- Interrupted saves ----------------------------------------------------------------
 
+
 class Killed(BaseException):
   """Stands for SIGKILL: no except clause or cleanup handler catches it."""
 
@@ -316,13 +361,17 @@ def _two_states():
   return buffer, first, second
 
 
-@pytest.mark.parametrize("kill_at, survivor", [
+@pytest.mark.parametrize(
+  "kill_at, survivor",
+  [
     ("before moving the old checkpoint aside", "first"),
     ("between the two renames", "second"),
     ("before deleting the old checkpoint", "second"),
-])
+  ],
+)
 def test_save_killed_at_each_step_of_the_swap_leaves_one_checkpoint(
-    tmp_path, monkeypatch, kill_at, survivor):
+  tmp_path, monkeypatch, kill_at, survivor
+):
   buffer, first, second = _two_states()
   path = tmp_path / "ckpt"
   jaxbuf.save(path, first)
@@ -331,14 +380,14 @@ def test_save_killed_at_each_step_of_the_swap_leaves_one_checkpoint(
   def replace(source, destination):
     moves_old_aside = pathlib.Path(source) == path
     moves_new_in = str(source).endswith(".jaxbuf-new")
-    if ((kill_at == "before moving the old checkpoint aside" and moves_old_aside)
-        or (kill_at == "between the two renames" and moves_new_in)):
+    if (kill_at == "before moving the old checkpoint aside" and moves_old_aside) or (
+      kill_at == "between the two renames" and moves_new_in
+    ):
       raise Killed
     real_replace(source, destination)
 
   def rmtree(directory, *args, **kwargs):
-    if (kill_at == "before deleting the old checkpoint"
-        and str(directory).endswith(".jaxbuf-old")):
+    if kill_at == "before deleting the old checkpoint" and str(directory).endswith(".jaxbuf-old"):
       raise Killed
     real_rmtree(directory, *args, **kwargs)
 
@@ -376,15 +425,16 @@ def test_save_sigkilled_mid_write_leaves_the_previous_checkpoint(tmp_path):
   """A real SIGKILL while orbax is writing arrays over an existing checkpoint."""
   capacity = 200_000  # 67 MB: long enough to write that the kill lands inside
   buffer = jaxbuf.uniform_replay(capacity)
-  previous = buffer.add(buffer.init(jnp.zeros(84, jnp.float32)),
-                        jnp.ones((1000, 84), jnp.float32))
+  previous = buffer.add(buffer.init(jnp.zeros(84, jnp.float32)), jnp.ones((1000, 84), jnp.float32))
   path = tmp_path / "ckpt"
   jaxbuf.save(path, previous)
   new = pathlib.Path(str(path) + ".jaxbuf-new")
 
   child = subprocess.Popen(
-      [sys.executable, "-c", _SAVE_IN_CHILD, str(path), str(capacity)],
-      stdout=subprocess.PIPE, text=True)
+    [sys.executable, "-c", _SAVE_IN_CHILD, str(path), str(capacity)],
+    stdout=subprocess.PIPE,
+    text=True,
+  )
   try:
     assert child.stdout.readline().strip() == "saving"
     deadline = time.monotonic() + 120
@@ -409,14 +459,24 @@ def test_save_sigkilled_mid_write_leaves_the_previous_checkpoint(tmp_path):
 
 # --- Second reliability round (issue 12) ------------------------------------------------
 
+
 def _small_state():
   buffer = BUFFERS["prioritized"]
   return buffer, used_prioritized_state(buffer)
 
 
-@pytest.mark.parametrize("name", [
-    "runs/lr[1]/buf", "star*dir/buf", "what?/buf", "braces{1,2}/b[a-z]*", "with space/buf",
-    "ünïcødé/β", "[]/]["])
+@pytest.mark.parametrize(
+  "name",
+  [
+    "runs/lr[1]/buf",
+    "star*dir/buf",
+    "what?/buf",
+    "braces{1,2}/b[a-z]*",
+    "with space/buf",
+    "ünïcødé/β",
+    "[]/][",
+  ],
+)
 def test_every_path_save_accepts_loads(tmp_path, name):
   buffer, state = _small_state()
   path = tmp_path / name
@@ -459,21 +519,20 @@ def test_directories_jaxbuf_did_not_write_are_never_replaced(tmp_path):
   real = tmp_path / "real"
   jaxbuf.save(real, state)
   (real / "state" / "my_notes.txt").write_text("mine")
-  with pytest.raises(FileExistsError,
-                     match=r"entries jaxbuf did not write \['state/my_notes.txt'\]"):
+  with pytest.raises(
+    FileExistsError, match=r"entries jaxbuf did not write \['state/my_notes.txt'\]"
+  ):
     jaxbuf.save(real, state)
   assert (real / "state" / "my_notes.txt").read_text() == "mine"
   assert_bit_equal(jaxbuf.load(real, like=buffer.init(example_item())), state)
   # A copied marker whose token is not the layout's does not make a checkpoint.
   forged = tmp_path / "forged"
   forged.mkdir()
-  (forged / "jaxbuf-checkpoint.json").write_bytes(
-      (real / "jaxbuf-checkpoint.json").read_bytes())
+  (forged / "jaxbuf-checkpoint.json").write_bytes((real / "jaxbuf-checkpoint.json").read_bytes())
   (forged / "layout.json").write_text('{"token": "other"}')
   with pytest.raises(FileExistsError, match="not a jaxbuf checkpoint"):
     jaxbuf.save(forged, state)
-  assert sorted(p.name for p in forged.iterdir()) == ["jaxbuf-checkpoint.json",
-                                                      "layout.json"]
+  assert sorted(p.name for p in forged.iterdir()) == ["jaxbuf-checkpoint.json", "layout.json"]
 
 
 # orbax leaves coroutines unawaited when its metadata fails to parse: its leak, not ours.
@@ -502,8 +561,7 @@ def test_every_flipped_bit_in_the_stored_data_is_detected_or_fails_loudly(tmp_pa
     try:
       restored = jaxbuf.load(path, like=like)
     except Exception as error:  # noqa: BLE001 - any loud failure is acceptable here
-      outcomes["checksum" if "checksum mismatch at leaf" in str(error)
-               else "other error"] += 1
+      outcomes["checksum" if "checksum mismatch at leaf" in str(error) else "other error"] += 1
     else:
       assert_bit_equal(restored, state)
       outcomes["no effect"] += 1
@@ -516,8 +574,9 @@ def test_every_flipped_bit_in_the_stored_data_is_detected_or_fails_loudly(tmp_pa
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
-@pytest.mark.parametrize("damage", ["truncated", "deleted", "sharding-type-bit",
-                                    "array-metadata-garbled"])
+@pytest.mark.parametrize(
+  "damage", ["truncated", "deleted", "sharding-type-bit", "array-metadata-garbled"]
+)
 def test_a_damaged_or_missing_file_is_one_clear_error(tmp_path, damage, capfd):
   """Was a multi-KB orbax exception (and "Event loop is closed" lines), or
   NotImplementedError for a bit flipped in state/_sharding: now one line
@@ -525,8 +584,9 @@ def test_a_damaged_or_missing_file_is_one_clear_error(tmp_path, damage, capfd):
   buffer, state = _small_state()
   path = tmp_path / "ckpt"
   jaxbuf.save(path, state)
-  data = max((f for f in (path / "state").rglob("*") if f.is_file()),
-             key=lambda f: f.stat().st_size)
+  data = max(
+    (f for f in (path / "state").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size
+  )
   name = str(data.relative_to(path))
   if damage == "truncated":
     data.write_bytes(data.read_bytes()[:100])
@@ -562,17 +622,22 @@ def test_a_damaged_or_missing_file_is_one_clear_error(tmp_path, damage, capfd):
 def test_an_orbax_read_error_is_one_line_naming_the_leaf_and_the_file():
   """The message `load` makes of whatever orbax raises reading the arrays."""
   entries = [(".storage['obs']", {}), (".priorities", {})]
-  error = OSError("DATA_LOSS: Error reading leaf_1 from /proc/self/fd/7/state/d/"
-                  "4f2a9c (checksum mismatch)\nmore [tensorstore_spec={'x': 1}]")
+  error = OSError(
+    "DATA_LOSS: Error reading leaf_1 from /proc/self/fd/7/state/d/"
+    "4f2a9c (checksum mismatch)\nmore [tensorstore_spec={'x': 1}]"
+  )
   message = str(checkpoint_arrays._unreadable("load: P", entries, error))
-  assert message == ("load: P: the stored arrays of leaf .priorities cannot be read "
-                     "(file state/d/4f2a9c), corrupted or edited: OSError: DATA_LOSS: "
-                     "Error reading leaf_1 from /proc/self/fd/7/state/d/4f2a9c (checksum "
-                     "mismatch)")
-  unnamed = checkpoint_arrays._unreadable("load: P", entries, ValueError("bad"),
-                                          "orbax's index")
-  assert str(unnamed) == ("load: P: the stored arrays cannot be read (orbax's index), "
-                          "corrupted or edited: ValueError: bad")
+  assert message == (
+    "load: P: the stored arrays of leaf .priorities cannot be read "
+    "(file state/d/4f2a9c), corrupted or edited: OSError: DATA_LOSS: "
+    "Error reading leaf_1 from /proc/self/fd/7/state/d/4f2a9c (checksum "
+    "mismatch)"
+  )
+  unnamed = checkpoint_arrays._unreadable("load: P", entries, ValueError("bad"), "orbax's index")
+  assert str(unnamed) == (
+    "load: P: the stored arrays cannot be read (orbax's index), "
+    "corrupted or edited: ValueError: bad"
+  )
 
 
 def test_saving_a_state_a_donated_add_consumed_is_a_clear_error(tmp_path):
@@ -588,19 +653,18 @@ def test_saving_a_state_a_donated_add_consumed_is_a_clear_error(tmp_path):
   assert_bit_equal(jaxbuf.load(tmp_path / "ckpt", like=newer), newer)
 
 
-def test_a_save_that_fails_while_writing_leaves_nothing_behind(tmp_path,
-                                                               monkeypatch):
+def test_a_save_that_fails_while_writing_leaves_nothing_behind(tmp_path, monkeypatch):
   buffer, state = _small_state()
   jaxbuf.save(tmp_path / "ckpt", state)
 
   def disk_full(*args):
     raise OSError(28, "No space left on device")
+
   monkeypatch.setattr(checkpoint_arrays, "write_arrays", disk_full)
   with pytest.raises(OSError, match="No space left"):
     jaxbuf.save(tmp_path / "ckpt", buffer.clear(used_prioritized_state(buffer)))
   assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.jaxbuf-lock"]
-  assert_bit_equal(jaxbuf.load(tmp_path / "ckpt", like=buffer.init(example_item())),
-                   state)
+  assert_bit_equal(jaxbuf.load(tmp_path / "ckpt", like=buffer.init(example_item())), state)
 
 
 def test_corrupted_array_is_named_by_its_checksum(tmp_path):
@@ -618,8 +682,9 @@ def test_corrupted_array_is_named_by_its_checksum(tmp_path):
 def _sharded_state(devices):
   """The small prioritized state with its storage split over `devices` devices."""
   buffer, state = _small_state()
-  rows = jax.sharding.NamedSharding(jax.make_mesh((devices,), ("slots",)),
-                                    jax.sharding.PartitionSpec("slots"))
+  rows = jax.sharding.NamedSharding(
+    jax.make_mesh((devices,), ("slots",)), jax.sharding.PartitionSpec("slots")
+  )
   return buffer, state.replace(storage=jax.device_put(state.storage, rows)), rows
 
 
@@ -630,21 +695,25 @@ def test_each_shard_is_checksummed_and_a_corrupted_one_is_named(tmp_path):
   jaxbuf.save(path, state)
   layout = json.loads((path / "layout.json").read_text())
   pieces = layout["leaves"][".storage['obs']"]["pieces"]
-  assert [piece["index"] for piece in pieces] == [[[4 * d, 4 * d + 4], [0, 5]]
-                                                  for d in range(4)]
+  assert [piece["index"] for piece in pieces] == [[[4 * d, 4 * d + 4], [0, 5]] for d in range(4)]
   obs = np.asarray(state.storage["obs"])
   assert [piece["crc32"] for piece in pieces] == [
-      [zlib.crc32(obs[4 * d:4 * d + 4].tobytes())] for d in range(4)]
+    [zlib.crc32(obs[4 * d : 4 * d + 4].tobytes())] for d in range(4)
+  ]
   assert layout["leaves"][".size"]["pieces"] == [
-      {"index": [], "crc32": [zlib.crc32(np.asarray(state.size).tobytes())]}]
+    {"index": [], "crc32": [zlib.crc32(np.asarray(state.size).tobytes())]}
+  ]
   pieces[2]["crc32"][0] ^= 1
   (path / "layout.json").write_text(json.dumps(layout))
   like = buffer.init(example_item())
   sharded_like = like.replace(storage=jax.device_put(like.storage, rows))
   # Loaded as saved, onto one device, or over 2 devices: the bad piece is named.
   for target in (sharded_like, like, _sharded_state(2)[1]):
-    with pytest.raises(ValueError, match=r"checksum mismatch at leaf \.storage\['obs'\], "
-                       r"piece \[8:12, 0:5\] \(restored on "):
+    with pytest.raises(
+      ValueError,
+      match=r"checksum mismatch at leaf \.storage\['obs'\], "
+      r"piece \[8:12, 0:5\] \(restored on ",
+    ):
       jaxbuf.load(path, like=target)
 
 
@@ -663,21 +732,30 @@ def test_a_state_saved_on_one_device_verifies_when_loaded_split(tmp_path):
   layout = json.loads((path / "layout.json").read_text())
   layout["leaves"][".storage['obs']"]["pieces"][0]["crc32"][0] ^= 1
   (path / "layout.json").write_text(json.dumps(layout))
-  with pytest.raises(ValueError, match=r"checksum mismatch at leaf \.storage\['obs'\], "
-                     r"piece \[0:16, 0:5\] \(restored on the host\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"checksum mismatch at leaf \.storage\['obs'\], "
+    r"piece \[0:16, 0:5\] \(restored on the host\)",
+  ):
     jaxbuf.load(path, like=like)
 
 
-@pytest.mark.parametrize("boxes, shape, covers", [
+@pytest.mark.parametrize(
+  "boxes, shape, covers",
+  [
     ([[[0, 2], [0, 3]], [[2, 4], [0, 3]]], [4, 3], True),
     ([[[0, 2], [0, 1]], [[0, 2], [1, 3]], [[2, 4], [0, 1]], [[2, 4], [1, 3]]], [4, 3], True),
-    ([[[0, 2], [0, 3]]], [4, 3], False),                            # a gap
-    ([[[0, 3], [0, 3]], [[2, 4], [0, 3]]], [4, 3], False),          # an overlap
-    ([[[0, 4], [0, 3]], [[0, 4], [0, 3]]], [4, 3], False),          # twice
-    ([[[0, 2], [0, 2]], [[2, 4], [1, 3]]], [4, 3], False),          # not a grid
-    ([[]], [], True), ([], [], False), ([[]] * 2, [], False),       # scalars
-    ([], [0, 3], True), ([[[0, 0], [0, 3]]], [0, 3], False),        # zero size
-])
+    ([[[0, 2], [0, 3]]], [4, 3], False),  # a gap
+    ([[[0, 3], [0, 3]], [[2, 4], [0, 3]]], [4, 3], False),  # an overlap
+    ([[[0, 4], [0, 3]], [[0, 4], [0, 3]]], [4, 3], False),  # twice
+    ([[[0, 2], [0, 2]], [[2, 4], [1, 3]]], [4, 3], False),  # not a grid
+    ([[]], [], True),
+    ([], [], False),
+    ([[]] * 2, [], False),  # scalars
+    ([], [0, 3], True),
+    ([[[0, 0], [0, 3]]], [0, 3], False),  # zero size
+  ],
+)
 def test_pieces_must_tile_the_leaf_exactly_once(boxes, shape, covers):
   assert checkpoint_layout.covers_exactly(boxes, shape) is covers
 
@@ -693,22 +771,29 @@ def test_processes_that_disagree_get_one_clear_error():
   other = checkpoint_layout.layout(BUFFERS["uniform"].init({**example_item(), "obs": jnp.zeros(4)}))
   agreeing = [{"path": "/a", "layout": layout}] * 2
   checkpoint_agreement.check_processes_agree("save", agreeing)
-  with pytest.raises(ValueError, match="save: the processes disagree on the path: "
-                     "process 0 has /a, process 1 has /b"):
+  with pytest.raises(
+    ValueError, match="save: the processes disagree on the path: process 0 has /a, process 1 has /b"
+  ):
     checkpoint_agreement.check_processes_agree(
-        "save", [agreeing[0], {"path": "/b", "layout": layout}])
-  with pytest.raises(ValueError, match=r"load: the processes disagree on the state: process 0 "
-                     r"and process 2 have leaf \.storage\['obs'\] .*\[16, 5\].*\[16, 4\]"):
-    checkpoint_agreement.check_processes_agree(
-        "load", agreeing + [{"path": "/a", "layout": other}])
+      "save", [agreeing[0], {"path": "/b", "layout": layout}]
+    )
+  with pytest.raises(
+    ValueError,
+    match=r"load: the processes disagree on the state: process 0 "
+    r"and process 2 have leaf \.storage\['obs'\] .*\[16, 5\].*\[16, 4\]",
+  ):
+    checkpoint_agreement.check_processes_agree("load", agreeing + [{"path": "/a", "layout": other}])
 
 
 def test_a_multi_process_save_refuses_leaves_of_one_process(monkeypatch):
   named = checkpoint_layout.named_leaves(BUFFERS["uniform"].init(example_item()))
   checkpoint_agreement.check_global(named)  # one process: any leaf
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  with pytest.raises(ValueError, match=r"leaf \.storage\['action'\] is a ArrayImpl held by "
-                     "this process alone; in a multi-process save every leaf must be a global"):
+  with pytest.raises(
+    ValueError,
+    match=r"leaf \.storage\['action'\] is a ArrayImpl held by "
+    "this process alone; in a multi-process save every leaf must be a global",
+  ):
     checkpoint_agreement.check_global(named)
 
 
@@ -716,29 +801,56 @@ def _edit_layout(edit):
   def apply(layout):
     edit(layout)
     return json.dumps(layout)
+
   return apply
 
 
-@pytest.mark.parametrize("case, tamper, words", [
+@pytest.mark.parametrize(
+  "case, tamper, words",
+  [
     ("not json", lambda layout: "{not json", ["not valid JSON"]),
     ("a list", lambda layout: "[]", ["is a list, not an object"]),
     ("missing field", _edit_layout(lambda l: l.pop("leaves")), ["no field 'leaves'"]),
     ("wrong type", _edit_layout(lambda l: l.update(version="2")), ["'version'", "not a int"]),
-    ("unknown dtype", _edit_layout(lambda l: l["leaves"][".storage['obs']"].update(
-        dtype="float128")), ["unknown dtype 'float128'"]),
-    ("bool as size", _edit_layout(lambda l: l["leaves"][".size"].update(shape=[True])),
-     ["not a list of sizes"]),
-    ("short checksums", _edit_layout(lambda l: l["leaves"][".storage['obs']"]["pieces"][0]
-                                     .update(crc32=[])), ["crc32 []"]),
-    ("no pieces", _edit_layout(lambda l: l["leaves"][".storage['obs']"].update(pieces=[])),
-     ["pieces []", "do not cover its shape [16, 5] exactly once"]),
-    ("piece out of bounds", _edit_layout(
-        lambda l: l["leaves"][".storage['obs']"]["pieces"][0].update(index=[[0, 17], [0, 5]])),
-     ["index [[0, 17], [0, 5]], not a nonempty box inside its shape [16, 5]"]),
-    ("overlapping pieces", _edit_layout(lambda l: l["leaves"][".storage['obs']"].update(
-        pieces=2 * l["leaves"][".storage['obs']"]["pieces"])), ["exactly once"]),
+    (
+      "unknown dtype",
+      _edit_layout(lambda l: l["leaves"][".storage['obs']"].update(dtype="float128")),
+      ["unknown dtype 'float128'"],
+    ),
+    (
+      "bool as size",
+      _edit_layout(lambda l: l["leaves"][".size"].update(shape=[True])),
+      ["not a list of sizes"],
+    ),
+    (
+      "short checksums",
+      _edit_layout(lambda l: l["leaves"][".storage['obs']"]["pieces"][0].update(crc32=[])),
+      ["crc32 []"],
+    ),
+    (
+      "no pieces",
+      _edit_layout(lambda l: l["leaves"][".storage['obs']"].update(pieces=[])),
+      ["pieces []", "do not cover its shape [16, 5] exactly once"],
+    ),
+    (
+      "piece out of bounds",
+      _edit_layout(
+        lambda l: l["leaves"][".storage['obs']"]["pieces"][0].update(index=[[0, 17], [0, 5]])
+      ),
+      ["index [[0, 17], [0, 5]], not a nonempty box inside its shape [16, 5]"],
+    ),
+    (
+      "overlapping pieces",
+      _edit_layout(
+        lambda l: l["leaves"][".storage['obs']"].update(
+          pieces=2 * l["leaves"][".storage['obs']"]["pieces"]
+        )
+      ),
+      ["exactly once"],
+    ),
     ("newer version", _edit_layout(lambda l: l.update(version=99)), ["version 99"]),
-])
+  ],
+)
 def test_a_malformed_or_edited_layout_is_a_clear_error(tmp_path, case, tamper, words):
   buffer, state = _small_state()
   path = tmp_path / "ckpt"
@@ -754,56 +866,71 @@ def test_a_malformed_or_edited_layout_is_a_clear_error(tmp_path, case, tamper, w
 def test_an_edited_dtype_or_shape_is_never_a_silent_cast(tmp_path):
   """The layout edited to match another `like`: the stored arrays disagree, loudly."""
   buffer = jaxbuf.uniform_replay(4)
-  state = buffer.add(buffer.init({"x": jnp.zeros(2, jnp.float32)}),
-                     {"x": jnp.full((3, 2), 1.5, jnp.float32)})
+  state = buffer.add(
+    buffer.init({"x": jnp.zeros(2, jnp.float32)}), {"x": jnp.full((3, 2), 1.5, jnp.float32)}
+  )
   path = tmp_path / "ckpt"
   jaxbuf.save(path, state)
   layout_file = path / "layout.json"
   layout = json.loads(layout_file.read_text())
   layout["leaves"][".storage['x']"]["dtype"] = "int32"
   layout_file.write_text(json.dumps(layout))
-  with pytest.raises(ValueError, match=r"leaf \.storage\['x'\] is stored with shape "
-                     r"\(4, 2\) and dtype float32, but the layout says.*int32"):
+  with pytest.raises(
+    ValueError,
+    match=r"leaf \.storage\['x'\] is stored with shape "
+    r"\(4, 2\) and dtype float32, but the layout says.*int32",
+  ):
     jaxbuf.load(path, like=buffer.init({"x": jnp.zeros(2, jnp.int32)}))
   layout["leaves"][".storage['x']"].update(
-      dtype="float32", shape=[4, 3], pieces=[{"index": [[0, 4], [0, 3]], "crc32": [0]}])
+    dtype="float32", shape=[4, 3], pieces=[{"index": [[0, 4], [0, 3]], "crc32": [0]}]
+  )
   layout_file.write_text(json.dumps(layout))
   with pytest.raises(ValueError, match=r"is stored with shape \(4, 2\)"):
     jaxbuf.load(path, like=buffer.init({"x": jnp.zeros(3, jnp.float32)}))
 
 
 def test_everything_add_accepts_round_trips_bit_exactly(tmp_path):
-  example = {"empty": jnp.zeros((0,), jnp.float32), "wide_empty": jnp.zeros((3, 0), jnp.float32),
-             "key": jax.random.key(0), "rbg": jax.random.key(0, impl="rbg"),
-             "flag": jnp.bool_(False), "frame": jnp.zeros(3, jnp.uint8),
-             "small": jnp.int8(0), "half": jnp.zeros(2, jnp.float16),
-             "brain": jnp.zeros(2, jnp.bfloat16), "f8": jnp.zeros(2, jnp.float8_e4m3fn)}
+  example = {
+    "empty": jnp.zeros((0,), jnp.float32),
+    "wide_empty": jnp.zeros((3, 0), jnp.float32),
+    "key": jax.random.key(0),
+    "rbg": jax.random.key(0, impl="rbg"),
+    "flag": jnp.bool_(False),
+    "frame": jnp.zeros(3, jnp.uint8),
+    "small": jnp.int8(0),
+    "half": jnp.zeros(2, jnp.float16),
+    "brain": jnp.zeros(2, jnp.bfloat16),
+    "f8": jnp.zeros(2, jnp.float8_e4m3fn),
+  }
   buffer = jaxbuf.uniform_replay(6)
   values = np.random.default_rng(1).integers(0, 256, (4, 2), np.uint8)
-  batch = {"empty": jnp.zeros((4, 0), jnp.float32),
-           "wide_empty": jnp.zeros((4, 3, 0), jnp.float32),
-           "key": jax.random.split(jax.random.key(5), 4),
-           "rbg": jax.random.split(jax.random.key(6, impl="rbg"), 4),
-           "flag": jnp.array([True, False, True, True]),
-           "frame": jnp.asarray(values[:, :1].repeat(3, 1)),
-           "small": jnp.asarray(values[:, 0].view(np.int8)),
-           "half": jnp.asarray(np.frombuffer(values.tobytes(), np.float16).reshape(4, 1)
-                               .repeat(2, 1)),
-           "brain": jnp.asarray(values.view(np.uint16).view(jnp.bfloat16).repeat(2, 1)),
-           "f8": jnp.asarray(values.view(jnp.float8_e4m3fn))}
+  batch = {
+    "empty": jnp.zeros((4, 0), jnp.float32),
+    "wide_empty": jnp.zeros((4, 3, 0), jnp.float32),
+    "key": jax.random.split(jax.random.key(5), 4),
+    "rbg": jax.random.split(jax.random.key(6, impl="rbg"), 4),
+    "flag": jnp.array([True, False, True, True]),
+    "frame": jnp.asarray(values[:, :1].repeat(3, 1)),
+    "small": jnp.asarray(values[:, 0].view(np.int8)),
+    "half": jnp.asarray(np.frombuffer(values.tobytes(), np.float16).reshape(4, 1).repeat(2, 1)),
+    "brain": jnp.asarray(values.view(np.uint16).view(jnp.bfloat16).repeat(2, 1)),
+    "f8": jnp.asarray(values.view(jnp.float8_e4m3fn)),
+  }
   state = buffer.add(buffer.init(example), batch)
   jaxbuf.save(tmp_path / "ckpt", state)
   restored = jaxbuf.load(tmp_path / "ckpt", like=jax.eval_shape(buffer.init, example))
   for name in ("key", "rbg"):
     assert restored.storage[name].dtype == state.storage[name].dtype
-  assert_bit_equal(jax.tree.map(_key_data_or_array, restored),
-                   jax.tree.map(_key_data_or_array, state))
+  assert_bit_equal(
+    jax.tree.map(_key_data_or_array, restored), jax.tree.map(_key_data_or_array, state)
+  )
   # The restored keys are keys: sampling from the restored state draws the same.
   for run in (state, restored):
     sample = buffer.sample(run, jax.random.key(3), 5)
-    np.testing.assert_array_equal(jax.random.key_data(sample.items["key"]),
-                                  jax.random.key_data(
-                                      buffer.sample(state, jax.random.key(3), 5).items["key"]))
+    np.testing.assert_array_equal(
+      jax.random.key_data(sample.items["key"]),
+      jax.random.key_data(buffer.sample(state, jax.random.key(3), 5).items["key"]),
+    )
 
 
 def _key_data_or_array(leaf):
@@ -814,6 +941,7 @@ def _key_data_or_array(leaf):
 
 def test_a_second_writer_gets_a_clear_error_and_writes_nothing(tmp_path):
   import fcntl  # pylint: disable=g-import-not-at-top
+
   buffer, state = _small_state()
   path = tmp_path / "ckpt"
   jaxbuf.save(path, state)
@@ -861,11 +989,16 @@ def test_racing_writers_and_readers_in_real_processes(tmp_path):
   path = tmp_path / "ckpt"
   start = [sys.executable, "-c", _RACE_IN_CHILD, str(path)]
   buffer = jaxbuf.uniform_replay(2000)
-  jaxbuf.save(path, buffer.add(buffer.init(jnp.zeros(64, jnp.float32)),
-                               jnp.full((2000, 64), 3.0, jnp.float32)))
-  children = [subprocess.Popen(start + args, stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-              for args in (["1", "5"], ["2", "5"], ["reader", "3"])]
+  jaxbuf.save(
+    path,
+    buffer.add(buffer.init(jnp.zeros(64, jnp.float32)), jnp.full((2000, 64), 3.0, jnp.float32)),
+  )
+  children = [
+    subprocess.Popen(
+      start + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    for args in (["1", "5"], ["2", "5"], ["reader", "3"])
+  ]
   try:
     for child in children:
       assert child.stdout.readline().strip() == "ready"
@@ -895,9 +1028,12 @@ def test_a_marker_of_another_format_version_is_refused(tmp_path, version):
   marker = json.loads(marker_file.read_text())
   marker["version"] = version
   marker_file.write_text(json.dumps(marker))
-  with pytest.raises(ValueError, match=rf"has a marker of format version "
-                     rf"{re.escape(repr(version))}; this jaxbuf reads version 3"
-                     + (r" \(upgrade jaxbuf to read it\)" if version == 4 else r"\.$")):
+  with pytest.raises(
+    ValueError,
+    match=rf"has a marker of format version "
+    rf"{re.escape(repr(version))}; this jaxbuf reads version 3"
+    + (r" \(upgrade jaxbuf to read it\)" if version == 4 else r"\.$"),
+  ):
     jaxbuf.load(path, like=buffer.init(example_item()))
 
 
@@ -907,9 +1043,12 @@ def test_a_removed_marker_is_named_while_the_folder_holds_data(tmp_path):
   path = tmp_path / "ckpt"
   jaxbuf.save(path, state)
   (path / "jaxbuf-checkpoint.json").unlink()
-  with pytest.raises(FileNotFoundError, match=r"holds checkpoint data \(\['layout.json', "
-                     r"'state'\]\) but no valid marker jaxbuf-checkpoint.json, which "
-                     r"save writes last"):
+  with pytest.raises(
+    FileNotFoundError,
+    match=r"holds checkpoint data \(\['layout.json', "
+    r"'state'\]\) but no valid marker jaxbuf-checkpoint.json, which "
+    r"save writes last",
+  ):
     jaxbuf.load(path, like=buffer.init(example_item()))
   with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*nothing\.$"):
     jaxbuf.load(tmp_path / "nothing", like=buffer.init(example_item()))

@@ -34,34 +34,39 @@ def reward_fn(achieved_goal, desired_goal):
 
 # One step (or item) layout every kind takes: a GoalEnv observation dict, as
 # hindsight replay needs, which the others store as any pytree.
-STEP = {"obs": {"observation": jnp.zeros(2, jnp.float32),
-                "achieved_goal": jnp.zeros(1, jnp.float32),
-                "desired_goal": jnp.zeros(1, jnp.float32)},
-        "action": jnp.int32(0), "reward": jnp.float32(0),
-        "terminated": jnp.bool_(False)}
+STEP = {
+  "obs": {
+    "observation": jnp.zeros(2, jnp.float32),
+    "achieved_goal": jnp.zeros(1, jnp.float32),
+    "desired_goal": jnp.zeros(1, jnp.float32),
+  },
+  "action": jnp.int32(0),
+  "reward": jnp.float32(0),
+  "terminated": jnp.bool_(False),
+}
 
 
 class Kind(NamedTuple):
   buffer: jaxbuf.Buffer
-  streams: bool           # adds [N, T, ...] with episode ends, else [B, ...]
+  streams: bool  # adds [N, T, ...] with episode ends, else [B, ...]
 
 
 KINDS = {
-    "uniform": Kind(jaxbuf.uniform_replay(CAPACITY), False),
-    "prioritized": Kind(jaxbuf.prioritized_replay(CAPACITY, alpha=0.7,
-                                                  beta=0.5), False),
-    "sequence": Kind(jaxbuf.sequence_replay(NUM_ENVS, CAPACITY, 2), True),
-    "prioritized_sequence": Kind(jaxbuf.prioritized_sequence_replay(
-        NUM_ENVS, CAPACITY, 2, alpha=0.7), True),
-    "frame_stack": Kind(jaxbuf.frame_stack_replay(
-        NUM_ENVS, CAPACITY, 2, n_step=2), True),
-    "prioritized_frame_stack": Kind(jaxbuf.prioritized_frame_stack_replay(
-        NUM_ENVS, CAPACITY, 2, n_step=2), True),
-    "hindsight": Kind(jaxbuf.hindsight_replay(NUM_ENVS, CAPACITY, reward_fn),
-                      True),
-    "prioritized_hindsight": Kind(jaxbuf.hindsight_replay(
-        NUM_ENVS, CAPACITY, reward_fn, prioritized=True), True),
-    "episode": Kind(jaxbuf.episode_replay(NUM_ENVS, CAPACITY, CHUNK), True),
+  "uniform": Kind(jaxbuf.uniform_replay(CAPACITY), False),
+  "prioritized": Kind(jaxbuf.prioritized_replay(CAPACITY, alpha=0.7, beta=0.5), False),
+  "sequence": Kind(jaxbuf.sequence_replay(NUM_ENVS, CAPACITY, 2), True),
+  "prioritized_sequence": Kind(
+    jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, 2, alpha=0.7), True
+  ),
+  "frame_stack": Kind(jaxbuf.frame_stack_replay(NUM_ENVS, CAPACITY, 2, n_step=2), True),
+  "prioritized_frame_stack": Kind(
+    jaxbuf.prioritized_frame_stack_replay(NUM_ENVS, CAPACITY, 2, n_step=2), True
+  ),
+  "hindsight": Kind(jaxbuf.hindsight_replay(NUM_ENVS, CAPACITY, reward_fn), True),
+  "prioritized_hindsight": Kind(
+    jaxbuf.hindsight_replay(NUM_ENVS, CAPACITY, reward_fn, prioritized=True), True
+  ),
+  "episode": Kind(jaxbuf.episode_replay(NUM_ENVS, CAPACITY, CHUNK), True),
 }
 
 every_kind = pytest.mark.parametrize("name", sorted(KINDS))
@@ -74,11 +79,16 @@ def chunk(t: Any) -> dict:
   serial = t * 10 + jnp.arange(NUM_ENVS * CHUNK).reshape(NUM_ENVS, CHUNK)
   serial = serial.astype(jnp.float32)
   goal = jnp.mod(serial, 2.0)[..., None]
-  return {"obs": {"observation": jnp.stack([serial, -serial], -1),
-                  "achieved_goal": goal, "desired_goal": 1.0 - goal},
-          "action": serial.astype(jnp.int32) % 3,
-          "reward": serial / 2,
-          "terminated": jnp.zeros(serial.shape, bool)}
+  return {
+    "obs": {
+      "observation": jnp.stack([serial, -serial], -1),
+      "achieved_goal": goal,
+      "desired_goal": 1.0 - goal,
+    },
+    "action": serial.astype(jnp.int32) % 3,
+    "reward": serial / 2,
+    "terminated": jnp.zeros(serial.shape, bool),
+  }
 
 
 def add_arguments(name: str, data: dict) -> tuple[dict, dict]:
@@ -88,8 +98,7 @@ def add_arguments(name: str, data: dict) -> tuple[dict, dict]:
     ends = np.zeros((NUM_ENVS, CHUNK), bool)
     ends[:, -1] = True
     return data, {"episode_end": ends}
-  return jax.tree.map(lambda x: x.reshape((NUM_ENVS * CHUNK,) + x.shape[2:])
-                      [:BATCH], data), {}
+  return jax.tree.map(lambda x: x.reshape((NUM_ENVS * CHUNK,) + x.shape[2:])[:BATCH], data), {}
 
 
 def add(name: str, state, t):
@@ -111,8 +120,7 @@ def learn(name: str, state, key):
   buffer = KINDS[name].buffer
   sample = buffer.sample(state, key, SAMPLE)
   priorities = sample.weights + jnp.arange(SAMPLE, dtype=jnp.float32)
-  return buffer.update_priorities(state, sample.indices, priorities,
-                                  sample.item_ids), sample
+  return buffer.update_priorities(state, sample.indices, priorities, sample.item_ids), sample
 
 
 def snapshot(tree) -> list[np.ndarray]:
@@ -124,8 +132,7 @@ def assert_trees_equal(got, want):
   (a jitted program may fuse what eager calls round one by one)."""
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(got_leaf), np.asarray(want_leaf),
-                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_leaf), np.asarray(want_leaf), rtol=1e-6)
 
 
 def one_step(name: str, state, serial, key, clear):
@@ -136,10 +143,11 @@ def one_step(name: str, state, serial, key, clear):
   sample = buffer.sample(state, key, SAMPLE)
   priorities = sample.weights + jnp.arange(SAMPLE, dtype=jnp.float32)
   state = jax.lax.cond(
-      buffer.can_sample(state, SAMPLE),
-      lambda s: buffer.update_priorities(s, sample.indices, priorities,
-                                         sample.item_ids),
-      lambda s: s, state)
+    buffer.can_sample(state, SAMPLE),
+    lambda s: buffer.update_priorities(s, sample.indices, priorities, sample.item_ids),
+    lambda s: s,
+    state,
+  )
   return jax.lax.cond(clear, buffer.clear, lambda s: s, state), sample.indices
 
 
@@ -150,8 +158,7 @@ def eager_step(name: str, state, data, key, clear):
   sample = buffer.sample(state, key, SAMPLE)
   priorities = sample.weights + jnp.arange(SAMPLE, dtype=jnp.float32)
   if bool(buffer.can_sample(state, SAMPLE)):
-    state = buffer.update_priorities(state, sample.indices, priorities,
-                                     sample.item_ids)
+    state = buffer.update_priorities(state, sample.indices, priorities, sample.item_ids)
   return (buffer.clear(state) if clear else state), sample.indices
 
 
@@ -161,9 +168,11 @@ def test_every_function_keeps_structure_shapes_and_dtypes(name):
   state = jax.eval_shape(lambda: filled(name))
   key = jax.random.key(0)
   sample = jax.eval_shape(lambda s: buffer.sample(s, key, SAMPLE), state)
-  for after in (jax.eval_shape(functools.partial(add, name), state, 5),
-                jax.eval_shape(lambda s: learn(name, s, key)[0], state),
-                jax.eval_shape(buffer.clear, state)):
+  for after in (
+    jax.eval_shape(functools.partial(add, name), state, 5),
+    jax.eval_shape(lambda s: learn(name, s, key)[0], state),
+    jax.eval_shape(buffer.clear, state),
+  ):
     chex.assert_trees_all_equal_shapes_and_dtypes(after, state)
     assert jax.tree.structure(after) == jax.tree.structure(state)
   assert sample.indices.shape == sample.weights.shape == (SAMPLE,)
@@ -175,7 +184,7 @@ def check_jit_vmap_scan_cond_and_one_compilation(name: str):
   serials = np.arange(2 * NUM_STEPS)[:, None] * 10 + np.arange(NUM_STATES)
   keys = jax.random.split(jax.random.key(7), (2 * NUM_STEPS, NUM_STATES))
   clears = np.zeros((2 * NUM_STEPS, NUM_STATES), bool)
-  clears[1, 0] = True   # one state starts over: both branches of the cond
+  clears[1, 0] = True  # one state starts over: both branches of the cond
   chex.clear_trace_counter()
 
   @jax.jit
@@ -183,36 +192,35 @@ def check_jit_vmap_scan_cond_and_one_compilation(name: str):
   def run(states, serials, keys, clears):
     def body(states, inputs):
       return jax.vmap(functools.partial(one_step, name))(states, *inputs)
+
     return jax.lax.scan(body, states, (serials, keys, clears))
 
   states = jax.vmap(lambda _: buffer.init(STEP))(jnp.arange(NUM_STATES))
   # Run twice, with other inputs: the second call is not traced again.
-  half = lambda x, i: x[i * NUM_STEPS:(i + 1) * NUM_STEPS]
-  states, first = run(states, half(serials, 0), half(keys, 0),
-                      half(clears, 0))
-  states, second = run(states, half(serials, 1), half(keys, 1),
-                       half(clears, 1))
+  half = lambda x, i: x[i * NUM_STEPS : (i + 1) * NUM_STEPS]
+  states, first = run(states, half(serials, 0), half(keys, 0), half(clears, 0))
+  states, second = run(states, half(serials, 1), half(keys, 1), half(clears, 1))
   indices = np.concatenate([first, second])
   assert bool(jax.vmap(lambda s: buffer.can_sample(s, SAMPLE))(states).all())
 
   # Each state alone, eagerly. Its data are made first: eager array ops
   # compile programs of their own, which the listener below would hear.
-  data = [[add_arguments(name, chunk(int(serial))) for serial in row]
-          for row in serials]
+  data = [[add_arguments(name, chunk(int(serial))) for serial in row] for row in serials]
   key_rows = [list(row) for row in keys]
   events = []
 
   def listener(event, duration, **kwargs):
     del duration, kwargs
-    if event in ("/jax/core/compile/jaxpr_trace_duration",
-                 "/jax/core/compile/backend_compile_duration"):
+    if event in (
+      "/jax/core/compile/jaxpr_trace_duration",
+      "/jax/core/compile/backend_compile_duration",
+    ):
       events.append(event)
 
   def eagerly(k):
     state = buffer.init(STEP)
     for t in range(2 * NUM_STEPS):
-      state, sample_indices = eager_step(name, state, data[t][k],
-                                         key_rows[t][k], clears[t, k])
+      state, sample_indices = eager_step(name, state, data[t][k], key_rows[t][k], clears[t, k])
       np.testing.assert_array_equal(sample_indices, indices[t, k])
     return state
 
@@ -249,9 +257,13 @@ def test_a_bad_add_raises_naming_the_leaf_and_leaves_the_state_intact(name):
   data, keywords = add_arguments(name, chunk(2))
   reward = data["reward"]
   for bad in ("shape", "dtype", "missing"):
-    wrong = dict(data, reward={
+    wrong = dict(
+      data,
+      reward={
         "shape": jnp.zeros(reward.shape + (2,), reward.dtype),
-        "dtype": reward.astype(jnp.int32)}.get(bad))
+        "dtype": reward.astype(jnp.int32),
+      }.get(bad),
+    )
     if bad == "missing":
       del wrong["reward"]
     with pytest.raises((ValueError, TypeError)) as raised:
@@ -261,6 +273,7 @@ def test_a_bad_add_raises_naming_the_leaf_and_leaves_the_state_intact(name):
     for got, want in zip(snapshot(state), before):
       np.testing.assert_array_equal(got, want)
   # Still usable: the next add and learner step as on an untouched state.
-  assert_trees_equal(learn(name, add(name, state, 2), jax.random.key(5)),
-                     learn(name, add(name, filled(name), 2),
-                           jax.random.key(5)))
+  assert_trees_equal(
+    learn(name, add(name, state, 2), jax.random.key(5)),
+    learn(name, add(name, filled(name), 2), jax.random.key(5)),
+  )

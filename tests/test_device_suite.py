@@ -19,11 +19,13 @@ def test_smoke_run_finishes_every_part_with_figures(tmp_path):
   table = (tmp_path / "device_suite.md").read_text()
   assert status == 0
   assert report["smoke"] and report["device"]["backend"] == "cpu"
-  assert [part["name"] for part in report["parts"]] == [
-      part.name for part in device_suite.PARTS]
+  assert [part["name"] for part in report["parts"]] == [part.name for part in device_suite.PARTS]
   for part in report["parts"]:
-    assert part["status"] == "ok", (part["name"], part.get("reason"),
-                                    part.get("output", "")[-2000:])
+    assert part["status"] == "ok", (
+      part["name"],
+      part.get("reason"),
+      part.get("output", "")[-2000:],
+    )
     assert part["verdicts"], (part["name"], part["output"][-2000:])
     assert f"| {part['name']} | ok |" in table
   assert "skipped or failed: none" in table
@@ -32,38 +34,40 @@ def test_smoke_run_finishes_every_part_with_figures(tmp_path):
 
 def test_a_missing_script_or_module_is_skipped_with_its_reason():
   missing_script = device_suite.Part("absent", "no_such_bench.py", (), (), 5)
-  missing_module = device_suite.Part("peer", "bench_host_calls.py", (), (), 5,
-                                     needs=("no_such_module_here",))
+  missing_module = device_suite.Part(
+    "peer", "bench_host_calls.py", (), (), 5, needs=("no_such_module_here",)
+  )
   assert device_suite.run_part(missing_script, smoke=True) == dict(
-      name="absent", script="no_such_bench.py", status="skipped",
-      reason="no_such_bench.py not found")
+    name="absent", script="no_such_bench.py", status="skipped", reason="no_such_bench.py not found"
+  )
   result = device_suite.run_part(missing_module, smoke=True)
-  assert (result["status"], result["reason"]) == (
-      "skipped", "not installed: no_such_module_here")
+  assert (result["status"], result["reason"]) == ("skipped", "not installed: no_such_module_here")
 
 
-def test_a_part_past_its_budget_is_skipped_and_a_crash_is_failed(
-    monkeypatch, tmp_path):
+def test_a_part_past_its_budget_is_skipped_and_a_crash_is_failed(monkeypatch, tmp_path):
   monkeypatch.setattr(device_suite, "HERE", tmp_path)
-  (tmp_path / "slow.py").write_text("import time\nprint('info  started', "
-                                    "flush=True)\ntime.sleep(60)\n")
+  (tmp_path / "slow.py").write_text(
+    "import time\nprint('info  started', flush=True)\ntime.sleep(60)\n"
+  )
   (tmp_path / "crash.py").write_text("raise SystemExit('it broke')\n")
   monkeypatch.setattr(device_suite, "SMOKE_BUDGET", 2.0)
-  slow = device_suite.run_part(device_suite.Part("slow", "slow.py", (), (),
-                                                 2), smoke=True)
+  slow = device_suite.run_part(device_suite.Part("slow", "slow.py", (), (), 2), smoke=True)
   assert slow["status"] == "skipped"
   assert slow["reason"] == "ran past its budget of 2 s"
   assert slow["verdicts"] == ["info  started"]
-  crash = device_suite.run_part(device_suite.Part("crash", "crash.py", (), (),
-                                                  2), smoke=True)
+  crash = device_suite.run_part(device_suite.Part("crash", "crash.py", (), (), 2), smoke=True)
   assert (crash["status"], crash["reason"]) == ("failed", "it broke")
 
 
-@pytest.mark.parametrize("line, kept", [
+@pytest.mark.parametrize(
+  "line, kept",
+  [
     ("PASS  uniform fused: 1.2x (target >= 1x)", True),
     ("  info  DQN: 1,000 env steps/s", True),
     ("FAIL: peak 9 GiB", True),
     ("C=1000 uniform: filling", False),
-    ("", False)])
+    ("", False),
+  ],
+)
 def test_verdict_lines_are_the_judged_lines(line, kept):
   assert device_suite.verdict_lines(line) == ([line.strip()] if kept else [])

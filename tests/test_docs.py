@@ -18,8 +18,7 @@ import jaxbuf
 
 DOCS = pathlib.Path(__file__).parent.parent / "docs"
 API = DOCS / "api"
-PAGES = sorted(path for path in DOCS.rglob("*.md")
-               if "_build" not in path.parts)
+PAGES = sorted(path for path in DOCS.rglob("*.md") if "_build" not in path.parts)
 # A fence may be indented (a block inside a list item); its code then is too.
 BLOCK = re.compile(r"^( *)```python\n(.*?)^\1```", re.DOTALL | re.MULTILINE)
 
@@ -58,8 +57,9 @@ def referenced_names() -> set[str]:
 def test_every_public_name_is_in_the_api_reference():
   missing = sorted(set(jaxbuf.__all__) - referenced_names())
   assert not missing, (
-      f"public names without an entry in docs/api/*.md: {missing}; add each "
-      "to the autosummary list of its group")
+    f"public names without an entry in docs/api/*.md: {missing}; add each "
+    "to the autosummary list of its group"
+  )
 
 
 def test_the_api_reference_names_only_public_names():
@@ -79,10 +79,9 @@ def test_docs_have_runnable_code():
   assert len(PAGES_WITH_CODE) >= 10
 
 
-@pytest.mark.parametrize("page", PAGES_WITH_CODE,
-                         ids=lambda page: str(page.relative_to(DOCS)))
+@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda page: str(page.relative_to(DOCS)))
 def test_page_code_runs(page, tmp_path, monkeypatch):
-  monkeypatch.chdir(tmp_path)   # files a page writes stay in a scratch folder
+  monkeypatch.chdir(tmp_path)  # files a page writes stay in a scratch folder
   monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
   namespace = {"__name__": "__docs__"}
   with jax.numpy_rank_promotion("allow"):

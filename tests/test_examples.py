@@ -30,29 +30,79 @@ from examples import training
 from tests import devices
 
 # A 5-step time limit makes every env truncate during the tests.
-TINY_DQN = dqn.Config(replay="uniform", total_steps=400, num_envs=4,
-                      buffer_size=64, batch_size=8, learning_starts=8,
-                      hidden_size=16, target_update_interval=8, time_limit=5,
-                      num_chunks=2)
+TINY_DQN = dqn.Config(
+  replay="uniform",
+  total_steps=400,
+  num_envs=4,
+  buffer_size=64,
+  batch_size=8,
+  learning_starts=8,
+  hidden_size=16,
+  target_update_interval=8,
+  time_limit=5,
+  num_chunks=2,
+)
 TINY_NSTEP_DQN = nstep_dqn.Config(
-    total_steps=400, num_envs=4, buffer_size=64, batch_size=8,
-    learning_starts=8, hidden_size=16, target_update_interval=8, time_limit=5,
-    num_chunks=2)
+  total_steps=400,
+  num_envs=4,
+  buffer_size=64,
+  batch_size=8,
+  learning_starts=8,
+  hidden_size=16,
+  target_update_interval=8,
+  time_limit=5,
+  num_chunks=2,
+)
 TINY_FRAME_STACK_DQN = frame_stack_dqn.Config(
-    total_steps=400, num_envs=4, buffer_size=64, batch_size=8,
-    learning_starts=8, hidden_size=16, target_update_interval=8, time_limit=5,
-    num_chunks=2)
+  total_steps=400,
+  num_envs=4,
+  buffer_size=64,
+  batch_size=8,
+  learning_starts=8,
+  hidden_size=16,
+  target_update_interval=8,
+  time_limit=5,
+  num_chunks=2,
+)
 TINY_R2D2 = r2d2.Config(
-    total_steps=400, num_envs=4, buffer_size=128, sequence_length=4, period=2,
-    burn_in=1, n_step=2, batch_size=4, learning_starts=8, hidden_size=16,
-    target_update_interval=8, time_limit=5, num_chunks=2)
+  total_steps=400,
+  num_envs=4,
+  buffer_size=128,
+  sequence_length=4,
+  period=2,
+  burn_in=1,
+  n_step=2,
+  batch_size=4,
+  learning_starts=8,
+  hidden_size=16,
+  target_update_interval=8,
+  time_limit=5,
+  num_chunks=2,
+)
 TINY_HER = her_bitflip.Config(
-    num_bits=6, total_steps=400, num_seeds=2, num_envs=4, greedy_envs=1,
-    buffer_size=64, batch_size=8, learning_starts=8, hidden_size=16,
-    target_update_interval=8, num_chunks=2)
-TINY_PPO = ppo.Config(total_steps=256, num_envs=4, num_steps=16,
-                      update_epochs=2, num_minibatches=2, hidden_size=16,
-                      sequence_length=8, time_limit=5, num_chunks=2)
+  num_bits=6,
+  total_steps=400,
+  num_seeds=2,
+  num_envs=4,
+  greedy_envs=1,
+  buffer_size=64,
+  batch_size=8,
+  learning_starts=8,
+  hidden_size=16,
+  target_update_interval=8,
+  num_chunks=2,
+)
+TINY_PPO = ppo.Config(
+  total_steps=256,
+  num_envs=4,
+  num_steps=16,
+  update_epochs=2,
+  num_minibatches=2,
+  hidden_size=16,
+  sequence_length=8,
+  time_limit=5,
+  num_chunks=2,
+)
 
 
 def check_dqn_transitions(state, config):
@@ -65,9 +115,9 @@ def check_dqn_transitions(state, config):
   del config
   items = jax.device_get(state.buffer_state.storage)
   held = int(state.buffer_state.size)
-  np.testing.assert_allclose(items.next_obs[:held, 0],
-                             items.obs[:held, 0] + 0.02 * items.obs[:held, 1],
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    items.next_obs[:held, 0], items.obs[:held, 0] + 0.02 * items.obs[:held, 1], atol=1e-6
+  )
   assert not items.terminated[:held].any()  # time limits are not terminations
 
 
@@ -87,15 +137,14 @@ def check_nstep_dqn_stream(state, config):
     order = (head - count + np.arange(count)) % steps.obs.shape[1]
     obs, last = steps.obs[env, order], steps.last[env, order]
     ordinary = ~last[:-1]
-    np.testing.assert_allclose(obs[1:, 0][ordinary],
-                               (obs[:-1, 0] + 0.02 * obs[:-1, 1])[ordinary],
-                               atol=1e-6)
-    assert last.any()                       # the 5-step limit ended episodes
+    np.testing.assert_allclose(
+      obs[1:, 0][ordinary], (obs[:-1, 0] + 0.02 * obs[:-1, 1])[ordinary], atol=1e-6
+    )
+    assert last.any()  # the 5-step limit ended episodes
     # Episodes of 5 steps: 5 ordinary steps, then the final observation.
     first_last = int(np.argmax(last))
-    np.testing.assert_array_equal(
-        last[first_last::6], np.ones_like(last[first_last::6]))
-    assert not steps.terminated[env, order].any()   # time limits only
+    np.testing.assert_array_equal(last[first_last::6], np.ones_like(last[first_last::6]))
+    assert not steps.terminated[env, order].any()  # time limits only
 
 
 def check_r2d2_stream(state, config):
@@ -143,11 +192,10 @@ def check_ppo_rollout(state, config):
   episode_step = np.arange(config.num_steps) % config.time_limit
   is_last = episode_step == config.time_limit - 1
   np.testing.assert_array_equal(
-      data["truncated"],
-      np.broadcast_to(is_last[:, None], data["truncated"].shape))
+    data["truncated"], np.broadcast_to(is_last[:, None], data["truncated"].shape)
+  )
   assert not data["terminated"].any()
-  np.testing.assert_array_equal(data["episode_start"][1:],
-                                data["truncated"][:-1])
+  np.testing.assert_array_equal(data["episode_start"][1:], data["truncated"][:-1])
   # The bootstrap value is V(final observation), not the value of the reset
   # observation stored at the next step.
   rows = np.flatnonzero(is_last[:-1])
@@ -157,19 +205,18 @@ def check_ppo_rollout(state, config):
 # Each variant compiles once in this file (compilation is most of its time):
 # uniform DQN and LSTM PPO here, prioritized DQN and MLP PPO in the script runs.
 STEP_CASES = {
-    "dqn-uniform": (dqn, TINY_DQN, check_dqn_transitions),
-    "nstep-dqn-uniform": (nstep_dqn, TINY_NSTEP_DQN, check_nstep_dqn_stream),
-    "frame-stack-dqn": (frame_stack_dqn, TINY_FRAME_STACK_DQN,
-                        check_frame_stream),
-    "r2d2-gru": (r2d2, TINY_R2D2, check_r2d2_stream),
-    "ppo-lstm": (ppo, dataclasses.replace(TINY_PPO, recurrent="lstm"),
-                 check_ppo_rollout),
+  "dqn-uniform": (dqn, TINY_DQN, check_dqn_transitions),
+  "nstep-dqn-uniform": (nstep_dqn, TINY_NSTEP_DQN, check_nstep_dqn_stream),
+  "frame-stack-dqn": (frame_stack_dqn, TINY_FRAME_STACK_DQN, check_frame_stream),
+  "r2d2-gru": (r2d2, TINY_R2D2, check_r2d2_stream),
+  "ppo-lstm": (ppo, dataclasses.replace(TINY_PPO, recurrent="lstm"), check_ppo_rollout),
 }
 
 
 def _params_changed(before, after) -> bool:
-  return any(not np.array_equal(a, b) for a, b in
-             zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+  return any(
+    not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))
+  )
 
 
 @pytest.mark.usefixtures("x64_mode")
@@ -193,25 +240,32 @@ def test_training_step_is_one_program_without_host_transfers(case):
   assert np.all(np.isfinite(losses)) and losses[-1] != 0.0
   assert _params_changed(params_before, jax.device_get(state.params))
   # float32 networks in both modes: x64 must not widen them silently.
-  assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {
-      np.dtype(np.float32)}
+  assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {np.dtype(np.float32)}
   check_data(state, config)
 
 
 # 32-bit defaults only: the x64 case of each training step is the program
 # test above; a second end-to-end run per script added minutes to the suite.
-@pytest.mark.parametrize("module,flags", [
+@pytest.mark.parametrize(
+  "module,flags",
+  [
     (dqn, ["--replay", "prioritized", "--no-double-q", "--num-seeds", "2"]),
     (ppo, ["--num-seeds", "2"]),
     (nstep_dqn, ["--replay", "prioritized", "--num-seeds", "2"]),
     (r2d2, ["--network", "mlp"]),
     (her_bitflip, ["--strategy", "final"]),
     (frame_stack_dqn, ["--replay", "prioritized", "--pad", "zeros"]),
-])
+  ],
+)
 def test_script_runs_end_to_end(module, flags, tmp_path, capsys):
-  tiny = {dqn: TINY_DQN, ppo: TINY_PPO, nstep_dqn: TINY_NSTEP_DQN,
-          r2d2: TINY_R2D2, her_bitflip: TINY_HER,
-          frame_stack_dqn: TINY_FRAME_STACK_DQN}[module]
+  tiny = {
+    dqn: TINY_DQN,
+    ppo: TINY_PPO,
+    nstep_dqn: TINY_NSTEP_DQN,
+    r2d2: TINY_R2D2,
+    her_bitflip: TINY_HER,
+    frame_stack_dqn: TINY_FRAME_STACK_DQN,
+  }[module]
   size_flags = []
   for field in dataclasses.fields(tiny):
     value = getattr(tiny, field.name)
@@ -259,14 +313,21 @@ def test_scripts_run_from_the_folder_holding_a_clone_named_jaxbuf(tmp_path):
   """
   repository = pathlib.Path(dqn.__file__).resolve().parent.parent
   (tmp_path / "jaxbuf").symlink_to(repository, target_is_directory=True)
-  scripts = sorted(os.path.join("jaxbuf", "examples", path.name)
-                   for path in (repository / "examples").glob("*.py")
-                   if path.name not in ("__init__.py", "training.py", "q_learning.py"))
+  scripts = sorted(
+    os.path.join("jaxbuf", "examples", path.name)
+    for path in (repository / "examples").glob("*.py")
+    if path.name not in ("__init__.py", "training.py", "q_learning.py")
+  )
   assert len(scripts) >= 9, scripts
   run = subprocess.run(
-      [sys.executable, "-c", _RUN_EACH_SCRIPT, *scripts], cwd=tmp_path,
-      env=dict(os.environ, PYTHONPATH=str(tmp_path)), capture_output=True,
-      text=True, check=False, timeout=300)
+    [sys.executable, "-c", _RUN_EACH_SCRIPT, *scripts],
+    cwd=tmp_path,
+    env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+    capture_output=True,
+    text=True,
+    check=False,
+    timeout=300,
+  )
   assert run.returncode == 0, run.stderr
   assert run.stdout.count("ran ") == len(scripts), run.stdout
 
@@ -277,8 +338,7 @@ def trained(module, config, label: str) -> dict:
   Checks the run stayed within `config.total_steps` env steps per seed.
   """
   result = module.train(config, show_progress=False)
-  print(f"{label}: final returns {result['final_returns']}, "
-        f"mean {result['final_mean_return']:.1f}")
+  print(f"{label}: final returns {result['final_returns']}, mean {result['final_mean_return']:.1f}")
   assert result["env_steps_per_seed"] <= config.total_steps
   return result
 
@@ -302,15 +362,13 @@ def test_dqn_reaches_450_on_each_of_8_seeds_within_5e5_steps():
 def test_uniform_dqn_reaches_400_on_cartpole_within_5e5_steps():
   # Uniform replay was less steady at epsilon 0.05 (see examples/dqn.py:
   # 328.4 387.5 449.9 500.0); at the demo's 0.01, 4 seeds: 500.0 each.
-  result = trained(dqn, dqn.Config(replay="uniform", num_seeds=4),
-                   "DQN uniform")
+  result = trained(dqn, dqn.Config(replay="uniform", num_seeds=4), "DQN uniform")
   assert result["final_mean_return"] >= 400, result["final_returns"]
 
 
 @pytest.mark.slow
 def test_nstep_dqn_on_sequence_replay_reaches_400_within_5e5_steps():
-  result = trained(nstep_dqn, nstep_dqn.Config(num_seeds=4),
-                   "3-step DQN, sequence replay")
+  result = trained(nstep_dqn, nstep_dqn.Config(num_seeds=4), "3-step DQN, sequence replay")
   print(f"memory {result['memory']}")
   assert result["final_mean_return"] >= 400, result["final_returns"]
 
@@ -319,12 +377,17 @@ def test_nstep_dqn_on_sequence_replay_reaches_400_within_5e5_steps():
 def test_frame_stacks_solve_cartpole_without_velocities():
   # Measured at these settings (4 seeds, 5e5 steps per seed): 4 frames
   # 492.3 489.2 478.2 496.9; 1 frame (no stack) 41.7 35.3 34.5 40.7.
-  results = {num_stack: frame_stack_dqn.train(
-      frame_stack_dqn.Config(num_stack=num_stack, num_seeds=4),
-      show_progress=False) for num_stack in (4, 1)}
+  results = {
+    num_stack: frame_stack_dqn.train(
+      frame_stack_dqn.Config(num_stack=num_stack, num_seeds=4), show_progress=False
+    )
+    for num_stack in (4, 1)
+  }
   for num_stack, result in results.items():
-    print(f"frame-stack DQN, {num_stack} frame(s): final returns "
-          f"{result['final_returns']}, mean {result['final_mean_return']:.1f}")
+    print(
+      f"frame-stack DQN, {num_stack} frame(s): final returns "
+      f"{result['final_returns']}, mean {result['final_mean_return']:.1f}"
+    )
   assert results[4]["env_steps_per_seed"] <= 500_000
   assert np.all(results[4]["final_returns"] >= 400), results[4]["final_returns"]
   assert results[1]["final_mean_return"] <= 200, results[1]["final_returns"]
@@ -335,10 +398,14 @@ def test_r2d2_gru_beats_a_feed_forward_dqn_without_velocities():
   # Measured once each at these settings (4 seeds, 1.5e5 steps per seed):
   # GRU 395.0 (412.3 410.4 339.0 418.2; 312.2 on another machine), MLP
   # 40.5; the bars leave margin.
-  results = {network: trained(r2d2, r2d2.Config(network=network, num_seeds=4,
-                                                 total_steps=150_000),
-                              f"R2D2-style, {network} Q-network")
-             for network in ("gru", "mlp")}
+  results = {
+    network: trained(
+      r2d2,
+      r2d2.Config(network=network, num_seeds=4, total_steps=150_000),
+      f"R2D2-style, {network} Q-network",
+    )
+    for network in ("gru", "mlp")
+  }
   gru, mlp = (results[n]["final_mean_return"] for n in ("gru", "mlp"))
   assert gru >= 200, results["gru"]["final_returns"]
   assert gru >= mlp + 150, (gru, mlp)
@@ -354,12 +421,12 @@ def test_ppo_reaches_450_on_cartpole_within_5e5_steps():
 def test_her_solves_40_bit_flipping_and_dqn_alone_does_not():
   # Measured once each at these settings (4 seeds, 3.2e5 steps per seed):
   # HER 1.000 0.997 1.000 1.000, DQN alone 0 on every seed.
-  results = {fraction: her_bitflip.train(
-      her_bitflip.Config(relabel_fraction=fraction), show_progress=False)
-             for fraction in (0.8, 0.0)}
+  results = {
+    fraction: her_bitflip.train(her_bitflip.Config(relabel_fraction=fraction), show_progress=False)
+    for fraction in (0.8, 0.0)
+  }
   her, alone = (results[f]["final_returns"] for f in (0.8, 0.0))
-  print(f"40-bit flipping, greedy success per seed: DQN + HER {her}, "
-        f"DQN alone {alone}")
+  print(f"40-bit flipping, greedy success per seed: DQN + HER {her}, DQN alone {alone}")
   assert results[0.8]["env_steps_per_seed"] <= 320_000
   assert np.all(her >= 0.9), her
   assert np.all(alone <= 0.05), alone
@@ -375,8 +442,8 @@ def test_episode_statistics_from_whole_episodes():
   # Each step before the goal costs -1: the return is minus the steps that
   # did not reach it.
   assert float(statistics.mean_return) == pytest.approx(
-      -float(statistics.mean_length) + float(statistics.success_rate),
-      abs=1e-5)
+    -float(statistics.mean_length) + float(statistics.success_rate), abs=1e-5
+  )
 
 
 @devices.needs(2)
@@ -389,7 +456,7 @@ def test_dqn_data_parallel_over_two_devices():
   run = training.make_chunk_runner(trainer.step, 6)
   params_before = jax.device_get(state.params)
   state, metrics = run(state)
-  storage = state.buffer_state.storage.obs                  # [K, D, C / D, 4]
+  storage = state.buffer_state.storage.obs  # [K, D, C / D, 4]
   assert storage.shape[:3] == (1, 2, 32)
   assert len(storage.sharding.device_set) == 2
   # 6 steps of 4 envs: each device wrote its 2 envs' 12 transitions.
@@ -406,12 +473,29 @@ def test_dqn_data_parallel_over_two_devices():
 def test_offline_cql_runs_end_to_end(tmp_path, monkeypatch, capsys):
   pytest.importorskip("minari")
   from examples import offline_cql  # pylint: disable=import-outside-toplevel
+
   monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path))
   plot = tmp_path / "returns.png"
-  results = offline_cql.main([
-      "--dataset-steps", "300", "--num-updates", "10", "--batch-size", "8",
-      "--eval-episodes", "2", "--time-limit", "20", "--hidden-size", "8",
-      "--target-update-interval", "4", "--plot", str(plot)])
+  results = offline_cql.main(
+    [
+      "--dataset-steps",
+      "300",
+      "--num-updates",
+      "10",
+      "--batch-size",
+      "8",
+      "--eval-episodes",
+      "2",
+      "--time-limit",
+      "20",
+      "--hidden-size",
+      "8",
+      "--target-update-interval",
+      "4",
+      "--plot",
+      str(plot),
+    ]
+  )
   assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
   lines = capsys.readouterr().out.strip().splitlines()
   assert lines[0].startswith("dataset: ")
@@ -428,7 +512,10 @@ def test_offline_cql_beats_behaviour_cloning_and_the_data_by_100(tmp_path):
   # action more often than the right one): dataset mean return 19.2, BC 8.6
   # 8.9, CQL 260.9 194.4.
   from examples import offline_cql  # pylint: disable=import-outside-toplevel
+
   results = offline_cql.run(offline_cql.Config(), str(tmp_path))
-  print(f"offline CQL: dataset mean {results['dataset_mean_return']:.1f}, "
-        f"CQL {results['cql_returns']}, BC {results['bc_returns']}")
+  print(
+    f"offline CQL: dataset mean {results['dataset_mean_return']:.1f}, "
+    f"CQL {results['cql_returns']}, BC {results['bc_returns']}"
+  )
   assert results["bar_met"], results

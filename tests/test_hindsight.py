@@ -33,10 +33,12 @@ def reward_fn(achieved_goal, desired_goal):
 
 def goal_step(goal_size=1):
   goal = jnp.zeros(goal_size, jnp.float32)
-  return {"obs": {"observation": goal, "achieved_goal": goal,
-                  "desired_goal": goal},
-          "action": jnp.int32(0), "reward": jnp.float32(0),
-          "terminated": jnp.bool_(False)}
+  return {
+    "obs": {"observation": goal, "achieved_goal": goal, "desired_goal": goal},
+    "action": jnp.int32(0),
+    "reward": jnp.float32(0),
+    "terminated": jnp.bool_(False),
+  }
 
 
 STEP = goal_step()
@@ -44,10 +46,15 @@ STEP = goal_step()
 
 @functools.cache
 def make_buffer(strategy, relabel_fraction=1.0, prioritized=False, **kwargs):
-  return jaxbuf.hindsight_replay(NUM_ENVS, CAPACITY, reward_fn,
-                                 strategy=strategy,
-                                 relabel_fraction=relabel_fraction,
-                                 prioritized=prioritized, **kwargs)
+  return jaxbuf.hindsight_replay(
+    NUM_ENVS,
+    CAPACITY,
+    reward_fn,
+    strategy=strategy,
+    relabel_fraction=relabel_fraction,
+    prioritized=prioritized,
+    **kwargs,
+  )
 
 
 class ReferenceStreams:
@@ -101,18 +108,24 @@ class ReferenceStreams:
 
 
 def make_steps(reference, num_steps):
-  ids = np.array([[env * 1000 + count + t for t in range(num_steps)]
-                  for env, count in enumerate(reference.counts)], np.float32)
+  ids = np.array(
+    [
+      [env * 1000 + count + t for t in range(num_steps)]
+      for env, count in enumerate(reference.counts)
+    ],
+    np.float32,
+  )
   goal = ids[..., None]
-  return {"obs": {"observation": goal, "achieved_goal": goal,
-                  "desired_goal": -1 - goal},
-          "action": ids.astype(np.int32), "reward": ids + 0.25,
-          "terminated": np.zeros(ids.shape, bool)}
+  return {
+    "obs": {"observation": goal, "achieved_goal": goal, "desired_goal": -1 - goal},
+    "action": ids.astype(np.int32),
+    "reward": ids + 0.25,
+    "terminated": np.zeros(ids.shape, bool),
+  }
 
 
-def check_sample(sample, reference, strategy, relabel_fraction,
-                 per_env=PER_ENV):
-  sample = jax.device_get(sample)   # NumPy rows: no device op per element
+def check_sample(sample, reference, strategy, relabel_fraction, per_env=PER_ENV):
+  sample = jax.device_get(sample)  # NumPy rows: no device op per element
   transitions = reference.transitions()
   items = sample.items
   obs_ids = np.asarray(items.obs["observation"][:, 0]).astype(int)
@@ -134,8 +147,7 @@ def check_sample(sample, reference, strategy, relabel_fraction,
     if relabelled[row]:
       goal_env, goal = divmod(int(goals[row]), 1000)
       assert goal_env == env
-      assert goal in reference.allowed_goals(env, step, strategy), (
-          step, goal, strategy)
+      assert goal in reference.allowed_goals(env, step, strategy), (step, goal, strategy)
       assert float(items.reward[row]) == -float(goal != step + 1)
     else:
       assert goals[row] == -1 - obs_id
@@ -145,28 +157,32 @@ def check_sample(sample, reference, strategy, relabel_fraction,
 
 
 OPERATION = st.one_of(
-    st.tuples(st.just("add"), st.sampled_from([0, 1, 3, PER_ENV + 3]),
-              st.lists(st.booleans(), min_size=NUM_ENVS, max_size=NUM_ENVS),
-              st.integers(0, 2**16)),
-    st.tuples(st.just("sample"), st.integers(0, 2**16)),
-    st.tuples(st.just("clear")),
+  st.tuples(
+    st.just("add"),
+    st.sampled_from([0, 1, 3, PER_ENV + 3]),
+    st.lists(st.booleans(), min_size=NUM_ENVS, max_size=NUM_ENVS),
+    st.integers(0, 2**16),
+  ),
+  st.tuples(st.just("sample"), st.integers(0, 2**16)),
+  st.tuples(st.just("clear")),
 )
 
 
-@pytest.mark.parametrize("strategy,relabel_fraction,prioritized", [
-    ("future", 1.0, False), ("final", 0.5, False), ("episode", 1.0, True),
-    ("future", 0.0, True)])
+@pytest.mark.parametrize(
+  "strategy,relabel_fraction,prioritized",
+  [("future", 1.0, False), ("final", 0.5, False), ("episode", 1.0, True), ("future", 0.0, True)],
+)
 @hypothesis.settings(max_examples=8)
 @hypothesis.given(operations=st.lists(OPERATION, min_size=1, max_size=12))
 def test_random_operation_sequences_draw_goals_only_from_allowed_steps(
-    strategy, relabel_fraction, prioritized, operations):
+  strategy, relabel_fraction, prioritized, operations
+):
   buffer = make_buffer(strategy, relabel_fraction, prioritized)
   reference = ReferenceStreams(NUM_ENVS, PER_ENV)
   state = buffer.init(STEP)
   for operation in operations:
     if operation[0] == "add":
-      state = add_random_stream_steps(buffer, state, reference, operation,
-                                      make_steps)
+      state = add_random_stream_steps(buffer, state, reference, operation, make_steps)
     elif operation[0] == "sample":
       sample = buffer.sample(state, jax.random.key(operation[1]), 32)
       if reference.transitions():
@@ -190,21 +206,18 @@ def _one_episode_state(buffer, lengths, running):
     ends = np.zeros((1, length + 1), bool)
     ends[0, -1] = True
     steps = make_steps(reference, length + 1)
-    state = buffer.add(state, steps,
-                       episode_end=ends)
+    state = buffer.add(state, steps, episode_end=ends)
     reference.add(length + 1, [True], ends)
   ends = np.zeros((1, running + 1), bool)
   steps = make_steps(reference, running + 1)
-  state = buffer.add(state, steps,
-                     episode_end=ends)
+  state = buffer.add(state, steps, episode_end=ends)
   reference.add(running + 1, [True], ends)
   return state, reference
 
 
 @pytest.mark.parametrize("strategy", ["future", "final", "episode"])
 def test_goal_steps_follow_the_strategy_chi_square(strategy):
-  buffer = jaxbuf.hindsight_replay(1, 64, reward_fn, strategy=strategy,
-                                   relabel_fraction=1.0)
+  buffer = jaxbuf.hindsight_replay(1, 64, reward_fn, strategy=strategy, relabel_fraction=1.0)
   # Episode of 5 transitions (steps 0..5), then a running one of 3 (6..9).
   state, reference = _one_episode_state(buffer, [5], 3)
   transitions = sorted(reference.transitions())
@@ -229,15 +242,13 @@ def test_relabel_fraction_binomial():
   # Fractions 0 and 1 are exact: checked in the random operation sequences.
   buffer = jaxbuf.hindsight_replay(1, 64, reward_fn, relabel_fraction=0.3)
   state, _ = _one_episode_state(buffer, [5], 3)
-  count = int(jnp.sum(buffer.sample(state, jax.random.key(3), 8_192)
-                      .relabelled))
+  count = int(jnp.sum(buffer.sample(state, jax.random.key(3), 8_192).relabelled))
   # Fixed seed; a correct sampler fails with probability 1e-4.
   assert stats.binomtest(count, 8_192, 0.3).pvalue > 1e-4
 
 
 def test_episode_strategy_after_the_episode_start_was_overwritten():
-  buffer = jaxbuf.hindsight_replay(1, 6, reward_fn, strategy="episode",
-                                   relabel_fraction=1.0)
+  buffer = jaxbuf.hindsight_replay(1, 6, reward_fn, strategy="episode", relabel_fraction=1.0)
   # One running episode of 9 steps; steps 3..8 held.
   state, reference = _one_episode_state(buffer, [], 8)
   reference.per_env = 6
@@ -248,38 +259,37 @@ def test_episode_strategy_after_the_episode_start_was_overwritten():
 
 
 def test_the_running_episode_is_sampled_and_its_final_goal_is_the_newest():
-  buffer = jaxbuf.hindsight_replay(1, 64, reward_fn, strategy="final",
-                                   relabel_fraction=1.0)
-  state, _ = _one_episode_state(buffer, [2], 2)   # steps 0..2 | 3..5 running
+  buffer = jaxbuf.hindsight_replay(1, 64, reward_fn, strategy="final", relabel_fraction=1.0)
+  state, _ = _one_episode_state(buffer, [2], 2)  # steps 0..2 | 3..5 running
   sample = buffer.sample(state, jax.random.key(0), 500)
-  pairs = set(zip(np.asarray(sample.items.obs["observation"][:, 0]).astype(int),
-                  np.asarray(sample.items.obs["desired_goal"][:, 0]).astype(int)))
+  pairs = set(
+    zip(
+      np.asarray(sample.items.obs["observation"][:, 0]).astype(int),
+      np.asarray(sample.items.obs["desired_goal"][:, 0]).astype(int),
+    )
+  )
   assert pairs == {(0, 2), (1, 2), (3, 5), (4, 5)}
 
 
 @pytest.mark.usefixtures("x64_mode")
 def test_terminated_fn_sets_relabelled_discounts():
   reached = lambda achieved, desired: jnp.all(achieved == desired, axis=-1)
-  buffer = jaxbuf.hindsight_replay(1, 64, reward_fn, strategy="future",
-                                   relabel_fraction=0.5, terminated_fn=reached,
-                                   gamma=0.5)
+  buffer = jaxbuf.hindsight_replay(
+    1, 64, reward_fn, strategy="future", relabel_fraction=0.5, terminated_fn=reached, gamma=0.5
+  )
   state, _ = _one_episode_state(buffer, [4], 3)
   sample = buffer.sample(state, jax.random.key(1), 512)
   items = sample.items
-  hit = np.asarray(items.next_obs["achieved_goal"][:, 0]
-                   == items.obs["desired_goal"][:, 0])
+  hit = np.asarray(items.next_obs["achieved_goal"][:, 0] == items.obs["desired_goal"][:, 0])
   relabelled = np.asarray(sample.relabelled)
   # gamma where the relabelled goal was not reached, 0 where it was.
-  np.testing.assert_array_equal(items.discount[relabelled],
-                                0.5 * ~hit[relabelled])
-  np.testing.assert_array_equal(items.reward[relabelled],
-                                -(~hit[relabelled]).astype(np.float32))
+  np.testing.assert_array_equal(items.discount[relabelled], 0.5 * ~hit[relabelled])
+  np.testing.assert_array_equal(items.reward[relabelled], -(~hit[relabelled]).astype(np.float32))
   np.testing.assert_array_equal(items.discount[~relabelled], 0.5)
 
 
 def test_prioritized_transitions_follow_priorities():
-  buffer = jaxbuf.hindsight_replay(1, 64, reward_fn, prioritized=True,
-                                   alpha=1.0)
+  buffer = jaxbuf.hindsight_replay(1, 64, reward_fn, prioritized=True, alpha=1.0)
   state, reference = _one_episode_state(buffer, [3], 2)
   ids = np.array([step for _, step in sorted(reference.transitions())])
   priorities = np.arange(1, len(ids) + 1, dtype=np.float32)
@@ -296,16 +306,16 @@ def test_save_and_load_round_trip(tmp_path):
   reference = ReferenceStreams(NUM_ENVS, PER_ENV)
   ends = np.zeros((NUM_ENVS, 5), bool)
   ends[:, 2] = True
-  state = buffer.add(buffer.init(STEP), make_steps(reference, 5),
-                     episode_end=ends)
+  state = buffer.add(buffer.init(STEP), make_steps(reference, 5), episode_end=ends)
   jaxbuf.save(tmp_path / "her", state)
   loaded = jaxbuf.load(tmp_path / "her", like=buffer.init(STEP))
   assert type(loaded) is type(state)
   for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(state)):
     np.testing.assert_array_equal(got, want)
   key = jax.random.key(0)
-  np.testing.assert_array_equal(buffer.sample(loaded, key, 8).items.reward,
-                                buffer.sample(state, key, 8).items.reward)
+  np.testing.assert_array_equal(
+    buffer.sample(loaded, key, 8).items.reward, buffer.sample(state, key, 8).items.reward
+  )
 
 
 def snapshot(state):
@@ -313,28 +323,53 @@ def snapshot(state):
 
 
 SETTINGS = {
-    "her-strategy-unknown": (lambda: jaxbuf.hindsight_replay(
-        2, 8, reward_fn, strategy="last"), ValueError, ["strategy", "future"]),
-    "her-fraction-above-one": (lambda: jaxbuf.hindsight_replay(
-        2, 8, reward_fn, relabel_fraction=1.5), ValueError,
-                               ["relabel_fraction", "[0, 1]", "1.5"]),
-    "her-fraction-nan": (lambda: jaxbuf.hindsight_replay(
-        2, 8, reward_fn, relabel_fraction=float("nan")), ValueError,
-                         ["relabel_fraction"]),
-    "her-fraction-string": (lambda: jaxbuf.hindsight_replay(
-        2, 8, reward_fn, relabel_fraction="half"), TypeError,
-                            ["relabel_fraction"]),
-    "her-reward-fn-not-callable": (lambda: jaxbuf.hindsight_replay(
-        2, 8, 1.0), TypeError, ["reward_fn", "callable"]),
-    "her-one-step-per-env": (lambda: jaxbuf.hindsight_replay(
-        4, 4, reward_fn), ValueError, ["capacity 4", "2 steps", "8"]),
-    "her-capacity-not-multiple": (lambda: jaxbuf.hindsight_replay(
-        4, 30, reward_fn), ValueError, ["capacity 30", "28 or 32"]),
-    "her-obs-not-goal-dict": (lambda: make_buffer("future").init(
-        {**STEP, "obs": jnp.zeros(3)}), ValueError, ["obs", "desired_goal"]),
-    "her-step-without-reward": (lambda: make_buffer("future").init(
-        {key: value for key, value in STEP.items() if key != "reward"}),
-                                ValueError, ["'reward'"]),
+  "her-strategy-unknown": (
+    lambda: jaxbuf.hindsight_replay(2, 8, reward_fn, strategy="last"),
+    ValueError,
+    ["strategy", "future"],
+  ),
+  "her-fraction-above-one": (
+    lambda: jaxbuf.hindsight_replay(2, 8, reward_fn, relabel_fraction=1.5),
+    ValueError,
+    ["relabel_fraction", "[0, 1]", "1.5"],
+  ),
+  "her-fraction-nan": (
+    lambda: jaxbuf.hindsight_replay(2, 8, reward_fn, relabel_fraction=float("nan")),
+    ValueError,
+    ["relabel_fraction"],
+  ),
+  "her-fraction-string": (
+    lambda: jaxbuf.hindsight_replay(2, 8, reward_fn, relabel_fraction="half"),
+    TypeError,
+    ["relabel_fraction"],
+  ),
+  "her-reward-fn-not-callable": (
+    lambda: jaxbuf.hindsight_replay(2, 8, 1.0),
+    TypeError,
+    ["reward_fn", "callable"],
+  ),
+  "her-one-step-per-env": (
+    lambda: jaxbuf.hindsight_replay(4, 4, reward_fn),
+    ValueError,
+    ["capacity 4", "2 steps", "8"],
+  ),
+  "her-capacity-not-multiple": (
+    lambda: jaxbuf.hindsight_replay(4, 30, reward_fn),
+    ValueError,
+    ["capacity 30", "28 or 32"],
+  ),
+  "her-obs-not-goal-dict": (
+    lambda: make_buffer("future").init({**STEP, "obs": jnp.zeros(3)}),
+    ValueError,
+    ["obs", "desired_goal"],
+  ),
+  "her-step-without-reward": (
+    lambda: make_buffer("future").init(
+      {key: value for key, value in STEP.items() if key != "reward"}
+    ),
+    ValueError,
+    ["'reward'"],
+  ),
 }
 
 
@@ -347,14 +382,18 @@ def test_bad_settings_raise_naming_the_argument(row):
     assert word in str(raised.value), (word, str(raised.value))
 
 
-@pytest.mark.parametrize("name,bad_fn,words", [
-    ("shape", lambda a, d: jnp.zeros((a.shape[0], 1), jnp.float32),
-     ["reward_fn", "(32, 1)", "(32,)"]),
-    ("dtype", lambda a, d: jnp.zeros(a.shape[0], jnp.int32),
-     ["reward_fn", "int32", "float32"]),
-])
-def test_reward_fn_of_the_wrong_shape_or_dtype_raises_state_intact(
-    name, bad_fn, words):
+@pytest.mark.parametrize(
+  "name,bad_fn,words",
+  [
+    (
+      "shape",
+      lambda a, d: jnp.zeros((a.shape[0], 1), jnp.float32),
+      ["reward_fn", "(32, 1)", "(32,)"],
+    ),
+    ("dtype", lambda a, d: jnp.zeros(a.shape[0], jnp.int32), ["reward_fn", "int32", "float32"]),
+  ],
+)
+def test_reward_fn_of_the_wrong_shape_or_dtype_raises_state_intact(name, bad_fn, words):
   del name
   buffer = jaxbuf.hindsight_replay(1, 64, bad_fn)
   good = jaxbuf.hindsight_replay(1, 64, reward_fn)
@@ -371,47 +410,53 @@ def test_reward_fn_of_the_wrong_shape_or_dtype_raises_state_intact(
 
 def test_bad_add_raises_and_the_state_survives():
   buffer = make_buffer("future")
-  state = buffer.add(buffer.init(STEP), jax.tree.map(
-      lambda x: jnp.zeros((NUM_ENVS, 3) + x.shape, x.dtype), STEP))
+  state = buffer.add(
+    buffer.init(STEP), jax.tree.map(lambda x: jnp.zeros((NUM_ENVS, 3) + x.shape, x.dtype), STEP)
+  )
   before = snapshot(state)
-  bad = jax.tree.map(lambda x: jnp.zeros((NUM_ENVS, 3) + x.shape, x.dtype),
-                     goal_step(goal_size=2))
+  bad = jax.tree.map(lambda x: jnp.zeros((NUM_ENVS, 3) + x.shape, x.dtype), goal_step(goal_size=2))
   with pytest.raises(ValueError, match="achieved_goal"):
     buffer.add(state, bad)
   with pytest.raises(ValueError, match="episode_end"):
-    buffer.add(state, jax.tree.map(
-        lambda x: jnp.zeros((NUM_ENVS, 3) + x.shape, x.dtype), STEP),
-               episode_end=jnp.zeros(NUM_ENVS, bool))
+    buffer.add(
+      state,
+      jax.tree.map(lambda x: jnp.zeros((NUM_ENVS, 3) + x.shape, x.dtype), STEP),
+      episode_end=jnp.zeros(NUM_ENVS, bool),
+    )
   for got, want in zip(snapshot(state), before):
     np.testing.assert_array_equal(got, want)
 
 
 def test_checked_mode_raises_on_an_empty_sample():
   checked = jaxbuf.hindsight_replay(1, 8, reward_fn, checked=True)
-  state = checked.add(checked.init(STEP), jax.tree.map(
-      lambda x: jnp.zeros((1,) + x.shape, x.dtype), STEP))
-  error, _ = jax.jit(checkify.checkify(
-      lambda s, k: checked.sample(s, k, 4)))(state, jax.random.key(0))
+  state = checked.add(
+    checked.init(STEP), jax.tree.map(lambda x: jnp.zeros((1,) + x.shape, x.dtype), STEP)
+  )
+  error, _ = jax.jit(checkify.checkify(lambda s, k: checked.sample(s, k, 4)))(
+    state, jax.random.key(0)
+  )
   with pytest.raises(ValueError, match="no transition"):
     error.throw()
-  empty = jaxbuf.hindsight_replay(1, 8, reward_fn).sample(
-      state, jax.random.key(0), 4)
+  empty = jaxbuf.hindsight_replay(1, 8, reward_fn).sample(state, jax.random.key(0), 4)
   np.testing.assert_array_equal(empty.weights, 0.0)
 
 
 def test_the_kind_records_the_settings_its_bookkeeping_depends_on():
-  buffer = jaxbuf.hindsight_replay(2, 16, reward_fn, prioritized=True,
-                                   alpha=0.7)
+  buffer = jaxbuf.hindsight_replay(2, 16, reward_fn, prioritized=True, alpha=0.7)
   state = buffer.init(STEP)
   assert buffer.kind.name == "hindsight_replay"
   assert isinstance(state, buffer.kind.state_type)
-  assert dict(state.settings) == {"num_envs": 2, "capacity": 16,
-                                  "prioritized": True, "alpha": 0.7,
-                                  "eps": 1e-6}
+  assert dict(state.settings) == {
+    "num_envs": 2,
+    "capacity": 16,
+    "prioritized": True,
+    "alpha": 0.7,
+    "eps": 1e-6,
+  }
   # The strategy and fraction shape samples only: a state serves any.
-  other = jaxbuf.hindsight_replay(2, 16, reward_fn, strategy="final",
-                                  relabel_fraction=0.1, prioritized=True,
-                                  alpha=0.7)
+  other = jaxbuf.hindsight_replay(
+    2, 16, reward_fn, strategy="final", relabel_fraction=0.1, prioritized=True, alpha=0.7
+  )
   assert other.can_sample(state, 1).shape == ()
   with pytest.raises(ValueError, match="prioritized: state True, buffer False"):
     make_buffer("future").can_sample(state, 1)
@@ -426,25 +471,37 @@ MESH = devices.mesh(4)
 @functools.cache
 def unsharded_buffer(strategy, relabel_fraction, prioritized):
   return jaxbuf.hindsight_replay(
-      SHARDED_ENVS, SHARDED_ENVS * SHARDED_PER_ENV, reward_fn,
-      strategy=strategy, relabel_fraction=relabel_fraction,
-      prioritized=prioritized)
+    SHARDED_ENVS,
+    SHARDED_ENVS * SHARDED_PER_ENV,
+    reward_fn,
+    strategy=strategy,
+    relabel_fraction=relabel_fraction,
+    prioritized=prioritized,
+  )
 
 
 @functools.cache
-def sharded_buffer(strategy, relabel_fraction, prioritized,
-                   batch="sharded", sampling="global"):
-  return jaxbuf.sharded(unsharded_buffer(strategy, relabel_fraction,
-                                         prioritized), MESH, batch=batch,
-                        sampling=sampling)
+def sharded_buffer(strategy, relabel_fraction, prioritized, batch="sharded", sampling="global"):
+  return jaxbuf.sharded(
+    unsharded_buffer(strategy, relabel_fraction, prioritized), MESH, batch=batch, sampling=sampling
+  )
 
 
 # Single steps and chunks (9 > 6 overwrite), envs masked off, episode ends
 # at random: episodes overwritten at their start, ended and running ones.
-RAGGED_ADDS = [("add", length, mask, seed) for seed, (length, mask) in
-               enumerate([(3, [True] * 8), (0, [True, False] * 4),
-                          (9, [True] * 6 + [False] * 2), (1, [False] * 8),
-                          (0, [True] * 8), (3, [False, True] * 4)])]
+RAGGED_ADDS = [
+  ("add", length, mask, seed)
+  for seed, (length, mask) in enumerate(
+    [
+      (3, [True] * 8),
+      (0, [True, False] * 4),
+      (9, [True] * 6 + [False] * 2),
+      (1, [False] * 8),
+      (0, [True] * 8),
+      (3, [False, True] * 4),
+    ]
+  )
+]
 
 
 def fill_both(sharded, unsharded):
@@ -453,10 +510,8 @@ def fill_both(sharded, unsharded):
   copy = ReferenceStreams(SHARDED_ENVS, SHARDED_PER_ENV)
   state, whole = sharded.init(STEP), unsharded.init(STEP)
   for operation in RAGGED_ADDS:
-    state = add_random_stream_steps(sharded, state, reference, operation,
-                                    make_steps)
-    whole = add_random_stream_steps(unsharded, whole, copy, operation,
-                                    make_steps)
+    state = add_random_stream_steps(sharded, state, reference, operation, make_steps)
+    whole = add_random_stream_steps(unsharded, whole, copy, operation, make_steps)
   return state, whole, reference
 
 
@@ -466,20 +521,21 @@ def contents(state):
 
 # Two settings, shared by the tests below so that each compiles once.
 @devices.needs(4)
-@pytest.mark.parametrize("strategy,prioritized", [("future", False),
-                                                  ("episode", True)])
-def test_sharded_state_splits_envs_and_goals_stay_in_their_episode(
-    strategy, prioritized):
+@pytest.mark.parametrize("strategy,prioritized", [("future", False), ("episode", True)])
+def test_sharded_state_splits_envs_and_goals_stay_in_their_episode(strategy, prioritized):
   buffer = sharded_buffer(strategy, 1.0, prioritized)
-  state, whole, reference = fill_both(
-      buffer, unsharded_buffer(strategy, 1.0, prioritized))
+  state, whole, reference = fill_both(buffer, unsharded_buffer(strategy, 1.0, prioritized))
   assert state.episode_keys.shape == (4, 2, SHARDED_PER_ENV)
   # Each device holds its envs' steps and episode bookkeeping whole.
-  chex.assert_trees_all_equal(contents(jax.device_get(state).joined()),
-                              contents(whole))
+  chex.assert_trees_all_equal(contents(jax.device_get(state).joined()), contents(whole))
   for seed in range(3):
-    check_sample(buffer.sample(state, jax.random.key(seed), 32), reference,
-                 strategy, 1.0, per_env=SHARDED_PER_ENV)
+    check_sample(
+      buffer.sample(state, jax.random.key(seed), 32),
+      reference,
+      strategy,
+      1.0,
+      per_env=SHARDED_PER_ENV,
+    )
   if strategy == "future":
     # Local sampling: block d (8 rows) from device d's own envs.
     local = sharded_buffer(strategy, 1.0, prioritized, "replicated", "local")
@@ -502,8 +558,9 @@ def test_sharded_sampling_matches_the_unsharded_buffer():
   keys = jax.random.split(jax.random.key(11), 200)
   counts = []
   for each, held in ((buffer, state), (unsharded, whole)):
-    rows = jax.jit(lambda s, ks, each=each: jax.lax.map(
-        lambda k: each.sample(s, k, 64), ks))(held, keys)
+    rows = jax.jit(lambda s, ks, each=each: jax.lax.map(lambda k: each.sample(s, k, 64), ks))(
+      held, keys
+    )
     steps = np.asarray(rows.items.obs["observation"]).reshape(-1).astype(int)
     goals = np.asarray(rows.items.obs["desired_goal"]).reshape(-1).astype(int)
     assert np.all(rows.relabelled)
@@ -526,17 +583,18 @@ def test_sharded_save_load_and_reshard(tmp_path):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
   key = jax.random.key(3)
-  chex.assert_trees_all_equal(jax.device_get(buffer.sample(restored, key, 8)),
-                              jax.device_get(buffer.sample(state, key, 8)))
+  chex.assert_trees_all_equal(
+    jax.device_get(buffer.sample(restored, key, 8)), jax.device_get(buffer.sample(state, key, 8))
+  )
   # Regrouped: over one device it is the unsharded buffer fed the same adds,
   # and back.
   chex.assert_trees_all_equal(
-      contents(jaxbuf.load(tmp_path / "four", like=unsharded.init(STEP))),
-      contents(whole))
+    contents(jaxbuf.load(tmp_path / "four", like=unsharded.init(STEP))), contents(whole)
+  )
   jaxbuf.save(tmp_path / "one", whole)
   chex.assert_trees_all_equal(
-      contents(jaxbuf.load(tmp_path / "one", like=buffer.init(STEP))),
-      contents(state))
+    contents(jaxbuf.load(tmp_path / "one", like=buffer.init(STEP))), contents(state)
+  )
 
 
 @devices.needs(4)
@@ -544,8 +602,7 @@ def test_sharded_inside_a_jitted_scan_with_donation_and_no_retrace():
   buffer = sharded_buffer("episode", 1.0, True)
   chex.clear_trace_counter()
   reference = ReferenceStreams(SHARDED_ENVS, SHARDED_PER_ENV)
-  chunks = jax.tree.map(lambda *xs: np.stack(xs), *[
-      make_steps(reference, 2) for _ in range(3)])
+  chunks = jax.tree.map(lambda *xs: np.stack(xs), *[make_steps(reference, 2) for _ in range(3)])
   ends = np.zeros((3, SHARDED_ENVS, 2), bool)
   ends[1, :, 1] = True
 
@@ -556,16 +613,15 @@ def test_sharded_inside_a_jitted_scan_with_donation_and_no_retrace():
       chunk, end, key = inputs
       state = buffer.add(state, chunk, None, end)
       sample = buffer.sample(state, key, 8)
-      state = buffer.update_priorities(state, sample.indices,
-                                       sample.items.reward, sample.item_ids)
+      state = buffer.update_priorities(state, sample.indices, sample.items.reward, sample.item_ids)
       return state, sample.items.obs["observation"][:, 0]
+
     return jax.lax.scan(step, state, (chunks, ends, jax.random.split(key, 3)))
 
   state, _ = steps(buffer.init(STEP), chunks, ends, jax.random.key(0))
   state, observed = steps(state, chunks, ends, jax.random.key(1))
   assert observed.shape == (3, 8)
-  np.testing.assert_array_equal(np.asarray(state.steps_held),
-                                SHARDED_PER_ENV)
+  np.testing.assert_array_equal(np.asarray(state.steps_held), SHARDED_PER_ENV)
 
 
 def test_gamma_out_of_range_is_refused_when_the_buffer_is_made():

@@ -26,26 +26,31 @@ def prioritized_sequence(**settings):
 # The first three are the probes of issue 26: each sampled broken windows
 # (49%, 18%, 20%) before states recorded their settings.
 MISMATCHES = {
-    "sequence_length": (functools.partial(sequence, sequence_length=3),
-                        functools.partial(sequence, sequence_length=6),
-                        "sequence_length: state 3, buffer 6"),
-    "period": (functools.partial(sequence, sequence_length=3, period=1),
-               functools.partial(sequence, sequence_length=3, period=4),
-               "period: state 1, buffer 4"),
-    "episodes": (functools.partial(sequence, sequence_length=3),
-                 functools.partial(sequence, sequence_length=3,
-                                   episodes="within"),
-                 "episodes: state 'cross', buffer 'within'"),
-    "alpha": (functools.partial(jaxbuf.prioritized_replay, CAPACITY,
-                                alpha=0.6),
-              functools.partial(jaxbuf.prioritized_replay, CAPACITY,
-                                alpha=1.0),
-              "alpha: state 0.6, buffer 1.0"),
-    "eps": (functools.partial(prioritized_sequence, sequence_length=2,
-                              eps=1e-6),
-            functools.partial(prioritized_sequence, sequence_length=2,
-                              eps=1e-3),
-            "eps: state 1e-06, buffer 0.001"),
+  "sequence_length": (
+    functools.partial(sequence, sequence_length=3),
+    functools.partial(sequence, sequence_length=6),
+    "sequence_length: state 3, buffer 6",
+  ),
+  "period": (
+    functools.partial(sequence, sequence_length=3, period=1),
+    functools.partial(sequence, sequence_length=3, period=4),
+    "period: state 1, buffer 4",
+  ),
+  "episodes": (
+    functools.partial(sequence, sequence_length=3),
+    functools.partial(sequence, sequence_length=3, episodes="within"),
+    "episodes: state 'cross', buffer 'within'",
+  ),
+  "alpha": (
+    functools.partial(jaxbuf.prioritized_replay, CAPACITY, alpha=0.6),
+    functools.partial(jaxbuf.prioritized_replay, CAPACITY, alpha=1.0),
+    "alpha: state 0.6, buffer 1.0",
+  ),
+  "eps": (
+    functools.partial(prioritized_sequence, sequence_length=2, eps=1e-6),
+    functools.partial(prioritized_sequence, sequence_length=2, eps=1e-3),
+    "eps: state 1e-06, buffer 0.001",
+  ),
 }
 
 
@@ -56,11 +61,12 @@ def example_step():
 def filled(buffer, steps=12):
   state = buffer.init(example_step())
   if "sequence" in buffer.kind.name:
-    chunk = {"obs": jnp.ones((NUM_ENVS, steps, 3), jnp.float32),
-             "step": jnp.tile(jnp.arange(steps, dtype=jnp.int32), (NUM_ENVS, 1))}
+    chunk = {
+      "obs": jnp.ones((NUM_ENVS, steps, 3), jnp.float32),
+      "step": jnp.tile(jnp.arange(steps, dtype=jnp.int32), (NUM_ENVS, 1)),
+    }
   else:
-    chunk = {"obs": jnp.ones((steps, 3), jnp.float32),
-             "step": jnp.arange(steps, dtype=jnp.int32)}
+    chunk = {"obs": jnp.ones((steps, 3), jnp.float32), "step": jnp.arange(steps, dtype=jnp.int32)}
   return buffer.add(state, chunk), chunk
 
 
@@ -75,15 +81,15 @@ def test_every_function_refuses_a_state_made_with_other_settings(name):
   before = snapshot(state)
   buffer = other()
   calls = {
-      "add": lambda: buffer.add(state, chunk),
-      "sample": lambda: buffer.sample(state, jax.random.key(0), 4),
-      "update_priorities": lambda: buffer.update_priorities(
-          state, jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.float32)),
-      "can_sample": lambda: buffer.can_sample(state, 4),
-      "clear": lambda: buffer.clear(state),
-      # Inside the user's own jit the check runs while tracing.
-      "jitted sample": lambda: jax.jit(
-          lambda s: buffer.sample(s, jax.random.key(0), 4))(state),
+    "add": lambda: buffer.add(state, chunk),
+    "sample": lambda: buffer.sample(state, jax.random.key(0), 4),
+    "update_priorities": lambda: buffer.update_priorities(
+      state, jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.float32)
+    ),
+    "can_sample": lambda: buffer.can_sample(state, 4),
+    "clear": lambda: buffer.clear(state),
+    # Inside the user's own jit the check runs while tracing.
+    "jitted sample": lambda: jax.jit(lambda s: buffer.sample(s, jax.random.key(0), 4))(state),
   }
   for what, call in calls.items():
     with pytest.raises(ValueError) as raised:
@@ -111,25 +117,27 @@ def test_a_state_made_by_a_module_init_records_none_and_is_accepted():
 
 
 def test_settings_are_static_and_survive_jit_vmap_scan_and_cond():
-  buffer = jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, 3, period=2,
-                                              alpha=0.7)
+  buffer = jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, 3, period=2, alpha=0.7)
   state, chunk = filled(buffer)
   assert dict(state.settings) == {
-      "alpha": 0.7, "capacity": CAPACITY, "episodes": "cross", "eps": 1e-6,
-      "num_envs": NUM_ENVS, "period": 2, "sequence_length": 3}
+    "alpha": 0.7,
+    "capacity": CAPACITY,
+    "episodes": "cross",
+    "eps": 1e-6,
+    "num_envs": NUM_ENVS,
+    "period": 2,
+    "sequence_length": 3,
+  }
   # Static: part of the tree structure, no leaf, no cost in a jitted step.
-  assert len(jax.tree.leaves(state)) == len(
-      jax.tree.leaves(state.replace(settings=())))
+  assert len(jax.tree.leaves(state)) == len(jax.tree.leaves(state.replace(settings=())))
   many = jax.vmap(lambda _: buffer.init(example_step()))(jnp.arange(3))
   assert many.settings == state.settings
 
   def step(state, key):
-    state = jax.lax.cond(key[0] > 0, lambda s: buffer.add(s, chunk),
-                         lambda s: s, state)
+    state = jax.lax.cond(key[0] > 0, lambda s: buffer.add(s, chunk), lambda s: s, state)
     return state, buffer.sample(state, jax.random.key(0), 2).weights
 
-  scanned, _ = jax.jit(lambda s: jax.lax.scan(
-      step, s, jnp.arange(4)[:, None]))(state)
+  scanned, _ = jax.jit(lambda s: jax.lax.scan(step, s, jnp.arange(4)[:, None]))(state)
   assert scanned.settings == state.settings
 
 
@@ -140,8 +148,11 @@ def test_load_refuses_a_checkpoint_of_other_settings(tmp_path):
   state, _ = filled(short, steps=10)
   jaxbuf.save(tmp_path / "short", state)
   longer = sequence(sequence_length=8)
-  with pytest.raises(ValueError, match=r"sequence_length: the checkpoint has "
-                     r"4, `like` has 8"):
+  with pytest.raises(
+    ValueError,
+    match=r"sequence_length: the checkpoint has "
+    r"4, `like` has 8",
+  ):
     jaxbuf.load(tmp_path / "short", like=longer.init(example_step()))
   restored = jaxbuf.load(tmp_path / "short", like=short.init(example_step()))
   assert restored.settings == state.settings
@@ -149,8 +160,11 @@ def test_load_refuses_a_checkpoint_of_other_settings(tmp_path):
   make, other, _ = MISMATCHES["alpha"]
   state, _ = filled(make())
   jaxbuf.save(tmp_path / "alpha", state)
-  with pytest.raises(ValueError, match=r"alpha: the checkpoint has 0\.6, "
-                     r"`like` has 1\.0"):
+  with pytest.raises(
+    ValueError,
+    match=r"alpha: the checkpoint has 0\.6, "
+    r"`like` has 1\.0",
+  ):
     jaxbuf.load(tmp_path / "alpha", like=other().init(example_step()))
   # The no-allocation form keeps the settings too.
   like = jax.eval_shape(other().init, example_step())
@@ -162,16 +176,23 @@ def test_the_settings_a_checkpoint_recorded_survive_any_like(tmp_path):
   """Issue 35: a `like` from the module-level `jaxbuf.frames.init` records no
   settings; the state came back with none, and a stack-3 buffer sampled a
   stack-2 checkpoint as (0, 2, 3) where (1, 2, 3) is right."""
-  step = {"obs": jnp.zeros((), jnp.float32), "action": jnp.int32(0),
-          "reward": jnp.float32(0), "terminated": jnp.bool_(False)}
+  step = {
+    "obs": jnp.zeros((), jnp.float32),
+    "action": jnp.int32(0),
+    "reward": jnp.float32(0),
+    "terminated": jnp.bool_(False),
+  }
   two, three = (jaxbuf.frame_stack_replay(1, 8, stack) for stack in (2, 3))
-  chunk = {**jax.tree.map(lambda x: jnp.zeros((1, 4) + x.shape, x.dtype), step),
-           "obs": jnp.arange(4, dtype=jnp.float32)[None]}
+  chunk = {
+    **jax.tree.map(lambda x: jnp.zeros((1, 4) + x.shape, x.dtype), step),
+    "obs": jnp.arange(4, dtype=jnp.float32)[None],
+  }
   state = two.add(two.init(step), chunk)
   jaxbuf.save(tmp_path / "two", state)
-  for like in (jaxbuf.frames.init(step, num_envs=1, capacity=8),
-               jax.eval_shape(functools.partial(jaxbuf.frames.init, num_envs=1,
-                                                capacity=8), step)):
+  for like in (
+    jaxbuf.frames.init(step, num_envs=1, capacity=8),
+    jax.eval_shape(functools.partial(jaxbuf.frames.init, num_envs=1, capacity=8), step),
+  ):
     assert like.settings == ()
     restored = jaxbuf.load(tmp_path / "two", like=like)
     assert restored.settings == state.settings
@@ -186,11 +207,10 @@ def test_the_settings_a_checkpoint_recorded_survive_any_like(tmp_path):
 
 def test_every_factory_describes_its_kind():
   kinds = {
-      "uniform_replay": jaxbuf.uniform_replay(8),
-      "prioritized_replay": jaxbuf.prioritized_replay(8),
-      "sequence_replay": jaxbuf.sequence_replay(2, 8, 2),
-      "prioritized_sequence_replay": jaxbuf.prioritized_sequence_replay(
-          2, 8, 2),
+    "uniform_replay": jaxbuf.uniform_replay(8),
+    "prioritized_replay": jaxbuf.prioritized_replay(8),
+    "sequence_replay": jaxbuf.sequence_replay(2, 8, 2),
+    "prioritized_sequence_replay": jaxbuf.prioritized_sequence_replay(2, 8, 2),
   }
   for name, buffer in kinds.items():
     assert buffer.kind.name == name

@@ -29,11 +29,11 @@ SRC = PACKAGE / "_src"
 # offline datasets and mixtures of any buffers above them; host loops (which
 # write the offline forms) on top. The package `jaxbuf` is above them all.
 LAYERS = (
-    ("core",),
-    ("items", "onpolicy"),
-    ("streams",),
-    ("sharded", "checkpoint", "offline", "mixture"),
-    ("host",),
+  ("core",),
+  ("items", "onpolicy"),
+  ("streams",),
+  ("sharded", "checkpoint", "offline", "mixture"),
+  ("host",),
 )
 
 
@@ -99,7 +99,7 @@ def _imported(tree: ast.AST, modules: set[str], package: list[str]) -> set[str]:
         found.add("jaxbuf")
     elif isinstance(node, ast.ImportFrom) and node.level > 0:
       # Relative: `from . import x`, `from ..core import y` inside `_src`.
-      base = package[:len(package) - (node.level - 1)]
+      base = package[: len(package) - (node.level - 1)]
       parts = base + (node.module.split(".") if node.module else [])
       add_from(parts, [alias.name for alias in node.names])
   return found
@@ -113,8 +113,7 @@ def import_graph() -> dict[str, set[str]]:
     package = name.split(".")
     if path.name != "__init__.py":
       package = package[:-1]
-    graph[name] = _imported(ast.parse(path.read_text(), str(path)), modules,
-                            package)
+    graph[name] = _imported(ast.parse(path.read_text(), str(path)), modules, package)
   path = PACKAGE / "__init__.py"
   graph["jaxbuf"] = _imported(ast.parse(path.read_text(), str(path)), modules, [])
   return graph
@@ -130,18 +129,20 @@ def layer_of(module: str) -> int:
     if top in layer:
       return index
   raise AssertionError(
-      f"jaxbuf._src.{top} is in no layer of tests/test_layout.py's LAYERS: "
-      "add it to the layer it belongs to.")
+    f"jaxbuf._src.{top} is in no layer of tests/test_layout.py's LAYERS: "
+    "add it to the layer it belongs to."
+  )
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
   """Every import of a module of another subpackage that is not in a lower
   layer, as `importer -> imported`, sorted."""
   return sorted(
-      f"{importer} -> {target}"
-      for importer, targets in graph.items() for target in targets
-      if target.split(".")[0] != importer.split(".")[0]
-      and layer_of(target) >= layer_of(importer))
+    f"{importer} -> {target}"
+    for importer, targets in graph.items()
+    for target in targets
+    if target.split(".")[0] != importer.split(".")[0] and layer_of(target) >= layer_of(importer)
+  )
 
 
 def first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -155,7 +156,7 @@ def first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     path.append(node)
     for target in sorted(graph.get(node, ())):
       if target in on_path:
-        return path[on_path[target]:] + [target]
+        return path[on_path[target] :] + [target]
       if target not in done:
         cycle = visit(target)
         if cycle:
@@ -192,8 +193,10 @@ def test_the_graph_is_read_from_every_module():
 def test_jaxbuf_src_imports_have_no_cycle():
   cycle = first_cycle(import_graph())
   assert cycle is None, (
-      "import cycle among jaxbuf._src modules: " + " -> ".join(cycle)
-      + "; move what both sides need into a module below them.")
+    "import cycle among jaxbuf._src modules: "
+    + " -> ".join(cycle)
+    + "; move what both sides need into a module below them."
+  )
 
 
 def test_every_subpackage_is_in_a_layer_and_imports_only_downward():
@@ -202,18 +205,22 @@ def test_every_subpackage_is_in_a_layer_and_imports_only_downward():
     layer_of(module)
   upward = upward_imports(graph)
   assert not upward, (
-      "imports of a subpackage of jaxbuf._src that is not in a lower layer "
-      f"(tests/test_layout.py's LAYERS): {upward}; move what both need "
-      "into a lower layer.")
+    "imports of a subpackage of jaxbuf._src that is not in a lower layer "
+    f"(tests/test_layout.py's LAYERS): {upward}; move what both need "
+    "into a lower layer."
+  )
 
 
 def test_the_layer_check_names_an_upward_import():
-  assert upward_imports({"core.base": {"core.kind"}, "items.uniform": {"core.base"},
-                         "jaxbuf": {"offline.mapping"}}) == []
-  assert upward_imports({"core.base": {"items.uniform"},
-                         "items.uniform": {"onpolicy.rollout"}}) == [
-                             "core.base -> items.uniform",
-                             "items.uniform -> onpolicy.rollout"]
+  assert (
+    upward_imports(
+      {"core.base": {"core.kind"}, "items.uniform": {"core.base"}, "jaxbuf": {"offline.mapping"}}
+    )
+    == []
+  )
+  assert upward_imports(
+    {"core.base": {"items.uniform"}, "items.uniform": {"onpolicy.rollout"}}
+  ) == ["core.base -> items.uniform", "items.uniform -> onpolicy.rollout"]
 
 
 MODULE_LINES = 600
@@ -228,8 +235,8 @@ def test_a_module_past_600_lines_says_why_it_is_one_module():
     if source.count("\n") > MODULE_LINES:
       docstring = ast.get_docstring(ast.parse(source)) or ""
       if "Why one module of this size" not in docstring:
-        unexplained.append(
-            f"{path.relative_to(SRC)} ({source.count(chr(10))} lines)")
+        unexplained.append(f"{path.relative_to(SRC)} ({source.count(chr(10))} lines)")
   assert not unexplained, (
-      f"modules over {MODULE_LINES} lines without a 'Why one module of this "
-      f"size' paragraph at the top of their docstring: {unexplained}")
+    f"modules over {MODULE_LINES} lines without a 'Why one module of this "
+    f"size' paragraph at the top of their docstring: {unexplained}"
+  )

@@ -45,10 +45,16 @@ def run_workers(out_dir) -> None:
   env.pop("XLA_FLAGS", None)
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   port = str(free_port())
-  workers = [subprocess.Popen(
-      [sys.executable, WORKER, str(i), "2", port, str(out_dir)], env=env,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+  workers = [
+    subprocess.Popen(
+      [sys.executable, WORKER, str(i), "2", port, str(out_dir)],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   for worker in workers:
     output, _ = worker.communicate(timeout=240)
     assert worker.returncode == 0, output[-3000:]
@@ -58,10 +64,10 @@ def run_workers(out_dir) -> None:
 INNER = jaxbuf.prioritized_replay(4 * LOCAL, alpha=0.7, beta=0.5)
 EXAMPLE = {"obs": jnp.zeros(64, jnp.float32), "serial": jnp.int32(0)}
 TARGETS = {
-    "four": jaxbuf.sharded(INNER, jax.make_mesh((4,), ("data",))),
-    "two": jaxbuf.sharded(INNER, jax.make_mesh((2,), ("data",),
-                                               devices=jax.devices()[:2])),
-    "unsharded": INNER}
+  "four": jaxbuf.sharded(INNER, jax.make_mesh((4,), ("data",))),
+  "two": jaxbuf.sharded(INNER, jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])),
+  "unsharded": INNER,
+}
 
 
 def one_process_state():
@@ -70,10 +76,12 @@ def one_process_state():
   state = four.init(EXAMPLE)
   for start in range(0, 44, 4):
     serial = np.arange(start, start + 4, dtype=np.int32)
-    state = four.add(state, {"obs": np.repeat(serial[:, None], 64, 1).astype(
-        np.float32), "serial": serial})
-  return four.update_priorities(state, np.arange(4 * LOCAL, dtype=np.int32),
-                                (np.arange(4 * LOCAL, dtype=np.float32) % 5) ** 2)
+    state = four.add(
+      state, {"obs": np.repeat(serial[:, None], 64, 1).astype(np.float32), "serial": serial}
+    )
+  return four.update_priorities(
+    state, np.arange(4 * LOCAL, dtype=np.int32), (np.arange(4 * LOCAL, dtype=np.float32) % 5) ** 2
+  )
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +97,22 @@ def test_two_processes_share_one_buffer(workers_output):
   first, second = workers_output[1]
   assert int(first["num_devices"]) == 4 and int(first["local_devices"]) == 2
   # Both processes see the same batches, replicated or gathered from shards.
-  for name in ("indices", "serials", "weights", "split_serials", "leaves",
-               "storage", "whole_indices", "loaded_indices", "loaded_serials",
-               "loaded_weights"):
+  for name in (
+    "indices",
+    "serials",
+    "weights",
+    "split_serials",
+    "leaves",
+    "storage",
+    "whole_indices",
+    "loaded_indices",
+    "loaded_serials",
+    "loaded_weights",
+  ):
     np.testing.assert_array_equal(first[name], second[name], err_msg=name)
   np.testing.assert_array_equal(first["split_serials"], first["whole_serials"])
   # Each device holds its own rows: process p's serials on its 2 devices.
-  storage = first["storage"]                                   # [4, 8]
+  storage = first["storage"]  # [4, 8]
   assert np.all(storage[:2] < 1000) and np.all(storage[2:] >= 1000)
   # Rows are those of the slots drawn.
   flat = storage.reshape(-1)
@@ -118,24 +135,28 @@ def test_two_processes_save_and_load_one_sharded_state(workers_output):
     assert bool(outcome["restored_same"]), process
     # The loaded state samples the batch the saved one did, in both processes.
     for name in ("indices", "serials", "weights"):
-      np.testing.assert_array_equal(outcome[f"loaded_{name}"],
-                                    outcome[f"whole_{name}"], err_msg=name)
+      np.testing.assert_array_equal(
+        outcome[f"loaded_{name}"], outcome[f"whole_{name}"], err_msg=name
+      )
     # Different paths: one clear error in both, and nothing written.
     assert str(outcome["disagree_error"]).startswith(
-        "ValueError: save: the processes disagree on the path: process 0 has "
-        f"{out_dir / 'checkpoint'}-0, process 1 has {out_dir / 'checkpoint'}-1"), (
-            outcome["disagree_error"])
+      "ValueError: save: the processes disagree on the path: process 0 has "
+      f"{out_dir / 'checkpoint'}-0, process 1 has {out_dir / 'checkpoint'}-1"
+    ), outcome["disagree_error"]
     assert list(outcome["leftovers"]) == ["checkpoint", "checkpoint.jaxbuf-lock"]
     # A bit flipped in process 1's data file: process 1 finds it, and process
     # 0 stops with the same message rather than return a half-checked state.
     error = str(outcome["corrupted_error"])
     assert error.startswith("ValueError: load: "), error
-    assert re.search(r"(checksum mismatch at|stored arrays of) leaf "
-                     r"\.storage\['obs'\]", error), error
-  assert "process 1 failed (ValueError), so every process stops" in str(
-      seen[0]["corrupted_error"])
-  assert re.search(r"piece \[[23]:[34], 0:8, 0:64\] \(restored on device",
-                   str(seen[1]["corrupted_error"]))
+    assert re.search(
+      r"(checksum mismatch at|stored arrays of) leaf "
+      r"\.storage\['obs'\]",
+      error,
+    ), error
+  assert "process 1 failed (ValueError), so every process stops" in str(seen[0]["corrupted_error"])
+  assert re.search(
+    r"piece \[[23]:[34], 0:8, 0:64\] \(restored on device", str(seen[1]["corrupted_error"])
+  )
 
 
 def held(state):
@@ -143,8 +164,11 @@ def held(state):
   size = np.asarray(state.size).reshape(-1)
   serials = np.asarray(state.storage["serial"]).reshape(size.shape[0], -1)
   leaves = np.asarray(state.sum_tree.levels[0]).reshape(size.shape[0], -1)
-  return {int(serials[d, slot]): float(leaves[d, slot])
-          for d, count in enumerate(size) for slot in range(count)}
+  return {
+    int(serials[d, slot]): float(leaves[d, slot])
+    for d, count in enumerate(size)
+    for slot in range(count)
+  }
 
 
 def test_checkpoints_move_between_process_counts(workers_output, tmp_path):
@@ -154,18 +178,22 @@ def test_checkpoints_move_between_process_counts(workers_output, tmp_path):
   and counter regrouped over 2 and unsharded."""
   out_dir, seen = workers_output
   for name, buffer in TARGETS.items():
-    expected = jax.tree.leaves(jax.device_get(jaxbuf.load(
-        out_dir / "one_process", like=buffer.init(EXAMPLE))))
+    expected = jax.tree.leaves(
+      jax.device_get(jaxbuf.load(out_dir / "one_process", like=buffer.init(EXAMPLE)))
+    )
     for process, outcome in enumerate(seen):
       for i, leaf in enumerate(expected):
-        np.testing.assert_array_equal(outcome[f"one_process_{name}_{i}"], leaf,
-                                      err_msg=f"{name} {i} process {process}")
+        np.testing.assert_array_equal(
+          outcome[f"one_process_{name}_{i}"], leaf, err_msg=f"{name} {i} process {process}"
+        )
   like = TARGETS["four"].init(EXAMPLE)
-  saved = jax.tree.unflatten(jax.tree.structure(like), [
-      seen[0][f"saved_{i}"] for i in range(len(jax.tree.leaves(like)))])
-  loaded = {name: jax.device_get(jaxbuf.load(out_dir / "two_processes",
-                                             like=buffer.init(EXAMPLE)))
-            for name, buffer in TARGETS.items()}
+  saved = jax.tree.unflatten(
+    jax.tree.structure(like), [seen[0][f"saved_{i}"] for i in range(len(jax.tree.leaves(like)))]
+  )
+  loaded = {
+    name: jax.device_get(jaxbuf.load(out_dir / "two_processes", like=buffer.init(EXAMPLE)))
+    for name, buffer in TARGETS.items()
+  }
   chex.assert_trees_all_equal(loaded["four"], saved)
   for name, state in loaded.items():
     assert held(state) == held(saved), name

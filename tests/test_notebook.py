@@ -10,23 +10,21 @@ import re
 
 import jaxbuf
 
-NOTEBOOK = (pathlib.Path(__file__).parent.parent / "notebooks"
-            / "quickstart.ipynb")
-NUMBER_WORDS = ("zero one two three four five six seven eight nine ten"
-                .split())
+NOTEBOOK = pathlib.Path(__file__).parent.parent / "notebooks" / "quickstart.ipynb"
+NUMBER_WORDS = "zero one two three four five six seven eight nine ten".split()
 
 
 def markdown_cells() -> list[str]:
   cells = json.loads(NOTEBOOK.read_text())["cells"]
-  return ["".join(cell["source"]) for cell in cells
-          if cell["cell_type"] == "markdown"]
+  return ["".join(cell["source"]) for cell in cells if cell["cell_type"] == "markdown"]
 
 
 def test_intro_lists_every_section():
   intro, *rest = markdown_cells()
   listed = re.findall(r"^(\d+)\. ", intro, re.MULTILINE)
-  sections = [match.group(1) for cell in rest
-              for match in re.finditer(r"^## (\d+)\. ", cell, re.MULTILINE)]
+  sections = [
+    match.group(1) for cell in rest for match in re.finditer(r"^## (\d+)\. ", cell, re.MULTILINE)
+  ]
   assert len(sections) >= 7
   assert listed == sections
 

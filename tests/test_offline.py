@@ -22,9 +22,9 @@ from minari.data_collector import EpisodeBuffer  # noqa: E402
 # others, with 32-bit defaults only, to keep the module's time down.
 x64_too = pytest.mark.usefixtures("x64_mode")
 pytestmark = [
-    # Minari warns about every optional metadata field left out (author,
-    # code_permalink, eval_env, ...); these datasets are throwaway.
-    pytest.mark.filterwarnings("ignore::UserWarning:minari"),
+  # Minari warns about every optional metadata field left out (author,
+  # code_permalink, eval_env, ...); these datasets are throwaway.
+  pytest.mark.filterwarnings("ignore::UserWarning:minari"),
 ]
 
 
@@ -32,20 +32,26 @@ class DictTupleEnv(gymnasium.Env):
   """Dict observations (with a Tuple inside), Tuple actions, episodes that
   terminate at random or are truncated by the TimeLimit around it."""
 
-  observation_space = gymnasium.spaces.Dict({
+  observation_space = gymnasium.spaces.Dict(
+    {
       "position": gymnasium.spaces.Box(-1.0, 1.0, (3,), np.float32),
-      "pair": gymnasium.spaces.Tuple((
-          gymnasium.spaces.Discrete(7),
-          gymnasium.spaces.Box(0, 255, (2,), np.uint8))),
-  })
-  action_space = gymnasium.spaces.Tuple((
-      gymnasium.spaces.Discrete(3),
-      gymnasium.spaces.Box(-2.0, 2.0, (2,), np.float32)))
+      "pair": gymnasium.spaces.Tuple(
+        (gymnasium.spaces.Discrete(7), gymnasium.spaces.Box(0, 255, (2,), np.uint8))
+      ),
+    }
+  )
+  action_space = gymnasium.spaces.Tuple(
+    (gymnasium.spaces.Discrete(3), gymnasium.spaces.Box(-2.0, 2.0, (2,), np.float32))
+  )
 
   def _observation(self):
-    return {"position": self.np_random.uniform(-1, 1, 3).astype(np.float32),
-            "pair": (int(self.np_random.integers(7)),
-                     self.np_random.integers(0, 256, 2).astype(np.uint8))}
+    return {
+      "position": self.np_random.uniform(-1, 1, 3).astype(np.float32),
+      "pair": (
+        int(self.np_random.integers(7)),
+        self.np_random.integers(0, 256, 2).astype(np.uint8),
+      ),
+    }
 
   def reset(self, *, seed=None, options=None):
     super().reset(seed=seed)
@@ -64,17 +70,21 @@ class GoalEnv(gymnasium.Env):
   pushed towards a goal; terminated within 0.5 of it, else truncated by the
   TimeLimit around it."""
 
-  observation_space = gymnasium.spaces.Dict({
+  observation_space = gymnasium.spaces.Dict(
+    {
       "observation": gymnasium.spaces.Box(-4.0, 4.0, (4,), np.float32),
       "achieved_goal": gymnasium.spaces.Box(-4.0, 4.0, (2,), np.float32),
       "desired_goal": gymnasium.spaces.Box(-4.0, 4.0, (2,), np.float32),
-  })
+    }
+  )
   action_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
 
   def _observation(self):
-    return {"observation": np.concatenate([self._position, self._goal]),
-            "achieved_goal": self._position.copy(),
-            "desired_goal": self._goal.copy()}
+    return {
+      "observation": np.concatenate([self._position, self._goal]),
+      "achieved_goal": self._position.copy(),
+      "desired_goal": self._goal.copy(),
+    }
 
   def reset(self, *, seed=None, options=None):
     super().reset(seed=seed)
@@ -83,8 +93,7 @@ class GoalEnv(gymnasium.Env):
     return self._observation(), {}
 
   def step(self, action):
-    self._position = np.clip(self._position + 0.5 * action, -4,
-                             4).astype(np.float32)
+    self._position = np.clip(self._position + 0.5 * action, -4, 4).astype(np.float32)
     distance = float(np.linalg.norm(self._position - self._goal))
     reward = -float(distance > 0.5)  # goal_reward's, in NumPy
     return self._observation(), reward, distance < 0.5, False, {}
@@ -129,15 +138,13 @@ def datasets(tmp_path_factory):
     warnings.simplefilter("ignore", UserWarning)
     warnings.simplefilter("ignore", ResourceWarning)
     made = {
-        "cartpole": _collect(
-            "test/cartpole/random-v0",
-            gymnasium.make("CartPole-v1", max_episode_steps=25), 12, 0),
-        "dict": _collect(
-            "test/dicttuple/random-v0",
-            gymnasium.wrappers.TimeLimit(DictTupleEnv(), 9), 10, 1),
-        "goal": _collect(
-            "test/goal/random-v0",
-            gymnasium.wrappers.TimeLimit(GoalEnv(), 12), 10, 2),
+      "cartpole": _collect(
+        "test/cartpole/random-v0", gymnasium.make("CartPole-v1", max_episode_steps=25), 12, 0
+      ),
+      "dict": _collect(
+        "test/dicttuple/random-v0", gymnasium.wrappers.TimeLimit(DictTupleEnv(), 9), 10, 1
+      ),
+      "goal": _collect("test/goal/random-v0", gymnasium.wrappers.TimeLimit(GoalEnv(), 12), 10, 2),
     }
   yield made
   if previous is None:
@@ -162,12 +169,16 @@ def _reference_transitions(episodes):
   for episode in episodes:
     for t in range(len(episode.rewards)):
       at = lambda tree, i: jax.tree.map(lambda x: _held(x[i]), tree)
-      rows.append(jaxbuf.Transition(
-          obs=at(episode.observations, t), action=at(episode.actions, t),
+      rows.append(
+        jaxbuf.Transition(
+          obs=at(episode.observations, t),
+          action=at(episode.actions, t),
           reward=_held(episode.rewards[t]),
           next_obs=at(episode.observations, t + 1),
           terminated=np.bool_(episode.terminations[t]),
-          truncated=np.bool_(episode.truncations[t])))
+          truncated=np.bool_(episode.truncations[t]),
+        )
+      )
   return jax.tree.map(lambda *xs: np.stack(xs), *rows)
 
 
@@ -178,25 +189,28 @@ def _reference_stream(episodes):
     num_steps = len(episode.rewards)
     for t in range(num_steps + 1):
       at = lambda tree, i: jax.tree.map(lambda x: _held(x[i]), tree)
-      pad = lambda tree: jax.tree.map(lambda x: np.zeros_like(_held(x[0])),
-                                      tree)
+      pad = lambda tree: jax.tree.map(lambda x: np.zeros_like(_held(x[0])), tree)
       final = t == num_steps
-      rows.append(jaxbuf.EpisodeStep(
+      rows.append(
+        jaxbuf.EpisodeStep(
           obs=at(episode.observations, t),
           action=pad(episode.actions) if final else at(episode.actions, t),
-          reward=np.zeros_like(_held(episode.rewards[0])) if final
-          else _held(episode.rewards[t]),
+          reward=np.zeros_like(_held(episode.rewards[0])) if final else _held(episode.rewards[t]),
           terminated=np.bool_(False if final else episode.terminations[t]),
           truncated=np.bool_(False if final else episode.truncations[t]),
-          last=np.bool_(final)))
+          last=np.bool_(final),
+        )
+      )
   return jax.tree.map(lambda *xs: np.stack(xs), *rows)
 
 
 def _assert_trees_identical(given, expected):
   assert jax.tree.structure(given) == jax.tree.structure(expected)
   for path, a, b in zip(
-      [p for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]],
-      jax.tree.leaves(given), jax.tree.leaves(expected)):
+    [p for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]],
+    jax.tree.leaves(given),
+    jax.tree.leaves(expected),
+  ):
     a, b = np.asarray(a), np.asarray(b)
     name = jax.tree_util.keystr(path)
     assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
@@ -208,8 +222,7 @@ def _assert_same_episodes(given, expected):
   """Minari episodes equal bit for bit, dtypes included."""
   assert len(given) == len(expected)
   for a, b in zip(given, expected):
-    for field in ("observations", "actions", "rewards", "terminations",
-                  "truncations"):
+    for field in ("observations", "actions", "rewards", "terminations", "truncations"):
       _assert_trees_identical(getattr(a, field), getattr(b, field))
 
 
@@ -217,20 +230,21 @@ def _assert_same_episodes(given, expected):
 # compiles once per chunk shape, not once per test.
 CAPACITY = 512
 ITEM_KINDS = {
-    "uniform": functools.cache(jaxbuf.uniform_replay),
-    "prioritized": functools.cache(jaxbuf.prioritized_replay),
+  "uniform": functools.cache(jaxbuf.uniform_replay),
+  "prioritized": functools.cache(jaxbuf.prioritized_replay),
 }
 STREAM_KINDS = {
-    "sequence": functools.cache(lambda envs, capacity: jaxbuf.sequence_replay(
-        envs, capacity, sequence_length=2)),
-    "prioritized_sequence": functools.cache(
-        lambda envs, capacity: jaxbuf.prioritized_sequence_replay(
-            envs, capacity, sequence_length=2)),
-    # Pieces of up to 32 steps: every episode here (at most 26 steps with
-    # its final observation) is sampled whole.
-    "episode": functools.cache(
-        lambda envs, capacity: jaxbuf.episode_replay(
-            envs, capacity, max_episode_length=32)),
+  "sequence": functools.cache(
+    lambda envs, capacity: jaxbuf.sequence_replay(envs, capacity, sequence_length=2)
+  ),
+  "prioritized_sequence": functools.cache(
+    lambda envs, capacity: jaxbuf.prioritized_sequence_replay(envs, capacity, sequence_length=2)
+  ),
+  # Pieces of up to 32 steps: every episode here (at most 26 steps with
+  # its final observation) is sampled whole.
+  "episode": functools.cache(
+    lambda envs, capacity: jaxbuf.episode_replay(envs, capacity, max_episode_length=32)
+  ),
 }
 
 
@@ -247,8 +261,7 @@ def test_items_match_the_reference(datasets, name, kind):
   buffer = ITEM_KINDS[kind](CAPACITY)
   state = _load(dataset, buffer, chunk_size=64)  # several chunks
   assert int(state.size) == dataset.total_steps
-  held = jax.tree.map(lambda x: np.asarray(x)[:dataset.total_steps],
-                      state.storage)
+  held = jax.tree.map(lambda x: np.asarray(x)[: dataset.total_steps], state.storage)
   _assert_trees_identical(held, _reference_transitions(_episodes(dataset)))
 
 
@@ -263,8 +276,7 @@ def test_one_stream_matches_the_reference(datasets, name, kind):
   reference = _reference_stream(_episodes(dataset))
   held = jax.tree.map(lambda x: np.asarray(x)[0, :steps], state.storage)
   _assert_trees_identical(held, reference)
-  assert np.array_equal(np.asarray(state.episode_ends)[0, :steps],
-                        reference.last)
+  assert np.array_equal(np.asarray(state.episode_ends)[0, :steps], reference.last)
   assert bool(buffer.can_sample(state, 4))
 
 
@@ -280,8 +292,7 @@ def test_several_streams_hold_every_episode_once(datasets, kind):
   got = sorted(held, key=key)
   assert len(got) == len(expected)
   for a, b in zip(got, expected):
-    _assert_trees_identical(a.observations, jax.tree.map(_held,
-                                                         b.observations))
+    _assert_trees_identical(a.observations, jax.tree.map(_held, b.observations))
     _assert_trees_identical(a.truncations, b.truncations)
     _assert_trees_identical(a.terminations, b.terminations)
 
@@ -291,13 +302,15 @@ def test_several_streams_hold_every_episode_once(datasets, kind):
 @pytest.mark.parametrize("kind", [*ITEM_KINDS, *STREAM_KINDS])
 def test_minari_round_trip_is_bit_exact(datasets, name, kind, tmp_path):
   dataset = datasets[name]
-  buffer = (ITEM_KINDS[kind](CAPACITY) if kind in ITEM_KINDS
-            else STREAM_KINDS[kind](1, CAPACITY))
+  buffer = ITEM_KINDS[kind](CAPACITY) if kind in ITEM_KINDS else STREAM_KINDS[kind](1, CAPACITY)
   state = _load(dataset, buffer, chunk_size=64)
   written = jaxbuf.to_minari(
-      f"test/{name}/{kind}-{jax.config.jax_enable_x64:d}-v0", buffer, state,
-      observation_space=dataset.observation_space,
-      action_space=dataset.action_space)
+    f"test/{name}/{kind}-{jax.config.jax_enable_x64:d}-v0",
+    buffer,
+    state,
+    observation_space=dataset.observation_space,
+    action_space=dataset.action_space,
+  )
   loaded = minari.load_dataset(written.id)
   assert loaded.total_steps == dataset.total_steps
   _assert_same_episodes(_episodes(loaded), _episodes(dataset))
@@ -320,21 +333,25 @@ def test_terminations_and_truncations_are_kept_apart(datasets):
     assert np.array_equal(steps.obs[0, last], episode.observations[-1])
   # An n-step target bootstraps from a truncated episode's final observation
   # and not from a terminated one's.
-  truncated_end = next(last for episode, last in zip(episodes, lasts)
-                       if episode.truncations[-1]
-                       and not episode.terminations[-1])
+  truncated_end = next(
+    last
+    for episode, last in zip(episodes, lasts)
+    if episode.truncations[-1] and not episode.terminations[-1]
+  )
   window = slice(truncated_end - 2, truncated_end + 1)
   targets = jaxbuf.n_step_targets(
-      steps.reward[None, 0, window].astype(np.float32),
-      steps.terminated[None, 0, window], steps.last[None, 0, window], n=2,
-      gamma=0.5)
+    steps.reward[None, 0, window].astype(np.float32),
+    steps.terminated[None, 0, window],
+    steps.last[None, 0, window],
+    n=2,
+    gamma=0.5,
+  )
   assert targets.discounts.tolist() == [[0.25]]
   assert targets.next_index.tolist() == [[2]]
 
 
 @pytest.mark.parametrize("kind", ["uniform", "sequence"])
-def test_a_dataset_larger_than_the_buffer_keeps_its_newest_whole_episodes(
-    datasets, kind):
+def test_a_dataset_larger_than_the_buffer_keeps_its_newest_whole_episodes(datasets, kind):
   dataset = datasets["cartpole"]
   episodes = _episodes(dataset)
   lengths = [len(e.rewards) for e in episodes]
@@ -353,8 +370,9 @@ def test_a_dataset_larger_than_the_buffer_keeps_its_newest_whole_episodes(
 
 def _as_held(episode):
   """A Minari episode as `held_episodes` gives it: JAX's dtypes."""
-  return jaxbuf.Episode(*(jax.tree.map(_held, getattr(episode, field))
-                          for field in jaxbuf.Episode._fields))
+  return jaxbuf.Episode(
+    *(jax.tree.map(_held, getattr(episode, field)) for field in jaxbuf.Episode._fields)
+  )
 
 
 def _by_rewards(episodes):
@@ -364,12 +382,12 @@ def _by_rewards(episodes):
 
 
 def _identical(given, expected):
-  return (jax.tree.structure(given) == jax.tree.structure(expected)
-          and all(np.asarray(a).dtype == np.asarray(b).dtype
-                  and np.asarray(a).shape == np.asarray(b).shape
-                  and np.asarray(a).tobytes() == np.asarray(b).tobytes()
-                  for a, b in zip(jax.tree.leaves(given),
-                                  jax.tree.leaves(expected))))
+  return jax.tree.structure(given) == jax.tree.structure(expected) and all(
+    np.asarray(a).dtype == np.asarray(b).dtype
+    and np.asarray(a).shape == np.asarray(b).shape
+    and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    for a, b in zip(jax.tree.leaves(given), jax.tree.leaves(expected))
+  )
 
 
 def test_episode_replay_samples_the_loaded_episodes_whole(datasets):
@@ -382,16 +400,13 @@ def test_episode_replay_samples_the_loaded_episodes_whole(datasets):
   lengths = np.asarray(sample.lengths)
   drawn = set()
   for row, length in enumerate(lengths.tolist()):
-    piece = jax.tree.map(lambda x, row=row, length=length: x[row, :length],
-                         items)
-    matches = [i for i, stream in enumerate(streams)
-               if _identical(piece, stream)]
+    piece = jax.tree.map(lambda x, row=row, length=length: x[row, :length], items)
+    matches = [i for i, stream in enumerate(streams) if _identical(piece, stream)]
     assert len(matches) == 1, row
     drawn.update(matches)
   assert drawn == set(range(len(streams)))
   assert not np.asarray(sample.continues).any()
-  assert np.array_equal(np.asarray(sample.mask),
-                        np.arange(32)[None] < lengths[:, None])
+  assert np.array_equal(np.asarray(sample.mask), np.arange(32)[None] < lengths[:, None])
 
 
 def test_hindsight_replay_holds_the_goal_episodes_exactly(datasets):
@@ -403,28 +418,32 @@ def test_hindsight_replay_holds_the_goal_episodes_exactly(datasets):
   state = _load(dataset, buffer, chunk_size=64)
   steps = dataset.total_steps + dataset.total_episodes
   _assert_trees_identical(
-      jax.tree.map(lambda x: np.asarray(x)[0, :steps], state.storage),
-      _reference_stream(episodes))
+    jax.tree.map(lambda x: np.asarray(x)[0, :steps], state.storage), _reference_stream(episodes)
+  )
   # Transitions (t, t + 1) of one episode; goals relabelled from it.
   transitions = {}
   for number, episode in enumerate(episodes):
     for t in range(len(episode.rewards)):
-      transitions[episode.observations["observation"][t].tobytes(),
-                  episode.observations["observation"][t + 1].tobytes()] = (
-                      number)
+      transitions[
+        episode.observations["observation"][t].tobytes(),
+        episode.observations["observation"][t + 1].tobytes(),
+      ] = number
   sample = buffer.sample(state, jax.random.key(0), 256)
   items = jax.tree.map(np.asarray, sample.items)
   for row in range(256):
-    number = transitions[items.obs["observation"][row].tobytes(),
-                         items.next_obs["observation"][row].tobytes()]
+    number = transitions[
+      items.obs["observation"][row].tobytes(), items.next_obs["observation"][row].tobytes()
+    ]
     if sample.relabelled[row]:
       goals = episodes[number].observations["achieved_goal"]
-      assert any(np.array_equal(items.obs["desired_goal"][row], goal)
-                 for goal in goals)
+      assert any(np.array_equal(items.obs["desired_goal"][row], goal) for goal in goals)
   written = jaxbuf.to_minari(
-      "test/goal/hindsight-v0", buffer, state,
-      observation_space=dataset.observation_space,
-      action_space=dataset.action_space)
+    "test/goal/hindsight-v0",
+    buffer,
+    state,
+    observation_space=dataset.observation_space,
+    action_space=dataset.action_space,
+  )
   _assert_same_episodes(_episodes(minari.load_dataset(written.id)), episodes)
 
 
@@ -446,11 +465,13 @@ def test_sharded_stream_buffers_hold_the_episodes_exactly(datasets, kind):
   _assert_same_episodes(held, [_as_held(episode) for episode in expected])
   assert buffer.sample(state, jax.random.key(0), 8).items.reward.shape[0] == 8
   written = jaxbuf.to_minari(
-      f"test/dict/sharded-{kind}-v0", buffer, state,
-      observation_space=dataset.observation_space,
-      action_space=dataset.action_space)
-  _assert_same_episodes(
-      _by_rewards(_episodes(minari.load_dataset(written.id))), expected)
+    f"test/dict/sharded-{kind}-v0",
+    buffer,
+    state,
+    observation_space=dataset.observation_space,
+    action_space=dataset.action_space,
+  )
+  _assert_same_episodes(_by_rewards(_episodes(minari.load_dataset(written.id))), expected)
 
 
 @devices.needs(4)
@@ -465,25 +486,31 @@ def test_sharded_item_replay_holds_the_newest_episodes_exactly(datasets):
   buffer = jaxbuf.sharded(jaxbuf.uniform_replay(newest(count)), MESH)
   state = _load(dataset, buffer, chunk_size=8)
   joined = type(state).joined(jax.device_get(state))
-  _assert_trees_identical(jax.tree.map(np.asarray, joined.storage),
-                          _reference_transitions(episodes[-count:]))
-  _assert_same_episodes(jaxbuf.held_episodes(buffer, state),
-                        [_as_held(e) for e in episodes[-count:]])
+  _assert_trees_identical(
+    jax.tree.map(np.asarray, joined.storage), _reference_transitions(episodes[-count:])
+  )
+  _assert_same_episodes(
+    jaxbuf.held_episodes(buffer, state), [_as_held(e) for e in episodes[-count:]]
+  )
   written = jaxbuf.to_minari(
-      "test/dict/sharded-uniform-v0", buffer, state,
-      observation_space=dataset.observation_space,
-      action_space=dataset.action_space)
-  _assert_same_episodes(_episodes(minari.load_dataset(written.id)),
-                        episodes[-count:])
+    "test/dict/sharded-uniform-v0",
+    buffer,
+    state,
+    observation_space=dataset.observation_space,
+    action_space=dataset.action_space,
+  )
+  _assert_same_episodes(_episodes(minari.load_dataset(written.id)), episodes[-count:])
   # Room for episodes that do not split evenly (and not for one more):
   # refused before anything is added.
-  count = next(k for k in range(1, len(lengths))
-               if newest(k) % 4 and lengths[-k - 1] > -newest(k) % 4)
-  buffer = jaxbuf.sharded(jaxbuf.uniform_replay(newest(count)
-                                                + -newest(count) % 4), MESH)
+  count = next(
+    k for k in range(1, len(lengths)) if newest(k) % 4 and lengths[-k - 1] > -newest(k) % 4
+  )
+  buffer = jaxbuf.sharded(jaxbuf.uniform_replay(newest(count) + -newest(count) % 4), MESH)
   state = buffer.init(jaxbuf.offline_example(dataset, buffer))
-  with pytest.raises(ValueError, match=f"loads a multiple of 4 transitions; "
-                     f"the newest episodes that fit hold {newest(count)}"):
+  with pytest.raises(
+    ValueError,
+    match=f"loads a multiple of 4 transitions; the newest episodes that fit hold {newest(count)}",
+  ):
     jaxbuf.from_minari(dataset, buffer, state)
   assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
@@ -493,14 +520,16 @@ def test_a_stream_kind_that_ignores_the_last_leaf_is_refused(datasets):
 
   def add_without_ends(state, steps, mask=None):
     # As a kind whose add does not read `last`: no episode end recorded.
-    return inner.add(state, steps._replace(last=np.zeros_like(steps.last)),
-                     mask)
+    return inner.add(state, steps._replace(last=np.zeros_like(steps.last)), mask)
 
   buffer = inner._replace(add=add_without_ends)
   state = buffer.init(jaxbuf.offline_example(datasets["dict"], buffer))
-  with pytest.raises(ValueError, match="recorded 0 episode ends in the .* "
-                     "steps written to env 0, where 10 episodes were added: "
-                     "its add does not read the steps' `last` leaf"):
+  with pytest.raises(
+    ValueError,
+    match="recorded 0 episode ends in the .* "
+    "steps written to env 0, where 10 episodes were added: "
+    "its add does not read the steps' `last` leaf",
+  ):
     jaxbuf.from_minari(datasets["dict"], buffer, state)
   assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
@@ -509,51 +538,64 @@ def test_a_stream_kind_that_ignores_the_last_leaf_is_refused(datasets):
 def test_rlds_steps_round_trip_and_match_minari(datasets):
   episodes = _episodes(datasets["dict"])
   steps = {
-      "observation": jax.tree.map(lambda *xs: np.concatenate(xs),
-                                  *[e.observations for e in episodes]),
-      "action": jax.tree.map(
-          lambda *xs: np.concatenate(xs),
-          *[jax.tree.map(lambda x: np.concatenate([x, np.zeros_like(x[:1])]),
-                         e.actions) for e in episodes]),
-      "reward": np.concatenate([np.append(e.rewards, 0.0) for e in episodes]),
-      "is_first": np.concatenate([np.arange(len(e.rewards) + 1) == 0
-                                  for e in episodes]),
-      "is_last": np.concatenate([np.arange(len(e.rewards) + 1)
-                                 == len(e.rewards) for e in episodes]),
-      "is_terminal": np.concatenate([
-          np.append(np.zeros(len(e.rewards), bool), e.terminations[-1])
-          for e in episodes]),
-      "discount": np.ones(sum(len(e.rewards) + 1 for e in episodes)),
+    "observation": jax.tree.map(
+      lambda *xs: np.concatenate(xs), *[e.observations for e in episodes]
+    ),
+    "action": jax.tree.map(
+      lambda *xs: np.concatenate(xs),
+      *[
+        jax.tree.map(lambda x: np.concatenate([x, np.zeros_like(x[:1])]), e.actions)
+        for e in episodes
+      ],
+    ),
+    "reward": np.concatenate([np.append(e.rewards, 0.0) for e in episodes]),
+    "is_first": np.concatenate([np.arange(len(e.rewards) + 1) == 0 for e in episodes]),
+    "is_last": np.concatenate([np.arange(len(e.rewards) + 1) == len(e.rewards) for e in episodes]),
+    "is_terminal": np.concatenate(
+      [np.append(np.zeros(len(e.rewards), bool), e.terminations[-1]) for e in episodes]
+    ),
+    "discount": np.ones(sum(len(e.rewards) + 1 for e in episodes)),
   }
-  for buffer in (ITEM_KINDS["uniform"](CAPACITY),
-                 STREAM_KINDS["sequence"](1, CAPACITY)):
+  for buffer in (ITEM_KINDS["uniform"](CAPACITY), STREAM_KINDS["sequence"](1, CAPACITY)):
     state = jaxbuf.from_rlds_steps(
-        steps, buffer, buffer.init(jaxbuf.offline_example(steps, buffer)),
-        chunk_size=64)
+      steps, buffer, buffer.init(jaxbuf.offline_example(steps, buffer)), chunk_size=64
+    )
     from_minari = _load(datasets["dict"], buffer, chunk_size=64).storage
     # RLDS has no word for an episode both terminated and truncated (a
     # termination on the TimeLimit's step): it reads as terminated.
-    from_minari = from_minari._replace(
-        truncated=from_minari.truncated & ~from_minari.terminated)
+    from_minari = from_minari._replace(truncated=from_minari.truncated & ~from_minari.terminated)
     _assert_trees_identical(state.storage, from_minari)
     back = jaxbuf.to_rlds_steps(buffer, state)
-    expected = {key: jax.tree.map(_held, value) for key, value in
-                steps.items() if key != "discount"}
+    expected = {
+      key: jax.tree.map(_held, value) for key, value in steps.items() if key != "discount"
+    }
     _assert_trees_identical(back, expected)
 
 
 def test_item_replay_refuses_items_out_of_episode_order():
   buffer = jaxbuf.uniform_replay(8)
-  item = jaxbuf.Transition(obs=np.zeros(2, np.float32), action=np.int32(0),
-                           reward=np.float32(0), next_obs=np.zeros(2, np.float32),
-                           terminated=np.bool_(False), truncated=np.bool_(False))
+  item = jaxbuf.Transition(
+    obs=np.zeros(2, np.float32),
+    action=np.int32(0),
+    reward=np.float32(0),
+    next_obs=np.zeros(2, np.float32),
+    terminated=np.bool_(False),
+    truncated=np.bool_(False),
+  )
   state = buffer.init(item)
   # Two envs stepping together: obs 0 -> 1 and obs 10 -> 11, interleaved.
   obs = np.array([[0, 0], [10, 10], [1, 1], [11, 11]], np.float32)
-  state = buffer.add(state, item._replace(
-      obs=obs, next_obs=obs + 1, action=np.zeros(4, np.int32),
-      reward=np.zeros(4, np.float32), terminated=np.array([0, 0, 1, 1], bool),
-      truncated=np.zeros(4, bool)))
+  state = buffer.add(
+    state,
+    item._replace(
+      obs=obs,
+      next_obs=obs + 1,
+      action=np.zeros(4, np.int32),
+      reward=np.zeros(4, np.float32),
+      terminated=np.array([0, 0, 1, 1], bool),
+      truncated=np.zeros(4, bool),
+    ),
+  )
   with pytest.raises(ValueError, match="not in episode order"):
     jaxbuf.held_episodes(buffer, state)
 
@@ -564,9 +606,11 @@ def test_item_replay_refuses_items_out_of_episode_order():
 def _write(name, episodes, observation_space, action_space):
   """A Minari dataset of `episodes` (dicts), one per name and 64-bit mode."""
   return minari.create_dataset_from_buffers(
-      f"test/bad/{name}{64 if jax.config.jax_enable_x64 else 32}-v0",
-      [EpisodeBuffer(**episode) for episode in episodes],
-      observation_space=observation_space, action_space=action_space)
+    f"test/bad/{name}{64 if jax.config.jax_enable_x64 else 32}-v0",
+    [EpisodeBuffer(**episode) for episode in episodes],
+    observation_space=observation_space,
+    action_space=action_space,
+  )
 
 
 def _box(shape):
@@ -575,11 +619,14 @@ def _box(shape):
 
 def _episode(num_steps, *, actions=None, observations=None):
   return dict(
-      observations=(np.zeros((num_steps + 1, 3), np.float32)
-                    if observations is None else observations),
-      actions=(np.zeros(num_steps, np.int64) if actions is None else actions),
-      rewards=np.ones(num_steps), terminations=np.arange(num_steps)
-      == num_steps - 1, truncations=np.zeros(num_steps, bool))
+    observations=(
+      np.zeros((num_steps + 1, 3), np.float32) if observations is None else observations
+    ),
+    actions=(np.zeros(num_steps, np.int64) if actions is None else actions),
+    rewards=np.ones(num_steps),
+    terminations=np.arange(num_steps) == num_steps - 1,
+    truncations=np.zeros(num_steps, bool),
+  )
 
 
 def _assert_refused_and_deleted(dataset, buffer, match, **kwargs):
@@ -595,55 +642,64 @@ def test_spaces_that_do_not_match_the_example_are_refused(datasets):
   dataset = datasets["cartpole"]
   buffer = jaxbuf.uniform_replay(64)
   wrong_shape = jaxbuf.Transition(
-      obs=np.zeros(5, np.float32), action=np.int32(0), reward=np.float32(0),
-      next_obs=np.zeros(5, np.float32), terminated=np.bool_(False),
-      truncated=np.bool_(False))
+    obs=np.zeros(5, np.float32),
+    action=np.int32(0),
+    reward=np.float32(0),
+    next_obs=np.zeros(5, np.float32),
+    terminated=np.bool_(False),
+    truncated=np.bool_(False),
+  )
   with pytest.raises(ValueError, match=r"observations: .*shape \(4,\).*\(5,\)"):
     jaxbuf.from_minari(dataset, buffer, buffer.init(wrong_shape))
-  wrong_dtype = wrong_shape._replace(obs=np.zeros(4, np.float16),
-                                     next_obs=np.zeros(4, np.float16))
+  wrong_dtype = wrong_shape._replace(obs=np.zeros(4, np.float16), next_obs=np.zeros(4, np.float16))
   with pytest.raises(TypeError, match="observations: .*float32.*float16"):
     jaxbuf.from_minari(dataset, buffer, buffer.init(wrong_dtype))
   with pytest.raises(ValueError, match="structure"):
-    jaxbuf.from_minari(datasets["dict"], buffer,
-                       buffer.init(jaxbuf.offline_example(dataset, buffer)))
+    jaxbuf.from_minari(
+      datasets["dict"], buffer, buffer.init(jaxbuf.offline_example(dataset, buffer))
+    )
   with pytest.raises(TypeError, match="jaxbuf.Transition"):
     jaxbuf.from_minari(dataset, buffer, buffer.init({"obs": np.zeros(4)}))
 
 
 def test_inconsistent_lengths_are_refused(datasets):
   del datasets  # sets MINARI_DATASETS_PATH
-  dataset = _write("lengths",
-                   [_episode(3), _episode(4, actions=np.zeros(3, np.int64))],
-                   _box((3,)), gymnasium.spaces.Discrete(2))
+  dataset = _write(
+    "lengths",
+    [_episode(3), _episode(4, actions=np.zeros(3, np.int64))],
+    _box((3,)),
+    gymnasium.spaces.Discrete(2),
+  )
   _assert_refused_and_deleted(
-      dataset, jaxbuf.uniform_replay(64),
-      "episode 1 of .*inconsistent lengths.*'actions': 3")
+    dataset, jaxbuf.uniform_replay(64), "episode 1 of .*inconsistent lengths.*'actions': 3"
+  )
 
 
 @x64_too
 def test_nan_where_the_dtype_says_integer_is_refused(datasets):
   del datasets  # sets MINARI_DATASETS_PATH
   actions = np.array([0.0, np.nan, 1.0])
-  dataset = _write("nan", [_episode(2), _episode(3, actions=actions)],
-                   _box((3,)), gymnasium.spaces.Discrete(2))
+  dataset = _write(
+    "nan", [_episode(2), _episode(3, actions=actions)], _box((3,)), gymnasium.spaces.Discrete(2)
+  )
   _assert_refused_and_deleted(
-      dataset, jaxbuf.sequence_replay(1, 64, sequence_length=2),
-      r"actions: nan at step 1 of episode 1 of .*, where the dtype is int",
-      chunk_size=2)
+    dataset,
+    jaxbuf.sequence_replay(1, 64, sequence_length=2),
+    r"actions: nan at step 1 of episode 1 of .*, where the dtype is int",
+    chunk_size=2,
+  )
 
 
 @x64_too
 def test_a_value_not_kept_exactly_is_refused(datasets):
   del datasets  # sets MINARI_DATASETS_PATH
-  dataset = _write("big",
-                   [_episode(2, actions=np.array([0, 2**40]))],
-                   _box((3,)), gymnasium.spaces.Discrete(2))
+  dataset = _write(
+    "big", [_episode(2, actions=np.array([0, 2**40]))], _box((3,)), gymnasium.spaces.Discrete(2)
+  )
   buffer = jaxbuf.uniform_replay(8)
   state = buffer.init(jaxbuf.offline_example(dataset, buffer))
   if jax.config.jax_enable_x64:
-    assert int(jaxbuf.from_minari(dataset, buffer, state).storage.action[1]) \
-        == 2**40
+    assert int(jaxbuf.from_minari(dataset, buffer, state).storage.action[1]) == 2**40
   else:
     with pytest.raises(ValueError, match="actions: .* at step 1 .* int32"):
       jaxbuf.from_minari(dataset, buffer, state)
@@ -653,20 +709,19 @@ def test_an_episode_end_in_the_middle_is_refused(datasets):
   del datasets  # sets MINARI_DATASETS_PATH
   episode = _episode(3)
   episode["truncations"] = np.array([False, True, False])
-  dataset = _write("middle", [episode], _box((3,)),
-                   gymnasium.spaces.Discrete(2))
-  _assert_refused_and_deleted(dataset, jaxbuf.uniform_replay(8),
-                              "ends at step 1 of 3")
+  dataset = _write("middle", [episode], _box((3,)), gymnasium.spaces.Discrete(2))
+  _assert_refused_and_deleted(dataset, jaxbuf.uniform_replay(8), "ends at step 1 of 3")
 
 
 def test_an_episode_without_an_end_is_refused(datasets):
   del datasets  # sets MINARI_DATASETS_PATH
   episode = dict(_episode(3), terminations=np.zeros(3, bool))
-  dataset = _write("noend", [episode], _box((3,)),
-                   gymnasium.spaces.Discrete(2))
+  dataset = _write("noend", [episode], _box((3,)), gymnasium.spaces.Discrete(2))
   _assert_refused_and_deleted(
-      dataset, jaxbuf.uniform_replay(8), "episode 0 of .* ends with neither "
-      "a termination nor a truncation on its last step")
+    dataset,
+    jaxbuf.uniform_replay(8),
+    "episode 0 of .* ends with neither a termination nor a truncation on its last step",
+  )
 
 
 @pytest.mark.parametrize("chunk_size", [0, 2.5])
@@ -674,14 +729,12 @@ def test_a_bad_chunk_size_is_refused(datasets, chunk_size):
   buffer = ITEM_KINDS["uniform"](CAPACITY)
   state = buffer.init(jaxbuf.offline_example(datasets["cartpole"], buffer))
   with pytest.raises(ValueError, match="chunk_size must be a positive int"):
-    jaxbuf.from_minari(datasets["cartpole"], buffer, state,
-                       chunk_size=chunk_size)
+    jaxbuf.from_minari(datasets["cartpole"], buffer, state, chunk_size=chunk_size)
   assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 
 def test_a_buffer_that_holds_no_items_or_streams_is_refused(datasets):
-  with pytest.raises(TypeError, match="offline_example: the buffer has no "
-                     "kind"):
+  with pytest.raises(TypeError, match="offline_example: the buffer has no kind"):
     jaxbuf.offline_example(datasets["cartpole"], jaxbuf.rollout_buffer(4, 2))
 
 
@@ -689,22 +742,23 @@ def test_writing_a_state_without_a_whole_episode_is_refused(datasets):
   dataset = datasets["cartpole"]
   buffer = STREAM_KINDS["sequence"](1, CAPACITY)
   state = buffer.init(jaxbuf.offline_example(dataset, buffer))
-  with pytest.raises(ValueError, match="to_minari: the state holds no whole "
-                     "episode to write"):
-    jaxbuf.to_minari("test/bad/empty-v0", buffer, state,
-                     observation_space=dataset.observation_space,
-                     action_space=dataset.action_space)
+  with pytest.raises(ValueError, match="to_minari: the state holds no whole episode to write"):
+    jaxbuf.to_minari(
+      "test/bad/empty-v0",
+      buffer,
+      state,
+      observation_space=dataset.observation_space,
+      action_space=dataset.action_space,
+    )
   assert "test/bad/empty-v0" not in minari.list_local_datasets()
-  with pytest.raises(ValueError, match="to_rlds_steps: the state holds no "
-                     "whole episode"):
+  with pytest.raises(ValueError, match="to_rlds_steps: the state holds no whole episode"):
     jaxbuf.to_rlds_steps(buffer, state)
 
 
 def test_a_missing_dataset_is_named(tmp_path, monkeypatch):
   monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path))
   buffer = jaxbuf.uniform_replay(8)
-  with pytest.raises(FileNotFoundError, match="no Minari dataset "
-                     "'test/missing-v0'"):
+  with pytest.raises(FileNotFoundError, match="no Minari dataset 'test/missing-v0'"):
     jaxbuf.from_minari("test/missing-v0", buffer, None)
 
 
@@ -715,22 +769,29 @@ def test_a_buffer_too_small_for_the_newest_episode_is_refused(datasets):
     jaxbuf.from_minari(datasets["cartpole"], buffer, state)
 
 
-@pytest.mark.parametrize("change, message", [
+@pytest.mark.parametrize(
+  "change, message",
+  [
     (lambda s: s.update(is_first=np.zeros(4, bool)), "is_first: step 0"),
     (lambda s: s.update(is_last=np.array([0, 0, 0, 0], bool)), "is_last"),
-    (lambda s: s.update(is_terminal=np.array([1, 0, 0, 1], bool)),
-     "is_terminal: step 0"),
+    (lambda s: s.update(is_terminal=np.array([1, 0, 0, 1], bool)), "is_terminal: step 0"),
     (lambda s: s.update(reward=np.zeros(3)), "inconsistent lengths"),
     (lambda s: s.pop("is_last"), r"lack \['is_last'\]"),
-    (lambda s: s.update({key: value[:0] for key, value in s.items()}),
-     "the dataset holds no episodes"),
-])
+    (
+      lambda s: s.update({key: value[:0] for key, value in s.items()}),
+      "the dataset holds no episodes",
+    ),
+  ],
+)
 def test_broken_rlds_steps_are_refused(change, message):
-  steps = {"observation": np.zeros((4, 2), np.float32),
-           "action": np.zeros(4, np.int32), "reward": np.zeros(4, np.float32),
-           "is_first": np.array([1, 0, 1, 0], bool),
-           "is_last": np.array([0, 1, 0, 1], bool),
-           "is_terminal": np.array([0, 1, 0, 0], bool)}
+  steps = {
+    "observation": np.zeros((4, 2), np.float32),
+    "action": np.zeros(4, np.int32),
+    "reward": np.zeros(4, np.float32),
+    "is_first": np.array([1, 0, 1, 0], bool),
+    "is_last": np.array([0, 1, 0, 1], bool),
+    "is_terminal": np.array([0, 1, 0, 0], bool),
+  }
   buffer = jaxbuf.uniform_replay(8)
   state = buffer.init(jaxbuf.offline_example(steps, buffer))
   change(steps)
@@ -743,46 +804,52 @@ def test_rounding_floats_is_opt_in(datasets):
   del datasets  # sets MINARI_DATASETS_PATH
   rewards = np.array([0.1, 0.2])
   episode = dict(_episode(2), rewards=rewards)
-  dataset = _write("round", [episode], _box((3,)),
-                   gymnasium.spaces.Discrete(2))
+  dataset = _write("round", [episode], _box((3,)), gymnasium.spaces.Discrete(2))
   buffer = jaxbuf.uniform_replay(8)
   example = jaxbuf.offline_example(dataset, buffer)
   if jax.config.jax_enable_x64:
     state = jaxbuf.from_minari(dataset, buffer, buffer.init(example))
     assert np.asarray(state.storage.reward)[:2].tolist() == [0.1, 0.2]
     return
-  with pytest.raises(ValueError, match="rewards: .*0.1.* at step 0 .* not kept "
-                     "exactly as float32.*round_floats=True"):
+  with pytest.raises(
+    ValueError, match="rewards: .*0.1.* at step 0 .* not kept exactly as float32.*round_floats=True"
+  ):
     jaxbuf.from_minari(dataset, buffer, buffer.init(example))
-  state = jaxbuf.from_minari(dataset, buffer, buffer.init(example),
-                             round_floats=True)
-  assert np.asarray(state.storage.reward)[:2].tolist() == (
-      rewards.astype(np.float32).tolist())
+  state = jaxbuf.from_minari(dataset, buffer, buffer.init(example), round_floats=True)
+  assert np.asarray(state.storage.reward)[:2].tolist() == (rewards.astype(np.float32).tolist())
 
 
-def test_writing_refuses_an_existing_id_and_leaves_nothing_half_written(
-    datasets):
+def test_writing_refuses_an_existing_id_and_leaves_nothing_half_written(datasets):
   dataset = datasets["cartpole"]
   buffer = ITEM_KINDS["uniform"](CAPACITY)
   state = _load(dataset, buffer, chunk_size=64)
   with pytest.raises(FileExistsError, match="exists already"):
-    jaxbuf.to_minari(dataset.id, buffer, state,
-                     observation_space=dataset.observation_space,
-                     action_space=dataset.action_space)
+    jaxbuf.to_minari(
+      dataset.id,
+      buffer,
+      state,
+      observation_space=dataset.observation_space,
+      action_space=dataset.action_space,
+    )
   assert minari.load_dataset(dataset.id).total_steps == dataset.total_steps
   # Actions beyond the space's dtype (int8) fail at the first episode.
   dataset_id = f"test/bad/write{64 if jax.config.jax_enable_x64 else 32}-v0"
-  state = state.replace(storage=state.storage._replace(
-      action=state.storage.action * 0 + 300))
-  with pytest.raises(ValueError, match="actions: 300 at step 0 of episode 0 "
-                     "of the state is not kept exactly as int8"):
-    jaxbuf.to_minari(dataset_id, buffer, state,
-                     observation_space=dataset.observation_space,
-                     action_space=gymnasium.spaces.Discrete(2, dtype=np.int8))
+  state = state.replace(storage=state.storage._replace(action=state.storage.action * 0 + 300))
+  with pytest.raises(
+    ValueError, match="actions: 300 at step 0 of episode 0 of the state is not kept exactly as int8"
+  ):
+    jaxbuf.to_minari(
+      dataset_id,
+      buffer,
+      state,
+      observation_space=dataset.observation_space,
+      action_space=gymnasium.spaces.Discrete(2, dtype=np.int8),
+    )
   assert dataset_id not in minari.list_local_datasets()
 
 
 # --- Issue 35: loading into a state that holds data, writing back all of it ---
+
 
 def _goal_obs(values):
   values = np.asarray(values, np.float32)[:, None]
@@ -794,23 +861,26 @@ def _rlds(episodes):
   termination), obs dicts in the GoalEnv layout."""
   observations = [value for episode in episodes for value in episode]
   firsts = [step == 0 for episode in episodes for step in range(len(episode))]
-  lasts = [step == len(episode) - 1 for episode in episodes
-           for step in range(len(episode))]
+  lasts = [step == len(episode) - 1 for episode in episodes for step in range(len(episode))]
   count = len(observations)
-  return {"observation": _goal_obs(observations),
-          "action": np.zeros(count, np.int32), "reward": np.zeros(count, np.float32),
-          "is_first": np.array(firsts), "is_last": np.array(lasts),
-          "is_terminal": np.array(lasts)}
+  return {
+    "observation": _goal_obs(observations),
+    "action": np.zeros(count, np.int32),
+    "reward": np.zeros(count, np.float32),
+    "is_first": np.array(firsts),
+    "is_last": np.array(lasts),
+    "is_terminal": np.array(lasts),
+  }
 
 
 HELD_DATA_KINDS = {  # capacity -> a buffer of one env
-    "sequence": lambda capacity=16: jaxbuf.sequence_replay(1, capacity, 2),
-    "prioritized_sequence": lambda capacity=16: jaxbuf.prioritized_sequence_replay(
-        1, capacity, 2),
-    "episode": lambda capacity=16: jaxbuf.episode_replay(1, capacity, 4),
-    "frame_stack": lambda capacity=16: jaxbuf.frame_stack_replay(1, capacity, 2),
-    "hindsight": lambda capacity=16: jaxbuf.hindsight_replay(
-        1, capacity, lambda a, d: -jnp.abs(a - d).sum(-1).astype(jnp.float32)),
+  "sequence": lambda capacity=16: jaxbuf.sequence_replay(1, capacity, 2),
+  "prioritized_sequence": lambda capacity=16: jaxbuf.prioritized_sequence_replay(1, capacity, 2),
+  "episode": lambda capacity=16: jaxbuf.episode_replay(1, capacity, 4),
+  "frame_stack": lambda capacity=16: jaxbuf.frame_stack_replay(1, capacity, 2),
+  "hindsight": lambda capacity=16: jaxbuf.hindsight_replay(
+    1, capacity, lambda a, d: -jnp.abs(a - d).sum(-1).astype(jnp.float32)
+  ),
 }
 DATASET = _rlds([[10, 11, 12, 13, 14], [15, 16, 17, 18]])
 
@@ -819,11 +889,17 @@ def _user_steps(buffer, state, values, *, last):
   """The user's own steps of one env, obs `values`, `last` on the final one
   when `last`."""
   count = len(values)
-  return buffer.add(state, jaxbuf.EpisodeStep(
+  return buffer.add(
+    state,
+    jaxbuf.EpisodeStep(
       obs=jax.tree.map(lambda x: x[None], _goal_obs(values)),
-      action=np.zeros((1, count), np.int32), reward=np.zeros((1, count), np.float32),
-      terminated=np.zeros((1, count), bool), truncated=np.zeros((1, count), bool),
-      last=(np.arange(count) == count - 1)[None] & last))
+      action=np.zeros((1, count), np.int32),
+      reward=np.zeros((1, count), np.float32),
+      terminated=np.zeros((1, count), bool),
+      truncated=np.zeros((1, count), bool),
+      last=(np.arange(count) == count - 1)[None] & last,
+    ),
+  )
 
 
 @pytest.mark.parametrize("kind", sorted(HELD_DATA_KINDS))
@@ -834,29 +910,39 @@ def test_loading_into_a_stream_with_a_running_episode_is_refused(kind):
   state = buffer.init(jaxbuf.offline_example(DATASET, buffer))
   state = _user_steps(buffer, state, [-1, -2, -3], last=False)
   before = jax.tree.map(np.array, state)
-  with pytest.raises(ValueError, match=r"from_rlds_steps: env 0 of the state "
-                     r"holds a running episode \(3 steps since its last episode "
-                     r"end\); .* Add its final step first .*nothing was added"):
+  with pytest.raises(
+    ValueError,
+    match=r"from_rlds_steps: env 0 of the state "
+    r"holds a running episode \(3 steps since its last episode "
+    r"end\); .* Add its final step first .*nothing was added",
+  ):
     jaxbuf.from_rlds_steps(DATASET, buffer, state)
   for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(before)):
     np.testing.assert_array_equal(np.asarray(got), want)
   # Ended by its final step, the user's episode and the dataset's stay apart.
   state = _user_steps(buffer, state, [-4], last=True)
   state = jaxbuf.from_rlds_steps(DATASET, buffer, state)
-  written = [episode.observations["observation"][:, 0].tolist()
-             for episode in jaxbuf.held_episodes(buffer, state)]
+  written = [
+    episode.observations["observation"][:, 0].tolist()
+    for episode in jaxbuf.held_episodes(buffer, state)
+  ]
   assert written == [[-1, -2, -3, -4], [10, 11, 12, 13, 14], [15, 16, 17, 18]]
 
 
 def _user_items(buffer, state, values, *, ended):
   count = len(values) - 1
   obs = _goal_obs(values)
-  return buffer.add(state, jaxbuf.Transition(
-      obs=jax.tree.map(lambda x: x[:-1], obs), action=np.zeros(count, np.int32),
+  return buffer.add(
+    state,
+    jaxbuf.Transition(
+      obs=jax.tree.map(lambda x: x[:-1], obs),
+      action=np.zeros(count, np.int32),
       reward=np.zeros(count, np.float32),
       next_obs=jax.tree.map(lambda x: x[1:], obs),
       terminated=(np.arange(count) == count - 1) & ended,
-      truncated=np.zeros(count, bool)))
+      truncated=np.zeros(count, bool),
+    ),
+  )
 
 
 def test_loading_into_items_with_a_running_episode_is_refused():
@@ -866,19 +952,25 @@ def test_loading_into_items_with_a_running_episode_is_refused():
   buffer = jaxbuf.uniform_replay(8)
   state = buffer.init(jaxbuf.offline_example(DATASET, buffer))
   state = _user_items(buffer, state, [-1, -2, -3], ended=False)
-  with pytest.raises(ValueError, match=r"from_rlds_steps: the state's newest item "
-                     r"\(slot 1\) neither terminated nor truncated: it holds a "
-                     r"running episode \(2 items since the last end\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"from_rlds_steps: the state's newest item "
+    r"\(slot 1\) neither terminated nor truncated: it holds a "
+    r"running episode \(2 items since the last end\)",
+  ):
     jaxbuf.from_rlds_steps(DATASET, buffer, state)
   assert int(state.size) == 2
   # The user's episode ended: the ring wraps onto its first item, and every
   # whole episode it holds is written back.
-  state = _user_items(buffer, buffer.init(jaxbuf.offline_example(DATASET, buffer)),
-                      [-1, -2, -3], ended=True)
+  state = _user_items(
+    buffer, buffer.init(jaxbuf.offline_example(DATASET, buffer)), [-1, -2, -3], ended=True
+  )
   state = jaxbuf.from_rlds_steps(DATASET, buffer, state)
   assert int(state.add_count) == 9
-  written = [episode.observations["observation"][:, 0].tolist()
-             for episode in jaxbuf.held_episodes(buffer, state)]
+  written = [
+    episode.observations["observation"][:, 0].tolist()
+    for episode in jaxbuf.held_episodes(buffer, state)
+  ]
   assert written == [[10, 11, 12, 13, 14], [15, 16, 17, 18]]
 
 
@@ -886,34 +978,44 @@ def test_writing_values_outside_the_spaces_is_refused(datasets):
   """Actions 0..2 were written under Discrete(2), observations 100..105
   under Box(-1, 1): Minari's own `contains` is False for them."""
   del datasets  # sets MINARI_DATASETS_PATH
-  steps = {"observation": np.arange(100, 106, dtype=np.float32)[:, None],
-           "action": np.array([0, 1, 2, 0, 0, 0], np.int32),
-           "reward": np.zeros(6, np.float32),
-           "is_first": np.array([1, 0, 0, 0, 0, 0], bool),
-           "is_last": np.array([0, 0, 0, 0, 0, 1], bool),
-           "is_terminal": np.array([0, 0, 0, 0, 0, 1], bool)}
+  steps = {
+    "observation": np.arange(100, 106, dtype=np.float32)[:, None],
+    "action": np.array([0, 1, 2, 0, 0, 0], np.int32),
+    "reward": np.zeros(6, np.float32),
+    "is_first": np.array([1, 0, 0, 0, 0, 0], bool),
+    "is_last": np.array([0, 0, 0, 0, 0, 1], bool),
+    "is_terminal": np.array([0, 0, 0, 0, 0, 1], bool),
+  }
   buffer = jaxbuf.sequence_replay(1, 16, 2)
-  state = jaxbuf.from_rlds_steps(
-      steps, buffer, buffer.init(jaxbuf.offline_example(steps, buffer)))
+  state = jaxbuf.from_rlds_steps(steps, buffer, buffer.init(jaxbuf.offline_example(steps, buffer)))
   dataset_id = f"test/bad/spaces{64 if jax.config.jax_enable_x64 else 32}-v0"
   cases = [
-      (_box((1,)), gymnasium.spaces.Discrete(3),
-       r"observations: \[100.0\] at step 0 of episode 0 of the state is not in "
-       r"the space Box\(-1.0, 1.0, \(1,\), float32\)"),
-      (gymnasium.spaces.Box(0, 200, (1,), np.float32), gymnasium.spaces.Discrete(2),
-       r"actions: 2 at step 2 of episode 0 of the state is not in the space "
-       r"Discrete\(2\)"),
+    (
+      _box((1,)),
+      gymnasium.spaces.Discrete(3),
+      r"observations: \[100.0\] at step 0 of episode 0 of the state is not in "
+      r"the space Box\(-1.0, 1.0, \(1,\), float32\)",
+    ),
+    (
+      gymnasium.spaces.Box(0, 200, (1,), np.float32),
+      gymnasium.spaces.Discrete(2),
+      r"actions: 2 at step 2 of episode 0 of the state is not in the space "
+      r"Discrete\(2\)",
+    ),
   ]
   for observation_space, action_space, match in cases:
     with pytest.raises(ValueError, match=match):
-      jaxbuf.to_minari(dataset_id, buffer, state,
-                       observation_space=observation_space,
-                       action_space=action_space)
+      jaxbuf.to_minari(
+        dataset_id, buffer, state, observation_space=observation_space, action_space=action_space
+      )
     assert dataset_id not in minari.list_local_datasets()
   written = jaxbuf.to_minari(
-      dataset_id, buffer, state,
-      observation_space=gymnasium.spaces.Box(100, 105, (1,), np.float32),
-      action_space=gymnasium.spaces.Discrete(3))
+    dataset_id,
+    buffer,
+    state,
+    observation_space=gymnasium.spaces.Box(100, 105, (1,), np.float32),
+    action_space=gymnasium.spaces.Discrete(3),
+  )
   episode = next(written.iterate_episodes())
   assert all(written.observation_space.contains(o) for o in episode.observations)
   assert all(written.action_space.contains(a) for a in episode.actions)
@@ -928,16 +1030,19 @@ def test_a_ring_that_wrapped_at_an_episode_start_writes_that_episode_back(kind):
   buffer = HELD_DATA_KINDS[kind](8)
   state = buffer.init(jaxbuf.offline_example(DATASET, buffer))
   for first in (0, 10, 20):
-    state = _user_steps(buffer, state, [first, first + 1, first + 2, first + 3],
-                        last=True)
-  written = [episode.observations["observation"][:, 0].tolist()
-             for episode in jaxbuf.held_episodes(buffer, state)]
+    state = _user_steps(buffer, state, [first, first + 1, first + 2, first + 3], last=True)
+  written = [
+    episode.observations["observation"][:, 0].tolist()
+    for episode in jaxbuf.held_episodes(buffer, state)
+  ]
   records_starts = kind in ("frame_stack", "hindsight")
   assert written == [[10, 11, 12, 13]] * records_starts + [[20, 21, 22, 23]]
   # One step more and the second episode is cut: never written.
   state = _user_steps(buffer, state, [30], last=False)
-  written = [episode.observations["observation"][:, 0].tolist()
-             for episode in jaxbuf.held_episodes(buffer, state)]
+  written = [
+    episode.observations["observation"][:, 0].tolist()
+    for episode in jaxbuf.held_episodes(buffer, state)
+  ]
   assert written == [[20, 21, 22, 23]]
 
 
@@ -945,15 +1050,22 @@ def test_a_ring_that_wrapped_at_an_episode_start_writes_that_episode_back(kind):
 def test_rlds_steps_of_another_rank_are_refused_before_the_first_add(field):
   """A reward [T, 1] raised NumPy's "could not broadcast input array from
   shape (3,1) into shape (3,)", with the state passed in deleted."""
-  steps = {"observation": np.zeros((3, 2), np.float32),
-           "action": np.zeros(3, np.int32), "reward": np.zeros(3, np.float32),
-           "is_first": np.array([1, 0, 0], bool), "is_last": np.array([0, 0, 1], bool),
-           "is_terminal": np.array([0, 0, 1], bool)}
+  steps = {
+    "observation": np.zeros((3, 2), np.float32),
+    "action": np.zeros(3, np.int32),
+    "reward": np.zeros(3, np.float32),
+    "is_first": np.array([1, 0, 0], bool),
+    "is_last": np.array([0, 0, 1], bool),
+    "is_terminal": np.array([0, 0, 1], bool),
+  }
   buffer = jaxbuf.sequence_replay(1, 8, 2)
   state = buffer.init(jaxbuf.offline_example(steps, buffer))
   steps[field] = steps[field][:, None]
-  with pytest.raises(ValueError, match=rf"from_rlds_steps: {field} has shape "
-                     rf"\(3, 1\); RLDS steps hold one scalar per step"):
+  with pytest.raises(
+    ValueError,
+    match=rf"from_rlds_steps: {field} has shape "
+    rf"\(3, 1\); RLDS steps hold one scalar per step",
+  ):
     jaxbuf.from_rlds_steps(steps, buffer, state)
   assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
@@ -968,19 +1080,30 @@ def test_a_load_that_fails_part_way_says_the_state_was_consumed(datasets):
   dataset = _write("consumed", episodes, _box((3,)), gymnasium.spaces.Discrete(2))
   buffer = jaxbuf.sequence_replay(1, 16, 2)
   state = buffer.init(jaxbuf.offline_example(dataset, buffer))
-  with pytest.raises(ValueError, match=r"not kept exactly as float32 .* The state "
-                     r"passed to from_minari was consumed \(its arrays are "
-                     r"deleted.*make a new one with buffer.init"):
+  with pytest.raises(
+    ValueError,
+    match=r"not kept exactly as float32 .* The state "
+    r"passed to from_minari was consumed \(its arrays are "
+    r"deleted.*make a new one with buffer.init",
+  ):
     jaxbuf.from_minari(dataset, buffer, state, chunk_size=3)
   donated = r"the state passed in was donated to an earlier call.*from_minari"
   with pytest.raises(ValueError, match="sample: " + donated):
     buffer.sample(state, jax.random.key(0), 2)
-  for call, name in ((lambda: jaxbuf.held_episodes(buffer, state), "held_episodes"),
-                     (lambda: jaxbuf.to_rlds_steps(buffer, state), "to_rlds_steps"),
-                     (lambda: jaxbuf.to_minari(
-                         "test/bad/consumed-out-v0", buffer, state,
-                         observation_space=_box((3,)),
-                         action_space=gymnasium.spaces.Discrete(2)), "to_minari"),
-                     (lambda: jaxbuf.from_minari(dataset, buffer, state), "from_minari")):
+  for call, name in (
+    (lambda: jaxbuf.held_episodes(buffer, state), "held_episodes"),
+    (lambda: jaxbuf.to_rlds_steps(buffer, state), "to_rlds_steps"),
+    (
+      lambda: jaxbuf.to_minari(
+        "test/bad/consumed-out-v0",
+        buffer,
+        state,
+        observation_space=_box((3,)),
+        action_space=gymnasium.spaces.Discrete(2),
+      ),
+      "to_minari",
+    ),
+    (lambda: jaxbuf.from_minari(dataset, buffer, state), "from_minari"),
+  ):
     with pytest.raises(ValueError, match=f"{name}: " + donated):
       call()

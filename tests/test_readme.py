@@ -25,6 +25,6 @@ def test_readme_has_runnable_blocks():
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda block: block.split("\n")[0][:40])
 def test_readme_python_block_runs(block):
   namespace = run_block(block)
-  if "def train_step" in block:   # the jitted train step: 3 adds of 8 items
+  if "def train_step" in block:  # the jitted train step: 3 adds of 8 items
     assert int(namespace["state"].size) == 24
     assert int(namespace["state"].beta_step) == 3

@@ -27,13 +27,13 @@ INT32_MAX = 2**31 - 1
 CHECK_FAILED = Exception
 UNIFORM = jaxbuf.uniform_replay(CAPACITY)
 PRIORITIZED = jaxbuf.prioritized_replay(CAPACITY, alpha=0.7, beta=0.5)
-CHECKED = {"uniform": jaxbuf.uniform_replay(CAPACITY, checked=True),
-           "prioritized": jaxbuf.prioritized_replay(CAPACITY, alpha=0.7, beta=0.5,
-                                                    checked=True)}
+CHECKED = {
+  "uniform": jaxbuf.uniform_replay(CAPACITY, checked=True),
+  "prioritized": jaxbuf.prioritized_replay(CAPACITY, alpha=0.7, beta=0.5, checked=True),
+}
 LONG_RUN = jaxbuf.prioritized_replay(100_003, alpha=1.0)
 SMALL_TREE = jaxbuf.prioritized_replay(70)
-SMALL_TREE_FULL = SMALL_TREE.add(SMALL_TREE.init(jnp.int32(0)),
-                                 jnp.arange(70, dtype=jnp.int32))
+SMALL_TREE_FULL = SMALL_TREE.add(SMALL_TREE.init(jnp.int32(0)), jnp.arange(70, dtype=jnp.int32))
 
 
 def snapshot(state):
@@ -57,15 +57,16 @@ def assert_raises_leaving_state_intact(call, owner, state, error, words):
 
 
 def example_item():
-  return {"obs": jnp.zeros(3, jnp.float32), "action": jnp.int32(0),
-          "reward": jnp.float32(0)}
+  return {"obs": jnp.zeros(3, jnp.float32), "action": jnp.int32(0), "reward": jnp.float32(0)}
 
 
 def make_items(start, count):
   serial = np.arange(start, start + count)
-  return {"obs": np.repeat(serial[:, None], 3, axis=1).astype(np.float32),
-          "action": serial.astype(np.int32),
-          "reward": serial.astype(np.float32) / 2}
+  return {
+    "obs": np.repeat(serial[:, None], 3, axis=1).astype(np.float32),
+    "action": serial.astype(np.int32),
+    "reward": serial.astype(np.float32) / 2,
+  }
 
 
 def filled(buffer, count=5):
@@ -79,8 +80,10 @@ def leaves_of(state):
 # --- Checked mode: every run-time violation raises, eagerly and under jit --------
 
 # Made once: each new buffer has new jitted functions, compiled afresh.
-SHORT_ROLLOUTS = {checked: jaxbuf.rollout_buffer(num_steps=2, num_envs=3, checked=checked)
-                  for checked in (False, True)}
+SHORT_ROLLOUTS = {
+  checked: jaxbuf.rollout_buffer(num_steps=2, num_envs=3, checked=checked)
+  for checked in (False, True)
+}
 ROLLOUT = jaxbuf.rollout_buffer(num_steps=4, num_envs=3)
 
 
@@ -93,27 +96,57 @@ def _rollout_full(checked):
 
 
 VIOLATIONS = {
-    # name: (kind, call(buffer, state), words in the message)
-    "sample empty uniform": ("uniform", lambda b, s: b.sample(
-        b.clear(s), jax.random.key(0), 4), "empty"),
-    "sample empty prioritized": ("prioritized", lambda b, s: b.sample(
-        b.clear(s), jax.random.key(0), 4), "empty"),
-    "NaN priority": ("prioritized", lambda b, s: b.update_priorities(
-        s, jnp.array([0, 1]), jnp.array([1.0, jnp.nan])), "finite"),
-    "inf priority": ("prioritized", lambda b, s: b.update_priorities(
-        s, jnp.array([0]), jnp.array([jnp.inf])), "finite"),
-    "negative priority": ("prioritized", lambda b, s: b.update_priorities(
-        s, jnp.array([0]), jnp.array([-0.5])), "non-negative"),
-    "index at an empty slot": ("prioritized", lambda b, s: b.update_priorities(
-        s, jnp.array([6]), jnp.array([1.0])), "items held"),
-    "index past capacity": ("prioritized", lambda b, s: b.update_priorities(
-        s, jnp.array([CAPACITY + 3]), jnp.array([1.0])), "items held"),
-    "negative index": ("prioritized", lambda b, s: b.update_priorities(
-        s, jnp.array([-1]), jnp.array([1.0])), "items held"),
-    "uint32 index 2**32-1": ("prioritized", lambda b, s: b.update_priorities(
-        s, jnp.array([2**32 - 1], jnp.uint32), jnp.array([1.0])), "items held"),
-    "uniform NaN priority": ("uniform", lambda b, s: b.update_priorities(
-        s, jnp.array([0]), jnp.array([jnp.nan])), "finite"),
+  # name: (kind, call(buffer, state), words in the message)
+  "sample empty uniform": (
+    "uniform",
+    lambda b, s: b.sample(b.clear(s), jax.random.key(0), 4),
+    "empty",
+  ),
+  "sample empty prioritized": (
+    "prioritized",
+    lambda b, s: b.sample(b.clear(s), jax.random.key(0), 4),
+    "empty",
+  ),
+  "NaN priority": (
+    "prioritized",
+    lambda b, s: b.update_priorities(s, jnp.array([0, 1]), jnp.array([1.0, jnp.nan])),
+    "finite",
+  ),
+  "inf priority": (
+    "prioritized",
+    lambda b, s: b.update_priorities(s, jnp.array([0]), jnp.array([jnp.inf])),
+    "finite",
+  ),
+  "negative priority": (
+    "prioritized",
+    lambda b, s: b.update_priorities(s, jnp.array([0]), jnp.array([-0.5])),
+    "non-negative",
+  ),
+  "index at an empty slot": (
+    "prioritized",
+    lambda b, s: b.update_priorities(s, jnp.array([6]), jnp.array([1.0])),
+    "items held",
+  ),
+  "index past capacity": (
+    "prioritized",
+    lambda b, s: b.update_priorities(s, jnp.array([CAPACITY + 3]), jnp.array([1.0])),
+    "items held",
+  ),
+  "negative index": (
+    "prioritized",
+    lambda b, s: b.update_priorities(s, jnp.array([-1]), jnp.array([1.0])),
+    "items held",
+  ),
+  "uint32 index 2**32-1": (
+    "prioritized",
+    lambda b, s: b.update_priorities(s, jnp.array([2**32 - 1], jnp.uint32), jnp.array([1.0])),
+    "items held",
+  ),
+  "uniform NaN priority": (
+    "uniform",
+    lambda b, s: b.update_priorities(s, jnp.array([0]), jnp.array([jnp.nan])),
+    "finite",
+  ),
 }
 
 
@@ -145,12 +178,10 @@ def test_default_mode_has_a_documented_harmless_outcome(name):
     assert int(result.beta_step) == 1  # the call still counts as a schedule step
     result = result.replace(beta_step=jnp.int32(0))
     if name == "NaN priority":  # the valid entry of the batch applies
-      applied = PRIORITIZED.update_priorities(filled(PRIORITIZED), jnp.array([0]),
-                                              jnp.array([1.0]))
+      applied = PRIORITIZED.update_priorities(filled(PRIORITIZED), jnp.array([0]), jnp.array([1.0]))
       before = snapshot(applied.replace(beta_step=jnp.int32(0)))
     if name == "negative priority":  # its magnitude applies, as |TD error|
-      applied = PRIORITIZED.update_priorities(filled(PRIORITIZED), jnp.array([0]),
-                                              jnp.array([0.5]))
+      applied = PRIORITIZED.update_priorities(filled(PRIORITIZED), jnp.array([0]), jnp.array([0.5]))
       before = snapshot(applied.replace(beta_step=jnp.int32(0)))
   assert_same(result, before)
 
@@ -166,8 +197,7 @@ def test_checked_rollout_raises_on_writes_past_num_steps():
   rollout, state = _rollout_full(checked=False)
   state = rollout.add(state, jnp.full((3, 2), 9.0), mask=jnp.array([True, True, False]))
   np.testing.assert_array_equal(np.asarray(state.step_counts), [2, 1, 2])
-  np.testing.assert_array_equal(np.asarray(state.data[:, :, 0]),
-                                [[1, 9, 1], [1, 0, 1]])
+  np.testing.assert_array_equal(np.asarray(state.data[:, :, 0]), [[1, 9, 1], [1, 0, 1]])
 
 
 def test_checked_mode_inside_jit_and_scan_needs_checkify():
@@ -177,7 +207,9 @@ def test_checked_mode_inside_jit_and_scan_needs_checkify():
     def step(state, priority):
       batch = buffer.sample(state, jax.random.key(0), 4)
       return buffer.update_priorities(
-          state, batch.indices, jnp.full((4,), priority), batch.item_ids), None
+        state, batch.indices, jnp.full((4,), priority), batch.item_ids
+      ), None
+
     return jax.lax.scan(step, state, priorities)[0]
 
   checked_train = jax.jit(checkify.checkify(train))
@@ -199,6 +231,7 @@ def test_checked_mode_inside_jit_and_scan_needs_checkify():
 
 # --- Stale priority updates --------------------------------------------------------
 
+
 @pytest.mark.parametrize("overwrite", [3, CAPACITY - 1, CAPACITY + 5])
 def test_updates_for_overwritten_slots_are_skipped(overwrite):
   state = filled(PRIORITIZED, CAPACITY)
@@ -211,17 +244,14 @@ def test_updates_for_overwritten_slots_are_skipped(overwrite):
   state = PRIORITIZED.add(state, make_items(100, overwrite))
   reference.add(list(range(100, 100 + overwrite)))
   priorities = np.linspace(0.5, 8.0, 16).astype(np.float32)
-  state = PRIORITIZED.update_priorities(state, batch.indices, priorities,
-                                        batch.item_ids)
+  state = PRIORITIZED.update_priorities(state, batch.indices, priorities, batch.item_ids)
   reference.update_priorities(indices, priorities, item_ids)
   overwritten = reference.ids[indices] != item_ids
   assert overwritten.any() and (overwrite >= CAPACITY or not overwritten.all())
-  np.testing.assert_allclose(leaves_of(state)[:CAPACITY], reference.priorities ** 0.7,
-                             rtol=1e-5)
+  np.testing.assert_allclose(leaves_of(state)[:CAPACITY], reference.priorities**0.7, rtol=1e-5)
   # New items keep the priority they entered with (the running maximum).
   fresh = reference.ids >= 100
-  np.testing.assert_allclose(leaves_of(state)[:CAPACITY][fresh],
-                             1.0, rtol=1e-6)
+  np.testing.assert_allclose(leaves_of(state)[:CAPACITY][fresh], 1.0, rtol=1e-6)
 
 
 def test_without_item_ids_the_update_lands_on_whatever_the_slot_holds():
@@ -229,8 +259,7 @@ def test_without_item_ids_the_update_lands_on_whatever_the_slot_holds():
   batch = PRIORITIZED.sample(state, jax.random.key(2), 1)
   state = PRIORITIZED.add(state, make_items(100, CAPACITY))  # overwrite all
   state = PRIORITIZED.update_priorities(state, batch.indices, jnp.array([4.0]))
-  assert leaves_of(state)[int(batch.indices[0])] == pytest.approx(
-      (4.0 + 1e-6) ** 0.7, rel=1e-6)
+  assert leaves_of(state)[int(batch.indices[0])] == pytest.approx((4.0 + 1e-6) ** 0.7, rel=1e-6)
 
 
 def test_item_ids_stay_stale_across_clear_and_refill():
@@ -238,14 +267,13 @@ def test_item_ids_stay_stale_across_clear_and_refill():
   batch = PRIORITIZED.sample(state, jax.random.key(3), 8)
   state = PRIORITIZED.add(PRIORITIZED.clear(state), make_items(50, 4))
   before = leaves_of(state)
-  state = PRIORITIZED.update_priorities(state, batch.indices, jnp.full((8,), 9.0),
-                                        batch.item_ids)
+  state = PRIORITIZED.update_priorities(state, batch.indices, jnp.full((8,), 9.0), batch.item_ids)
   np.testing.assert_array_equal(leaves_of(state), before)
-  assert np.all(np.asarray(PRIORITIZED.sample(state, jax.random.key(4), 8).item_ids)
-                >= 4)
+  assert np.all(np.asarray(PRIORITIZED.sample(state, jax.random.key(4), 8).item_ids) >= 4)
 
 
 # --- Counters: no overflow -------------------------------------------------------
+
 
 @pytest.mark.parametrize("start", [2**31 - 3, 2**32 - 3])
 def test_counters_past_2_to_the_31_and_the_uint32_wrap(start):
@@ -259,23 +287,24 @@ def test_counters_past_2_to_the_31_and_the_uint32_wrap(start):
   serial = 1000
   for _ in range(4):
     batch = PRIORITIZED.sample(state, jax.random.key(serial), 6)
-    np.testing.assert_array_equal(np.asarray(batch.item_ids, np.int64),
-                                  reference.ids[np.asarray(batch.indices)] % 2**32)
+    np.testing.assert_array_equal(
+      np.asarray(batch.item_ids, np.int64), reference.ids[np.asarray(batch.indices)] % 2**32
+    )
     state = PRIORITIZED.add(state, make_items(serial, 3))
     reference.add(list(range(serial, serial + 3)))
     serial += 3
     priorities = np.full(6, float(serial % 7), np.float32)
-    state = PRIORITIZED.update_priorities(state, batch.indices, priorities,
-                                          batch.item_ids)
-    reference.update_priorities(np.asarray(batch.indices), priorities,
-                                np.asarray(batch.item_ids, np.int64))
+    state = PRIORITIZED.update_priorities(state, batch.indices, priorities, batch.item_ids)
+    reference.update_priorities(
+      np.asarray(batch.indices), priorities, np.asarray(batch.item_ids, np.int64)
+    )
     assert int(state.insert_position) == reference.insert_position
-    np.testing.assert_allclose(leaves_of(state)[:CAPACITY],
-                               reference.priorities ** 0.7, rtol=1e-5)
+    np.testing.assert_allclose(leaves_of(state)[:CAPACITY], reference.priorities**0.7, rtol=1e-5)
   assert int(state.add_count) == (start + 12) % 2**32
   assert int(state.size) == CAPACITY
-  np.testing.assert_array_equal(np.asarray(state.storage["action"]),
-                                [reference.storage[i] for i in range(CAPACITY)])
+  np.testing.assert_array_equal(
+    np.asarray(state.storage["action"]), [reference.storage[i] for i in range(CAPACITY)]
+  )
 
 
 def test_beta_step_saturates_and_the_schedule_still_works():
@@ -293,18 +322,25 @@ def test_ring_counters_after_many_adds_in_a_scan():
   capacity, batch, steps = 10, 7, 10_000
   buffer = jaxbuf.uniform_replay(capacity)
   state = buffer.init(jnp.int32(0))
-  state = jax.jit(lambda s: jax.lax.scan(
-      lambda s, t: (buffer.add(s, t * batch + jnp.arange(batch, dtype=jnp.int32)),
-                    None),
-      s, jnp.arange(steps, dtype=jnp.int32))[0])(state)
+  state = jax.jit(
+    lambda s: jax.lax.scan(
+      lambda s, t: (buffer.add(s, t * batch + jnp.arange(batch, dtype=jnp.int32)), None),
+      s,
+      jnp.arange(steps, dtype=jnp.int32),
+    )[0]
+  )(state)
   total = steps * batch
   assert (int(state.insert_position), int(state.size), int(state.add_count)) == (
-      total % capacity, capacity, total)
+    total % capacity,
+    capacity,
+    total,
+  )
   expected = np.arange(total - capacity, total)
   np.testing.assert_array_equal(np.sort(np.asarray(state.storage)), expected)
 
 
 # --- Long-run numerics -------------------------------------------------------------
+
 
 def test_ten_million_updates_spanning_twelve_decades_do_not_drift():
   """10^7 priority updates, priorities log-uniform in [1e-6, 1e6], alpha=1.
@@ -315,16 +351,14 @@ def test_ten_million_updates_spanning_twelve_decades_do_not_drift():
   4 * 31 * 2**-24 = 7.4e-6 relative, whatever the number of updates.
   """
   capacity, batch = 100_003, 4096
-  steps = -(-10**7 // batch)
+  steps = -(-(10**7) // batch)
   state = LONG_RUN.add(LONG_RUN.init(jnp.int8(0)), jnp.zeros(capacity, jnp.int8))
 
   def step(state, key):
     index_key, priority_key = jax.random.split(key)
     indices = jax.random.randint(index_key, (batch,), 0, capacity)
-    priorities = 10.0 ** jax.random.uniform(priority_key, (batch,),
-                                            minval=-6.0, maxval=6.0)
-    return prioritized.update_priorities(state, indices, priorities,
-                                         alpha=1.0, eps=1e-6), None
+    priorities = 10.0 ** jax.random.uniform(priority_key, (batch,), minval=-6.0, maxval=6.0)
+    return prioritized.update_priorities(state, indices, priorities, alpha=1.0, eps=1e-6), None
 
   keys = jax.random.split(jax.random.key(0), steps)
   state = jax.jit(lambda s: jax.lax.scan(step, s, keys)[0])(state)
@@ -338,7 +372,7 @@ def test_ten_million_updates_spanning_twelve_decades_do_not_drift():
   # Every node equals the sum of its children (no drift at any level).
   for child, parent in zip(state.sum_tree.levels[:-1], state.sum_tree.levels[1:]):
     sums = np.asarray(child, np.float64).reshape(-1, sum_tree.BRANCHING).sum(axis=1)
-    np.testing.assert_allclose(np.asarray(parent)[:sums.size], sums, rtol=4e-6)
+    np.testing.assert_allclose(np.asarray(parent)[: sums.size], sums, rtol=4e-6)
   batch_ = LONG_RUN.sample(state, jax.random.key(1), 4096)
   indices = np.asarray(batch_.indices)
   assert indices.min() >= 0 and indices.max() < capacity
@@ -349,9 +383,10 @@ LEAF_VALUES = [0.0, 1e-45, 1e-40, 1.2e-38, 1e-30, 1.0, 3e5, 1e30]
 
 
 @hypothesis.given(
-    size=st.integers(1, 70),
-    pattern=st.lists(st.sampled_from(LEAF_VALUES), min_size=70, max_size=70),
-    seed=st.integers(0, 2**16))
+  size=st.integers(1, 70),
+  pattern=st.lists(st.sampled_from(LEAF_VALUES), min_size=70, max_size=70),
+  seed=st.integers(0, 2**16),
+)
 def test_sampling_returns_only_items_held_whatever_the_leaf_values(size, pattern, seed):
   """Zeros, denormals (XLA on CPU flushes them to zero), single nonzero leaves.
 
@@ -359,9 +394,10 @@ def test_sampling_returns_only_items_held_whatever_the_leaf_values(size, pattern
   """
   values = np.where(np.arange(70) < size, np.asarray(pattern, np.float32), 0)
   state = SMALL_TREE_FULL.replace(
-      size=jnp.int32(size), insert_position=jnp.int32(size % 70),
-      sum_tree=sum_tree.set_leaves(sum_tree.init(70), jnp.arange(70),
-                                   jnp.asarray(values)))
+    size=jnp.int32(size),
+    insert_position=jnp.int32(size % 70),
+    sum_tree=sum_tree.set_leaves(sum_tree.init(70), jnp.arange(70), jnp.asarray(values)),
+  )
   batch = SMALL_TREE.sample(state, jax.random.key(seed), 64)
   indices, weights = np.asarray(batch.indices), np.asarray(batch.weights)
   assert indices.min() >= 0 and indices.max() < size
@@ -379,8 +415,9 @@ def test_sampling_returns_only_items_held_whatever_the_leaf_values(size, pattern
 def test_a_single_nonzero_leaf_is_all_that_is_sampled(slot, value):
   values = np.zeros(70, np.float32)
   values[slot] = value
-  state = SMALL_TREE_FULL.replace(sum_tree=sum_tree.set_leaves(
-      sum_tree.init(70), jnp.arange(70), jnp.asarray(values)))
+  state = SMALL_TREE_FULL.replace(
+    sum_tree=sum_tree.set_leaves(sum_tree.init(70), jnp.arange(70), jnp.asarray(values))
+  )
   batch = SMALL_TREE.sample(state, jax.random.key(slot), 64)
   np.testing.assert_array_equal(np.asarray(batch.indices), slot)
   np.testing.assert_allclose(np.asarray(batch.weights), 1.0, rtol=1e-6)
@@ -401,88 +438,162 @@ def test_priorities_that_underflow_fall_back_to_uniform(alpha):
 
 # --- The bad-input table (RELIABILITY.md): one row id per case ----------------------
 
+
 def _with(**leaves):
   return {**make_items(10, 2), **leaves}
 
 
 RAISES = {
-    # row id: (call(buffer, state), error, words in the message)
-    "add-wrong-leaf-shape": (lambda b, s: b.add(
-        s, _with(obs=np.zeros((2, 4), np.float32))), ValueError,
-                             ["['obs']", "(2, 4)", "(3,)"]),
-    "add-unbatched-item": (lambda b, s: b.add(s, example_item()), ValueError,
-                           ["items have no batch axis", "leaf ['action'] has shape ()",
-                            "the item shape", "items[None]"]),
-    # The odd leaf out is blamed, whichever comes first in the tree.
-    "add-ragged-batch": (lambda b, s: b.add(s, _with(action=np.zeros(3, np.int32))),
-                         ValueError, ["leaf ['action'] has shape (3,)", "expected (2,)",
-                                      "like the other leaves ['obs'], ['reward']"]),
-    "add-ragged-batch-first-leaf": (
-        lambda b, s: b.add(s, _with(action=np.zeros(2, np.int32),
-                                    obs=np.zeros((3, 3), np.float32),
-                                    reward=np.zeros(2, np.float32))),
-        ValueError, ["leaf ['obs'] has shape (3, 3)", "expected (2, 3)"]),
-    "add-ragged-batch-no-majority": (
-        lambda b, s: b.add(s, _with(action=np.zeros(3, np.int32),
-                                    reward=np.zeros(4, np.float32))),
-        ValueError, ["leaves disagree on the batch shape", "['action'] (3,)",
-                     "['obs'] (2,)", "['reward'] (4,)"]),
-    # One line, not one entry per number in the list.
-    "add-python-list-leaf": (lambda b, s: b.add(s, _with(obs=[[1.0, 2.0, 3.0]] * 2)),
-                             TypeError, ["leaf ['obs'] is a Python list of length 2",
-                                         "pass an array"]),
-    "add-wrong-dtype": (lambda b, s: b.add(s, _with(action=np.zeros(2, np.float32))),
-                        TypeError, ["['action']", "float32", "int32"]),
-    "add-missing-leaf": (lambda b, s: b.add(s, {"obs": make_items(0, 2)["obs"]}),
-                         TypeError, ["missing leaves", "['action']", "['reward']"]),
-    "add-extra-leaf": (lambda b, s: b.add(s, _with(done=np.zeros(2, bool))),
-                       TypeError, ["unexpected leaves", "['done']"]),
-    "add-wrong-container": (lambda b, s: b.add(s, tuple(make_items(0, 2).values())),
-                            TypeError, ["tree structure"]),
-    "sample-batch-size-zero": (lambda b, s: b.sample(s, jax.random.key(0), 0),
-                               ValueError, ["batch_size must be positive"]),
-    "sample-batch-size-float": (lambda b, s: b.sample(s, jax.random.key(0), 4.0),
-                                TypeError, ["batch_size must be a Python int"]),
-    "sample-int-seed-as-key": (lambda b, s: b.sample(s, 0, 4), TypeError,
-                               ["key must be jax.random.key"]),
-    "sample-uint32-key-wrong-shape": (lambda b, s: b.sample(
-        s, jnp.zeros(3, jnp.uint32), 4), TypeError, ["key must be", "(3,)"]),
-    "sample-float-key": (lambda b, s: b.sample(s, jnp.array([1.0, 2.0], jnp.float32), 4),
-                         TypeError, ["key must be", "float32"]),
-    "sample-batched-keys": (lambda b, s: b.sample(
-        s, jax.random.split(jax.random.key(0), 2), 4), ValueError,
-                            ["single key", "vmap"]),
-    # JAX's own error would be "Non-hashable static arguments".
-    "sample-batch-size-jnp-array": (lambda b, s: b.sample(
-        s, jax.random.key(0), jnp.int32(4)), TypeError,
-                                    ["sample: batch_size must be a Python int",
-                                     "an array of dtype int32", "known while tracing"]),
-    "sample-batch-size-traced": (lambda b, s: jax.jit(
-        lambda n: b.sample(s, jax.random.key(0), n))(4), TypeError,
-                                 ["sample: batch_size must be a Python int",
-                                  "a traced int"]),
-    "sample-traced-int-as-key": (lambda b, s: jax.jit(
-        lambda k: b.sample(s, k, 4))(jnp.int32(3)), TypeError,
-                                 ["key must be jax.random.key", "int32", "shape ()"]),
-    "can-sample-batch-size-jnp-array": (lambda b, s: b.can_sample(s, jnp.int32(2)),
-                                        TypeError, ["can_sample: batch_size must be "
-                                                    "a Python int"]),
-    "can-sample-batch-size-zero": (lambda b, s: b.can_sample(s, 0), ValueError,
-                                   ["batch_size must be positive"]),
-    "update-float-indices": (lambda b, s: b.update_priorities(
-        s, jnp.array([0.0]), jnp.array([1.0])), TypeError, ["indices must be integers"]),
-    "update-2d-indices": (lambda b, s: b.update_priorities(
-        s, jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2))), ValueError, ["[S]"]),
-    "update-length-mismatch": (lambda b, s: b.update_priorities(
-        s, jnp.array([0, 1]), jnp.array([1.0])), ValueError, ["one per index"]),
-    "update-integer-priorities": (lambda b, s: b.update_priorities(
-        s, jnp.array([0]), jnp.array([1])), TypeError, ["floating point"]),
-    "update-item-ids-wrong-dtype": (lambda b, s: b.update_priorities(
-        s, jnp.array([0]), jnp.array([1.0]), jnp.array([0])), TypeError,
-                                    ["item_ids must be uint32"]),
-    "update-item-ids-wrong-shape": (lambda b, s: b.update_priorities(
-        s, jnp.array([0]), jnp.array([1.0]), jnp.zeros(2, jnp.uint32)), ValueError,
-                                    ["item_ids have shape (2,)"]),
+  # row id: (call(buffer, state), error, words in the message)
+  "add-wrong-leaf-shape": (
+    lambda b, s: b.add(s, _with(obs=np.zeros((2, 4), np.float32))),
+    ValueError,
+    ["['obs']", "(2, 4)", "(3,)"],
+  ),
+  "add-unbatched-item": (
+    lambda b, s: b.add(s, example_item()),
+    ValueError,
+    ["items have no batch axis", "leaf ['action'] has shape ()", "the item shape", "items[None]"],
+  ),
+  # The odd leaf out is blamed, whichever comes first in the tree.
+  "add-ragged-batch": (
+    lambda b, s: b.add(s, _with(action=np.zeros(3, np.int32))),
+    ValueError,
+    [
+      "leaf ['action'] has shape (3,)",
+      "expected (2,)",
+      "like the other leaves ['obs'], ['reward']",
+    ],
+  ),
+  "add-ragged-batch-first-leaf": (
+    lambda b, s: b.add(
+      s,
+      _with(
+        action=np.zeros(2, np.int32),
+        obs=np.zeros((3, 3), np.float32),
+        reward=np.zeros(2, np.float32),
+      ),
+    ),
+    ValueError,
+    ["leaf ['obs'] has shape (3, 3)", "expected (2, 3)"],
+  ),
+  "add-ragged-batch-no-majority": (
+    lambda b, s: b.add(s, _with(action=np.zeros(3, np.int32), reward=np.zeros(4, np.float32))),
+    ValueError,
+    ["leaves disagree on the batch shape", "['action'] (3,)", "['obs'] (2,)", "['reward'] (4,)"],
+  ),
+  # One line, not one entry per number in the list.
+  "add-python-list-leaf": (
+    lambda b, s: b.add(s, _with(obs=[[1.0, 2.0, 3.0]] * 2)),
+    TypeError,
+    ["leaf ['obs'] is a Python list of length 2", "pass an array"],
+  ),
+  "add-wrong-dtype": (
+    lambda b, s: b.add(s, _with(action=np.zeros(2, np.float32))),
+    TypeError,
+    ["['action']", "float32", "int32"],
+  ),
+  "add-missing-leaf": (
+    lambda b, s: b.add(s, {"obs": make_items(0, 2)["obs"]}),
+    TypeError,
+    ["missing leaves", "['action']", "['reward']"],
+  ),
+  "add-extra-leaf": (
+    lambda b, s: b.add(s, _with(done=np.zeros(2, bool))),
+    TypeError,
+    ["unexpected leaves", "['done']"],
+  ),
+  "add-wrong-container": (
+    lambda b, s: b.add(s, tuple(make_items(0, 2).values())),
+    TypeError,
+    ["tree structure"],
+  ),
+  "sample-batch-size-zero": (
+    lambda b, s: b.sample(s, jax.random.key(0), 0),
+    ValueError,
+    ["batch_size must be positive"],
+  ),
+  "sample-batch-size-float": (
+    lambda b, s: b.sample(s, jax.random.key(0), 4.0),
+    TypeError,
+    ["batch_size must be a Python int"],
+  ),
+  "sample-int-seed-as-key": (
+    lambda b, s: b.sample(s, 0, 4),
+    TypeError,
+    ["key must be jax.random.key"],
+  ),
+  "sample-uint32-key-wrong-shape": (
+    lambda b, s: b.sample(s, jnp.zeros(3, jnp.uint32), 4),
+    TypeError,
+    ["key must be", "(3,)"],
+  ),
+  "sample-float-key": (
+    lambda b, s: b.sample(s, jnp.array([1.0, 2.0], jnp.float32), 4),
+    TypeError,
+    ["key must be", "float32"],
+  ),
+  "sample-batched-keys": (
+    lambda b, s: b.sample(s, jax.random.split(jax.random.key(0), 2), 4),
+    ValueError,
+    ["single key", "vmap"],
+  ),
+  # JAX's own error would be "Non-hashable static arguments".
+  "sample-batch-size-jnp-array": (
+    lambda b, s: b.sample(s, jax.random.key(0), jnp.int32(4)),
+    TypeError,
+    ["sample: batch_size must be a Python int", "an array of dtype int32", "known while tracing"],
+  ),
+  "sample-batch-size-traced": (
+    lambda b, s: jax.jit(lambda n: b.sample(s, jax.random.key(0), n))(4),
+    TypeError,
+    ["sample: batch_size must be a Python int", "a traced int"],
+  ),
+  "sample-traced-int-as-key": (
+    lambda b, s: jax.jit(lambda k: b.sample(s, k, 4))(jnp.int32(3)),
+    TypeError,
+    ["key must be jax.random.key", "int32", "shape ()"],
+  ),
+  "can-sample-batch-size-jnp-array": (
+    lambda b, s: b.can_sample(s, jnp.int32(2)),
+    TypeError,
+    ["can_sample: batch_size must be a Python int"],
+  ),
+  "can-sample-batch-size-zero": (
+    lambda b, s: b.can_sample(s, 0),
+    ValueError,
+    ["batch_size must be positive"],
+  ),
+  "update-float-indices": (
+    lambda b, s: b.update_priorities(s, jnp.array([0.0]), jnp.array([1.0])),
+    TypeError,
+    ["indices must be integers"],
+  ),
+  "update-2d-indices": (
+    lambda b, s: b.update_priorities(s, jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2))),
+    ValueError,
+    ["[S]"],
+  ),
+  "update-length-mismatch": (
+    lambda b, s: b.update_priorities(s, jnp.array([0, 1]), jnp.array([1.0])),
+    ValueError,
+    ["one per index"],
+  ),
+  "update-integer-priorities": (
+    lambda b, s: b.update_priorities(s, jnp.array([0]), jnp.array([1])),
+    TypeError,
+    ["floating point"],
+  ),
+  "update-item-ids-wrong-dtype": (
+    lambda b, s: b.update_priorities(s, jnp.array([0]), jnp.array([1.0]), jnp.array([0])),
+    TypeError,
+    ["item_ids must be uint32"],
+  ),
+  "update-item-ids-wrong-shape": (
+    lambda b, s: b.update_priorities(s, jnp.array([0]), jnp.array([1.0]), jnp.zeros(2, jnp.uint32)),
+    ValueError,
+    ["item_ids have shape (2,)"],
+  ),
 }
 
 
@@ -500,46 +611,56 @@ def test_bad_input_raises_and_the_state_survives(row, kind):
 
 def _skipped(indices, priorities):
   """A prioritized update whose entries are all skipped: only beta_step moves."""
+
   def check():
     state = filled(PRIORITIZED)
     before = snapshot(state.replace(beta_step=jnp.int32(1)))
-    state = PRIORITIZED.update_priorities(state, jnp.asarray(indices),
-                                          jnp.asarray(priorities, jnp.float32))
+    state = PRIORITIZED.update_priorities(
+      state, jnp.asarray(indices), jnp.asarray(priorities, jnp.float32)
+    )
     assert_same(state, before)
     assert np.isfinite(float(sum_tree.total(state.sum_tree)))
+
   return check
 
 
 def _magnitudes_apply(indices, priorities):
   """Signed priorities (TD errors) set the priority of their magnitude."""
+
   def check():
     signed = PRIORITIZED.update_priorities(
-        filled(PRIORITIZED), jnp.asarray(indices), jnp.asarray(priorities, jnp.float32))
+      filled(PRIORITIZED), jnp.asarray(indices), jnp.asarray(priorities, jnp.float32)
+    )
     magnitudes = PRIORITIZED.update_priorities(
-        filled(PRIORITIZED), jnp.asarray(indices),
-        jnp.abs(jnp.asarray(priorities, jnp.float32)))
+      filled(PRIORITIZED), jnp.asarray(indices), jnp.abs(jnp.asarray(priorities, jnp.float32))
+    )
     assert_same(signed, snapshot(magnitudes))
     np.testing.assert_allclose(
-        leaves_of(signed)[indices],
-        (np.abs(np.float32(priorities)) + np.float32(1e-6)) ** 0.7, rtol=1e-6)
+      leaves_of(signed)[indices],
+      (np.abs(np.float32(priorities)) + np.float32(1e-6)) ** 0.7,
+      rtol=1e-6,
+    )
+
   return check
 
 
 def _add_outcome(items, expected_obs, size, add_count):
   def check():
     if jax.config.jax_enable_x64 and any(
-        np.asarray(leaf).dtype == np.float64 for leaf in jax.tree.leaves(items)):
+      np.asarray(leaf).dtype == np.float64 for leaf in jax.tree.leaves(items)
+    ):
       # With x64 on, float64 data is float64 to JAX too: refused, not cast.
       for buffer in (UNIFORM, PRIORITIZED):
-        assert_raises_leaving_state_intact(lambda b, s: b.add(s, items), buffer,
-                                           filled(buffer), TypeError,
-                                           ["float64", "float32"])
+        assert_raises_leaving_state_intact(
+          lambda b, s: b.add(s, items), buffer, filled(buffer), TypeError, ["float64", "float32"]
+        )
       return
     for buffer in (UNIFORM, PRIORITIZED):
       state = buffer.add(filled(buffer), items)
       np.testing.assert_array_equal(np.asarray(state.storage["obs"]), expected_obs)
       assert (int(state.size), int(state.add_count)) == (size, add_count)
       assert state.storage["obs"].dtype == jnp.float32
+
   return check
 
 
@@ -569,8 +690,7 @@ def _oversized_sample():
 
 
 def _nan_items():
-  state = PRIORITIZED.add(filled(PRIORITIZED),
-                          _with(obs=np.full((2, 3), np.nan, np.float32)))
+  state = PRIORITIZED.add(filled(PRIORITIZED), _with(obs=np.full((2, 3), np.nan, np.float32)))
   assert np.isnan(np.asarray(state.storage["obs"])[5:7]).all()
   assert float(sum_tree.total(state.sum_tree)) == pytest.approx(7.0)
 
@@ -590,7 +710,8 @@ def _huge_finite_priority():
 
 def _duplicate_indices():
   state = PRIORITIZED.update_priorities(
-      filled(PRIORITIZED), jnp.array([2, 2, 2]), jnp.array([3.0, 5.0, jnp.nan]))
+    filled(PRIORITIZED), jnp.array([2, 2, 2]), jnp.array([3.0, 5.0, jnp.nan])
+  )
   assert leaves_of(state)[2] == pytest.approx((5.0 + 1e-6) ** 0.7, rel=1e-6)
 
 
@@ -599,45 +720,56 @@ def _reuse_donated_state():
   for buffer in (UNIFORM, PRIORITIZED):
     state = filled(buffer)
     newer = buffer.add(state, make_items(5, 1))
-    calls = {"add": lambda: buffer.add(state, make_items(6, 1)),
-             "sample": lambda: buffer.sample(state, jax.random.key(0), 2),
-             "can_sample": lambda: buffer.can_sample(state, 2),
-             "clear": lambda: buffer.clear(state)}
+    calls = {
+      "add": lambda: buffer.add(state, make_items(6, 1)),
+      "sample": lambda: buffer.sample(state, jax.random.key(0), 2),
+      "can_sample": lambda: buffer.can_sample(state, 2),
+      "clear": lambda: buffer.clear(state),
+    }
     if buffer is PRIORITIZED:  # uniform's update reads no array
       calls["update_priorities"] = lambda: buffer.update_priorities(
-          state, jnp.array([0]), jnp.array([1.0]))
+        state, jnp.array([0]), jnp.array([1.0])
+      )
     for name, call in calls.items():
-      with pytest.raises(ValueError, match=f"^{name}: the state passed in was "
-                         "donated to an earlier call.*Use the state that call "
-                         "returned"):
+      with pytest.raises(
+        ValueError,
+        match=f"^{name}: the state passed in was "
+        "donated to an earlier call.*Use the state that call "
+        "returned",
+      ):
         call()
     assert int(newer.size) == 6
     assert int(buffer.add(newer, make_items(6, 1)).size) == 7
 
 
 OUTCOMES = {
-    "add-float64-numpy": _add_outcome(
-        _with(obs=np.full((2, 3), 7.0, np.float64)),
-        np.where(np.arange(CAPACITY)[:, None] < 5, _stored_obs(10, 2),
-                 np.where(np.arange(CAPACITY)[:, None] < 7, 7.0, 0.0)), 7, 7),
-    "add-empty-batch": _add_outcome(make_items(10, 0), _stored_obs(10, 0), 5, 5),
-    "add-batch-larger-than-capacity": _add_outcome(
-        make_items(10, CAPACITY + 5), _stored_obs(10, CAPACITY + 5), CAPACITY,
-        5 + CAPACITY + 5),
-    "add-nan-items": _nan_items,
-    "sample-empty-buffer": _empty_sample,
-    "sample-batch-larger-than-size": _oversized_sample,
-    "update-nan-priority": _skipped([0, 3], [np.nan, np.nan]),
-    "update-inf-priority": _skipped([0], [np.inf]),
-    "update-negative-priority": _magnitudes_apply([0, 1, 3], [-1.0, -1e-30, -2.5]),
-    "update-index-at-empty-slot": _skipped([5, 7], [1.0, 2.0]),
-    "update-index-past-capacity": _skipped([CAPACITY, 2**30], [1.0, 2.0]),
-    "update-negative-index": _skipped([-1, -CAPACITY], [1.0, 2.0]),
-    "update-uint32-index-wrap": _skipped(np.array([2**32 - 1, 2**31], np.uint32),
-                                         [1.0, 2.0]),
-    "update-huge-finite-priority": _huge_finite_priority,
-    "update-duplicate-indices": _duplicate_indices,
-    "reuse-donated-state": _reuse_donated_state,
+  "add-float64-numpy": _add_outcome(
+    _with(obs=np.full((2, 3), 7.0, np.float64)),
+    np.where(
+      np.arange(CAPACITY)[:, None] < 5,
+      _stored_obs(10, 2),
+      np.where(np.arange(CAPACITY)[:, None] < 7, 7.0, 0.0),
+    ),
+    7,
+    7,
+  ),
+  "add-empty-batch": _add_outcome(make_items(10, 0), _stored_obs(10, 0), 5, 5),
+  "add-batch-larger-than-capacity": _add_outcome(
+    make_items(10, CAPACITY + 5), _stored_obs(10, CAPACITY + 5), CAPACITY, 5 + CAPACITY + 5
+  ),
+  "add-nan-items": _nan_items,
+  "sample-empty-buffer": _empty_sample,
+  "sample-batch-larger-than-size": _oversized_sample,
+  "update-nan-priority": _skipped([0, 3], [np.nan, np.nan]),
+  "update-inf-priority": _skipped([0], [np.inf]),
+  "update-negative-priority": _magnitudes_apply([0, 1, 3], [-1.0, -1e-30, -2.5]),
+  "update-index-at-empty-slot": _skipped([5, 7], [1.0, 2.0]),
+  "update-index-past-capacity": _skipped([CAPACITY, 2**30], [1.0, 2.0]),
+  "update-negative-index": _skipped([-1, -CAPACITY], [1.0, 2.0]),
+  "update-uint32-index-wrap": _skipped(np.array([2**32 - 1, 2**31], np.uint32), [1.0, 2.0]),
+  "update-huge-finite-priority": _huge_finite_priority,
+  "update-duplicate-indices": _duplicate_indices,
+  "reuse-donated-state": _reuse_donated_state,
 }
 
 
@@ -647,28 +779,40 @@ def test_bad_input_has_its_documented_outcome(row):
 
 
 SETTINGS = {
-    "capacity-zero": (lambda: jaxbuf.uniform_replay(0), ValueError, "[1, 2**30)"),
-    "capacity-too-large": (lambda: jaxbuf.uniform_replay(2**30), ValueError,
-                           "[1, 2**30)"),
-    "capacity-float": (lambda: jaxbuf.prioritized_replay(2.5), TypeError, "Python int"),
-    "capacity-bool": (lambda: jaxbuf.uniform_replay(True), TypeError, "Python int"),
-    "alpha-negative": (lambda: jaxbuf.prioritized_replay(8, alpha=-1.0), ValueError,
-                       "alpha"),
-    "eps-zero": (lambda: jaxbuf.prioritized_replay(8, eps=0.0), ValueError, "eps"),
-    "beta-negative": (lambda: jaxbuf.prioritized_replay(8, beta=-0.1), ValueError,
-                      "beta"),
-    "alpha-inf": (lambda: jaxbuf.prioritized_replay(8, alpha=math.inf), ValueError,
-                  "alpha must be finite"),
-    "alpha-nan": (lambda: jaxbuf.prioritized_replay(8, alpha=math.nan), ValueError,
-                  "alpha must be finite"),
-    "beta-inf": (lambda: jaxbuf.prioritized_replay(8, beta=math.inf), ValueError,
-                 "beta (or a schedule) must be finite"),
-    "eps-inf": (lambda: jaxbuf.prioritized_replay(8, eps=math.inf), ValueError,
-                "eps must be finite and positive"),
-    "eps-nan": (lambda: jaxbuf.prioritized_replay(8, eps=np.float32("nan")),
-                ValueError, "eps must be finite and positive"),
-    "num-steps-zero": (lambda: jaxbuf.rollout_buffer(0, 4), ValueError, "num_steps"),
-    "num-envs-float": (lambda: jaxbuf.rollout_buffer(4, 2.0), TypeError, "num_envs"),
+  "capacity-zero": (lambda: jaxbuf.uniform_replay(0), ValueError, "[1, 2**30)"),
+  "capacity-too-large": (lambda: jaxbuf.uniform_replay(2**30), ValueError, "[1, 2**30)"),
+  "capacity-float": (lambda: jaxbuf.prioritized_replay(2.5), TypeError, "Python int"),
+  "capacity-bool": (lambda: jaxbuf.uniform_replay(True), TypeError, "Python int"),
+  "alpha-negative": (lambda: jaxbuf.prioritized_replay(8, alpha=-1.0), ValueError, "alpha"),
+  "eps-zero": (lambda: jaxbuf.prioritized_replay(8, eps=0.0), ValueError, "eps"),
+  "beta-negative": (lambda: jaxbuf.prioritized_replay(8, beta=-0.1), ValueError, "beta"),
+  "alpha-inf": (
+    lambda: jaxbuf.prioritized_replay(8, alpha=math.inf),
+    ValueError,
+    "alpha must be finite",
+  ),
+  "alpha-nan": (
+    lambda: jaxbuf.prioritized_replay(8, alpha=math.nan),
+    ValueError,
+    "alpha must be finite",
+  ),
+  "beta-inf": (
+    lambda: jaxbuf.prioritized_replay(8, beta=math.inf),
+    ValueError,
+    "beta (or a schedule) must be finite",
+  ),
+  "eps-inf": (
+    lambda: jaxbuf.prioritized_replay(8, eps=math.inf),
+    ValueError,
+    "eps must be finite and positive",
+  ),
+  "eps-nan": (
+    lambda: jaxbuf.prioritized_replay(8, eps=np.float32("nan")),
+    ValueError,
+    "eps must be finite and positive",
+  ),
+  "num-steps-zero": (lambda: jaxbuf.rollout_buffer(0, 4), ValueError, "num_steps"),
+  "num-envs-float": (lambda: jaxbuf.rollout_buffer(4, 2.0), TypeError, "num_envs"),
 }
 
 
@@ -680,16 +824,26 @@ def test_bad_settings_raise_when_the_buffer_is_made(row):
 
 
 ROLLOUT_RAISES = {
-    "rollout-wrong-num-envs": (lambda r, s: r.add(s, jnp.ones((2, 2))), ValueError,
-                               ["(2, 2)", "(3, 2)"]),
-    "rollout-wrong-dtype": (lambda r, s: r.add(s, jnp.ones((3, 2), jnp.int32)),
-                            TypeError, ["int32", "expected float"]),
-    "rollout-mask-wrong-shape": (lambda r, s: r.add(s, jnp.ones((3, 2)),
-                                                    mask=jnp.ones(2, bool)),
-                                 ValueError, ["mask", "(3,)"]),
-    "rollout-mask-not-bool": (lambda r, s: r.add(s, jnp.ones((3, 2)),
-                                                 mask=jnp.ones(3, jnp.int32)),
-                              TypeError, ["mask must be bool"]),
+  "rollout-wrong-num-envs": (
+    lambda r, s: r.add(s, jnp.ones((2, 2))),
+    ValueError,
+    ["(2, 2)", "(3, 2)"],
+  ),
+  "rollout-wrong-dtype": (
+    lambda r, s: r.add(s, jnp.ones((3, 2), jnp.int32)),
+    TypeError,
+    ["int32", "expected float"],
+  ),
+  "rollout-mask-wrong-shape": (
+    lambda r, s: r.add(s, jnp.ones((3, 2)), mask=jnp.ones(2, bool)),
+    ValueError,
+    ["mask", "(3,)"],
+  ),
+  "rollout-mask-not-bool": (
+    lambda r, s: r.add(s, jnp.ones((3, 2)), mask=jnp.ones(3, jnp.int32)),
+    TypeError,
+    ["mask must be bool"],
+  ),
 }
 
 
@@ -709,23 +863,35 @@ BAD_SAMPLES = sorted(row for row in RAISES if row.startswith("sample-"))
 PRIORITY_VALUES = [0.0, 0.3, 2.0, 7.5, 3e38, -1.0, np.nan, np.inf]
 
 operations = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.sampled_from([1, 3, CAPACITY + 3])),
-        st.tuples(st.just("bad add"), st.sampled_from(BAD_ADDS)),
-        st.tuples(st.just("sample"), st.integers(0, 2**16)),
-        st.tuples(st.just("bad sample"), st.sampled_from(BAD_SAMPLES)),
-        st.tuples(st.just("update"),
-                  st.lists(st.tuples(st.integers(-2, CAPACITY + 1),
-                                     st.sampled_from(PRIORITY_VALUES)),
-                           min_size=4, max_size=4)),
-        st.tuples(st.just("update sampled"), st.sampled_from(PRIORITY_VALUES)),
-        # The stale case: sample, add (overwriting some sampled slots once
-        # the ring is full), then update the sample's priorities.
-        st.tuples(st.just("sample, add, update sampled"),
-                  st.tuples(st.integers(0, 2**16), st.sampled_from([1, 3, CAPACITY + 3]),
-                            st.sampled_from(PRIORITY_VALUES))),
-        st.tuples(st.just("clear"), st.none())),
-    min_size=1, max_size=14)
+  st.one_of(
+    st.tuples(st.just("add"), st.sampled_from([1, 3, CAPACITY + 3])),
+    st.tuples(st.just("bad add"), st.sampled_from(BAD_ADDS)),
+    st.tuples(st.just("sample"), st.integers(0, 2**16)),
+    st.tuples(st.just("bad sample"), st.sampled_from(BAD_SAMPLES)),
+    st.tuples(
+      st.just("update"),
+      st.lists(
+        st.tuples(st.integers(-2, CAPACITY + 1), st.sampled_from(PRIORITY_VALUES)),
+        min_size=4,
+        max_size=4,
+      ),
+    ),
+    st.tuples(st.just("update sampled"), st.sampled_from(PRIORITY_VALUES)),
+    # The stale case: sample, add (overwriting some sampled slots once
+    # the ring is full), then update the sample's priorities.
+    st.tuples(
+      st.just("sample, add, update sampled"),
+      st.tuples(
+        st.integers(0, 2**16),
+        st.sampled_from([1, 3, CAPACITY + 3]),
+        st.sampled_from(PRIORITY_VALUES),
+      ),
+    ),
+    st.tuples(st.just("clear"), st.none()),
+  ),
+  min_size=1,
+  max_size=14,
+)
 
 
 def run_against_the_model(buffer, ops, *, checked):
@@ -763,12 +929,15 @@ def run_against_the_model(buffer, ops, *, checked):
       indices = np.asarray(batch.indices)
       if reference.size:
         assert 0 <= indices.min() and indices.max() < reference.size
-        np.testing.assert_array_equal(np.asarray(batch.items["action"]),
-                                      [reference.storage[i] for i in indices])
-        np.testing.assert_array_equal(np.asarray(batch.item_ids, np.int64),
-                                      reference.ids[indices] % 2**32)
-        np.testing.assert_allclose(np.asarray(batch.weights),
-                                   reference.weights(indices, 0.5), rtol=1e-4)
+        np.testing.assert_array_equal(
+          np.asarray(batch.items["action"]), [reference.storage[i] for i in indices]
+        )
+        np.testing.assert_array_equal(
+          np.asarray(batch.item_ids, np.int64), reference.ids[indices] % 2**32
+        )
+        np.testing.assert_allclose(
+          np.asarray(batch.weights), reference.weights(indices, 0.5), rtol=1e-4
+        )
         last_sample = (indices, np.asarray(batch.item_ids, np.int64))
       else:
         np.testing.assert_array_equal(np.asarray(batch.weights), 0.0)
@@ -785,11 +954,12 @@ def run_against_the_model(buffer, ops, *, checked):
       else:
         indices, item_ids = last_sample
         priorities = np.full(indices.shape, argument, np.float32)
-      invalid = ~((indices >= 0) & (indices < reference.size)
-                  & np.isfinite(priorities) & (priorities >= 0))
+      invalid = ~(
+        (indices >= 0) & (indices < reference.size) & np.isfinite(priorities) & (priorities >= 0)
+      )
       call = lambda: buffer.update_priorities(
-          state, indices, priorities,
-          None if item_ids is None else item_ids.astype(np.uint32))
+        state, indices, priorities, None if item_ids is None else item_ids.astype(np.uint32)
+      )
       if checked and invalid.any():
         with pytest.raises(CHECK_FAILED, match="items held|finite"):
           call()
@@ -798,13 +968,16 @@ def run_against_the_model(buffer, ops, *, checked):
         state = call()
         reference.update_priorities(indices, priorities, item_ids)
     assert (int(state.size), int(state.insert_position), int(state.add_count)) == (
-        reference.size, reference.insert_position, reference.add_count % 2**32)
+      reference.size,
+      reference.insert_position,
+      reference.add_count % 2**32,
+    )
     held = np.arange(CAPACITY) < reference.size
-    np.testing.assert_array_equal(np.asarray(state.storage["action"])[held],
-                                  np.asarray(reference.storage, object)[held])
+    np.testing.assert_array_equal(
+      np.asarray(state.storage["action"])[held], np.asarray(reference.storage, object)[held]
+    )
     leaves = leaves_of(state)[:CAPACITY]
-    np.testing.assert_allclose(leaves[held], reference.priorities[held] ** 0.7,
-                               rtol=1e-5)
+    np.testing.assert_allclose(leaves[held], reference.priorities[held] ** 0.7, rtol=1e-5)
     assert np.all(leaves[~held] == 0) and np.all(leaves_of(state)[CAPACITY:] == 0)
     assert np.isfinite(float(sum_tree.total(state.sum_tree)))
     assert float(state.max_priority) == pytest.approx(reference.max_priority, rel=1e-6)
@@ -832,25 +1005,33 @@ def test_reliability_md_lists_every_row_and_names_real_tests():
   assert rows <= listed, sorted(rows - listed)
   for name in VIOLATIONS:
     assert f"`{name}`" in text
-  sources = "".join(path.read_text()
-                    for path in sorted((root / "tests").glob("test_*.py")))
+  sources = "".join(path.read_text() for path in sorted((root / "tests").glob("test_*.py")))
   for test in set(re.findall(r"\b(test_\w+)(?!\.py)\b", text)):
     assert f"def {test}(" in sources, test
 
 
 # --- Integers, hyperparameters and buffer kinds (issue 12) -----------------------
 
-WIDTHS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-          np.uint64]
+WIDTHS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 
 
 def _out_of_range_values(dtype):
   """Values of `dtype` that point at no item of a 5-item, 8-slot buffer."""
   limits = np.iinfo(dtype)
-  values = {5, CAPACITY, int(limits.max), int(limits.min), 2**31, 2**31 + 2,
-            2**32 + 3, 2**40 + 1, -1, -(2**31), -(2**32) + 2}
-  return sorted(v for v in values if limits.min <= v <= limits.max
-                and not 0 <= v < 5)
+  values = {
+    5,
+    CAPACITY,
+    int(limits.max),
+    int(limits.min),
+    2**31,
+    2**31 + 2,
+    2**32 + 3,
+    2**40 + 1,
+    -1,
+    -(2**31),
+    -(2**32) + 2,
+  }
+  return sorted(v for v in values if limits.min <= v <= limits.max and not 0 <= v < 5)
 
 
 @pytest.mark.usefixtures("x64_mode")
@@ -877,8 +1058,7 @@ def test_indices_out_of_range_are_skipped_at_every_integer_width(dtype, host):
     with pytest.raises(CHECK_FAILED, match="items held"):
       checked.update_priorities(filled(checked), one, priorities[:1])
   # In range, every width writes the slot it names.
-  state = PRIORITIZED.update_priorities(state, np.array([4], dtype),
-                                        np.array([9.0], np.float32))
+  state = PRIORITIZED.update_priorities(state, np.array([4], dtype), np.array([9.0], np.float32))
   assert leaves_of(state)[4] > before[4]
 
 
@@ -886,16 +1066,16 @@ def test_indices_out_of_range_are_skipped_at_every_integer_width(dtype, host):
 @pytest.mark.parametrize("kind", ["uniform", "prioritized"])
 @pytest.mark.parametrize("checked", [False, True])
 def test_host_integers_that_do_not_fit_raise_naming_the_leaf(kind, checked):
-  buffer = CHECKED[kind] if checked else {"uniform": UNIFORM,
-                                          "prioritized": PRIORITIZED}[kind]
+  buffer = CHECKED[kind] if checked else {"uniform": UNIFORM, "prioritized": PRIORITIZED}[kind]
   state = filled(buffer)
   items = make_items(5, 2)
   # In range: int64 NumPy data is accepted with x64 off (JAX reads it as
   # int32, as it reads float64 as float32), and refused by dtype with x64 on.
   items["action"] = np.array([7, -7], np.int64)
   if jax.config.jax_enable_x64:
-    assert_raises_leaving_state_intact(lambda b, s: b.add(s, items), buffer,
-                                       state, TypeError, ["['action']", "int64"])
+    assert_raises_leaving_state_intact(
+      lambda b, s: b.add(s, items), buffer, state, TypeError, ["['action']", "int64"]
+    )
   else:
     stored = buffer.add(filled(buffer), items)
     np.testing.assert_array_equal(np.asarray(stored.storage["action"])[5:7], [7, -7])
@@ -903,8 +1083,7 @@ def test_host_integers_that_do_not_fit_raise_naming_the_leaf(kind, checked):
     items["action"] = np.array([1, bad], np.int64)
     words = ["['action']"] + ([] if jax.config.jax_enable_x64 else [str(bad), "int32"])
     error = TypeError if jax.config.jax_enable_x64 else ValueError
-    assert_raises_leaving_state_intact(lambda b, s: b.add(s, items), buffer,
-                                       state, error, words)
+    assert_raises_leaving_state_intact(lambda b, s: b.add(s, items), buffer, state, error, words)
 
 
 @pytest.mark.parametrize("beta", [math.nan, math.inf, -0.5])
@@ -913,14 +1092,14 @@ def test_a_beta_schedule_value_that_is_not_usable(beta):
   schedule = lambda step: jnp.float32(beta) + 0.0 * step
   checked = jaxbuf.prioritized_replay(CAPACITY, beta=schedule, checked=True)
   state = filled(checked)
-  state = checked.update_priorities(state, jnp.arange(5),
-                                    jnp.arange(1.0, 6.0, dtype=jnp.float32))
+  state = checked.update_priorities(state, jnp.arange(5), jnp.arange(1.0, 6.0, dtype=jnp.float32))
   with pytest.raises(CHECK_FAILED, match="beta schedule returned"):
     checked.sample(state, jax.random.key(0), 16)
   default = jaxbuf.prioritized_replay(CAPACITY, beta=schedule)
   full = jaxbuf.prioritized_replay(CAPACITY, beta=1.0)
-  state = default.update_priorities(filled(default), jnp.arange(5),
-                                    jnp.arange(1.0, 6.0, dtype=jnp.float32))
+  state = default.update_priorities(
+    filled(default), jnp.arange(5), jnp.arange(1.0, 6.0, dtype=jnp.float32)
+  )
   ours = default.sample(state, jax.random.key(1), 16)
   reference = full.sample(state, jax.random.key(1), 16)
   assert np.all(np.isfinite(ours.weights))
@@ -928,39 +1107,44 @@ def test_a_beta_schedule_value_that_is_not_usable(beta):
 
 
 KIND_CALLS = {
-    "add": lambda b, s: b.add(s, make_items(0, 2)),
-    "sample": lambda b, s: b.sample(s, jax.random.key(0), 2),
-    "update_priorities": lambda b, s: b.update_priorities(
-        s, jnp.array([0]), jnp.array([1.0])),
-    "clear": lambda b, s: b.clear(s),
+  "add": lambda b, s: b.add(s, make_items(0, 2)),
+  "sample": lambda b, s: b.sample(s, jax.random.key(0), 2),
+  "update_priorities": lambda b, s: b.update_priorities(s, jnp.array([0]), jnp.array([1.0])),
+  "clear": lambda b, s: b.clear(s),
 }
 
 
 @pytest.mark.parametrize("call", sorted(KIND_CALLS))
-@pytest.mark.parametrize("owner, other", [("uniform", "prioritized"),
-                                          ("prioritized", "uniform")])
+@pytest.mark.parametrize("owner, other", [("uniform", "prioritized"), ("prioritized", "uniform")])
 def test_a_state_of_another_kind_is_a_type_error_naming_both(owner, other, call):
   buffers = {"uniform": UNIFORM, "prioritized": PRIORITIZED}
   state = filled(buffers[other])
   names = {"uniform": "ReplayState", "prioritized": "PrioritizedReplayState"}
   assert_raises_leaving_state_intact(
-      KIND_CALLS[call], buffers[owner], state, TypeError,
-      [call, f"expected a {names[owner]}", f"given a {names[other]}"])
+    KIND_CALLS[call],
+    buffers[owner],
+    state,
+    TypeError,
+    [call, f"expected a {names[owner]}", f"given a {names[other]}"],
+  )
 
 
 @pytest.mark.parametrize("kind", ["uniform", "prioritized"])
 @pytest.mark.parametrize("checked", [False, True])
 def test_an_empty_batch_of_priority_updates_changes_nothing(kind, checked):
-  buffer = CHECKED[kind] if checked else {"uniform": UNIFORM,
-                                          "prioritized": PRIORITIZED}[kind]
+  buffer = CHECKED[kind] if checked else {"uniform": UNIFORM, "prioritized": PRIORITIZED}[kind]
   state = filled(buffer)
   before = snapshot(state)
-  state = buffer.update_priorities(state, jnp.zeros(0, jnp.int32),
-                                   jnp.zeros(0, jnp.float32),
-                                   jnp.zeros(0, jnp.uint32))
-  changed = [leaf for leaf, (was, now) in enumerate(zip(
-      jax.tree.leaves(before), jax.tree.leaves(snapshot(state))))
-      if not np.array_equal(was, now)]
+  state = buffer.update_priorities(
+    state, jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.float32), jnp.zeros(0, jnp.uint32)
+  )
+  changed = [
+    leaf
+    for leaf, (was, now) in enumerate(
+      zip(jax.tree.leaves(before), jax.tree.leaves(snapshot(state)))
+    )
+    if not np.array_equal(was, now)
+  ]
   if kind == "prioritized":  # only beta_step counts the (empty) update
     assert int(state.beta_step) == 1
     assert len(changed) == 1
@@ -970,77 +1154,85 @@ def test_an_empty_batch_of_priority_updates_changes_nothing(kind, checked):
 
 # --- Issue 35: flags, settings through checkpoints, raw errors ------------------
 
+
 def _goal_distance(achieved, desired):
   return -jnp.abs(achieved - desired).sum(-1)
 
 
 BOOL_SETTINGS = {
-    "uniform_replay-checked": lambda flag: jaxbuf.uniform_replay(8, checked=flag),
-    "prioritized_replay-checked": lambda flag: jaxbuf.prioritized_replay(
-        8, checked=flag),
-    "prioritized_replay-stratified": lambda flag: jaxbuf.prioritized_replay(
-        8, stratified=flag),
-    "sequence_replay-checked": lambda flag: jaxbuf.sequence_replay(
-        1, 8, 2, checked=flag),
-    "prioritized_sequence_replay-stratified":
-        lambda flag: jaxbuf.prioritized_sequence_replay(1, 8, 2, stratified=flag),
-    "prioritized_sequence_replay-checked":
-        lambda flag: jaxbuf.prioritized_sequence_replay(1, 8, 2, checked=flag),
-    "episode_replay-weight_by_length": lambda flag: jaxbuf.episode_replay(
-        1, 8, 4, weight_by_length=flag),
-    "episode_replay-checked": lambda flag: jaxbuf.episode_replay(
-        1, 8, 4, checked=flag),
-    "hindsight_replay-prioritized": lambda flag: jaxbuf.hindsight_replay(
-        1, 8, _goal_distance, prioritized=flag),
-    "hindsight_replay-stratified": lambda flag: jaxbuf.hindsight_replay(
-        1, 8, _goal_distance, prioritized=True, stratified=flag),
-    "hindsight_replay-checked": lambda flag: jaxbuf.hindsight_replay(
-        1, 8, _goal_distance, checked=flag),
-    "frame_stack_replay-checked": lambda flag: jaxbuf.frame_stack_replay(
-        1, 8, 2, checked=flag),
-    "prioritized_frame_stack_replay-stratified":
-        lambda flag: jaxbuf.prioritized_frame_stack_replay(1, 8, 2, stratified=flag),
-    "prioritized_frame_stack_replay-checked":
-        lambda flag: jaxbuf.prioritized_frame_stack_replay(1, 8, 2, checked=flag),
-    "rollout_buffer-checked": lambda flag: jaxbuf.rollout_buffer(2, 2, checked=flag),
+  "uniform_replay-checked": lambda flag: jaxbuf.uniform_replay(8, checked=flag),
+  "prioritized_replay-checked": lambda flag: jaxbuf.prioritized_replay(8, checked=flag),
+  "prioritized_replay-stratified": lambda flag: jaxbuf.prioritized_replay(8, stratified=flag),
+  "sequence_replay-checked": lambda flag: jaxbuf.sequence_replay(1, 8, 2, checked=flag),
+  "prioritized_sequence_replay-stratified": lambda flag: jaxbuf.prioritized_sequence_replay(
+    1, 8, 2, stratified=flag
+  ),
+  "prioritized_sequence_replay-checked": lambda flag: jaxbuf.prioritized_sequence_replay(
+    1, 8, 2, checked=flag
+  ),
+  "episode_replay-weight_by_length": lambda flag: jaxbuf.episode_replay(
+    1, 8, 4, weight_by_length=flag
+  ),
+  "episode_replay-checked": lambda flag: jaxbuf.episode_replay(1, 8, 4, checked=flag),
+  "hindsight_replay-prioritized": lambda flag: jaxbuf.hindsight_replay(
+    1, 8, _goal_distance, prioritized=flag
+  ),
+  "hindsight_replay-stratified": lambda flag: jaxbuf.hindsight_replay(
+    1, 8, _goal_distance, prioritized=True, stratified=flag
+  ),
+  "hindsight_replay-checked": lambda flag: jaxbuf.hindsight_replay(
+    1, 8, _goal_distance, checked=flag
+  ),
+  "frame_stack_replay-checked": lambda flag: jaxbuf.frame_stack_replay(1, 8, 2, checked=flag),
+  "prioritized_frame_stack_replay-stratified": lambda flag: jaxbuf.prioritized_frame_stack_replay(
+    1, 8, 2, stratified=flag
+  ),
+  "prioritized_frame_stack_replay-checked": lambda flag: jaxbuf.prioritized_frame_stack_replay(
+    1, 8, 2, checked=flag
+  ),
+  "rollout_buffer-checked": lambda flag: jaxbuf.rollout_buffer(2, 2, checked=flag),
 }
 
 
 @pytest.mark.parametrize("setting", sorted(BOOL_SETTINGS))
 def test_every_bool_setting_refuses_what_is_not_a_bool(setting):
-  """"False" was read as True (drawn by length, prioritized)."""
+  """ "False" was read as True (drawn by length, prioritized)."""
   factory, name = setting.split("-")
   make = BOOL_SETTINGS[setting]
   for flag in (False, True, np.bool_(True)):
     make(flag)
-  for given, shown in (("False", "str 'False'"), (0, "int 0"), (None, "NoneType"),
-                       (jnp.bool_(True), "an array of dtype bool")):
+  for given, shown in (
+    ("False", "str 'False'"),
+    (0, "int 0"),
+    (None, "NoneType"),
+    (jnp.bool_(True), "an array of dtype bool"),
+  ):
     with pytest.raises(TypeError) as raised:
       make(given)
     assert str(raised.value).startswith(
-        f"{factory}: {name} must be a bool (True or False), given {shown}"), (
-            given, str(raised.value))
+      f"{factory}: {name} must be a bool (True or False), given {shown}"
+    ), (given, str(raised.value))
 
 
-GOAL_STEP = {"obs": {"observation": jnp.zeros(1), "achieved_goal": jnp.zeros(1),
-                     "desired_goal": jnp.zeros(1)},
-             "action": jnp.int32(0), "reward": jnp.float32(0),
-             "terminated": jnp.bool_(False)}
+GOAL_STEP = {
+  "obs": {"observation": jnp.zeros(1), "achieved_goal": jnp.zeros(1), "desired_goal": jnp.zeros(1)},
+  "action": jnp.int32(0),
+  "reward": jnp.float32(0),
+  "terminated": jnp.bool_(False),
+}
 STREAM_KINDS = {
-    "sequence": lambda: jaxbuf.sequence_replay(2, 8, 2),
-    "prioritized_sequence": lambda: jaxbuf.prioritized_sequence_replay(2, 8, 2),
-    "episode": lambda: jaxbuf.episode_replay(2, 8, 2),
-    "frame_stack": lambda: jaxbuf.frame_stack_replay(2, 8, 2),
-    "prioritized_frame_stack": lambda: jaxbuf.prioritized_frame_stack_replay(2, 8, 2),
-    "hindsight": lambda: jaxbuf.hindsight_replay(2, 8, _goal_distance),
-    "prioritized_hindsight": lambda: jaxbuf.hindsight_replay(
-        2, 8, _goal_distance, prioritized=True),
+  "sequence": lambda: jaxbuf.sequence_replay(2, 8, 2),
+  "prioritized_sequence": lambda: jaxbuf.prioritized_sequence_replay(2, 8, 2),
+  "episode": lambda: jaxbuf.episode_replay(2, 8, 2),
+  "frame_stack": lambda: jaxbuf.frame_stack_replay(2, 8, 2),
+  "prioritized_frame_stack": lambda: jaxbuf.prioritized_frame_stack_replay(2, 8, 2),
+  "hindsight": lambda: jaxbuf.hindsight_replay(2, 8, _goal_distance),
+  "prioritized_hindsight": lambda: jaxbuf.hindsight_replay(2, 8, _goal_distance, prioritized=True),
 }
 
 
 def _chunk(length, start=1):
-  return jax.tree.map(
-      lambda x: jnp.full((2, length) + x.shape, start, x.dtype), GOAL_STEP)
+  return jax.tree.map(lambda x: jnp.full((2, length) + x.shape, start, x.dtype), GOAL_STEP)
 
 
 @pytest.mark.parametrize("kind", sorted(STREAM_KINDS))
@@ -1059,25 +1251,31 @@ def test_an_empty_chunk_adds_nothing_to_every_stream_kind(kind):
 def test_a_goal_function_written_with_numpy_is_told_to_use_jax_numpy(function, write):
   """Were JAX's raw tracer errors (TracerArrayConversionError,
   ConcretizationTypeError)."""
-  bad = {"numpy": lambda a, d: np.linalg.norm(a - d, axis=-1) > 0.5,
-         "float": lambda a, d: float(a[0, 0]) > 0.5}[write]
+  bad = {
+    "numpy": lambda a, d: np.linalg.norm(a - d, axis=-1) > 0.5,
+    "float": lambda a, d: float(a[0, 0]) > 0.5,
+  }[write]
   if function == "reward_fn":
-    buffer = jaxbuf.hindsight_replay(2, 8, lambda a, d: -bad(a, d).astype(
-        np.float32))
+    buffer = jaxbuf.hindsight_replay(2, 8, lambda a, d: -bad(a, d).astype(np.float32))
   else:
     buffer = jaxbuf.hindsight_replay(2, 8, _goal_distance, terminated_fn=bad)
   state = buffer.add(buffer.init(GOAL_STEP), _chunk(3))
-  with pytest.raises(TypeError, match=rf"sample: {function} runs under jit, on "
-                     r"traced achieved_goal and desired_goal leaves \[S, \.\.\.\]: "
-                     r"write it with jax.numpy .*JAX said: \w+Error"):
+  with pytest.raises(
+    TypeError,
+    match=rf"sample: {function} runs under jit, on "
+    r"traced achieved_goal and desired_goal leaves \[S, \.\.\.\]: "
+    r"write it with jax.numpy .*JAX said: \w+Error",
+  ):
     buffer.sample(state, jax.random.key(0), 4)
 
 
 def test_goals_of_other_dtypes_are_named_by_their_dtypes():
-  step = {**GOAL_STEP, "obs": {**GOAL_STEP["obs"],
-                               "desired_goal": jnp.zeros(1, jnp.int32)}}
-  with pytest.raises(ValueError, match=r"must have the same shapes and dtypes, "
-                     r"given shapes \(1,\) and \(1,\), dtypes float32 and int32"):
+  step = {**GOAL_STEP, "obs": {**GOAL_STEP["obs"], "desired_goal": jnp.zeros(1, jnp.int32)}}
+  with pytest.raises(
+    ValueError,
+    match=r"must have the same shapes and dtypes, "
+    r"given shapes \(1,\) and \(1,\), dtypes float32 and int32",
+  ):
     jaxbuf.hindsight_replay(1, 8, _goal_distance).init(step)
 
 
@@ -1087,14 +1285,22 @@ def test_a_frame_stack_state_given_to_prioritized_sequence_replay_is_another_kin
   frames = jaxbuf.prioritized_frame_stack_replay(2, 8, 2)
   sequences = jaxbuf.prioritized_sequence_replay(2, 8, 2)
   state = frames.add(frames.init(GOAL_STEP), _chunk(3))
-  calls = {"add": lambda b, s: b.add(s, _chunk(1)),
-           "sample": lambda b, s: b.sample(s, jax.random.key(0), 2),
-           "can_sample": lambda b, s: b.can_sample(s, 2),
-           "clear": lambda b, s: b.clear(s)}
+  calls = {
+    "add": lambda b, s: b.add(s, _chunk(1)),
+    "sample": lambda b, s: b.sample(s, jax.random.key(0), 2),
+    "can_sample": lambda b, s: b.can_sample(s, 2),
+    "clear": lambda b, s: b.clear(s),
+  }
   assert_raises_leaving_state_intact(
-      calls[call], sequences, state, TypeError,
-      [f"{call}: expected a PrioritizedSequenceReplayState, given a "
-       "FrameStackReplayState; pass each buffer's state to its own functions"])
+    calls[call],
+    sequences,
+    state,
+    TypeError,
+    [
+      f"{call}: expected a PrioritizedSequenceReplayState, given a "
+      "FrameStackReplayState; pass each buffer's state to its own functions"
+    ],
+  )
 
 
 def test_r2d2_priorities_of_windows_without_steps_are_zero():
@@ -1113,14 +1319,19 @@ def test_a_concrete_gamma_outside_0_1_is_refused(gamma):
   flags = jnp.zeros((1, 4), bool)
   call = lambda r: jaxbuf.n_step_targets(r, flags, flags, n=2, gamma=gamma)
   for targets in (call, jax.jit(call)):  # closed over: concrete in the jit
-    with pytest.raises(ValueError, match=r"n_step_targets: gamma must be in "
-                       r"\[0, 1\], given"):
+    with pytest.raises(
+      ValueError,
+      match=r"n_step_targets: gamma must be in "
+      r"\[0, 1\], given",
+    ):
       targets(rewards)
-  traced = jax.jit(lambda g: jaxbuf.n_step_targets(
-      rewards, flags, flags, n=2, gamma=g).discounts)(1.5)
+  traced = jax.jit(lambda g: jaxbuf.n_step_targets(rewards, flags, flags, n=2, gamma=g).discounts)(
+    1.5
+  )
   assert traced.tolist() == [[2.25, 2.25]]
   assert "a traced 1.5 discounts two steps by 2.25" in " ".join(
-      jaxbuf.n_step_targets.__doc__.split())
+    jaxbuf.n_step_targets.__doc__.split()
+  )
 
 
 def test_flags_of_numbers_other_than_0_and_1_are_refused():
@@ -1129,14 +1340,20 @@ def test_flags_of_numbers_other_than_0_and_1_are_refused():
   rewards = jnp.ones((1, 4))
   flags = jnp.zeros((1, 4), bool)
   half = np.array([[0, 0.5, 0, 0]], np.float32)
-  with pytest.raises(ValueError, match=r"n_step_targets: terminated holds 0.5 at "
-                     r"index \(0, 1\); flags are bool or 0/1 numbers"):
+  with pytest.raises(
+    ValueError,
+    match=r"n_step_targets: terminated holds 0.5 at "
+    r"index \(0, 1\); flags are bool or 0/1 numbers",
+  ):
     jaxbuf.n_step_targets(rewards, half, flags, n=2, gamma=0.9)
-  with pytest.raises(ValueError, match=r"compute_gae: terminated holds 0.5 at "
-                     r"index \(1,\)"):
-    jaxbuf.compute_gae(jnp.ones(4), jnp.ones(4), half[0], jnp.float32(0),
-                       gamma=0.9, gae_lambda=0.9)
+  with pytest.raises(
+    ValueError,
+    match=r"compute_gae: terminated holds 0.5 at "
+    r"index \(1,\)",
+  ):
+    jaxbuf.compute_gae(jnp.ones(4), jnp.ones(4), half[0], jnp.float32(0), gamma=0.9, gae_lambda=0.9)
   ones = np.array([[0, 1, 0, 0]], np.float32)
-  assert (jaxbuf.n_step_targets(rewards, ones, flags, n=2, gamma=0.9).discounts
-          == jaxbuf.n_step_targets(rewards, ones.astype(bool), flags, n=2,
-                                   gamma=0.9).discounts).all()
+  assert (
+    jaxbuf.n_step_targets(rewards, ones, flags, n=2, gamma=0.9).discounts
+    == jaxbuf.n_step_targets(rewards, ones.astype(bool), flags, n=2, gamma=0.9).discounts
+  ).all()

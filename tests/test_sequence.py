@@ -39,8 +39,7 @@ def make_buffer(prioritized, *args, **settings):
 class ReferenceStreams:
   """Per-env lists of every step ever added; windows enumerated from scratch."""
 
-  def __init__(self, num_envs, per_env, length, *, period, within,
-               prioritized):
+  def __init__(self, num_envs, per_env, length, *, period, within, prioritized):
     self.num_envs, self.per_env, self.length = num_envs, per_env, length
     self.period, self.within, self.prioritized = period, within, prioritized
     self.counts = [0] * num_envs
@@ -58,8 +57,7 @@ class ReferenceStreams:
       self.counts[env] += num_steps
       self.held[env] = min(self.held[env] + num_steps, self.per_env)
     windows = self.windows()
-    self.priorities = {key: self.priorities.get(key, self.max_priority)
-                       for key in windows.values()}
+    self.priorities = {key: self.priorities.get(key, self.max_priority) for key in windows.values()}
 
   def clear(self):
     self.held = [0] * self.num_envs
@@ -74,7 +72,7 @@ class ReferenceStreams:
       for first in range(count - self.held[env], count - self.length + 1):
         if first % self.period:
           continue
-        if self.within and any(self.ends[env][first:first + self.length - 1]):
+        if self.within and any(self.ends[env][first : first + self.length - 1]):
           continue
         found[env * self.per_env + first % self.per_env] = (env, first)
     return found
@@ -99,15 +97,16 @@ class ReferenceStreams:
     self.updates += 1
 
   def first_episode_mask(self, env, first):
-    ends = self.ends[env][first:first + self.length]
+    ends = self.ends[env][first : first + self.length]
     return np.concatenate([[True], np.cumsum(ends[:-1]) == 0])
 
 
 def make_steps(reference, num_steps):
   """Steps `[N, T]` whose ids continue each env's count."""
-  ids = np.array([[env * 1000 + reference.counts[env] + t
-                   for t in range(num_steps)] for env in range(NUM_ENVS)],
-                 np.int32)
+  ids = np.array(
+    [[env * 1000 + reference.counts[env] + t for t in range(num_steps)] for env in range(NUM_ENVS)],
+    np.int32,
+  )
   return {"id": ids, "obs": np.repeat(ids[..., None], 2, -1).astype(np.float32)}
 
 
@@ -116,11 +115,9 @@ def check_sample(sample, reference, batch_size, *, prioritized, num_windows):
   assert sample.items["id"].shape == (batch_size, LENGTH)
   for row in range(batch_size):
     env, first = windows[int(sample.indices[row])]
-    np.testing.assert_array_equal(sample.items["id"][row],
-                                  env * 1000 + first + np.arange(LENGTH))
+    np.testing.assert_array_equal(sample.items["id"][row], env * 1000 + first + np.arange(LENGTH))
     assert int(sample.item_ids[row]) == first % 2**32
-    np.testing.assert_array_equal(sample.mask[row],
-                                  reference.first_episode_mask(env, first))
+    np.testing.assert_array_equal(sample.mask[row], reference.first_episode_mask(env, first))
   if prioritized:
     leaves = reference.leaves()
     probabilities = leaves[np.asarray(sample.indices)] / leaves.sum()
@@ -146,27 +143,41 @@ def check_state(state, reference, *, has_tree):
 
 
 CONFIGS = {
-    # name: (prioritized, period, episodes)
-    "uniform-cross-period1": (False, 1, "cross"),
-    "uniform-within-period2": (False, 2, "within"),
-    "prioritized-within-period1": (True, 1, "within"),
-    "prioritized-cross-period4": (True, 4, "cross"),
+  # name: (prioritized, period, episodes)
+  "uniform-cross-period1": (False, 1, "cross"),
+  "uniform-within-period2": (False, 2, "within"),
+  "prioritized-within-period1": (True, 1, "within"),
+  "prioritized-cross-period4": (True, 4, "cross"),
 }
 BUFFERS = {
-    name: (make_buffer(True, NUM_ENVS, CAPACITY, LENGTH, period=period,
-                       alpha=ALPHA, beta=BETA, eps=EPS, episodes=episodes)
-           if prioritized else
-           make_buffer(False, NUM_ENVS, CAPACITY, LENGTH, period=period,
-                       episodes=episodes))
-    for name, (prioritized, period, episodes) in CONFIGS.items()}
+  name: (
+    make_buffer(
+      True,
+      NUM_ENVS,
+      CAPACITY,
+      LENGTH,
+      period=period,
+      alpha=ALPHA,
+      beta=BETA,
+      eps=EPS,
+      episodes=episodes,
+    )
+    if prioritized
+    else make_buffer(False, NUM_ENVS, CAPACITY, LENGTH, period=period, episodes=episodes)
+  )
+  for name, (prioritized, period, episodes) in CONFIGS.items()
+}
 
 OPERATION = st.one_of(
-    st.tuples(st.just("add"), st.sampled_from([0, 2, PER_ENV + 3]),
-              st.lists(st.booleans(), min_size=NUM_ENVS, max_size=NUM_ENVS),
-              st.integers(0, 2**16)),
-    st.tuples(st.just("sample"), st.integers(0, 2**16)),
-    st.tuples(st.just("update"), st.integers(0, 2**16), st.booleans()),
-    st.tuples(st.just("clear")),
+  st.tuples(
+    st.just("add"),
+    st.sampled_from([0, 2, PER_ENV + 3]),
+    st.lists(st.booleans(), min_size=NUM_ENVS, max_size=NUM_ENVS),
+    st.integers(0, 2**16),
+  ),
+  st.tuples(st.just("sample"), st.integers(0, 2**16)),
+  st.tuples(st.just("update"), st.integers(0, 2**16), st.booleans()),
+  st.tuples(st.just("clear")),
 )
 
 
@@ -176,9 +187,9 @@ OPERATION = st.one_of(
 def test_random_operation_sequences_match_the_numpy_model(name, operations):
   prioritized, period, episodes = CONFIGS[name]
   buffer = BUFFERS[name]
-  reference = ReferenceStreams(NUM_ENVS, PER_ENV, LENGTH, period=period,
-                               within=episodes == "within",
-                               prioritized=prioritized)
+  reference = ReferenceStreams(
+    NUM_ENVS, PER_ENV, LENGTH, period=period, within=episodes == "within", prioritized=prioritized
+  )
   has_tree = prioritized or episodes == "within"
   state = buffer.init(STEP)
   last_sample = None
@@ -192,16 +203,16 @@ def test_random_operation_sequences_match_the_numpy_model(name, operations):
       ends = rng.random((NUM_ENVS, length)) < 0.3
       if num_steps == 0:
         steps = jax.tree.map(lambda x: x[:, 0], steps)
-        state = buffer.add(state, steps, mask=np.array(mask),
-                           episode_end=ends[:, 0])
+        state = buffer.add(state, steps, mask=np.array(mask), episode_end=ends[:, 0])
       else:
         state = buffer.add(state, steps, mask=np.array(mask), episode_end=ends)
       reference.add(length, mask, ends)
     elif operation[0] == "sample":
       if reference.windows():
         last_sample = buffer.sample(state, jax.random.key(operation[1]), 6)
-        check_sample(last_sample, reference, 6, prioritized=prioritized,
-                     num_windows=len(reference.windows()))
+        check_sample(
+          last_sample, reference, 6, prioritized=prioritized, num_windows=len(reference.windows())
+        )
       else:
         empty = buffer.sample(state, jax.random.key(operation[1]), 6)
         np.testing.assert_array_equal(empty.weights, 0.0)
@@ -215,8 +226,7 @@ def test_random_operation_sequences_match_the_numpy_model(name, operations):
       indices[rng.random(6) < 0.2] = CAPACITY + 1
       item_ids = np.asarray(last_sample.item_ids) if with_ids else None
       state = buffer.update_priorities(state, indices, priorities, item_ids)
-      reference.update(indices, priorities,
-                       [None] * 6 if item_ids is None else item_ids)
+      reference.update(indices, priorities, [None] * 6 if item_ids is None else item_ids)
     elif operation[0] == "clear":
       state = buffer.clear(state)
       reference.clear()
@@ -230,20 +240,22 @@ def test_random_operation_sequences_match_the_numpy_model(name, operations):
 def test_windows_around_the_wrap_match_the_model_for_every_period(period):
   """Counts L-1, R, R+1, R+L-1 and several wraps, with a ragged second env."""
   buffers = {
-      "uniform": jaxbuf.sequence_replay(2, 2 * PER_ENV, LENGTH, period=period),
-      "prioritized": jaxbuf.prioritized_sequence_replay(
-          2, 2 * PER_ENV, LENGTH, period=period, alpha=ALPHA)}
-  for count in [LENGTH - 1, PER_ENV, PER_ENV + 1, PER_ENV + LENGTH - 1,
-                3 * PER_ENV + 2]:
+    "uniform": jaxbuf.sequence_replay(2, 2 * PER_ENV, LENGTH, period=period),
+    "prioritized": jaxbuf.prioritized_sequence_replay(
+      2, 2 * PER_ENV, LENGTH, period=period, alpha=ALPHA
+    ),
+  }
+  for count in [LENGTH - 1, PER_ENV, PER_ENV + 1, PER_ENV + LENGTH - 1, 3 * PER_ENV + 2]:
     states = {kind: b.init(STEP) for kind, b in buffers.items()}
     ids = np.zeros(2, int)
     for t in range(count):
       mask = np.array([True, t % 3 != 1])  # env 1 skips every third step
-      steps = {"id": (np.array([0, 1000]) + ids).astype(np.int32),
-               "obs": np.zeros((2, 2), np.float32)}
+      steps = {
+        "id": (np.array([0, 1000]) + ids).astype(np.int32),
+        "obs": np.zeros((2, 2), np.float32),
+      }
       ids += mask
-      states = {kind: buffers[kind].add(s, steps, mask=mask)
-                for kind, s in states.items()}
+      states = {kind: buffers[kind].add(s, steps, mask=mask) for kind, s in states.items()}
     expected = set()
     for env in range(2):
       for first in range(max(0, ids[env] - PER_ENV), ids[env] - LENGTH + 1):
@@ -251,19 +263,17 @@ def test_windows_around_the_wrap_match_the_model_for_every_period(period):
           expected.add(env * PER_ENV + first % PER_ENV)
     leaves = np.asarray(states["prioritized"].window_tree.levels[0])
     assert set(np.flatnonzero(leaves)) == expected, (count, period)
-    np.testing.assert_array_equal(
-        states["uniform"].window_counts.sum(), len(expected))
+    np.testing.assert_array_equal(states["uniform"].window_counts.sum(), len(expected))
     if not expected:
       continue
-    sample = buffers["uniform"].sample(states["uniform"], jax.random.key(count),
-                                       256)
+    sample = buffers["uniform"].sample(states["uniform"], jax.random.key(count), 256)
     assert set(np.asarray(sample.indices)) == expected
     window = np.asarray(sample.items["id"])
     np.testing.assert_array_equal(np.diff(window, axis=1), 1)
     assert np.all(window[:, 0] % 1000 % period == 0)
     np.testing.assert_array_equal(
-        window[:, 0] % 1000 % PER_ENV + window[:, 0] // 1000 * PER_ENV,
-        sample.indices)
+      window[:, 0] % 1000 % PER_ENV + window[:, 0] // 1000 * PER_ENV, sample.indices
+    )
 
 
 def _ragged_state(buffer):
@@ -279,9 +289,9 @@ def _ragged_state(buffer):
 def test_uniform_windows_are_equally_likely_with_ragged_envs():
   buffer = jaxbuf.sequence_replay(4, 24, LENGTH)
   state = _ragged_state(buffer)
-  indices = np.concatenate([
-      np.asarray(buffer.sample(state, jax.random.key(seed), 4096).indices)
-      for seed in range(4)])
+  indices = np.concatenate(
+    [np.asarray(buffer.sample(state, jax.random.key(seed), 4096).indices) for seed in range(4)]
+  )
   # Env 0 holds steps 3..8 (4 windows), env 1 steps 0..3 (2 windows).
   expected = {0 * 6 + s % 6 for s in range(3, 7)} | {6 + s for s in range(2)}
   assert set(indices) == expected
@@ -294,9 +304,11 @@ def test_uniform_within_episodes_is_equally_likely():
   state = buffer.init(STEP)
   ends = np.zeros((2, 8), bool)
   ends[0, 3] = True
-  state = buffer.add(state, {"id": np.zeros((2, 8), np.int32),
-                             "obs": np.zeros((2, 8, 2), np.float32)},
-                     episode_end=ends)
+  state = buffer.add(
+    state,
+    {"id": np.zeros((2, 8), np.int32), "obs": np.zeros((2, 8, 2), np.float32)},
+    episode_end=ends,
+  )
   # Env 0: starts 0, 1 (end at step 3 is last), 4, 5; env 1: starts 0..5.
   expected = [0, 1, 4, 5] + [8 + s for s in range(6)]
   indices = np.asarray(buffer.sample(state, jax.random.key(1), 10_000).indices)
@@ -330,9 +342,11 @@ def _episode_buffer(kind):
 
 def _add_ids(buffer, state, ids, ends):
   ids = np.asarray(ids, np.int32)[None]
-  return buffer.add(state, {"id": ids, "obs": np.zeros((*ids.shape, 2),
-                                                       np.float32)},
-                    episode_end=np.asarray(ends, bool)[None])
+  return buffer.add(
+    state,
+    {"id": ids, "obs": np.zeros((*ids.shape, 2), np.float32)},
+    episode_end=np.asarray(ends, bool)[None],
+  )
 
 
 def _sampleable(state):
@@ -343,8 +357,7 @@ def _sampleable(state):
 def test_within_an_episode_shorter_than_the_window_is_never_sampled(kind):
   buffer = _episode_buffer(kind)
   # Episodes of 2, 3 and 2 steps, then one running.
-  state = _add_ids(buffer, buffer.init(STEP), range(7),
-                   [0, 1, 0, 0, 1, 0, 1])
+  state = _add_ids(buffer, buffer.init(STEP), range(7), [0, 1, 0, 0, 1, 0, 1])
   assert _sampleable(state) == {2}
   sample = buffer.sample(state, jax.random.key(0), 64)
   np.testing.assert_array_equal(sample.items["id"], [[2, 3, 4]] * 64)
@@ -367,8 +380,7 @@ def test_within_an_episode_spanning_the_physical_wrap(kind):
   # Steps 3..10 held; windows 3 (3,4,5) and 6, 7, 8 (slots 6, 7, 0).
   assert _sampleable(state) == {3, 6, 7, 0}
   ids = np.asarray(buffer.sample(state, jax.random.key(0), 64).items["id"])
-  assert {tuple(row) for row in ids} == {(3, 4, 5), (6, 7, 8), (7, 8, 9),
-                                         (8, 9, 10)}
+  assert {tuple(row) for row in ids} == {(3, 4, 5), (6, 7, 8), (7, 8, 9), (8, 9, 10)}
 
 
 @pytest.mark.parametrize("kind", ["uniform", "prioritized"])
@@ -411,15 +423,14 @@ def test_stale_and_invalid_priority_updates_are_skipped():
   sample = buffer.sample(state, jax.random.key(0), 16)
   state = _add_ids(buffer, state, range(3, 7), [0, 0, 0, 0])  # all overwritten
   before = np.asarray(state.window_tree.levels[0]).copy()
-  state = buffer.update_priorities(state, sample.indices,
-                                   np.full(16, 7.0, np.float32),
-                                   sample.item_ids)
+  state = buffer.update_priorities(
+    state, sample.indices, np.full(16, 7.0, np.float32), sample.item_ids
+  )
   np.testing.assert_array_equal(state.window_tree.levels[0], before)
   # Without ids the update lands on the window there now, if it is held:
   # steps 3..6 sit in slots 3, 0, 1, 2, so slot 2 (step 6, the newest)
   # starts no complete window and stays at 0.
-  state = buffer.update_priorities(state, np.array([2, 0]),
-                                   np.array([7.0, 7.0], np.float32))
+  state = buffer.update_priorities(state, np.array([2, 0]), np.array([7.0, 7.0], np.float32))
   leaves = np.asarray(state.window_tree.levels[0])[:4]
   np.testing.assert_allclose(leaves, [7.0, 1.0, 0, 1.0], rtol=1e-5)
 
@@ -430,11 +441,11 @@ def test_item_ids_wrap_with_the_uint32_step_counts():
   state = state.replace(step_counts=jnp.array([2**32 - 2], jnp.uint32))
   state = _add_ids(buffer, state, range(4), [0] * 4)
   sample = buffer.sample(state, jax.random.key(0), 16)
-  expected = (np.asarray(sample.items["id"])[:, 0].astype(np.int64)
-              + 2**32 - 2) % 2**32
+  expected = (np.asarray(sample.items["id"])[:, 0].astype(np.int64) + 2**32 - 2) % 2**32
   np.testing.assert_array_equal(sample.item_ids, expected.astype(np.uint32))
-  state = buffer.update_priorities(state, sample.indices,
-                                   np.full(16, 3.0, np.float32), sample.item_ids)
+  state = buffer.update_priorities(
+    state, sample.indices, np.full(16, 3.0, np.float32), sample.item_ids
+  )
   assert float(state.max_priority) == pytest.approx(3.0)
 
 
@@ -444,8 +455,8 @@ def test_counters_stay_bounded_over_many_steps_in_a_scan():
   steps = {"id": jnp.zeros((2, 7), jnp.int32), "obs": jnp.zeros((2, 7, 2), jnp.float32)}
 
   def body(state, _):
-    return jaxbuf.sequence.add(state, steps, sequence_length=3, period=3,
-                               within=False), None
+    return jaxbuf.sequence.add(state, steps, sequence_length=3, period=3, within=False), None
+
   state, _ = jax.lax.scan(body, state, None, length=10_000)
   np.testing.assert_array_equal(state.write_heads, 70_000 % 5)
   np.testing.assert_array_equal(state.period_phases, 70_000 % 3)
@@ -459,9 +470,11 @@ def test_counters_stay_bounded_over_many_steps_in_a_scan():
 
 @pytest.mark.parametrize("prioritized", [False, True])
 def test_add_writes_in_place_under_donation(prioritized):
-  buffer = (jaxbuf.prioritized_sequence_replay(4, 40_000, 8, period=4,
-                                               episodes="within")
-            if prioritized else jaxbuf.sequence_replay(4, 40_000, 8))
+  buffer = (
+    jaxbuf.prioritized_sequence_replay(4, 40_000, 8, period=4, episodes="within")
+    if prioritized
+    else jaxbuf.sequence_replay(4, 40_000, 8)
+  )
   step = {"obs": jnp.zeros(64, jnp.float32)}
   state = jax.eval_shape(buffer.init, step)
   steps = {"obs": jax.ShapeDtypeStruct((4, 2, 64), jnp.float32)}
@@ -469,8 +482,11 @@ def test_add_writes_in_place_under_donation(prioritized):
   settings = dict(sequence_length=8, period=4, within=prioritized)
   if prioritized:
     settings["alpha"] = 0.6
-  compiled = jax.jit(lambda s, x: module.add(s, x, **settings),
-                     donate_argnums=0).lower(state, steps).compile()
+  compiled = (
+    jax.jit(lambda s, x: module.add(s, x, **settings), donate_argnums=0)
+    .lower(state, steps)
+    .compile()
+  )
   storage_bytes = 40_000 * 64 * 4
   memory = compiled.memory_analysis()
   if memory is None:
@@ -486,11 +502,16 @@ def test_vmapped_states_sharded_over_devices_and_checkpoint_round_trip(tmp_path)
   states = jax.vmap(lambda _: buffer.init(STEP))(jnp.arange(num))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   states = jax.device_put(states, sharding)
-  steps = jax.device_put({"id": jnp.ones((num, 2, 5), jnp.int32),
-                          "obs": jnp.ones((num, 2, 5, 2), jnp.float32)},
-                         sharding)
-  add = jax.jit(jax.vmap(lambda s, x: jaxbuf.prioritized_sequence.add(
-      s, x, sequence_length=3, period=1, within=False, alpha=0.6)))
+  steps = jax.device_put(
+    {"id": jnp.ones((num, 2, 5), jnp.int32), "obs": jnp.ones((num, 2, 5, 2), jnp.float32)}, sharding
+  )
+  add = jax.jit(
+    jax.vmap(
+      lambda s, x: jaxbuf.prioritized_sequence.add(
+        s, x, sequence_length=3, period=1, within=False, alpha=0.6
+      )
+    )
+  )
   with jax.set_mesh(mesh):
     states = add(states, steps)
   assert states.storage["obs"].sharding.spec[0] == "data"
@@ -499,8 +520,9 @@ def test_vmapped_states_sharded_over_devices_and_checkpoint_round_trip(tmp_path)
   loaded = jaxbuf.load(tmp_path / "ckpt", like=states)
   for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(states)):
     np.testing.assert_array_equal(got, want)
-  single = buffer.add(buffer.init(STEP), {"id": jnp.ones((2, 5), jnp.int32),
-                                          "obs": jnp.ones((2, 5, 2), jnp.float32)})
+  single = buffer.add(
+    buffer.init(STEP), {"id": jnp.ones((2, 5), jnp.int32), "obs": jnp.ones((2, 5, 2), jnp.float32)}
+  )
   jaxbuf.save(tmp_path / "one", single)
   other = jaxbuf.prioritized_sequence_replay(3, 12, 3).init(STEP)
   with pytest.raises(ValueError, match="num_envs mismatch"):
@@ -527,57 +549,93 @@ def assert_raises_leaving_state_intact(call, state, error, words):
     np.testing.assert_array_equal(got, want)
 
 
-SEQUENCE = make_buffer(False, NUM_ENVS, CAPACITY, LENGTH, period=1,
-                       episodes="cross")
+SEQUENCE = make_buffer(False, NUM_ENVS, CAPACITY, LENGTH, period=1, episodes="cross")
 PRIORITIZED = jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH)
 
 
 def _chunk(num_envs=NUM_ENVS, length=2):
-  return {"id": np.zeros((num_envs, length), np.int32),
-          "obs": np.zeros((num_envs, length, 2), np.float32)}
+  return {
+    "id": np.zeros((num_envs, length), np.int32),
+    "obs": np.zeros((num_envs, length, 2), np.float32),
+  }
 
 
 SEQUENCE_RAISES = {
-    # row id: (call(buffer, state), error, words in the message)
-    "seq-add-wrong-num-envs": (lambda b, s: b.add(s, _chunk(num_envs=2)),
-                               ValueError, ["['id']", "(2, 2)", "(3, 2)"]),
-    "seq-add-wrong-rank": (lambda b, s: b.add(s, {
-        "id": np.zeros((3, 2, 2), np.int32), "obs": np.zeros((3, 2, 2, 2))}),
-                           ValueError, ["['id']", "(3, 2, 2)", "chunk"]),
-    "seq-add-chunk-rank-mismatch": (lambda b, s: b.add(s, {
-        "id": np.zeros((3, 2), np.int32), "obs": np.zeros((3, 2), np.float32)}),
-                                    ValueError, ["['obs']", "(3, 2)"]),
-    "seq-add-wrong-dtype": (lambda b, s: b.add(s, {
-        "id": np.zeros((3, 2), np.float32), "obs": np.zeros((3, 2, 2),
-                                                           np.float32)}),
-                            TypeError, ["['id']", "float32", "int32"]),
-    "seq-add-mask-wrong-shape": (lambda b, s: b.add(
-        s, _chunk(), mask=np.ones(2, bool)), ValueError, ["mask", "(2,)", "(3,)"]),
-    "seq-add-episode-end-wrong-shape": (lambda b, s: b.add(
-        s, _chunk(), episode_end=np.ones(3, bool)), ValueError,
-                                        ["episode_end", "(3,)", "(3, 2)"]),
-    "seq-add-mask-not-bool": (lambda b, s: b.add(
-        s, _chunk(), mask=np.ones(3, np.int32)), TypeError, ["mask", "bool"]),
-    "seq-sample-batch-size-zero": (lambda b, s: b.sample(
-        s, jax.random.key(0), 0), ValueError, ["batch_size", "positive"]),
-    "seq-update-float-indices": (lambda b, s: b.update_priorities(
-        s, np.array([0.0]), np.array([1.0])), TypeError, ["indices", "integers"]),
-    "seq-state-of-another-kind": (lambda b, s: (
-        PRIORITIZED if b is SEQUENCE else SEQUENCE).sample(
-            s, jax.random.key(0), 2), TypeError, ["sample", "expected a"]),
-    "seq-update-item-ids-wrong-dtype": (lambda b, s: b.update_priorities(
-        s, np.array([0]), np.array([1.0], np.float32),
-        np.array([0], np.int32)), TypeError, ["item_ids", "uint32"]),
-    "seq-update-per-step-priorities": (lambda b, s: b.update_priorities(
-        s, np.array([0, 1]), np.ones((2, LENGTH), np.float32)), ValueError,
-                                       ["(2, 3)", "one priority per window", "(2,)",
-                                        "jaxbuf.r2d2_priorities"]),
-    "seq-add-final-steps-without-last": (lambda b, s: b.add(
-        s, _chunk(), final_steps=_chunk(length=1)), TypeError,
-                                         ["final_steps", "`last`"]),
-    "seq-sample-bound-setting": (lambda b, s: b.sample(
-        s, jax.random.key(0), 2, sequence_length=LENGTH + 1), TypeError,
-                                 ["sequence_length", "setting of the buffer"]),
+  # row id: (call(buffer, state), error, words in the message)
+  "seq-add-wrong-num-envs": (
+    lambda b, s: b.add(s, _chunk(num_envs=2)),
+    ValueError,
+    ["['id']", "(2, 2)", "(3, 2)"],
+  ),
+  "seq-add-wrong-rank": (
+    lambda b, s: b.add(s, {"id": np.zeros((3, 2, 2), np.int32), "obs": np.zeros((3, 2, 2, 2))}),
+    ValueError,
+    ["['id']", "(3, 2, 2)", "chunk"],
+  ),
+  "seq-add-chunk-rank-mismatch": (
+    lambda b, s: b.add(s, {"id": np.zeros((3, 2), np.int32), "obs": np.zeros((3, 2), np.float32)}),
+    ValueError,
+    ["['obs']", "(3, 2)"],
+  ),
+  "seq-add-wrong-dtype": (
+    lambda b, s: b.add(
+      s, {"id": np.zeros((3, 2), np.float32), "obs": np.zeros((3, 2, 2), np.float32)}
+    ),
+    TypeError,
+    ["['id']", "float32", "int32"],
+  ),
+  "seq-add-mask-wrong-shape": (
+    lambda b, s: b.add(s, _chunk(), mask=np.ones(2, bool)),
+    ValueError,
+    ["mask", "(2,)", "(3,)"],
+  ),
+  "seq-add-episode-end-wrong-shape": (
+    lambda b, s: b.add(s, _chunk(), episode_end=np.ones(3, bool)),
+    ValueError,
+    ["episode_end", "(3,)", "(3, 2)"],
+  ),
+  "seq-add-mask-not-bool": (
+    lambda b, s: b.add(s, _chunk(), mask=np.ones(3, np.int32)),
+    TypeError,
+    ["mask", "bool"],
+  ),
+  "seq-sample-batch-size-zero": (
+    lambda b, s: b.sample(s, jax.random.key(0), 0),
+    ValueError,
+    ["batch_size", "positive"],
+  ),
+  "seq-update-float-indices": (
+    lambda b, s: b.update_priorities(s, np.array([0.0]), np.array([1.0])),
+    TypeError,
+    ["indices", "integers"],
+  ),
+  "seq-state-of-another-kind": (
+    lambda b, s: (PRIORITIZED if b is SEQUENCE else SEQUENCE).sample(s, jax.random.key(0), 2),
+    TypeError,
+    ["sample", "expected a"],
+  ),
+  "seq-update-item-ids-wrong-dtype": (
+    lambda b, s: b.update_priorities(
+      s, np.array([0]), np.array([1.0], np.float32), np.array([0], np.int32)
+    ),
+    TypeError,
+    ["item_ids", "uint32"],
+  ),
+  "seq-update-per-step-priorities": (
+    lambda b, s: b.update_priorities(s, np.array([0, 1]), np.ones((2, LENGTH), np.float32)),
+    ValueError,
+    ["(2, 3)", "one priority per window", "(2,)", "jaxbuf.r2d2_priorities"],
+  ),
+  "seq-add-final-steps-without-last": (
+    lambda b, s: b.add(s, _chunk(), final_steps=_chunk(length=1)),
+    TypeError,
+    ["final_steps", "`last`"],
+  ),
+  "seq-sample-bound-setting": (
+    lambda b, s: b.sample(s, jax.random.key(0), 2, sequence_length=LENGTH + 1),
+    TypeError,
+    ["sequence_length", "setting of the buffer"],
+  ),
 }
 
 
@@ -587,28 +645,46 @@ def test_bad_sequence_input_raises_and_the_state_survives(row, kind):
   call, error, words = SEQUENCE_RAISES[row]
   buffer = SEQUENCE if kind == "uniform" else PRIORITIZED
   state = buffer.add(buffer.init(STEP), _chunk(length=4))
-  assert_raises_leaving_state_intact(lambda s: call(buffer, s), state, error,
-                                     words)
+  assert_raises_leaving_state_intact(lambda s: call(buffer, s), state, error, words)
   assert int(jnp.sum(buffer.add(state, _chunk()).window_counts)) > 0
 
 
 SETTINGS = {
-    "seq-capacity-not-multiple-of-num-envs": (
-        lambda: jaxbuf.sequence_replay(4, 30, 2), ValueError,
-        ["capacity 30", "num_envs 4", "28 or 32"]),
-    "seq-sequence-longer-than-per-env": (
-        lambda: jaxbuf.prioritized_sequence_replay(4, 32, 9), ValueError,
-        ["sequence_length 9", "8", "36"]),
-    "seq-period-zero": (lambda: jaxbuf.sequence_replay(2, 8, 2, period=0),
-                        ValueError, ["period", "positive"]),
-    "seq-period-float": (lambda: jaxbuf.sequence_replay(2, 8, 2, period=1.5),
-                         TypeError, ["period", "int"]),
-    "seq-alpha-inf": (lambda: jaxbuf.prioritized_sequence_replay(
-        2, 8, 2, alpha=float("inf")), ValueError, ["alpha", "finite"]),
-    "seq-eps-nan": (lambda: jaxbuf.prioritized_sequence_replay(
-        2, 8, 2, eps=float("nan")), ValueError, ["eps", "finite"]),
-    "seq-episodes-unknown": (lambda: jaxbuf.sequence_replay(
-        2, 8, 2, episodes="none"), ValueError, ["episodes", "within"]),
+  "seq-capacity-not-multiple-of-num-envs": (
+    lambda: jaxbuf.sequence_replay(4, 30, 2),
+    ValueError,
+    ["capacity 30", "num_envs 4", "28 or 32"],
+  ),
+  "seq-sequence-longer-than-per-env": (
+    lambda: jaxbuf.prioritized_sequence_replay(4, 32, 9),
+    ValueError,
+    ["sequence_length 9", "8", "36"],
+  ),
+  "seq-period-zero": (
+    lambda: jaxbuf.sequence_replay(2, 8, 2, period=0),
+    ValueError,
+    ["period", "positive"],
+  ),
+  "seq-period-float": (
+    lambda: jaxbuf.sequence_replay(2, 8, 2, period=1.5),
+    TypeError,
+    ["period", "int"],
+  ),
+  "seq-alpha-inf": (
+    lambda: jaxbuf.prioritized_sequence_replay(2, 8, 2, alpha=float("inf")),
+    ValueError,
+    ["alpha", "finite"],
+  ),
+  "seq-eps-nan": (
+    lambda: jaxbuf.prioritized_sequence_replay(2, 8, 2, eps=float("nan")),
+    ValueError,
+    ["eps", "finite"],
+  ),
+  "seq-episodes-unknown": (
+    lambda: jaxbuf.sequence_replay(2, 8, 2, episodes="none"),
+    ValueError,
+    ["episodes", "within"],
+  ),
 }
 
 
@@ -630,15 +706,16 @@ def test_empty_sample_and_bad_priorities_default_and_checked():
   # NaN, ids outside [0, C) at any integer width (2**32 + 1 must not wrap to
   # window 1) are skipped; a negative priority applies by its magnitude.
   state = PRIORITIZED.update_priorities(
-      state, np.array([0, 1, CAPACITY, -1, 2**32 + 1], np.int64),
-      np.array([np.nan, -2.0, 1.0, 1.0, 9.0], np.float32))
+    state,
+    np.array([0, 1, CAPACITY, -1, 2**32 + 1], np.int64),
+    np.array([np.nan, -2.0, 1.0, 1.0, 9.0], np.float32),
+  )
   expected = before.copy()
   expected[1] = (2.0 + 1e-6) ** 0.6
   np.testing.assert_allclose(state.window_tree.levels[0], expected, rtol=1e-6)
   # Checked mode, staged under jit with checkify (eager checked calls run op
   # by op and cost seconds each).
-  checked = jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH,
-                                               checked=True)
+  checked = jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH, checked=True)
   state = jax.jit(checked.add)(checked.init(STEP), _chunk(length=1))
 
   def run(function, *args):
@@ -646,12 +723,14 @@ def test_empty_sample_and_bad_priorities_default_and_checked():
     with pytest.raises(ValueError) as raised:
       error.throw()
     return str(raised.value)
-  assert "no complete window" in run(
-      lambda s, k: checked.sample(s, k, 4), jax.random.key(0))
-  assert "finite" in run(lambda s, p: checked.update_priorities(
-      s, jnp.array([0]), p), jnp.array([np.nan], jnp.float32))
-  assert "window ids" in run(lambda s, i: checked.update_priorities(
-      s, i, jnp.array([1.0])), jnp.array([CAPACITY]))
+
+  assert "no complete window" in run(lambda s, k: checked.sample(s, k, 4), jax.random.key(0))
+  assert "finite" in run(
+    lambda s, p: checked.update_priorities(s, jnp.array([0]), p), jnp.array([np.nan], jnp.float32)
+  )
+  assert "window ids" in run(
+    lambda s, i: checked.update_priorities(s, i, jnp.array([1.0])), jnp.array([CAPACITY])
+  )
 
 
 def test_reliability_md_lists_every_sequence_row():
@@ -669,8 +748,9 @@ def test_reliability_md_lists_every_sequence_row():
 
 # --- Issue 18: one episode-end flag, safe defaults, clear errors -------------
 
+
 class LastStep(NamedTuple):
-  obs: jax.Array       # ()
+  obs: jax.Array  # ()
   terminated: jax.Array
   last: jax.Array
 
@@ -688,8 +768,9 @@ def _collect(buffer, num_steps, ended_at, *, final_steps=True):
   envs = np.arange(num_envs) * 1000
   for t in range(num_steps):
     step = LastStep(jnp.asarray(envs + t, jnp.int32), jnp.asarray(no), jnp.asarray(no))
-    final = LastStep(jnp.asarray(envs + 500 + t, jnp.int32), jnp.asarray(no),
-                     jnp.asarray(ended_at[t]))
+    final = LastStep(
+      jnp.asarray(envs + 500 + t, jnp.int32), jnp.asarray(no), jnp.asarray(ended_at[t])
+    )
     if final_steps:
       state = buffer.add(state, step, final_steps=final)
     else:  # the streams the two masked adds used to make, by hand
@@ -731,15 +812,24 @@ def test_the_steps_last_leaf_is_the_one_episode_end_flag(prioritized):
   no = jnp.zeros(4, bool)
   step = LastStep(jnp.zeros(4, jnp.int32), no, no)
   assert_raises_leaving_state_intact(
-      lambda s: buffer.add(s, step, episode_end=~no), state, TypeError,
-      ["`last`", "do not pass episode_end"])
+    lambda s: buffer.add(s, step, episode_end=~no),
+    state,
+    TypeError,
+    ["`last`", "do not pass episode_end"],
+  )
   chunk = jax.tree.map(lambda x: jnp.stack([x, x], axis=1), step)
   assert_raises_leaving_state_intact(
-      lambda s: buffer.add(s, step, final_steps=chunk), state, ValueError,
-      ["final_steps", "one step per env"])
+    lambda s: buffer.add(s, step, final_steps=chunk),
+    state,
+    ValueError,
+    ["final_steps", "one step per env"],
+  )
   assert_raises_leaving_state_intact(
-      lambda s: buffer.add(s, step._replace(last=jnp.zeros(4, jnp.int32))),
-      state, TypeError, ["`last`", "bool", "int32"])
+    lambda s: buffer.add(s, step._replace(last=jnp.zeros(4, jnp.int32))),
+    state,
+    TypeError,
+    ["`last`", "bool", "int32"],
+  )
 
 
 def test_final_steps_under_jit_scan_and_masks():
@@ -752,11 +842,12 @@ def test_final_steps_under_jit_scan_and_masks():
   @jax.jit
   def run(state):
     def body(state, t):
-      step = LastStep(jnp.full(3, t, jnp.int32), jnp.zeros(3, bool),
-                      jnp.zeros(3, bool))
+      step = LastStep(jnp.full(3, t, jnp.int32), jnp.zeros(3, bool), jnp.zeros(3, bool))
       final = LastStep(jnp.full(3, 100 + t, jnp.int32), jnp.zeros(3, bool), ended)
       return buffer.add(state, step, stepped, final_steps=final), None
+
     return jax.lax.scan(body, state, jnp.arange(3))[0]
+
   state = run(buffer.init(LAST_STEP))
   np.testing.assert_array_equal(state.steps_held, [6, 0, 3])
   np.testing.assert_array_equal(state.storage.obs[0, :6], [0, 100, 1, 101, 2, 102])
@@ -767,8 +858,11 @@ def test_final_steps_under_jit_scan_and_masks():
 @pytest.mark.parametrize("kind", ["uniform", "within", "prioritized"])
 def test_a_sample_with_no_window_has_an_all_false_mask(kind):
   # Buffers other tests compile too.
-  buffer = {"uniform": SEQUENCE, "within": BUFFERS["uniform-within-period2"],
-            "prioritized": PRIORITIZED}[kind]
+  buffer = {
+    "uniform": SEQUENCE,
+    "within": BUFFERS["uniform-within-period2"],
+    "prioritized": PRIORITIZED,
+  }[kind]
   state = buffer.add(buffer.init(STEP), _chunk(length=LENGTH - 1))
   empty = buffer.sample(state, jax.random.key(0), 4)
   np.testing.assert_array_equal(empty.weights, 0.0)
@@ -797,27 +891,29 @@ def test_lists_and_numpy_arrays_work_as_arrays_do(checked):
   """A list `mask`, `episode_end` or priorities was a TracerArrayConversionError
   (checked mode: "Cannot determine dtype")."""
   buffer = PRIORITIZED
-  as_arrays = buffer.add(buffer.init(STEP), _chunk(length=4),
-                         np.array([True, False, True]),
-                         np.array([[False, True, False, False]] * 3))
+  as_arrays = buffer.add(
+    buffer.init(STEP),
+    _chunk(length=4),
+    np.array([True, False, True]),
+    np.array([[False, True, False, False]] * 3),
+  )
   if checked:  # an eager checked add runs op by op: only the update here
-    under_test = jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH,
-                                                    checked=True)
+    under_test = jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH, checked=True)
     as_lists = jax.tree.map(jnp.copy, as_arrays)
     with pytest.raises(TypeError, match="mask must be bool, given dtype int"):
       under_test.add(as_lists, _chunk(length=4), [1, 0, 1])
   else:
     under_test = buffer
-    as_lists = buffer.add(buffer.init(STEP), _chunk(length=4),
-                          [True, False, True],
-                          [[False, True, False, False]] * 3)
+    as_lists = buffer.add(
+      buffer.init(STEP), _chunk(length=4), [True, False, True], [[False, True, False, False]] * 3
+    )
   for got, want in zip(jax.tree.leaves(as_lists), jax.tree.leaves(as_arrays)):
     np.testing.assert_array_equal(got, want)
   with_lists = under_test.update_priorities(as_lists, [0, 10], [0.5, 2.0])
-  with_arrays = buffer.update_priorities(as_arrays, np.array([0, 10]),
-                                         np.array([0.5, 2.0], np.float32))
-  np.testing.assert_array_equal(with_lists.window_tree.levels[0],
-                                with_arrays.window_tree.levels[0])
+  with_arrays = buffer.update_priorities(
+    as_arrays, np.array([0, 10]), np.array([0.5, 2.0], np.float32)
+  )
+  np.testing.assert_array_equal(with_lists.window_tree.levels[0], with_arrays.window_tree.levels[0])
   assert float(with_lists.max_priority) == pytest.approx(2.0 + EPS)
 
 
@@ -825,14 +921,16 @@ def test_lists_and_numpy_arrays_work_as_arrays_do(checked):
 def test_an_empty_update_of_window_priorities_changes_only_beta_step(checked):
   """Was "zero-size array to reduction operation max"; item replay's
   outcome: nothing changes but `beta_step`, which counts update calls."""
-  buffer = (PRIORITIZED if not checked else
-            jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH,
-                                               checked=True))
+  buffer = (
+    PRIORITIZED
+    if not checked
+    else jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, LENGTH, checked=True)
+  )
   state = PRIORITIZED.add(PRIORITIZED.init(STEP), _chunk(length=4))
   before = snapshot(state.replace(beta_step=state.beta_step + 1))
-  updated = buffer.update_priorities(state, np.zeros(0, np.int32),
-                                     np.zeros(0, np.float32),
-                                     np.zeros(0, np.uint32))
+  updated = buffer.update_priorities(
+    state, np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.uint32)
+  )
   for got, want in zip(snapshot(updated), before):
     np.testing.assert_array_equal(got, want)
 
@@ -840,8 +938,16 @@ def test_an_empty_update_of_window_priorities_changes_only_beta_step(checked):
 def test_sample_signatures_show_only_what_a_caller_passes():
   for buffer in (SEQUENCE, PRIORITIZED):
     assert list(inspect.signature(buffer.sample).parameters) == [
-        "state", "key", "batch_size", "step"]
+      "state",
+      "key",
+      "batch_size",
+      "step",
+    ]
     assert list(inspect.signature(buffer.add).parameters) == [
-        "state", "steps", "mask", "episode_end", "final_steps"]
-    assert "sequence_length" not in str(inspect.signature(
-        buffer.update_priorities))
+      "state",
+      "steps",
+      "mask",
+      "episode_end",
+      "final_steps",
+    ]
+    assert "sequence_length" not in str(inspect.signature(buffer.update_priorities))

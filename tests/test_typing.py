@@ -23,8 +23,9 @@ def _mypy(script: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> str:
   # From the checkout's root, so that `import jaxbuf` is this checkout and
   # pyproject.toml's settings and the cache of `mypy jaxbuf` apply.
   monkeypatch.chdir(ROOT)
-  stdout, stderr, _ = api.run(["--config-file", str(ROOT / "pyproject.toml"),
-                               "--show-error-codes", str(script)])
+  stdout, stderr, _ = api.run(
+    ["--config-file", str(ROOT / "pyproject.toml"), "--show-error-codes", str(script)]
+  )
   return stdout + stderr
 
 
@@ -41,12 +42,18 @@ def test_user_script_type_checks_clean(monkeypatch):
 @pytest.mark.typing
 def test_mistakes_are_flagged(monkeypatch):
   lines = USER_ERRORS.read_text().splitlines()
-  expected = {(number, code) for number, line in enumerate(lines, 1)
-              for code in re.findall(r"# error: \[([a-z-]+)\]", line)}
+  expected = {
+    (number, code)
+    for number, line in enumerate(lines, 1)
+    for code in re.findall(r"# error: \[([a-z-]+)\]", line)
+  }
   output = _mypy(USER_ERRORS, monkeypatch)
-  found = {(int(number), code) for number, code in re.findall(
-      rf"{USER_ERRORS.name}:(\d+): error: .*\[([a-z-]+)\]$", output,
-      re.MULTILINE)}
+  found = {
+    (int(number), code)
+    for number, code in re.findall(
+      rf"{USER_ERRORS.name}:(\d+): error: .*\[([a-z-]+)\]$", output, re.MULTILINE
+    )
+  }
   assert found == expected, output
   # Nothing but those: no error in jaxbuf itself, none elsewhere.
   assert f"Found {len(expected)} errors in 1 file" in output, output

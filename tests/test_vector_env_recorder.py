@@ -24,8 +24,7 @@ from gymnasium.vector import AutoresetMode
 
 import jaxbuf
 
-MODES = {"next_step": AutoresetMode.NEXT_STEP,
-         "same_step": AutoresetMode.SAME_STEP}
+MODES = {"next_step": AutoresetMode.NEXT_STEP, "same_step": AutoresetMode.SAME_STEP}
 TIME_LIMIT = 5
 NUM_ENVS = 3
 
@@ -76,17 +75,21 @@ class WhereEnv(gym.Env):
     # The time limit's own flag, as gymnasium's TimeLimit (around this env)
     # will return it.
     truncated = self.t >= self.time_limit
-    self.log.append((tuple(self.obs), action, reward, tuple(next_obs),
-                     terminated, truncated))
+    self.log.append((tuple(self.obs), action, reward, tuple(next_obs), terminated, truncated))
     self.obs = next_obs
     return next_obs, reward, terminated, False, {}
 
 
-def where_envs(mode: AutoresetMode, num_envs: int = NUM_ENVS,
-               time_limit: int = TIME_LIMIT) -> gym.vector.SyncVectorEnv:
+def where_envs(
+  mode: AutoresetMode, num_envs: int = NUM_ENVS, time_limit: int = TIME_LIMIT
+) -> gym.vector.SyncVectorEnv:
   return gym.vector.SyncVectorEnv(
-      [lambda i=i: gym.wrappers.TimeLimit(WhereEnv(i, time_limit), time_limit)
-       for i in range(num_envs)], autoreset_mode=mode)
+    [
+      lambda i=i: gym.wrappers.TimeLimit(WhereEnv(i, time_limit), time_limit)
+      for i in range(num_envs)
+    ],
+    autoreset_mode=mode,
+  )
 
 
 def logs(envs) -> list[list[tuple]]:
@@ -103,17 +106,23 @@ def run(envs, recorder, state, steps: int, seed: int = 0):
   for _ in range(steps):
     actions = envs.action_space.sample()
     next_obs, rewards, terminated, truncated, info = envs.step(actions)
-    state = recorder.add(state, actions, next_obs, rewards, terminated,
-                         truncated, info)
+    state = recorder.add(state, actions, next_obs, rewards, terminated, truncated, info)
     ends += int((terminated | truncated).sum())
   return state, ends
 
 
 def as_tuples(obs, action, reward, next_obs, terminated, truncated):
-  return [(tuple(np.asarray(o, np.float32)), int(a), float(r),
-           tuple(np.asarray(n, np.float32)), bool(te), bool(tr))
-          for o, a, r, n, te, tr in zip(obs, action, reward, next_obs,
-                                        terminated, truncated, strict=True)]
+  return [
+    (
+      tuple(np.asarray(o, np.float32)),
+      int(a),
+      float(r),
+      tuple(np.asarray(n, np.float32)),
+      bool(te),
+      bool(tr),
+    )
+    for o, a, r, n, te, tr in zip(obs, action, reward, next_obs, terminated, truncated, strict=True)
+  ]
 
 
 @pytest.mark.usefixtures("x64_mode")
@@ -121,8 +130,7 @@ def as_tuples(obs, action, reward, next_obs, terminated, truncated):
 @pytest.mark.parametrize("kind", ["uniform", "prioritized"])
 def test_items_are_exactly_the_envs_transitions(mode, kind):
   envs = where_envs(MODES[mode])
-  buffer = (jaxbuf.uniform_replay(1000) if kind == "uniform"
-            else jaxbuf.prioritized_replay(1000))
+  buffer = jaxbuf.uniform_replay(1000) if kind == "uniform" else jaxbuf.prioritized_replay(1000)
   recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
   assert recorder.autoreset_mode == MODES[mode]
   state, ends = run(envs, recorder, buffer.init(recorder.example), 60)
@@ -134,9 +142,9 @@ def test_items_are_exactly_the_envs_transitions(mode, kind):
   # the true final observation, reward and both flags.
   assert sorted(got) == sorted(made)
   assert ends > 10
-  assert any(t[4] and not t[5] for t in got)   # terminated only
-  assert any(t[5] and not t[4] for t in got)   # truncated only
-  assert any(t[4] and t[5] for t in got)       # both
+  assert any(t[4] and not t[5] for t in got)  # terminated only
+  assert any(t[5] and not t[4] for t in got)  # truncated only
+  assert any(t[4] and t[5] for t in got)  # both
   for obs, action, reward, next_obs, terminated, truncated in got:
     env, episode, t, _ = obs
     assert next_obs == (env, episode, t + 1, action)
@@ -147,10 +155,9 @@ def test_items_are_exactly_the_envs_transitions(mode, kind):
 
 
 STREAM_KINDS = {
-    "sequence": lambda: jaxbuf.sequence_replay(NUM_ENVS, NUM_ENVS * 200, 2),
-    "prioritized_sequence": lambda: jaxbuf.prioritized_sequence_replay(
-        NUM_ENVS, NUM_ENVS * 200, 2),
-    "episode": lambda: jaxbuf.episode_replay(NUM_ENVS, NUM_ENVS * 200, 8),
+  "sequence": lambda: jaxbuf.sequence_replay(NUM_ENVS, NUM_ENVS * 200, 2),
+  "prioritized_sequence": lambda: jaxbuf.prioritized_sequence_replay(NUM_ENVS, NUM_ENVS * 200, 2),
+  "episode": lambda: jaxbuf.episode_replay(NUM_ENVS, NUM_ENVS * 200, 8),
 }
 
 
@@ -163,18 +170,21 @@ def final_steps_taken(buffer: jaxbuf.Buffer) -> None:
 
 # One buffer per number of envs for all examples, so that each add shape
 # compiles once.
-PROPERTY_BUFFERS = {num_envs: jaxbuf.uniform_replay(512)
-                    for num_envs in range(1, 5)}
+PROPERTY_BUFFERS = {num_envs: jaxbuf.uniform_replay(512) for num_envs in range(1, 5)}
 
 
 @hypothesis.given(
-    mode=st.sampled_from(list(MODES.values())),
-    num_envs=st.integers(1, 4), time_limit=st.integers(1, 8),
-    steps=st.integers(0, 25), seed=st.integers(0, 2**16),
-    partial_reset_at=st.one_of(st.none(), st.integers(0, 25)))
+  mode=st.sampled_from(list(MODES.values())),
+  num_envs=st.integers(1, 4),
+  time_limit=st.integers(1, 8),
+  steps=st.integers(0, 25),
+  seed=st.integers(0, 2**16),
+  partial_reset_at=st.one_of(st.none(), st.integers(0, 25)),
+)
 @hypothesis.settings(max_examples=25)
 def test_any_run_stores_exactly_the_envs_transitions(
-    mode, num_envs, time_limit, steps, seed, partial_reset_at):
+  mode, num_envs, time_limit, steps, seed, partial_reset_at
+):
   """Any mode, number of envs, time limit and run length, with or without
   a partial reset (gymnasium's reset_mask) on the way: the items held are
   the env's log, each transition once."""
@@ -188,13 +198,12 @@ def test_any_run_stores_exactly_the_envs_transitions(
   for step in range(steps):
     if step == partial_reset_at:
       mask = rng.random(num_envs) < 0.5
-      mask[rng.integers(num_envs)] = True   # gymnasium needs one env reset
+      mask[rng.integers(num_envs)] = True  # gymnasium needs one env reset
       obs, _ = envs.reset(options={"reset_mask": mask})
       recorder.reset(obs, reset_mask=mask)
     actions = rng.integers(0, 3, num_envs)
     state = recorder.add(state, actions, *envs.step(actions))
-  got = as_tuples(*(leaf[:int(state.size)]
-                    for leaf in jax.device_get(state.storage)))
+  got = as_tuples(*(leaf[: int(state.size)] for leaf in jax.device_get(state.storage)))
   assert sorted(got) == sorted(t for log in logs(envs) for t in log)
   envs.close()
 
@@ -209,15 +218,24 @@ def test_streams_hold_exactly_the_envs_episodes(mode, kind):
   recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
   state, _ = run(envs, recorder, buffer.init(recorder.example), 60)
   held = jaxbuf.held_episodes(buffer, state)
-  got = [t for episode in held for t in as_tuples(
-      episode.observations[:-1], episode.actions, episode.rewards,
-      episode.observations[1:], episode.terminations, episode.truncations)]
+  got = [
+    t
+    for episode in held
+    for t in as_tuples(
+      episode.observations[:-1],
+      episode.actions,
+      episode.rewards,
+      episode.observations[1:],
+      episode.terminations,
+      episode.truncations,
+    )
+  ]
   # Every episode that ended, whole, in order, env by env; the running
   # ones are not written back.
   made = []
   for log in logs(envs):
     ended = max(i for i, t in enumerate(log) if t[4] or t[5])
-    made += log[:ended + 1]
+    made += log[: ended + 1]
   assert got == made
   assert len(held) > 10
   envs.close()
@@ -239,8 +257,7 @@ def jitted_add(buffer: jaxbuf.Buffer) -> tuple:
 def test_streams_add_with_one_compilation_and_items_with_at_most_n(mode):
   """Stream adds have fixed shapes; item adds drop NEXT_STEP's reset rows,
   so each add batch size is one compilation, at most N of them."""
-  for buffer in (jaxbuf.sequence_replay(NUM_ENVS, NUM_ENVS * 64, 2),
-                 jaxbuf.uniform_replay(256)):
+  for buffer in (jaxbuf.sequence_replay(NUM_ENVS, NUM_ENVS * 64, 2), jaxbuf.uniform_replay(256)):
     envs = where_envs(MODES[mode])
     recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
     add, traces = jitted_add(buffer)
@@ -260,19 +277,16 @@ def test_streams_add_with_one_compilation_and_items_with_at_most_n(mode):
 
 def cartpole_envs(mode: AutoresetMode, num_envs: int = 4):
   return gym.vector.SyncVectorEnv(
-      [lambda: gym.make("CartPole-v1", max_episode_steps=15)] * num_envs,
-      autoreset_mode=mode)
+    [lambda: gym.make("CartPole-v1", max_episode_steps=15)] * num_envs, autoreset_mode=mode
+  )
 
 
 def check_cartpole_transitions(obs, next_obs, terminated):
   # CartPole's Euler step (tau = 0.02): true of every real transition, the
   # final one included, and not of a reset observation.
-  np.testing.assert_allclose(next_obs[:, 0], obs[:, 0] + 0.02 * obs[:, 1],
-                             atol=1e-6)
-  np.testing.assert_allclose(next_obs[:, 2], obs[:, 2] + 0.02 * obs[:, 3],
-                             atol=1e-6)
-  fell = (np.abs(next_obs[:, 0]) > 2.4) | (
-      np.abs(next_obs[:, 2]) > 12 * 2 * np.pi / 360)
+  np.testing.assert_allclose(next_obs[:, 0], obs[:, 0] + 0.02 * obs[:, 1], atol=1e-6)
+  np.testing.assert_allclose(next_obs[:, 2], obs[:, 2] + 0.02 * obs[:, 3], atol=1e-6)
+  fell = (np.abs(next_obs[:, 0]) > 2.4) | (np.abs(next_obs[:, 2]) > 12 * 2 * np.pi / 360)
   np.testing.assert_array_equal(terminated, fell)
 
 
@@ -307,12 +321,13 @@ def test_cartpole_sequence_windows(mode):
   # episode's final step: the second then holds the next observation.
   is_transition = ~steps.last[:, 0]
   assert is_transition.sum() > 300 and (~is_transition).any()
-  check_cartpole_transitions(steps.obs[is_transition, 0],
-                             steps.obs[is_transition, 1],
-                             steps.terminated[is_transition, 0])
+  check_cartpole_transitions(
+    steps.obs[is_transition, 0], steps.obs[is_transition, 1], steps.terminated[is_transition, 0]
+  )
   np.testing.assert_array_equal(
-      steps.last[is_transition, 1],
-      steps.terminated[is_transition, 0] | steps.truncated[is_transition, 0])
+    steps.last[is_transition, 1],
+    steps.terminated[is_transition, 0] | steps.truncated[is_transition, 0],
+  )
   envs.close()
 
 
@@ -323,32 +338,28 @@ def test_frame_stacks_are_the_envs_frames(mode):
   transition of the env, with its reward and a discount of 0 exactly after
   a termination."""
   num_stack, gamma = 3, 0.5
-  buffer = jaxbuf.frame_stack_replay(NUM_ENVS, NUM_ENVS * 64, num_stack,
-                                     gamma=gamma)
+  buffer = jaxbuf.frame_stack_replay(NUM_ENVS, NUM_ENVS * 64, num_stack, gamma=gamma)
   final_steps_taken(buffer)
   envs = where_envs(MODES[mode])
   recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
   state, _ = run(envs, recorder, buffer.init(recorder.example), 40)
   batch = jax.device_get(buffer.sample(state, jax.random.key(0), 256).items)
-  obs = np.moveaxis(batch.obs, -1, 1)             # [S, K, 4], oldest first
+  obs = np.moveaxis(batch.obs, -1, 1)  # [S, K, 4], oldest first
   next_obs = np.moveaxis(batch.next_obs, -1, 1)
   env, episode, t, _ = obs[:, -1].T
-  np.testing.assert_array_equal(next_obs[:, -1].T,
-                                [env, episode, t + 1, batch.action])
-  np.testing.assert_array_equal(
-      batch.reward, expected_reward(episode, t, batch.action))
+  np.testing.assert_array_equal(next_obs[:, -1].T, [env, episode, t + 1, batch.action])
+  np.testing.assert_array_equal(batch.reward, expected_reward(episode, t, batch.action))
   terminated = t + 1 == episode_length(env.astype(int), episode.astype(int))
   assert terminated.any() and not terminated.all()
-  np.testing.assert_array_equal(batch.discount,
-                                np.where(terminated, 0.0, gamma))
+  np.testing.assert_array_equal(batch.discount, np.where(terminated, 0.0, gamma))
   for stack, newest in ((obs, t), (next_obs, t + 1)):
     for k in range(num_stack):
       frame_t = newest - (num_stack - 1 - k)
       before = frame_t < 0
       np.testing.assert_array_equal(stack[before, k], 0)
       np.testing.assert_array_equal(
-          stack[~before, k, :3],
-          np.stack([env, episode, frame_t], axis=1)[~before])
+        stack[~before, k, :3], np.stack([env, episode, frame_t], axis=1)[~before]
+      )
   envs.close()
 
 
@@ -374,8 +385,9 @@ def test_same_seed_gives_the_same_transitions_in_both_modes():
       resetting = mode == AutoresetMode.NEXT_STEP and bool(step[2] | step[3])
     stored.append(jax.device_get(state.storage))
     envs.close()
-  for same_step, next_step in zip(jax.tree.leaves(stored[0]),
-                                  jax.tree.leaves(stored[1]), strict=True):
+  for same_step, next_step in zip(
+    jax.tree.leaves(stored[0]), jax.tree.leaves(stored[1]), strict=True
+  ):
     np.testing.assert_array_equal(same_step, next_step)
 
 
@@ -383,27 +395,32 @@ def test_dict_observations_and_copy_false():
   """A Dict space's final observations are restored leaf by leaf, and an
   env returning one shared array (copy=False) does not alias the stored
   observations."""
+
   def make():
     return gym.wrappers.TransformObservation(
-        gym.make("CartPole-v1", max_episode_steps=6),
-        lambda obs: {"x": obs[:2], "theta": obs[2:]},
-        gym.spaces.Dict({
-            "x": gym.spaces.Box(-np.inf, np.inf, (2,), np.float32),
-            "theta": gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)}))
+      gym.make("CartPole-v1", max_episode_steps=6),
+      lambda obs: {"x": obs[:2], "theta": obs[2:]},
+      gym.spaces.Dict(
+        {
+          "x": gym.spaces.Box(-np.inf, np.inf, (2,), np.float32),
+          "theta": gym.spaces.Box(-np.inf, np.inf, (2,), np.float32),
+        }
+      ),
+    )
+
   for mode in MODES.values():
-    envs = gym.vector.SyncVectorEnv([make] * 2, autoreset_mode=mode,
-                                    copy=False)
+    envs = gym.vector.SyncVectorEnv([make] * 2, autoreset_mode=mode, copy=False)
     buffer = jaxbuf.uniform_replay(500)
     recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
     state, ends = run(envs, recorder, buffer.init(recorder.example), 40)
     size = int(state.size)
-    items = jax.tree.map(lambda leaf, size=size: leaf[:size],
-                         jax.device_get(state.storage))
+    items = jax.tree.map(lambda leaf, size=size: leaf[:size], jax.device_get(state.storage))
     assert ends > 5
     check_cartpole_transitions(
-        np.concatenate([items.obs["x"], items.obs["theta"]], axis=1),
-        np.concatenate([items.next_obs["x"], items.next_obs["theta"]], axis=1),
-        items.terminated)
+      np.concatenate([items.obs["x"], items.obs["theta"]], axis=1),
+      np.concatenate([items.next_obs["x"], items.next_obs["theta"]], axis=1),
+      items.terminated,
+    )
     envs.close()
 
 
@@ -412,8 +429,7 @@ def test_dict_observations_and_copy_false():
 
 def test_refuses_the_disabled_mode():
   envs = where_envs(AutoresetMode.DISABLED)
-  with pytest.raises(ValueError, match="autoreset mode is .*DISABLED.*caller "
-                     "resets"):
+  with pytest.raises(ValueError, match="autoreset mode is .*DISABLED.*caller resets"):
     jaxbuf.VectorEnvRecorder(envs, jaxbuf.uniform_replay(8))
 
 
@@ -430,19 +446,20 @@ def test_an_env_without_a_mode_needs_one_given():
   buffer = jaxbuf.uniform_replay(64)
   with pytest.raises(ValueError, match="metadata names no autoreset_mode"):
     jaxbuf.VectorEnvRecorder(envs, buffer)
-  recorder = jaxbuf.VectorEnvRecorder(
-      envs, buffer, autoreset_mode=AutoresetMode.NEXT_STEP)
+  recorder = jaxbuf.VectorEnvRecorder(envs, buffer, autoreset_mode=AutoresetMode.NEXT_STEP)
   state, _ = run(envs, recorder, buffer.init(recorder.example), 20)
   assert int(state.size) == sum(map(len, logs(envs)))
-  with pytest.raises(ValueError, match="autoreset_mode=.*SAME_STEP was given, "
-                     "but the env's metadata says .*NEXT_STEP"):
-    jaxbuf.VectorEnvRecorder(where_envs(AutoresetMode.NEXT_STEP), buffer,
-                             autoreset_mode="SameStep")
+  with pytest.raises(
+    ValueError,
+    match="autoreset_mode=.*SAME_STEP was given, but the env's metadata says .*NEXT_STEP",
+  ):
+    jaxbuf.VectorEnvRecorder(where_envs(AutoresetMode.NEXT_STEP), buffer, autoreset_mode="SameStep")
 
 
 def test_a_same_step_env_labelled_next_step_is_refused():
-  envs = Relabelled(where_envs(AutoresetMode.SAME_STEP),
-                    {"autoreset_mode": AutoresetMode.NEXT_STEP})
+  envs = Relabelled(
+    where_envs(AutoresetMode.SAME_STEP), {"autoreset_mode": AutoresetMode.NEXT_STEP}
+  )
   buffer = jaxbuf.uniform_replay(64)
   recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
   with pytest.raises(ValueError, match="info holds final_obs, which only"):
@@ -458,8 +475,7 @@ def test_same_step_without_the_final_observation_is_refused():
   actions = np.zeros(NUM_ENVS, np.int64)
   next_obs, rewards, terminated, truncated, _ = envs.step(actions)
   assert terminated[0]  # env 0's first episode is one step long
-  with pytest.raises(ValueError, match="env 0 ended its episode, but info "
-                     "has no final_obs"):
+  with pytest.raises(ValueError, match="env 0 ended its episode, but info has no final_obs"):
     recorder.record(actions, next_obs, rewards, terminated, truncated, {})
 
 
@@ -467,36 +483,46 @@ def test_an_end_on_a_reset_step_is_refused():
   envs = where_envs(AutoresetMode.NEXT_STEP)
   recorder = jaxbuf.VectorEnvRecorder(envs, jaxbuf.uniform_replay(8))
   recorder.reset(np.zeros((NUM_ENVS, 4), np.float32))
-  step = (np.zeros(NUM_ENVS, np.int64), np.zeros((NUM_ENVS, 4), np.float32),
-          np.zeros(NUM_ENVS), np.array([False, True, False]),
-          np.zeros(NUM_ENVS, bool), {})
+  step = (
+    np.zeros(NUM_ENVS, np.int64),
+    np.zeros((NUM_ENVS, 4), np.float32),
+    np.zeros(NUM_ENVS),
+    np.array([False, True, False]),
+    np.zeros(NUM_ENVS, bool),
+    {},
+  )
   recorder.record(*step)
-  with pytest.raises(ValueError, match="env 1 ended its episode on the step "
-                     "after an episode end"):
+  with pytest.raises(ValueError, match="env 1 ended its episode on the step after an episode end"):
     recorder.record(*step)
 
 
 def test_misuse_is_refused_with_its_reason():
   envs = where_envs(AutoresetMode.NEXT_STEP)
   recorder = jaxbuf.VectorEnvRecorder(envs, jaxbuf.uniform_replay(8))
-  step = (np.zeros(NUM_ENVS, np.int64), np.zeros((NUM_ENVS, 4), np.float32),
-          np.zeros(NUM_ENVS), np.zeros(NUM_ENVS, bool),
-          np.zeros(NUM_ENVS, bool), {})
+  step = (
+    np.zeros(NUM_ENVS, np.int64),
+    np.zeros((NUM_ENVS, 4), np.float32),
+    np.zeros(NUM_ENVS),
+    np.zeros(NUM_ENVS, bool),
+    np.zeros(NUM_ENVS, bool),
+    {},
+  )
   with pytest.raises(RuntimeError, match=r"call reset\(obs\)"):
     recorder.record(*step)
   recorder.reset(np.zeros((NUM_ENVS, 4), np.float32))
-  with pytest.raises(ValueError, match=r"terminated must be bool \[3\], "
-                     r"given int64 \[3\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"terminated must be bool \[3\], "
+    r"given int64 \[3\]",
+  ):
     recorder.record(*step[:3], np.zeros(NUM_ENVS, np.int64), *step[4:])
-  with pytest.raises(TypeError, match="holds neither items .* given a "
-                     "RolloutBuffer"):
+  with pytest.raises(TypeError, match="holds neither items .* given a RolloutBuffer"):
     jaxbuf.VectorEnvRecorder(envs, jaxbuf.rollout_buffer(4, NUM_ENVS))
   # A sharded item buffer is refused whatever its device count: one device
   # (all a single-GPU machine shows) is enough to build it.
   mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
   with pytest.raises(ValueError, match="sharded item replay"):
-    jaxbuf.VectorEnvRecorder(
-        envs, jaxbuf.sharded(jaxbuf.uniform_replay(8), mesh, axis="data"))
+    jaxbuf.VectorEnvRecorder(envs, jaxbuf.sharded(jaxbuf.uniform_replay(8), mesh, axis="data"))
 
 
 def test_partial_reset_keeps_the_pending_reset_steps():
@@ -516,8 +542,7 @@ def test_partial_reset_keeps_the_pending_reset_steps():
   recorder.reset(obs, reset_mask=mask)
   for _ in range(6):
     state = recorder.add(state, actions, *envs.step(actions))
-  got = as_tuples(*(leaf[:int(state.size)]
-                    for leaf in jax.device_get(state.storage)))
+  got = as_tuples(*(leaf[: int(state.size)] for leaf in jax.device_get(state.storage)))
   assert sorted(got) == sorted(t for log in logs(envs) for t in log)
 
 
@@ -534,11 +559,10 @@ def test_the_ported_cleanrl_loop_runs():
 
   total_steps, learning_starts, batch_size = 300, 100, 32
   envs = gym.make_vec("CartPole-v1", num_envs=4, vectorization_mode="sync")
-  buffer = jaxbuf.uniform_replay(10_000)     # rb = ReplayBuffer(...)
+  buffer = jaxbuf.uniform_replay(10_000)  # rb = ReplayBuffer(...)
   recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
-  state = buffer.init(recorder.example)      # a jaxbuf.Transition of zeros
-  network = nn.Sequential([nn.Dense(120), nn.relu, nn.Dense(84), nn.relu,
-                           nn.Dense(2)])
+  state = buffer.init(recorder.example)  # a jaxbuf.Transition of zeros
+  network = nn.Sequential([nn.Dense(120), nn.relu, nn.Dense(84), nn.relu, nn.Dense(2)])
   optimizer = optax.adam(2.5e-4)
 
   @jax.jit
@@ -549,6 +573,7 @@ def test_the_ported_cleanrl_loop_runs():
       next_q = network.apply(target_params, batch.next_obs).max(-1)
       target = batch.reward + 0.99 * next_q * (1.0 - batch.terminated)
       return jnp.mean((q_taken - jax.lax.stop_gradient(target)) ** 2)
+
     updates, opt_state = optimizer.update(jax.grad(loss)(params), opt_state)
     return optax.apply_updates(params, updates), opt_state
 
@@ -565,13 +590,11 @@ def test_the_ported_cleanrl_loop_runs():
       actions = np.asarray(q_values(params, obs).argmax(-1))
     next_obs, rewards, terminations, truncations, infos = envs.step(actions)
     # rb.add(obs, real_next_obs, actions, rewards, terminations, infos):
-    state = recorder.add(state, actions, next_obs, rewards, terminations,
-                         truncations, infos)
+    state = recorder.add(state, actions, next_obs, rewards, terminations, truncations, infos)
     obs = next_obs
     if global_step > learning_starts and global_step % 4 == 0:
       # data = rb.sample(batch_size):
-      batch = buffer.sample(state, sample_key, batch_size,
-                            step=global_step).items
+      batch = buffer.sample(state, sample_key, batch_size, step=global_step).items
       params, opt_state = update(params, target_params, opt_state, batch)
     if global_step % 100 == 0:
       target_params = params

@@ -19,8 +19,7 @@ def item_replay() -> None:
   example = {"obs": jnp.zeros(3), "reward": jnp.float32(0.0)}
   state = buffer.init(example)
   assert_type(state, jaxbuf.PrioritizedReplayState)
-  state = buffer.add(state, {"obs": np.ones((8, 3), np.float32),
-                             "reward": np.ones(8, np.float32)})
+  state = buffer.add(state, {"obs": np.ones((8, 3), np.float32), "reward": np.ones(8, np.float32)})
   size: jax.Array = state.size
   assert int(size) == 8  # read now: the next call consumes (donates) state
   ok = buffer.can_sample(state, 4)
@@ -30,14 +29,12 @@ def item_replay() -> None:
   assert_type(sample, jaxbuf.ReplaySample)
   weights: jax.Array = sample.weights
   td_errors = np.abs(np.asarray(sample.items["reward"]))
-  state = buffer.update_priorities(state, sample.indices, td_errors,
-                                   sample.item_ids)
+  state = buffer.update_priorities(state, sample.indices, td_errors, sample.item_ids)
   state = buffer.clear(state)
   assert weights.shape == (4,)
 
 
-def uniform_then_any_kind(buffer: jaxbuf.Buffer[jaxbuf.ReplayState,
-                                                jaxbuf.ReplaySample]) -> int:
+def uniform_then_any_kind(buffer: jaxbuf.Buffer[jaxbuf.ReplayState, jaxbuf.ReplaySample]) -> int:
   """A function written once for any item buffer."""
   state = buffer.init({"obs": jnp.zeros(2)})
   state = buffer.add(state, {"obs": jnp.ones((4, 2))})
@@ -49,8 +46,7 @@ def sequence_replay() -> None:
   buffer = jaxbuf.sequence_replay(num_envs=2, capacity=16, sequence_length=3)
   state = buffer.init({"obs": jnp.zeros(4), "last": jnp.bool_(False)})
   for _ in range(4):
-    state = buffer.add(state, {"obs": jnp.ones((2, 4)),
-                               "last": jnp.zeros(2, bool)})
+    state = buffer.add(state, {"obs": jnp.ones((2, 4)), "last": jnp.zeros(2, bool)})
   sample = buffer.sample(state, jax.random.key(1), 5)
   assert_type(sample, jaxbuf.SequenceSample)
   mask: jax.Array = sample.mask
@@ -65,8 +61,8 @@ def on_policy() -> None:
   assert_type(state, jaxbuf.RolloutState)
   rewards = jnp.ones((3, 2))
   advantages, returns = jaxbuf.compute_gae(
-      rewards, jnp.zeros((3, 2)), jnp.zeros((3, 2), bool), jnp.zeros(2),
-      gamma=0.99, gae_lambda=0.95)
+    rewards, jnp.zeros((3, 2)), jnp.zeros((3, 2), bool), jnp.zeros(2), gamma=0.99, gae_lambda=0.95
+  )
   assert advantages.shape == returns.shape == (3, 2)
 
 

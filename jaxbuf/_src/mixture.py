@@ -49,15 +49,15 @@ from jaxbuf._src.core.base import Buffer, PyTree
 @flax.struct.dataclass
 class MixtureSample:
   """A batch drawn from several buffers, part 0's rows first."""
-  items: PyTree        # each leaf [S, ...]: every part's items, concatenated
-  source: jax.Array    # int32 [S]: the part (buffer) each row came from
-  weights: jax.Array   # float32 [S]: each part's own weights, in row order
-  parts: tuple         # each buffer's own sample of its S_k rows
-                       # (ReplaySample, SequenceSample, ...)
+
+  items: PyTree  # each leaf [S, ...]: every part's items, concatenated
+  source: jax.Array  # int32 [S]: the part (buffer) each row came from
+  weights: jax.Array  # float32 [S]: each part's own weights, in row order
+  parts: tuple  # each buffer's own sample of its S_k rows
+  # (ReplaySample, SequenceSample, ...)
 
 
-def rows_per_part(batch_size: int,
-                  proportions: Sequence[float]) -> tuple[int, ...]:
+def rows_per_part(batch_size: int, proportions: Sequence[float]) -> tuple[int, ...]:
   """The rows of each part in a batch of `batch_size`: `(S_0, ..., S_{K-1})`.
 
   Largest remainder, in exact arithmetic (the module notes): the counts sum
@@ -70,14 +70,12 @@ def rows_per_part(batch_size: int,
   ((4, 3), (4, 3, 3), (1, 1, 0))
   """
   validation.check_batch_size(batch_size, what="mixture rows")
-  exact = [fractions.Fraction(float(p)) for p in
-           _checked_proportions(proportions)]
+  exact = [fractions.Fraction(float(p)) for p in _checked_proportions(proportions)]
   total = sum(exact)
   shares = [batch_size * p / total for p in exact]
   rows = [math.floor(share) for share in shares]
   left_over = batch_size - sum(rows)
-  by_remainder = sorted(range(len(shares)),
-                        key=lambda k: (-(shares[k] - rows[k]), k))
+  by_remainder = sorted(range(len(shares)), key=lambda k: (-(shares[k] - rows[k]), k))
   for k in by_remainder[:left_over]:
     rows[k] += 1
   return tuple(rows)
@@ -86,17 +84,20 @@ def rows_per_part(batch_size: int,
 def _checked_proportions(proportions: Any) -> tuple[float, ...]:
   """`proportions` as floats; raises naming the entry that is not a finite
   non-negative real, or when none is positive."""
-  if isinstance(proportions, (str, bytes)) or not isinstance(
-      proportions, (Sequence, np.ndarray)):
-    raise TypeError(f"mixture: proportions must be a sequence of numbers, one "
-                    f"per buffer, given {validation.describe(proportions)}.")
+  if isinstance(proportions, (str, bytes)) or not isinstance(proportions, (Sequence, np.ndarray)):
+    raise TypeError(
+      f"mixture: proportions must be a sequence of numbers, one "
+      f"per buffer, given {validation.describe(proportions)}."
+    )
   checked = []
   for k, value in enumerate(proportions):
     validation.check_hyperparameter(value, f"mixture: proportions[{k}]")
     checked.append(float(value))
   if not any(checked):
-    raise ValueError(f"mixture: proportions are all 0, given {checked}; at "
-                     f"least one part must have a positive share.")
+    raise ValueError(
+      f"mixture: proportions are all 0, given {checked}; at "
+      f"least one part must have a positive share."
+    )
   return tuple(checked)
 
 
@@ -113,29 +114,32 @@ def _devices(buffer: Buffer) -> int:
 
 def _check_states(states: Any, buffers: Sequence[Buffer], *, what: str) -> None:
   if not isinstance(states, (list, tuple)) or len(states) != len(buffers):
-    given = (f"{len(states)} states" if isinstance(states, (list, tuple))
-             else validation.describe(states))
+    given = (
+      f"{len(states)} states" if isinstance(states, (list, tuple)) else validation.describe(states)
+    )
     raise TypeError(
-        f"{what}: states must be a list of one state per buffer "
-        f"({len(buffers)}, in the order of the buffers), given {given}.")
+      f"{what}: states must be a list of one state per buffer "
+      f"({len(buffers)}, in the order of the buffers), given {given}."
+    )
 
 
-def _check_rows_split(rows: tuple[int, ...], buffers: Sequence[Buffer], *,
-                      what: str) -> None:
+def _check_rows_split(rows: tuple[int, ...], buffers: Sequence[Buffer], *, what: str) -> None:
   """A sharded part samples a multiple of its devices; name the part."""
   batch_size = sum(rows)
   for k, (buffer, count) in enumerate(zip(buffers, rows)):
     devices = _devices(buffer)
     if count % devices:
       raise ValueError(
-          f"{what}: part {k} ({_name(buffer)}) gets {count} of the "
-          f"{batch_size} rows, which do not divide by its {devices} devices; "
-          f"choose a batch size whose rows per part (mixture.rows) divide by "
-          f"{devices}, or proportions that give it such a share.")
+        f"{what}: part {k} ({_name(buffer)}) gets {count} of the "
+        f"{batch_size} rows, which do not divide by its {devices} devices; "
+        f"choose a batch size whose rows per part (mixture.rows) divide by "
+        f"{devices}, or proportions that give it such a share."
+      )
 
 
-def _abstract_parts(states: Sequence[Any], keys: Sequence[jax.Array],
-                    rows: tuple[int, ...], buffers: Sequence[Buffer]) -> list:
+def _abstract_parts(
+  states: Sequence[Any], keys: Sequence[jax.Array], rows: tuple[int, ...], buffers: Sequence[Buffer]
+) -> list:
   """Each part's sample as shapes and dtypes, computed before any draw.
 
   A part with no rows is shaped at the smallest batch it can draw (its
@@ -146,19 +150,20 @@ def _abstract_parts(states: Sequence[Any], keys: Sequence[jax.Array],
   abstract = []
   for buffer, state, key, count in zip(buffers, states, keys, rows):
     drawn = checkify.checkify(
-        lambda s, k, buffer=buffer, count=count: buffer.sample(
-            s, k, count or _devices(buffer)))
+      lambda s, k, buffer=buffer, count=count: buffer.sample(s, k, count or _devices(buffer))
+    )
     abstract.append(jax.eval_shape(drawn, state, key)[1])
   return abstract
 
 
 def _leaves_by_path(tree: PyTree) -> dict[str, Any]:
-  return {jax.tree_util.keystr(path) or "<root>": leaf for path, leaf in
-          jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+    jax.tree_util.keystr(path) or "<root>": leaf
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
-def _check_items_agree(samples: Sequence[Any], buffers: Sequence[Buffer], *,
-                      what: str) -> None:
+def _check_items_agree(samples: Sequence[Any], buffers: Sequence[Buffer], *, what: str) -> None:
   """Raises unless every part's sampled items have part 0's structure, row
   shapes and dtypes: `TypeError` (structure, dtype) or `ValueError` (shape)
   naming the part, its kind and the leaf path, part 0's value and its own."""
@@ -168,8 +173,7 @@ def _check_items_agree(samples: Sequence[Any], buffers: Sequence[Buffer], *,
     if k == 0:
       continue
     given = _leaves_by_path(drawn.items)
-    part = (f"{what}: part {k} ({_name(buffer)}) samples items unlike part "
-            f"0's ({_name(buffers[0])})")
+    part = f"{what}: part {k} ({_name(buffer)}) samples items unlike part 0's ({_name(buffers[0])})"
     structure = jax.tree_util.tree_structure(drawn.items)
     if structure != reference_structure:  # type: ignore[operator]
       missing = [path for path in reference if path not in given]
@@ -177,21 +181,24 @@ def _check_items_agree(samples: Sequence[Any], buffers: Sequence[Buffer], *,
       # Same leaf paths under other node types (a dict for a NamedTuple):
       # the structures themselves say how.
       detail = "; ".join(
-          f"{name} leaves {', '.join(paths)}" for name, paths in
-          (("missing", missing), ("unexpected", unexpected)) if paths) or (
-              f"expected {reference_structure}, given {structure}")
+        f"{name} leaves {', '.join(paths)}"
+        for name, paths in (("missing", missing), ("unexpected", unexpected))
+        if paths
+      ) or (f"expected {reference_structure}, given {structure}")
       raise TypeError(f"{part}: tree structure differs: {detail}.")
     for path, leaf in given.items():
       expected = reference[path]
       if leaf.shape[1:] != expected.shape[1:]:
         raise ValueError(
-            f"{part}: leaf {path} has rows of shape {leaf.shape[1:]}, "
-            f"expected {expected.shape[1:]} as part 0's.")
+          f"{part}: leaf {path} has rows of shape {leaf.shape[1:]}, "
+          f"expected {expected.shape[1:]} as part 0's."
+        )
       if leaf.dtype != expected.dtype:
         raise TypeError(
-            f"{part}: leaf {path} has dtype {leaf.dtype}, expected "
-            f"{expected.dtype} as part 0's; cast one part's items where they "
-            f"are added.")
+          f"{part}: leaf {path} has dtype {leaf.dtype}, expected "
+          f"{expected.dtype} as part 0's; cast one part's items where they "
+          f"are added."
+        )
 
 
 def _part_keys(key: jax.Array, count: int) -> list[jax.Array]:
@@ -207,29 +214,31 @@ def _part_keys(key: jax.Array, count: int) -> list[jax.Array]:
 
   def hashed():
     folded = [random.fold_in(key, k) for k in range(count)]
-    return jnp.stack([jax.random.key_data(part) if typed else part
-                      for part in folded])
+    return jnp.stack([jax.random.key_data(part) if typed else part for part in folded])
 
   parts = random.computed_once(hashed, (words[0] >> 1).astype(jnp.int32))
   if typed:
-    return [jax.random.wrap_key_data(part, impl=jax.random.key_impl(key))
-            for part in parts]
+    return [jax.random.wrap_key_data(part, impl=jax.random.key_impl(key)) for part in parts]
   return list(parts)
 
 
 def _empty_like(abstract: Any) -> Any:
   """A part's sample type with no rows: every leaf `[0, ...]`."""
-  return jax.tree.map(
-      lambda leaf: jnp.zeros((0, *leaf.shape[1:]), leaf.dtype), abstract)
+  return jax.tree.map(lambda leaf: jnp.zeros((0, *leaf.shape[1:]), leaf.dtype), abstract)
 
 
 def _concatenated(trees: Sequence[PyTree]) -> PyTree:
   return jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *trees)
 
 
-def sample(states: Sequence[Any], key: jax.Array, batch_size: int, *,
-           buffers: Sequence[Buffer],
-           proportions: Sequence[float]) -> MixtureSample:
+def sample(
+  states: Sequence[Any],
+  key: jax.Array,
+  batch_size: int,
+  *,
+  buffers: Sequence[Buffer],
+  proportions: Sequence[float],
+) -> MixtureSample:
   """Draws `batch_size` rows, each part's share from its own buffer.
 
   Every part's items are checked against part 0's (structure, row shapes,
@@ -257,20 +266,26 @@ def sample(states: Sequence[Any], key: jax.Array, batch_size: int, *,
   abstract = _abstract_parts(states, keys, rows, buffers)
   _check_items_agree(abstract, buffers, what=what)
   parts = tuple(
-      buffer.sample(state, part_key, count) if count else _empty_like(shapes)
-      for buffer, state, part_key, count, shapes in zip(
-          buffers, states, keys, rows, abstract))
+    buffer.sample(state, part_key, count) if count else _empty_like(shapes)
+    for buffer, state, part_key, count, shapes in zip(buffers, states, keys, rows, abstract)
+  )
   source = np.repeat(np.arange(len(buffers), dtype=np.int32), rows)
   return MixtureSample(
-      items=_concatenated([part.items for part in parts]),
-      source=jnp.asarray(source),
-      weights=jnp.concatenate([part.weights for part in parts]),
-      parts=parts)
+    items=_concatenated([part.items for part in parts]),
+    source=jnp.asarray(source),
+    weights=jnp.concatenate([part.weights for part in parts]),
+    parts=parts,
+  )
 
 
-def update_priorities(states: Sequence[Any], batch: MixtureSample,
-                      priorities: jax.Array, *, buffers: Sequence[Buffer],
-                      proportions: Sequence[float]) -> list | tuple:
+def update_priorities(
+  states: Sequence[Any],
+  batch: MixtureSample,
+  priorities: jax.Array,
+  *,
+  buffers: Sequence[Buffer],
+  proportions: Sequence[float],
+) -> list | tuple:
   """Sends each part's rows of `priorities [S]` to its own buffer.
 
   Part k's rows (`batch.source == k`, a contiguous block) update its buffer
@@ -292,36 +307,43 @@ def update_priorities(states: Sequence[Any], batch: MixtureSample,
   what = "mixture.update_priorities"
   _check_states(states, buffers, what=what)
   if not isinstance(batch, MixtureSample):
-    raise TypeError(f"{what}: batch must be the MixtureSample that "
-                    f"mixture.sample drew, given {validation.describe(batch)}.")
+    raise TypeError(
+      f"{what}: batch must be the MixtureSample that "
+      f"mixture.sample drew, given {validation.describe(batch)}."
+    )
   if len(batch.parts) != len(buffers):
-    raise ValueError(f"{what}: batch has {len(batch.parts)} parts, this "
-                     f"mixture {len(buffers)}; pass the batch its own sample "
-                     f"drew.")
+    raise ValueError(
+      f"{what}: batch has {len(batch.parts)} parts, this "
+      f"mixture {len(buffers)}; pass the batch its own sample "
+      f"drew."
+    )
   rows = tuple(np.shape(part.weights)[0] for part in batch.parts)
   batch_size = sum(rows)
   if batch_size == 0 or rows != rows_per_part(batch_size, proportions):
     raise ValueError(
-        f"{what}: batch has rows {rows} per part; this mixture draws "
-        f"{rows_per_part(max(batch_size, 1), proportions)} in a batch of "
-        f"{max(batch_size, 1)}. Pass the batch its own sample drew.")
-  validation.check_shape("priorities", priorities, (batch_size,), what=what,
-                         like="batch.source (one per row)")
+      f"{what}: batch has rows {rows} per part; this mixture draws "
+      f"{rows_per_part(max(batch_size, 1), proportions)} in a batch of "
+      f"{max(batch_size, 1)}. Pass the batch its own sample drew."
+    )
+  validation.check_shape(
+    "priorities", priorities, (batch_size,), what=what, like="batch.source (one per row)"
+  )
   validation.check_floating("priorities", priorities, what=what)
   priorities = jnp.asarray(priorities)
   updated, start = [], 0
   for buffer, state, part, count in zip(buffers, states, batch.parts, rows):
     if count:
       state = buffer.update_priorities(
-          state, part.indices, priorities[start:start + count], part.item_ids)
+        state, part.indices, priorities[start : start + count], part.item_ids
+      )
     updated.append(state)
     start += count
   return tuple(updated) if isinstance(states, tuple) else updated
 
 
-def can_sample(states: Sequence[Any], batch_size: int, *,
-               buffers: Sequence[Buffer],
-               proportions: Sequence[float]) -> jax.Array:
+def can_sample(
+  states: Sequence[Any], batch_size: int, *, buffers: Sequence[Buffer], proportions: Sequence[float]
+) -> jax.Array:
   """Whether every part with rows in a batch of `batch_size` can sample
   them: bool `()`, each part asked with its own row count."""
   what = "mixture.can_sample"
@@ -329,8 +351,9 @@ def can_sample(states: Sequence[Any], batch_size: int, *,
   validation.check_batch_size(batch_size, what=what)
   rows = rows_per_part(batch_size, proportions)
   _check_rows_split(rows, buffers, what=what)
-  ready = [buffer.can_sample(state, count)
-           for buffer, state, count in zip(buffers, states, rows) if count]
+  ready = [
+    buffer.can_sample(state, count) for buffer, state, count in zip(buffers, states, rows) if count
+  ]
   return functools.reduce(jnp.logical_and, ready)
 
 
@@ -344,6 +367,7 @@ class Mixture(NamedTuple):
   own buffers (add to each with its own `add`), `proportions` the shares,
   normalised to sum to 1.
   """
+
   sample: Callable[..., MixtureSample]
   update_priorities: Callable[..., Any]
   can_sample: Callable[..., jax.Array]
@@ -352,8 +376,7 @@ class Mixture(NamedTuple):
   proportions: tuple[float, ...]
 
 
-def mixture(buffers: Sequence[Buffer],
-            proportions: Sequence[float]) -> Mixture:
+def mixture(buffers: Sequence[Buffer], proportions: Sequence[float]) -> Mixture:
   """One sample from several buffers in fixed proportions.
 
   Args:
@@ -408,46 +431,49 @@ def mixture(buffers: Sequence[Buffer],
   [10, 4]
   """
   if isinstance(buffers, Buffer) or not isinstance(buffers, (list, tuple)):
-    raise TypeError(f"mixture: buffers must be a list of jaxbuf.Buffer, given "
-                    f"{validation.describe(buffers)}.")
+    raise TypeError(
+      f"mixture: buffers must be a list of jaxbuf.Buffer, given {validation.describe(buffers)}."
+    )
   if not buffers:
     raise ValueError("mixture: buffers is empty; give at least one.")
   for k, buffer in enumerate(buffers):
     if not isinstance(buffer, Buffer):
       raise TypeError(
-          f"mixture: buffers[{k}] must be a jaxbuf.Buffer (a replay buffer "
-          f"such as jaxbuf.uniform_replay(...)), given "
-          f"{type(buffer).__name__}.")
+        f"mixture: buffers[{k}] must be a jaxbuf.Buffer (a replay buffer "
+        f"such as jaxbuf.uniform_replay(...)), given "
+        f"{type(buffer).__name__}."
+      )
   proportions = _checked_proportions(proportions)
   if len(proportions) != len(buffers):
-    raise ValueError(f"mixture: {len(proportions)} proportions for "
-                     f"{len(buffers)} buffers; give one per buffer.")
+    raise ValueError(
+      f"mixture: {len(proportions)} proportions for {len(buffers)} buffers; give one per buffer."
+    )
   buffers = tuple(buffers)
   bound: dict[str, Any] = dict(buffers=buffers, proportions=proportions)
   # `documented`: help() shows each function's own docstring and signature.
   mixed_sample = base.documented(functools.partial(sample, **bound))
   mixed_update = base.documented(functools.partial(update_priorities, **bound))
   mixed_can_sample = base.documented(functools.partial(can_sample, **bound))
-  if not any(buffer.kind is not None and buffer.kind.checked
-             for buffer in buffers):
+  if not any(buffer.kind is not None and buffer.kind.checked for buffer in buffers):
     # The buffers' own wrappers: JAX's errors for a donated state or an
     # array batch size become jaxbuf's.
     mixed_sample = base._explained(  # pylint: disable=protected-access
-        "mixture.sample",
-        jax.jit(mixed_sample, static_argnames="batch_size"),
-        batch_size_position=2)
+      "mixture.sample", jax.jit(mixed_sample, static_argnames="batch_size"), batch_size_position=2
+    )
     mixed_update = base._explained(  # pylint: disable=protected-access
-        "mixture.update_priorities", jax.jit(mixed_update, donate_argnums=0))
+      "mixture.update_priorities", jax.jit(mixed_update, donate_argnums=0)
+    )
     mixed_can_sample = base._explained(  # pylint: disable=protected-access
-        "mixture.can_sample",
-        jax.jit(mixed_can_sample, static_argnames="batch_size"),
-        batch_size_position=1)
+      "mixture.can_sample",
+      jax.jit(mixed_can_sample, static_argnames="batch_size"),
+      batch_size_position=1,
+    )
   total = sum(proportions)
   return Mixture(
-      sample=base._sampled_at_step(mixed_sample),  # pylint: disable=protected-access
-      update_priorities=mixed_update,
-      can_sample=mixed_can_sample,
-      rows=base.documented(functools.partial(rows_per_part,
-                                             proportions=proportions)),
-      buffers=buffers,
-      proportions=tuple(p / total for p in proportions))
+    sample=base._sampled_at_step(mixed_sample),  # pylint: disable=protected-access
+    update_priorities=mixed_update,
+    can_sample=mixed_can_sample,
+    rows=base.documented(functools.partial(rows_per_part, proportions=proportions)),
+    buffers=buffers,
+    proportions=tuple(p / total for p in proportions),
+  )

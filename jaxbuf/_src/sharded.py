@@ -101,8 +101,7 @@ def _spec(axis: str) -> PartitionSpec:
   return PartitionSpec(axis)
 
 
-def _placed(tree: PyTree, mesh: jax.sharding.Mesh, axis: str,
-            spec: PartitionSpec) -> PyTree:
+def _placed(tree: PyTree, mesh: jax.sharding.Mesh, axis: str, spec: PartitionSpec) -> PyTree:
   """`tree` laid out as `spec` says: free for arguments already laid out so,
   a reshard (or a local slice of replicated data) otherwise.
 
@@ -120,22 +119,30 @@ def _num_devices(mesh: jax.sharding.Mesh, axis: str) -> int:
   return mesh.shape[axis]
 
 
-def _check_sharded_state(state: Any, kind: Split,
-                         wrapped: kind_protocol.Kind, what: str,
-                         num_devices: int) -> None:
-  validation.check_state_kind(state, wrapped.state_type, what=what,
-                              exact=wrapped.exact_type, stacked=True)
+def _check_sharded_state(
+  state: Any, kind: Split, wrapped: kind_protocol.Kind, what: str, num_devices: int
+) -> None:
+  validation.check_state_kind(
+    state, wrapped.state_type, what=what, exact=wrapped.exact_type, stacked=True
+  )
   expected = (num_devices, *kind.counter_shape)
   given = np.shape(kind.local_counter(state))
   if given != expected:
     raise ValueError(
-        f"{what}: expected a sharded state, its counters of shape "
-        f"{expected} (one per device), given shape {given}; make it with "
-        f"the sharded buffer's init.")
+      f"{what}: expected a sharded state, its counters of shape "
+      f"{expected} (one per device), given shape {given}; make it with "
+      f"the sharded buffer's init."
+    )
 
 
-def init(example_item: PyTree, *, kind: Split, wrapped: kind_protocol.Kind,
-         mesh: jax.sharding.Mesh, axis: str) -> Any:
+def init(
+  example_item: PyTree,
+  *,
+  kind: Split,
+  wrapped: kind_protocol.Kind,
+  mesh: jax.sharding.Mesh,
+  axis: str,
+) -> Any:
   """An empty sharded buffer: each device's part made in place on it.
 
   Returns:
@@ -146,27 +153,35 @@ def init(example_item: PyTree, *, kind: Split, wrapped: kind_protocol.Kind,
   del wrapped  # The sharded buffer's bind records its settings.
   num_devices = _num_devices(mesh, axis)
   items = jax.tree.map(
-      lambda leaf: jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf)),
-      example_item)
+    lambda leaf: jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf)), example_item
+  )
   make = lambda: jax.vmap(lambda _: kind.init(items))(jnp.arange(num_devices))
   # Made by a jit with output shardings, so no device ever holds the whole.
   return jax.jit(make, out_shardings=NamedSharding(mesh, _spec(axis)))()
 
 
-def _add_locally(state: Any, arguments: tuple, *, kind: Split,
-                 mesh: jax.sharding.Mesh, axis: str) -> Any:
+def _add_locally(
+  state: Any, arguments: tuple, *, kind: Split, mesh: jax.sharding.Mesh, axis: str
+) -> Any:
   """Each device adds its blocks of `arguments` (all split on axis 0)."""
+
   def add_block(sharded_state, arguments):
     return _stacked(kind.add(_local(sharded_state), *arguments))
 
-  return jax.shard_map(add_block, mesh=mesh, in_specs=_spec(axis),
-                       out_specs=_spec(axis))(
-                           *_placed((state, arguments), mesh, axis,
-                                    _spec(axis)))
+  return jax.shard_map(add_block, mesh=mesh, in_specs=_spec(axis), out_specs=_spec(axis))(
+    *_placed((state, arguments), mesh, axis, _spec(axis))
+  )
 
 
-def add(state: Any, *arguments: Any, kind: Split, mesh: jax.sharding.Mesh,
-        axis: str, wrapped: kind_protocol.Kind, **keywords: Any) -> Any:
+def add(
+  state: Any,
+  *arguments: Any,
+  kind: Split,
+  mesh: jax.sharding.Mesh,
+  axis: str,
+  wrapped: kind_protocol.Kind,
+  **keywords: Any,
+) -> Any:
   """Adds the wrapped kind's add arguments, each split over the devices.
 
   Item replay: items `[B, ...]`, device d writing rows `[d B/D, (d+1) B/D)`
@@ -197,12 +212,12 @@ def _from_bits(bits: jax.Array, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def _combine_rows(rows: PyTree, own: jax.Array, axis: str,
-                  batch: str) -> PyTree:
+def _combine_rows(rows: PyTree, own: jax.Array, axis: str, batch: str) -> PyTree:
   """The rows each device owns, joined: replicated `[S, ...]` or its block.
 
   `own` bool `[S]` is True on exactly one device per row.
   """
+
   def combine(leaf):
     bits = _as_bits(leaf)
     mask = own.reshape(own.shape + (1,) * (bits.ndim - 1))
@@ -212,6 +227,7 @@ def _combine_rows(rows: PyTree, own: jax.Array, axis: str,
     else:
       bits = jax.lax.psum_scatter(bits, axis, scatter_dimension=0, tiled=True)
     return _from_bits(bits, leaf.dtype)
+
   return jax.tree.map(combine, rows)
 
 
@@ -234,14 +250,13 @@ def _joined_blocks(block: PyTree, axis: str) -> PyTree:
   def join(leaf):
     bits = _as_bits(leaf)
     whole = jnp.zeros((num_devices * bits.shape[0], *bits.shape[1:]), bits.dtype)
-    whole = jax.lax.dynamic_update_slice_in_dim(
-        whole, bits, device * bits.shape[0], axis=0)
+    whole = jax.lax.dynamic_update_slice_in_dim(whole, bits, device * bits.shape[0], axis=0)
     return _from_bits(jax.lax.psum(whole, axis), leaf.dtype)
+
   return jax.tree.map(join, block)
 
 
-def _owner(inclusive: jax.Array, masses: jax.Array,
-           targets: jax.Array) -> jax.Array:
+def _owner(inclusive: jax.Array, masses: jax.Array, targets: jax.Array) -> jax.Array:
   """For each target, the device whose interval of the prefix sums holds it.
 
   Scored like `sum_tree.find_prefix_sums_and_leaves`: the first device with
@@ -252,15 +267,19 @@ def _owner(inclusive: jax.Array, masses: jax.Array,
   num_devices = masses.shape[0]
   position = jnp.arange(num_devices, dtype=jnp.int32)[None, :]
   score = jnp.min(
-      jnp.where(masses[None, :] > 0,
-                jnp.where(inclusive[None, :] > targets[:, None], position,
-                          2 * num_devices - 1 - position),
-                2 * num_devices - 1), axis=1)
+    jnp.where(
+      masses[None, :] > 0,
+      jnp.where(inclusive[None, :] > targets[:, None], position, 2 * num_devices - 1 - position),
+      2 * num_devices - 1,
+    ),
+    axis=1,
+  )
   return jnp.where(score < num_devices, score, 2 * num_devices - 1 - score)
 
 
-def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
-                   kind: Split, axis: str, batch: str) -> ReplaySample:
+def _global_sample(
+  state: Any, key: jax.Array, batch_size: int, *, kind: Split, axis: str, batch: str
+) -> ReplaySample:
   """One device's part of an exact global sample (runs inside shard_map)."""
   local = _local(state)
   device = jax.lax.axis_index(axis)
@@ -274,8 +293,7 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
     drawn = random.uniform_indices(key, total_size, batch_size)
     # The first device whose counts reach past `drawn`: it holds some. An
     # empty buffer draws 0 and gives device 0, rank 0.
-    owner = jnp.sum(jnp.cumsum(sizes)[None, :] <= drawn[:, None], axis=1,
-                    dtype=jnp.int32)
+    owner = jnp.sum(jnp.cumsum(sizes)[None, :] <= drawn[:, None], axis=1, dtype=jnp.int32)
     owner = jnp.where(total_size > 0, owner, 0)
     return owner, drawn - size_prefix[owner]
 
@@ -297,13 +315,11 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
     # from the same part of the global total (mostly device d's own items),
     # a biased minibatch for each learner.
     targets, redraws = sum_tree.draw_targets(
-        key, batch_size, total, sum_tree.num_redraws(tree),
-        stratified=kind.stratified)
+      key, batch_size, total, sum_tree.num_redraws(tree), stratified=kind.stratified
+    )
     owner = _owner(inclusive, totals, targets)
-    local_targets = jnp.clip(targets - (inclusive - totals)[owner], 0.0,
-                             totals[owner])
-    found, leaf_values = sum_tree.find_prefix_sums_and_leaves(
-        tree, local_targets, redraws)
+    local_targets = jnp.clip(targets - (inclusive - totals)[owner], 0.0, totals[owner])
+    found, leaf_values = sum_tree.find_prefix_sums_and_leaves(tree, local_targets, redraws)
     has_mass = total > 0
     if kind.uniform_when_massless:
       # All priorities underflowed to zero: uniform over the items held. A
@@ -314,6 +330,7 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
         # `+ found * 0` types the ids as varying over the axis, as `found`
         # is, which shard_map requires of both branches.
         return fallback_owner, kind.at_rank(local, fallback_ranks) + found * 0
+
       owner, found = jax.lax.cond(has_mass, lambda: (owner, found), fallback)
       massless_weight = (total_size > 0).astype(jnp.float32)
     else:
@@ -328,13 +345,13 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
       global_ids = jax.lax.psum(item_ids, axis)
       weights = jnp.ones((batch_size,), jnp.float32)
     else:
-      leaf_bits = jnp.where(own, jax.lax.bitcast_convert_type(
-          leaf_values, jnp.uint32), 0)
+      leaf_bits = jnp.where(own, jax.lax.bitcast_convert_type(leaf_values, jnp.uint32), 0)
       small = jax.lax.psum(jnp.stack([item_ids, leaf_bits]), axis)
       global_ids = small[0]
       leaf_values = jax.lax.bitcast_convert_type(small[1], jnp.float32)
       log_weights = -prioritized.beta_at(kind.beta, local.beta_step) * jnp.log(
-          total_size.astype(jnp.float32) * (leaf_values / total))
+        total_size.astype(jnp.float32) * (leaf_values / total)
+      )
       weights = jnp.exp(log_weights - jnp.max(log_weights))
     weights = jnp.where(has_mass, weights, massless_weight)
     drawn = has_mass | (massless_weight > 0)
@@ -355,8 +372,9 @@ def _global_sample(state: Any, key: jax.Array, batch_size: int, *,
   return kind.as_sample(rows, indices, weights, global_ids, drawn)
 
 
-def _local_sample(state: Any, key: jax.Array, batch_size: int, *,
-                  kind: Split, axis: str, batch: str) -> ReplaySample:
+def _local_sample(
+  state: Any, key: jax.Array, batch_size: int, *, kind: Split, axis: str, batch: str
+) -> ReplaySample:
   """S / D items or windows from this device's own part, no communication."""
   local = _local(state)
   device = jax.lax.axis_index(axis)
@@ -364,16 +382,24 @@ def _local_sample(state: Any, key: jax.Array, batch_size: int, *,
   if jax.lax.axis_size(axis) > 1:
     key = jax.random.fold_in(key, device)
   drawn = kind.sample(local, key, block)
-  drawn = drawn.replace(
-      indices=drawn.indices + device * kind.ids_per_device(state))
+  drawn = drawn.replace(indices=drawn.indices + device * kind.ids_per_device(state))
   if batch == "replicated":
     drawn = _joined_blocks(drawn, axis)
   return drawn
 
 
-def sample(state: Any, key: jax.Array, batch_size: int, *, kind: Split,
-           wrapped: kind_protocol.Kind, mesh: jax.sharding.Mesh, axis: str,
-           sampling: str, batch: str) -> ReplaySample:
+def sample(
+  state: Any,
+  key: jax.Array,
+  batch_size: int,
+  *,
+  kind: Split,
+  wrapped: kind_protocol.Kind,
+  mesh: jax.sharding.Mesh,
+  axis: str,
+  sampling: str,
+  batch: str,
+) -> ReplaySample:
   """Draws `batch_size` items (or windows) over all devices' parts.
 
   Returns:
@@ -397,19 +423,24 @@ def sample(state: Any, key: jax.Array, batch_size: int, *, kind: Split,
     # (XLA:CPU keeps collectives of one participant, each a rendezvous).
     sampling = "local"
   draw = _global_sample if sampling == "global" else _local_sample
-  draw = functools.partial(draw, batch_size=batch_size, kind=kind, axis=axis,
-                           batch=batch)
+  draw = functools.partial(draw, batch_size=batch_size, kind=kind, axis=axis, batch=batch)
   out = _spec(axis) if batch == "sharded" else PartitionSpec()
-  return jax.shard_map(lambda s, k: draw(s, k), mesh=mesh,
-                       in_specs=(_spec(axis), PartitionSpec()),
-                       out_specs=out)(_placed(state, mesh, axis, _spec(axis)),
-                                      _placed(key, mesh, axis, PartitionSpec()))
+  return jax.shard_map(
+    lambda s, k: draw(s, k), mesh=mesh, in_specs=(_spec(axis), PartitionSpec()), out_specs=out
+  )(_placed(state, mesh, axis, _spec(axis)), _placed(key, mesh, axis, PartitionSpec()))
 
 
-def update_priorities(state: Any, indices: jax.Array, priorities: jax.Array,
-                      item_ids: jax.Array | None = None, *, kind: Split,
-                      wrapped: kind_protocol.Kind, mesh: jax.sharding.Mesh,
-                      axis: str) -> Any:
+def update_priorities(
+  state: Any,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None = None,
+  *,
+  kind: Split,
+  wrapped: kind_protocol.Kind,
+  mesh: jax.sharding.Mesh,
+  axis: str,
+) -> Any:
   """Routes each update of global id `indices [S]` to the device owning it.
 
   Every device sees the whole update (an all-gather of 12 S bytes when the
@@ -443,8 +474,7 @@ def update_priorities(state: Any, indices: jax.Array, priorities: jax.Array,
     ids = jnp.where(owned, ids % ids_per_device, ids_per_device)
     local = kind.update_priorities(local, ids, priorities, item_ids)
     if num_devices > 1:
-      local = local.replace(
-          max_priority=jax.lax.pmax(local.max_priority, axis))
+      local = local.replace(max_priority=jax.lax.pmax(local.max_priority, axis))
     return _stacked(local)
 
   # The storage stays outside the shard_map: updates never write it, and
@@ -453,20 +483,23 @@ def update_priorities(state: Any, indices: jax.Array, priorities: jax.Array,
   # Inside, zero-size stand-ins keep the shapes the update reads the
   # capacity from.
   storage = state.storage
-  stand_ins = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape + (0,), leaf.dtype),
-                           storage)
+  stand_ins = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape + (0,), leaf.dtype), storage)
   replicated = PartitionSpec()
   updated = jax.shard_map(
-      update_owned, mesh=mesh,
-      in_specs=(_spec(axis), replicated, replicated, replicated),
-      out_specs=_spec(axis))(
-          _placed(state.replace(storage=stand_ins), mesh, axis, _spec(axis)),
-          *_placed((indices, priorities, item_ids), mesh, axis, replicated))
+    update_owned,
+    mesh=mesh,
+    in_specs=(_spec(axis), replicated, replicated, replicated),
+    out_specs=_spec(axis),
+  )(
+    _placed(state.replace(storage=stand_ins), mesh, axis, _spec(axis)),
+    *_placed((indices, priorities, item_ids), mesh, axis, replicated),
+  )
   return updated.replace(storage=storage)
 
 
-def can_sample(state: Any, batch_size: int, *, kind: Split, sampling: str,
-               num_devices: int) -> jax.Array:
+def can_sample(
+  state: Any, batch_size: int, *, kind: Split, sampling: str, num_devices: int
+) -> jax.Array:
   """Whether a sample of `batch_size` is backed by data: bool `()`.
 
   Global: all devices together pass the wrapped kind's test (item replay:
@@ -481,18 +514,27 @@ def can_sample(state: Any, batch_size: int, *, kind: Split, sampling: str,
   return jnp.all(kind.enough(held, batch_size // num_devices))
 
 
-def clear(state: Any, *, kind: Split, wrapped: kind_protocol.Kind,
-          mesh: jax.sharding.Mesh, axis: str) -> Any:
+def clear(
+  state: Any, *, kind: Split, wrapped: kind_protocol.Kind, mesh: jax.sharding.Mesh, axis: str
+) -> Any:
   """Empties every device's part without reallocating."""
   _check_sharded_state(state, kind, wrapped, "clear", _num_devices(mesh, axis))
-  return jax.shard_map(lambda s: _stacked(kind.clear(_local(s))), mesh=mesh,
-                       in_specs=_spec(axis), out_specs=_spec(axis))(
-                           _placed(state, mesh, axis, _spec(axis)))
+  return jax.shard_map(
+    lambda s: _stacked(kind.clear(_local(s))),
+    mesh=mesh,
+    in_specs=_spec(axis),
+    out_specs=_spec(axis),
+  )(_placed(state, mesh, axis, _spec(axis)))
 
 
-def sharded(buffer: Buffer[StateT, SampleT], mesh: jax.sharding.Mesh,
-            axis: str = "data", *, sampling: str = "global",
-            batch: str = "sharded") -> Buffer[StateT, SampleT]:
+def sharded(
+  buffer: Buffer[StateT, SampleT],
+  mesh: jax.sharding.Mesh,
+  axis: str = "data",
+  *,
+  sampling: str = "global",
+  batch: str = "sharded",
+) -> Buffer[StateT, SampleT]:
   """`buffer` split over the devices of `mesh`'s `axis`.
 
   Args:
@@ -558,64 +600,66 @@ def sharded(buffer: Buffer[StateT, SampleT], mesh: jax.sharding.Mesh,
   (4, 3, 3)
   """
   if not isinstance(buffer, Buffer):
-    raise TypeError(f"sharded: buffer must be a jaxbuf.Buffer, given "
-                    f"{type(buffer).__name__}.")
+    raise TypeError(f"sharded: buffer must be a jaxbuf.Buffer, given {type(buffer).__name__}.")
   wrapped = buffer.kind
   if wrapped is None or wrapped.split is None:
     raise TypeError(
-        f"sharded: this buffer's kind "
-        f"({'unknown' if wrapped is None else wrapped.name}) cannot be split "
-        f"over devices; sharded wraps the kinds whose `buffer.kind.split` is "
-        f"set: uniform_replay, prioritized_replay, sequence_replay and "
-        f"prioritized_sequence_replay among them.")
+      f"sharded: this buffer's kind "
+      f"({'unknown' if wrapped is None else wrapped.name}) cannot be split "
+      f"over devices; sharded wraps the kinds whose `buffer.kind.split` is "
+      f"set: uniform_replay, prioritized_replay, sequence_replay and "
+      f"prioritized_sequence_replay among them."
+    )
   if not isinstance(mesh, jax.sharding.Mesh):
-    raise TypeError(f"sharded: mesh must be a jax.sharding.Mesh, given "
-                    f"{type(mesh).__name__}.")
+    raise TypeError(f"sharded: mesh must be a jax.sharding.Mesh, given {type(mesh).__name__}.")
   if axis not in mesh.shape:
-    raise ValueError(f"sharded: axis {axis!r} is not an axis of the mesh, "
-                     f"whose axes are {tuple(mesh.shape)}.")
+    raise ValueError(
+      f"sharded: axis {axis!r} is not an axis of the mesh, whose axes are {tuple(mesh.shape)}."
+    )
   if sampling not in SAMPLING_MODES:
-    raise ValueError(f"sharded: sampling must be one of {SAMPLING_MODES}, "
-                     f"given {sampling!r}.")
+    raise ValueError(f"sharded: sampling must be one of {SAMPLING_MODES}, given {sampling!r}.")
   if batch not in BATCH_LAYOUTS:
-    raise ValueError(f"sharded: batch must be one of {BATCH_LAYOUTS}, given "
-                     f"{batch!r}.")
+    raise ValueError(f"sharded: batch must be one of {BATCH_LAYOUTS}, given {batch!r}.")
   if wrapped.checked:
     raise ValueError(
-        "sharded: checked buffers are not supported; wrap the unchecked "
-        "buffer (its skips of bad updates and empty samples are the same).")
+      "sharded: checked buffers are not supported; wrap the unchecked "
+      "buffer (its skips of bad updates and empty samples are the same)."
+    )
   num_devices = _num_devices(mesh, axis)
   kind = wrapped.split(num_devices)
   where: dict[str, Any] = dict(kind=kind, wrapped=wrapped, mesh=mesh, axis=axis)
   return bind(
-      init=functools.partial(init, **where),
-      add=_with_add_signature(functools.partial(add, **where), kind),
-      sample=functools.partial(sample, sampling=sampling, batch=batch,
-                               **where),
-      update_priorities=functools.partial(update_priorities, **where),
-      can_sample=functools.partial(can_sample, kind=kind, sampling=sampling,
-                                   num_devices=num_devices),
-      clear=functools.partial(clear, **where),
-      kind=kind_protocol.Kind(
-          name=f"sharded {wrapped.name}", state_type=wrapped.state_type,
-          exact_type=wrapped.exact_type,
-          settings=kind_protocol.settings_of(**dict(wrapped.settings),
-                                             devices=num_devices),
-          split=None),
-      checked=False,
-      # Items are placed over the devices by the sharded add itself.
-      pack_host_items=False,
-      # So that the abstract state of `jax.eval_shape(buffer.init, example)`
-      # (the `like` of a load that allocates nothing) carries the split too.
-      init_shardings=NamedSharding(mesh, _spec(axis)))
+    init=functools.partial(init, **where),
+    add=_with_add_signature(functools.partial(add, **where), kind),
+    sample=functools.partial(sample, sampling=sampling, batch=batch, **where),
+    update_priorities=functools.partial(update_priorities, **where),
+    can_sample=functools.partial(can_sample, kind=kind, sampling=sampling, num_devices=num_devices),
+    clear=functools.partial(clear, **where),
+    kind=kind_protocol.Kind(
+      name=f"sharded {wrapped.name}",
+      state_type=wrapped.state_type,
+      exact_type=wrapped.exact_type,
+      settings=kind_protocol.settings_of(**dict(wrapped.settings), devices=num_devices),
+      split=None,
+    ),
+    checked=False,
+    # Items are placed over the devices by the sharded add itself.
+    pack_host_items=False,
+    # So that the abstract state of `jax.eval_shape(buffer.init, example)`
+    # (the `like` of a load that allocates nothing) carries the split too.
+    init_shardings=NamedSharding(mesh, _spec(axis)),
+  )
 
 
 def _with_add_signature(add_function: Callable, kind: Split) -> Callable:
   """`add_function`, shown by `help` with the wrapped kind's arguments."""
+
   @functools.wraps(add)
   def add_to_devices(state, *arguments, **keywords):
     return add_function(state, *arguments, **keywords)
+
   add_to_devices.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-      [inspect.Parameter("state", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-      + list(inspect.signature(kind.add_arguments).parameters.values()))
+    [inspect.Parameter("state", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    + list(inspect.signature(kind.add_arguments).parameters.values())
+  )
   return add_to_devices

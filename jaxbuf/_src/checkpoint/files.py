@@ -34,6 +34,7 @@ OPEN_ATTEMPTS = 100
 
 # --- Paths --------------------------------------------------------------------------
 
+
 def resolve(path: str | os.PathLike) -> pathlib.Path:
   """The real location of `path`: links in it and its parents followed."""
   return pathlib.Path(os.path.realpath(os.fspath(path)))
@@ -53,18 +54,19 @@ def orbax_path(directory_fd: int, path: pathlib.Path) -> str:
 def check_path_is_usable(path: pathlib.Path, caller: str) -> None:
   if not _PROC_FD.is_dir() and _PATTERN_CHARACTERS & set(str(path)):
     raise ValueError(
-        f"{caller}: the path {path} contains one of {sorted(_PATTERN_CHARACTERS)}, "
-        "which orbax would read as a file pattern; on this system (no "
-        "/proc/self/fd) choose a path without them.")
+      f"{caller}: the path {path} contains one of {sorted(_PATTERN_CHARACTERS)}, "
+      "which orbax would read as a file pattern; on this system (no "
+      "/proc/self/fd) choose a path without them."
+    )
 
 
 # --- Files and directories ----------------------------------------------------------
 
+
 def write_file(directory_fd: int, name: str, data: bytes) -> None:
   """Writes `name` in the directory durably: temporary file, fsync, rename."""
   temporary = name + ".tmp"
-  handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644,
-                   dir_fd=directory_fd)
+  handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=directory_fd)
   try:
     with os.fdopen(handle, "wb", closefd=False) as file:
       file.write(data)
@@ -113,6 +115,7 @@ def sync_directory(directory: pathlib.Path | int) -> None:
 
 # --- Which directories are checkpoints; replacing them ------------------------------
 
+
 def _marker_of(directory_fd: int, where: str) -> dict[str, Any] | None:
   """The directory's marker if it is a complete jaxbuf checkpoint, else None."""
   try:
@@ -123,9 +126,12 @@ def _marker_of(directory_fd: int, where: str) -> dict[str, Any] | None:
     layout = read_json(directory_fd, LAYOUT, where)
   except ValueError:
     layout = None
-  if (not isinstance(marker, dict) or marker.get("format") != layouts.FORMAT
-      or not isinstance(marker.get("token"), str)
-      or not isinstance(marker.get("entries"), list)):
+  if (
+    not isinstance(marker, dict)
+    or marker.get("format") != layouts.FORMAT
+    or not isinstance(marker.get("token"), str)
+    or not isinstance(marker.get("entries"), list)
+  ):
     return None
   # A marker copied next to another layout is not a checkpoint; a layout that
   # does not parse is still jaxbuf's (load reports it, save may replace it).
@@ -160,11 +166,13 @@ def check_replaceable(path: pathlib.Path, caller: str) -> None:
     return
   foreign = _foreign_entries(path)
   if foreign is None:
-    raise FileExistsError(f"{caller}: {path} exists and is not a jaxbuf "
-                          "checkpoint; refusing to replace it.")
+    raise FileExistsError(
+      f"{caller}: {path} exists and is not a jaxbuf checkpoint; refusing to replace it."
+    )
   if foreign:
-    raise FileExistsError(f"{caller}: {path} holds entries jaxbuf did not write "
-                          f"{foreign}; refusing to replace it.")
+    raise FileExistsError(
+      f"{caller}: {path} holds entries jaxbuf did not write {foreign}; refusing to replace it."
+    )
 
 
 def delete(directory: pathlib.Path) -> None:
@@ -203,11 +211,18 @@ def write_marker(directory_fd: int, directory: pathlib.Path, token: str) -> None
   # Each file's size, so that `load` names a truncated or deleted file
   # before orbax reads it (orbax's own error is kilobytes long).
   # The layout is checked on its own, field by field.
-  sizes = {entry: os.stat(entry, dir_fd=directory_fd).st_size
-           for entry in entries if entry.startswith(STATE + os.sep)
-           and not os.path.isdir(os.path.join(directory, entry))}
-  marker = {"format": layouts.FORMAT, "version": layouts.FORMAT_VERSION,
-            "token": token, "entries": entries, "sizes": sizes}
+  sizes = {
+    entry: os.stat(entry, dir_fd=directory_fd).st_size
+    for entry in entries
+    if entry.startswith(STATE + os.sep) and not os.path.isdir(os.path.join(directory, entry))
+  }
+  marker = {
+    "format": layouts.FORMAT,
+    "version": layouts.FORMAT_VERSION,
+    "token": token,
+    "entries": entries,
+    "sizes": sizes,
+  }
   write_file(directory_fd, MARKER, json.dumps(marker, indent=1).encode())
   sync_directory(directory_fd)
 
@@ -233,13 +248,16 @@ def lock_writer(path: pathlib.Path) -> int:
     os.close(handle)
     if error.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
       raise BlockingIOError(
-          error.errno, f"save: another save to {path} is in progress (it holds "
-          f"{lock_path}); nothing was written. Retry once it has finished.") from None
+        error.errno,
+        f"save: another save to {path} is in progress (it holds "
+        f"{lock_path}); nothing was written. Retry once it has finished.",
+      ) from None
     raise
   return handle
 
 
 # --- Reading: finding the complete checkpoint ---------------------------------------
+
 
 def open_committed(path: pathlib.Path) -> tuple[int, pathlib.Path]:
   """A descriptor of the complete checkpoint saved at `path`, share-locked."""
@@ -264,10 +282,11 @@ def open_committed(path: pathlib.Path) -> tuple[int, pathlib.Path]:
   held = sorted(entry.name for entry in path.iterdir()) if path.is_dir() else []
   if {LAYOUT, STATE} & set(held):
     raise FileNotFoundError(
-        f"load: {path} holds checkpoint data ({held}) but "
-        f"no valid marker {MARKER}, which save writes last: the save that "
-        "wrote it did not finish, or the marker was removed or replaced. "
-        "Nothing was read.")
+      f"load: {path} holds checkpoint data ({held}) but "
+      f"no valid marker {MARKER}, which save writes last: the save that "
+      "wrote it did not finish, or the marker was removed or replaced. "
+      "Nothing was read."
+    )
   raise FileNotFoundError(f"load: no checkpoint at {path}.")
 
 
@@ -276,11 +295,17 @@ def check_marker_version(marker: Any, where: str) -> None:
   jaxbuf reads (a newer jaxbuf may write a layout this one misreads)."""
   version = marker.get("version") if isinstance(marker, dict) else None
   if version != layouts.FORMAT_VERSION:
-    raise ValueError(f"{where} has a marker of format version {version!r}; "
-                     f"this jaxbuf reads version {layouts.FORMAT_VERSION}"
-                     + (" (upgrade jaxbuf to read it)." if isinstance(version, int)
-                        and not isinstance(version, bool)
-                        and version > layouts.FORMAT_VERSION else "."))
+    raise ValueError(
+      f"{where} has a marker of format version {version!r}; "
+      f"this jaxbuf reads version {layouts.FORMAT_VERSION}"
+      + (
+        " (upgrade jaxbuf to read it)."
+        if isinstance(version, int)
+        and not isinstance(version, bool)
+        and version > layouts.FORMAT_VERSION
+        else "."
+      )
+    )
 
 
 def check_file_sizes(directory_fd: int, marker: Any, where: str) -> None:
@@ -291,17 +316,19 @@ def check_file_sizes(directory_fd: int, marker: Any, where: str) -> None:
   """
   sizes = marker.get("sizes", {}) if isinstance(marker, dict) else {}
   if not isinstance(sizes, dict):
-    raise layouts.fail(where, f"the marker's sizes are {type(sizes).__name__}, not "
-                              "an object")
+    raise layouts.fail(where, f"the marker's sizes are {type(sizes).__name__}, not an object")
   for name, size in sizes.items():
     if not layouts.is_int(size) or os.path.isabs(name) or ".." in name.split("/"):
       raise layouts.fail(where, f"the marker records size {size!r} for {name!r}")
     try:
       found = os.stat(name, dir_fd=directory_fd).st_size
     except FileNotFoundError:
-      raise ValueError(f"{where}: the file {name} is missing (deleted after "
-                       "the save); nothing was read.") from None
+      raise ValueError(
+        f"{where}: the file {name} is missing (deleted after the save); nothing was read."
+      ) from None
     if found != size:
-      raise ValueError(f"{where}: the file {name} has {found} bytes, but "
-                       f"{size} were saved (truncated or overwritten); nothing "
-                       "was read.")
+      raise ValueError(
+        f"{where}: the file {name} has {found} bytes, but "
+        f"{size} were saved (truncated or overwritten); nothing "
+        "was read."
+      )

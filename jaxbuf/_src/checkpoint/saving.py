@@ -160,20 +160,20 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
     # JAX would fail half-way through writing, on the first deleted array.
     validation.check_not_donated(state, what="save")
     if not resolved.parent.is_dir():
-      raise FileNotFoundError(
-          f"save: the parent directory of {resolved} does not exist.")
-    named = [(name, arrays.stored_form(leaf))
-             for name, leaf in layouts.named_leaves(state)]
+      raise FileNotFoundError(f"save: the parent directory of {resolved} does not exist.")
+    named = [(name, arrays.stored_form(leaf)) for name, leaf in layouts.named_leaves(state)]
     agreement.check_global(named)
     return resolved, layouts.layout(state), named
 
   (path, layout, named), shared = agreement.in_every_process(
-      "save", prepare, lambda r: {"path": str(r[0]), "layout": r[1]})
+    "save", prepare, lambda r: {"path": str(r[0]), "layout": r[1]}
+  )
   agreement.check_processes_agree("save", shared)
   new = files.sibling(path, files.NEW_SUFFIX)
   lock = new_fd = None
   created = complete = False
   try:
+
     def start() -> None:
       nonlocal lock, created
       if primary:
@@ -192,9 +192,10 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
         new_fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY)
       except FileNotFoundError:
         raise FileNotFoundError(
-            f"save: process {jax.process_index()} does not see {new}, which "
-            "process 0 created: the path must be on a filesystem every process "
-            "sees.") from None
+          f"save: process {jax.process_index()} does not see {new}, which "
+          "process 0 created: the path must be on a filesystem every process "
+          "sees."
+        ) from None
       return arrays.write_arrays(new_fd, new, named)
 
     _, pieces = agreement.in_every_process("save", write, lambda mine: mine)
@@ -220,9 +221,14 @@ def save(path: str | os.PathLike, state: PyTree) -> None:
       shutil.rmtree(new, ignore_errors=True)
 
 
-def _commit(directory_fd: int, directory: pathlib.Path, state: PyTree,
-            layout: dict[str, Any], named: list[tuple[str, Any]],
-            pieces: list[dict[str, list[Any]]]) -> None:
+def _commit(
+  directory_fd: int,
+  directory: pathlib.Path,
+  state: PyTree,
+  layout: dict[str, Any],
+  named: list[tuple[str, Any]],
+  pieces: list[dict[str, list[Any]]],
+) -> None:
   """Completes the checkpoint in `directory`: orbax's index, layout, marker last.
 
   Args:
@@ -240,8 +246,7 @@ def _commit(directory_fd: int, directory: pathlib.Path, state: PyTree,
   layout.update(token=token, chunk_bytes=arrays.CHUNK_BYTES)
   encoded = json.dumps(layout, indent=1).encode()
   # What the processes reported must tile every leaf, as `load` will demand.
-  layouts.validate_layout(json.loads(encoded),
-                          f"save: the checkpoint written at {directory}")
+  layouts.validate_layout(json.loads(encoded), f"save: the checkpoint written at {directory}")
   files.write_file(directory_fd, files.LAYOUT, encoded)
   files.write_marker(directory_fd, directory, token)
 
@@ -298,24 +303,27 @@ def load(path: str | os.PathLike, *, like: PyTree) -> PyTree:
   # several processes replicated over the devices of `like` (every device
   # where `like` does not span the processes), then placed like `like`.
   whole = _whole_on(like)
-  unplaced = jax.tree.map(
-      lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype), like)
+  unplaced = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype), like)
   stored_like = jax.tree.map(
-      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=whole),
-      jax.eval_shape(lambda state: base.regrouped(state, stored_devices),
-                     unplaced))
+    lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=whole),
+    jax.eval_shape(lambda state: base.regrouped(state, stored_devices), unplaced),
+  )
   state = base.regrouped(_load_as(path, stored_like), wanted_devices)
   return jax.tree.map(
-      lambda leaf, like_leaf: leaf if not _spans_the_processes(like_leaf)
-      else jax.device_put(leaf, like_leaf.sharding), state, like)
+    lambda leaf, like_leaf: (
+      leaf if not _spans_the_processes(like_leaf) else jax.device_put(leaf, like_leaf.sharding)
+    ),
+    state,
+    like,
+  )
 
 
 def _spans_the_processes(leaf: Any) -> bool:
   """Whether `leaf` has a sharding with devices in every process."""
   sharding = getattr(leaf, "sharding", None)
-  return sharding is not None and {
-      device.process_index for device in sharding.device_set} == set(
-          range(jax.process_count()))
+  return sharding is not None and {device.process_index for device in sharding.device_set} == set(
+    range(jax.process_count())
+  )
 
 
 def _whole_on(like: PyTree) -> jax.sharding.Sharding | None:
@@ -324,16 +332,18 @@ def _whole_on(like: PyTree) -> jax.sharding.Sharding | None:
   the processes, else over every device (as a leaf without a sharding)."""
   if jax.process_count() == 1:
     return None
-  spanning = [leaf.sharding for leaf in jax.tree.leaves(like)
-              if _spans_the_processes(leaf)
-              and isinstance(leaf.sharding, jax.sharding.NamedSharding)]
-  mesh = (spanning[0].mesh if spanning else
-          jax.sharding.Mesh(np.array(jax.devices()), ("devices",)))
+  spanning = [
+    leaf.sharding
+    for leaf in jax.tree.leaves(like)
+    if _spans_the_processes(leaf) and isinstance(leaf.sharding, jax.sharding.NamedSharding)
+  ]
+  mesh = spanning[0].mesh if spanning else jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def _devices_to_regroup(path: str | os.PathLike, like: PyTree
-                        ) -> tuple[int | None, int | None] | None:
+def _devices_to_regroup(
+  path: str | os.PathLike, like: PyTree
+) -> tuple[int | None, int | None] | None:
   """(stored, wanted) device counts when the checkpoint differs from `like`
   only in them; None otherwise (the exact load then reports any mismatch)."""
   wanted = layouts.settings_of(like)
@@ -350,27 +360,30 @@ def _devices_to_regroup(path: str | os.PathLike, like: PyTree
   finally:
     os.close(handle)
   stored_devices, wanted_devices = stored.get("devices"), wanted.get("devices")
-  without_devices = lambda settings: {name: value for name, value
-                                      in settings.items() if name != "devices"}
-  if (stored_devices == wanted_devices
-      or without_devices(stored) != without_devices(wanted)):
+  without_devices = lambda settings: {
+    name: value for name, value in settings.items() if name != "devices"
+  }
+  if stored_devices == wanted_devices or without_devices(stored) != without_devices(wanted):
     return None
   return stored_devices, wanted_devices
 
 
 def _load_as(path: str | os.PathLike, like: PyTree) -> PyTree:
   """`load` of a checkpoint whose layout must be `like`'s exactly."""
+
   def prepare() -> tuple[pathlib.Path, dict[str, Any]]:
     resolved = files.resolve(path)
     files.check_path_is_usable(resolved, "load")
     return resolved, layouts.layout(like)
 
   (path, expected), shared = agreement.in_every_process(
-      "load", prepare, lambda r: {"path": str(r[0]), "layout": r[1]})
+    "load", prepare, lambda r: {"path": str(r[0]), "layout": r[1]}
+  )
   agreement.check_processes_agree("load", shared)
   where = f"load: the checkpoint at {path}"
   handle = None
   try:
+
     def open_and_check() -> tuple[int, pathlib.Path, dict[str, Any]]:
       opened, found = files.open_committed(path)
       try:
@@ -387,25 +400,27 @@ def _load_as(path: str | os.PathLike, like: PyTree) -> PyTree:
 
     for _ in range(files.OPEN_ATTEMPTS):
       (handle, found, stored), tokens = agreement.in_every_process(
-          "load", open_and_check, lambda r: r[2]["token"])
+        "load", open_and_check, lambda r: r[2]["token"]
+      )
       # A save replacing the checkpoint between the processes' opens: retry.
       if len(set(tokens)) == 1:
         break
       os.close(handle)
       handle = None
     else:
-      raise ValueError(f"{where}: the processes kept opening different "
-                       "checkpoints (saves kept replacing it); nothing was read.")
+      raise ValueError(
+        f"{where}: the processes kept opening different "
+        "checkpoints (saves kept replacing it); nothing was read."
+      )
     leaves, _ = agreement.in_every_process(
-        "load", lambda: arrays.read_arrays(handle, found, stored, like, where))
+      "load", lambda: arrays.read_arrays(handle, found, stored, like, where)
+    )
   finally:
     if handle is not None:
       os.close(handle)
-  state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like),
-                                       leaves)
+  state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
   recorded = stored.get("settings") or {}
-  if isinstance(state, BufferState) and recorded and not layouts.settings_of(
-      state):
+  if isinstance(state, BufferState) and recorded and not layouts.settings_of(state):
     # A `like` that records none (a module's `init`) must not drop what the
     # checkpoint recorded: the state's bookkeeping depends on it, and a
     # buffer of other settings would then sample it unchecked.

@@ -34,7 +34,8 @@ def regrouped(state: BufferState, devices: int | None) -> BufferState:
   if not devices:
     return whole
   return whole.divided(devices).replace(
-      settings=kind_protocol.settings_of(**settings, devices=devices))
+    settings=kind_protocol.settings_of(**settings, devices=devices)
+  )
 
 
 @flax.struct.dataclass
@@ -57,11 +58,12 @@ class ReplaySample:
     to `update_priorities` so an update of a unit overwritten since it was
     sampled is skipped.
   """
-  items: PyTree          # each leaf [S, *item_shape]
-  indices: jax.Array     # int32 [S]: ids of the sampled units, in [0, C)
-  weights: jax.Array     # float32 [S]: importance weights, largest at most 1
-  item_ids: jax.Array    # uint32 [S]: which write filled each unit; pass to
-                         # update_priorities so stale updates are skipped
+
+  items: PyTree  # each leaf [S, *item_shape]
+  indices: jax.Array  # int32 [S]: ids of the sampled units, in [0, C)
+  weights: jax.Array  # float32 [S]: importance weights, largest at most 1
+  item_ids: jax.Array  # uint32 [S]: which write filled each unit; pass to
+  # update_priorities so stale updates are skipped
 
 
 # The state and sample types of a buffer kind: `Buffer[ReplayState,
@@ -69,8 +71,7 @@ class ReplaySample:
 StateT = TypeVar("StateT", bound=BufferState)
 SampleT = TypeVar("SampleT", bound=ReplaySample)
 _StateT_co = TypeVar("_StateT_co", bound=BufferState, covariant=True)
-_StateT_contra = TypeVar("_StateT_contra", bound=BufferState,
-                         contravariant=True)
+_StateT_contra = TypeVar("_StateT_contra", bound=BufferState, contravariant=True)
 _SampleT_co = TypeVar("_SampleT_co", bound=ReplaySample, covariant=True)
 
 
@@ -78,8 +79,7 @@ class InitFn(Protocol[_StateT_co]):
   """`buffer.init(example)`: an empty state for items (or steps) shaped like
   `example`, one unbatched item (or env step)."""
 
-  def __call__(self, example: PyTree, /) -> _StateT_co:
-    ...
+  def __call__(self, example: PyTree, /) -> _StateT_co: ...
 
 
 class AddFn(Protocol[StateT]):
@@ -87,20 +87,29 @@ class AddFn(Protocol[StateT]):
   stream kinds take steps `[N, ...]` or `[N, T, ...]` and their `mask`,
   `episode_end` and `final_steps` (`help(jaxbuf.streams)`)."""
 
-  def __call__(self, state: StateT, items: PyTree, /,
-               mask: ArrayLike | Sequence[bool] | None = None,
-               episode_end: ArrayLike | Sequence[bool] | None = None,
-               final_steps: PyTree | None = None) -> StateT:
-    ...
+  def __call__(
+    self,
+    state: StateT,
+    items: PyTree,
+    /,
+    mask: ArrayLike | Sequence[bool] | None = None,
+    episode_end: ArrayLike | Sequence[bool] | None = None,
+    final_steps: PyTree | None = None,
+  ) -> StateT: ...
 
 
 class SampleFn(Protocol[_StateT_contra, _SampleT_co]):
   """`buffer.sample(state, key, batch_size, step=None)`: `batch_size` a
   Python int; `step` an integer folded into `key` (`Buffer`)."""
 
-  def __call__(self, state: _StateT_contra, key: jax.Array, batch_size: int,
-               *, step: int | jax.Array | None = None) -> _SampleT_co:
-    ...
+  def __call__(
+    self,
+    state: _StateT_contra,
+    key: jax.Array,
+    batch_size: int,
+    *,
+    step: int | jax.Array | None = None,
+  ) -> _SampleT_co: ...
 
 
 class UpdatePrioritiesFn(Protocol[StateT]):
@@ -108,26 +117,26 @@ class UpdatePrioritiesFn(Protocol[StateT]):
   `indices` and `item_ids` as a sample returned them; the identity for
   kinds without priorities."""
 
-  def __call__(self, state: StateT,
-               indices: ArrayLike | Sequence[int],
-               priorities: ArrayLike | Sequence[float],
-               item_ids: ArrayLike | None = None) -> StateT:
-    ...
+  def __call__(
+    self,
+    state: StateT,
+    indices: ArrayLike | Sequence[int],
+    priorities: ArrayLike | Sequence[float],
+    item_ids: ArrayLike | None = None,
+  ) -> StateT: ...
 
 
 class CanSampleFn(Protocol[_StateT_contra]):
   """`buffer.can_sample(state, batch_size)`: bool scalar array, whether a
   sample of `batch_size` (a Python int) can be drawn."""
 
-  def __call__(self, state: _StateT_contra, batch_size: int) -> jax.Array:
-    ...
+  def __call__(self, state: _StateT_contra, batch_size: int) -> jax.Array: ...
 
 
 class ClearFn(Protocol[StateT]):
   """`buffer.clear(state)`: the state emptied, its storage kept."""
 
-  def __call__(self, state: StateT, /) -> StateT:
-    ...
+  def __call__(self, state: StateT, /) -> StateT: ...
 
 
 class Buffer(NamedTuple, Generic[StateT, SampleT]):
@@ -167,6 +176,7 @@ class Buffer(NamedTuple, Generic[StateT, SampleT]):
   ...): `sample` without a `batch_size`, or a state of another kind, is
   flagged before anything runs.
   """
+
   init: InitFn[StateT]
   add: AddFn[StateT]
   sample: SampleFn[StateT, SampleT]
@@ -178,22 +188,20 @@ class Buffer(NamedTuple, Generic[StateT, SampleT]):
 
 # What `help(jaxbuf.Buffer)` shows for each field: the signature a call has.
 _FIELD_DOCS = {
-    "init": "init(example) -> state: an empty buffer shaped like one "
-            "unbatched item or env step.",
-    "add": "add(state, items) -> state (item kinds), or add(state, steps, "
-           "mask=None, episode_end=None, final_steps=None) -> state (stream "
-           "kinds).",
-    "sample": "sample(state, key, batch_size: int, *, step=None) -> "
-              "ReplaySample (or the kind's subclass).",
-    "update_priorities": "update_priorities(state, indices, priorities, "
-                         "item_ids=None) -> state; indices, priorities and "
-                         "item_ids [S], from sample(...).",
-    "can_sample": "can_sample(state, batch_size: int) -> bool jax.Array of "
-                  "shape (): whether sample(state, key, batch_size) draws "
-                  "from held items.",
-    "clear": "clear(state) -> state: empty, the storage kept.",
-    "kind": "The kind's description for jaxbuf.sharded and checkpoints "
-            "(jaxbuf._src.core.kind.Kind).",
+  "init": "init(example) -> state: an empty buffer shaped like one unbatched item or env step.",
+  "add": "add(state, items) -> state (item kinds), or add(state, steps, "
+  "mask=None, episode_end=None, final_steps=None) -> state (stream "
+  "kinds).",
+  "sample": "sample(state, key, batch_size: int, *, step=None) -> "
+  "ReplaySample (or the kind's subclass).",
+  "update_priorities": "update_priorities(state, indices, priorities, "
+  "item_ids=None) -> state; indices, priorities and "
+  "item_ids [S], from sample(...).",
+  "can_sample": "can_sample(state, batch_size: int) -> bool jax.Array of "
+  "shape (): whether sample(state, key, batch_size) draws "
+  "from held items.",
+  "clear": "clear(state) -> state: empty, the storage kept.",
+  "kind": "The kind's description for jaxbuf.sharded and checkpoints (jaxbuf._src.core.kind.Kind).",
 }
 for _name, _doc in _FIELD_DOCS.items():
   getattr(Buffer, _name).__doc__ = _doc
@@ -226,14 +234,13 @@ def _without_settings(doc: str | None, settings: dict[str, Any]) -> str | None:
       if dropping:
         continue
     kept.append(line)
-  if args_line is not None and (args_line + 1 == len(kept) or not kept[
-      args_line + 1].strip()):
+  if args_line is not None and (args_line + 1 == len(kept) or not kept[args_line + 1].strip()):
     del kept[args_line]  # every entry was a setting
   while kept and not kept[-1].strip():
     kept.pop()
   return "\n".join(kept) + (
-      f"\n\nBound when the buffer was made (not arguments): "
-      f"{', '.join(settings)}.")
+    f"\n\nBound when the buffer was made (not arguments): {', '.join(settings)}."
+  )
 
 
 def documented(function: Callable) -> Callable:
@@ -256,18 +263,21 @@ def documented(function: Callable) -> Callable:
     given = sorted(settings.keys() & kwargs.keys())
     if given:
       raise TypeError(
-          f"{function.func.__name__}: {', '.join(given)} "
-          f"{'is a setting' if len(given) == 1 else 'are settings'} of the "
-          f"buffer, bound when it was made; make another buffer to change "
-          f"{'it' if len(given) == 1 else 'them'}.")
+        f"{function.func.__name__}: {', '.join(given)} "
+        f"{'is a setting' if len(given) == 1 else 'are settings'} of the "
+        f"buffer, bound when it was made; make another buffer to change "
+        f"{'it' if len(given) == 1 else 'them'}."
+      )
     return function(*args, **kwargs)
 
   functools.update_wrapper(bound, function.func)
   bound.__doc__ = _without_settings(function.func.__doc__, settings)
   signature = inspect.signature(function)
-  bound.__signature__ = signature.replace(parameters=[  # type: ignore[attr-defined]
-      parameter for name, parameter in signature.parameters.items()
-      if name not in settings])
+  bound.__signature__ = signature.replace(  # type: ignore[attr-defined]
+    parameters=[
+      parameter for name, parameter in signature.parameters.items() if name not in settings
+    ]
+  )
   # Read by `bound_settings` (e.g. `jaxbuf.sharded` rebinding a buffer's
   # module functions with its settings).
   bound.bound_settings = settings  # type: ignore[attr-defined]
@@ -277,13 +287,11 @@ def documented(function: Callable) -> Callable:
 def bound_settings(function: Callable) -> dict[str, Any]:
   """The settings a buffer's function was bound with (`documented`), found
   through the wrappers around it (jit, the error explanations)."""
-  carrier = inspect.unwrap(
-      function, stop=lambda f: "bound_settings" in getattr(f, "__dict__", {}))
+  carrier = inspect.unwrap(function, stop=lambda f: "bound_settings" in getattr(f, "__dict__", {}))
   return dict(getattr(carrier, "__dict__", {}).get("bound_settings", {}))
 
 
-def _explained(what: str, jitted: Callable, *,
-               batch_size_position: int | None = None) -> Callable:
+def _explained(what: str, jitted: Callable, *, batch_size_position: int | None = None) -> Callable:
   """`jitted`, where JAX's error for a common mistake becomes jaxbuf's.
 
   The mistakes are recognised only after the call failed, so the usual call
@@ -291,6 +299,7 @@ def _explained(what: str, jitted: Callable, *,
   call (JAX: "Array has been deleted"), and a `batch_size` that is an array
   or traced (JAX: "Non-hashable static arguments").
   """
+
   def explanation(args, kwargs) -> Exception | None:
     try:
       if args:
@@ -299,8 +308,11 @@ def _explained(what: str, jitted: Callable, *,
         validation.check_step(kwargs["step"], what=what)
       if batch_size_position is not None:
         validation.check_batch_size(
-            args[batch_size_position] if len(args) > batch_size_position
-            else kwargs.get("batch_size"), what=what)
+          args[batch_size_position]
+          if len(args) > batch_size_position
+          else kwargs.get("batch_size"),
+          what=what,
+        )
     except (TypeError, ValueError) as ours:
       return ours
     return None
@@ -330,19 +342,22 @@ def with_jit_tools(call: Callable, jitted: Callable) -> Callable:
 
 def _recording_settings(init: Callable, kind: kind_protocol.Kind) -> Callable:
   """`init`, whose states record the kind's settings."""
+
   @functools.wraps(init)
   def recording(*args, **kwargs):
     return init(*args, **kwargs).replace(settings=kind.settings)
+
   return recording
 
 
-def _checking_settings(function: Callable, kind: kind_protocol.Kind,
-                       what: str) -> Callable:
+def _checking_settings(function: Callable, kind: kind_protocol.Kind, what: str) -> Callable:
   """`function`, refusing a state made with other settings while tracing."""
+
   @functools.wraps(function)
   def checking(state, *args, **kwargs):
     kind_protocol.check_settings(state, kind, what=what)
     return function(state, *args, **kwargs)
+
   return checking
 
 
@@ -385,23 +400,22 @@ def _host_layout(leaves: list[Any]) -> tuple[int, tuple] | None:
   return batch_size, tuple(columns)
 
 
-def _unpack(packed: jax.Array, batch_size: int,
-            columns: tuple) -> list[jax.Array]:
+def _unpack(packed: jax.Array, batch_size: int, columns: tuple) -> list[jax.Array]:
   """The leaves `[B, ...]` of a flat byte array (`_host_layout`)."""
   leaves = []
   for dtype, start, stop, row_shape in columns:
-    column = packed[batch_size * start:batch_size * stop].reshape(
-        batch_size, stop - start)
+    column = packed[batch_size * start : batch_size * stop].reshape(batch_size, stop - start)
     batch_shape = (batch_size, *row_shape)
     if dtype == np.bool_:
       leaves.append((column != 0).reshape(batch_shape))
     elif dtype.itemsize == 1:
-      leaves.append(jax.lax.bitcast_convert_type(column, dtype)
-                    .reshape(batch_shape))
+      leaves.append(jax.lax.bitcast_convert_type(column, dtype).reshape(batch_shape))
     else:
-      leaves.append(jax.lax.bitcast_convert_type(
-          column.reshape(batch_size, -1, dtype.itemsize), dtype)
-                    .reshape(batch_shape))
+      leaves.append(
+        jax.lax.bitcast_convert_type(column.reshape(batch_size, -1, dtype.itemsize), dtype).reshape(
+          batch_shape
+        )
+      )
   return leaves
 
 
@@ -429,19 +443,22 @@ def _packed_add_from_host(add: Callable, jitted_add: Callable) -> Callable:
     batch_size, columns = layout
 
     def unpacking_add(state, packed, *args, **kwargs):
-      items = jax.tree_util.tree_unflatten(
-          treedef, _unpack(packed, batch_size, columns))
+      items = jax.tree_util.tree_unflatten(treedef, _unpack(packed, batch_size, columns))
       return add(state, items, *args, **kwargs)
 
-    conversions = tuple(None if leaf.dtype == dtype else dtype
-                        for leaf, (dtype, *_) in zip(leaves, columns))
+    conversions = tuple(
+      None if leaf.dtype == dtype else dtype for leaf, (dtype, *_) in zip(leaves, columns)
+    )
     return conversions, jax.jit(unpacking_add, donate_argnums=0)
 
   def add_from_host(state, items, *args, **kwargs):
     leaves, treedef = jax.tree_util.tree_flatten(items)
     try:
-      signature = (treedef, jax.config.jax_enable_x64, tuple([
-          (type(leaf), leaf.shape, leaf.dtype) for leaf in leaves]))
+      signature = (
+        treedef,
+        jax.config.jax_enable_x64,
+        tuple([(type(leaf), leaf.shape, leaf.dtype) for leaf in leaves]),
+      )
       found = plans.get(signature, False)
     except AttributeError:  # a Python number or list: not packable
       found = None
@@ -458,13 +475,11 @@ def _packed_add_from_host(add: Callable, jitted_add: Callable) -> Callable:
         converted = leaf.astype(dtype)
         # Integers narrowed (int64 to int32) must survive the round trip;
         # bytes compare faster than np.array_equal at these sizes.
-        if dtype.kind in "iu" and (converted.astype(leaf.dtype).tobytes()
-                                   != leaf.tobytes()):
+        if dtype.kind in "iu" and (converted.astype(leaf.dtype).tobytes() != leaf.tobytes()):
           validation.check_host_integers(items, what="add")  # raises
         leaf = converted
       parts.append(leaf.tobytes())
-    return unpacking_add(state, np.frombuffer(b"".join(parts), np.uint8),
-                         *args, **kwargs)
+    return unpacking_add(state, np.frombuffer(b"".join(parts), np.uint8), *args, **kwargs)
 
   return add_from_host
 
@@ -476,6 +491,7 @@ def _sampled_at_step(sample: Callable) -> Callable:
   never calls `jax.random.split` from Python (20-80 us a call): the fold
   runs inside the sample's own jit. The key stays an argument.
   """
+
   def sample_at_step(state, key, batch_size, *args, step=None, **kwargs):
     if step is not None:
       validation.check_key(key, what="sample")
@@ -485,18 +501,31 @@ def _sampled_at_step(sample: Callable) -> Callable:
 
   functools.update_wrapper(sample_at_step, sample)
   signature = inspect.signature(sample)
-  sample_at_step.__signature__ = signature.replace(parameters=[  # type: ignore[attr-defined]
+  sample_at_step.__signature__ = signature.replace(  # type: ignore[attr-defined]
+    parameters=[
       *signature.parameters.values(),
-      inspect.Parameter("step", inspect.Parameter.KEYWORD_ONLY, default=None,
-                        annotation=int | jax.Array | None)])
+      inspect.Parameter(
+        "step", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | jax.Array | None
+      ),
+    ]
+  )
   return sample_at_step
 
 
-def bind(init: Callable, add: Callable, sample: Callable,
-         update_priorities: Callable, can_sample: Callable, clear: Callable, *,
-         kind: kind_protocol.Kind, checked: bool,
-         jit_update_priorities: bool = True,
-         init_shardings: Any = None, pack_host_items: bool = True) -> Buffer:
+def bind(
+  init: Callable,
+  add: Callable,
+  sample: Callable,
+  update_priorities: Callable,
+  can_sample: Callable,
+  clear: Callable,
+  *,
+  kind: kind_protocol.Kind,
+  checked: bool,
+  jit_update_priorities: bool = True,
+  init_shardings: Any = None,
+  pack_host_items: bool = True,
+) -> Buffer:
   """Makes a `Buffer` whose default functions are jitted with donated state.
 
   `kind` describes the buffer (`jaxbuf._src.core.kind`): `init` records its
@@ -523,23 +552,29 @@ def bind(init: Callable, add: Callable, sample: Callable,
   """
   validation.check_bool(checked, "checked", what=kind.name)
   init, add, sample, update_priorities, can_sample, clear = map(
-      documented, (init, add, sample, update_priorities, can_sample, clear))
+    documented, (init, add, sample, update_priorities, can_sample, clear)
+  )
   kind = kind._replace(checked=checked)
   init = _recording_settings(init, kind)
   if init_shardings is not None:
     init = jax.jit(init, out_shardings=init_shardings)
   add, sample, update_priorities, can_sample, clear = (
-      _checking_settings(function, kind, what) for function, what in (
-          (add, "add"), (sample, "sample"),
-          (update_priorities, "update_priorities"),
-          (can_sample, "can_sample"), (clear, "clear")))
+    _checking_settings(function, kind, what)
+    for function, what in (
+      (add, "add"),
+      (sample, "sample"),
+      (update_priorities, "update_priorities"),
+      (can_sample, "can_sample"),
+      (clear, "clear"),
+    )
+  )
   sample = _sampled_at_step(sample)
   if checked:
-    return Buffer(init, add, sample, update_priorities, can_sample, clear,
-                  kind)
+    return Buffer(init, add, sample, update_priorities, can_sample, clear, kind)
   jitted_add = jax.jit(add, donate_argnums=0)
-  jitted_update = (jax.jit(update_priorities, donate_argnums=0)
-                   if jit_update_priorities else update_priorities)
+  jitted_update = (
+    jax.jit(update_priorities, donate_argnums=0) if jit_update_priorities else update_priorities
+  )
 
   # A jit converts host int64 data to int32 by wrapping before any check
   # inside can see it, so host integers are checked on the way in (NumPy
@@ -549,35 +584,42 @@ def bind(init: Callable, add: Callable, sample: Callable,
   if pack_host_items:
     add_items = _packed_add_from_host(add, jitted_add)
   else:
+
     def add_items(state, items, *args, **kwargs):
       validation.check_host_integers(items, what="add")
       return jitted_add(state, items, *args, **kwargs)
 
   @functools.wraps(add)
   def add_from_host(state, items, *args, **kwargs):
-    return add_items(state, items, *map(listed_array, args),
-                     **{name: listed_array(value)
-                        for name, value in kwargs.items()})
+    return add_items(
+      state,
+      items,
+      *map(listed_array, args),
+      **{name: listed_array(value) for name, value in kwargs.items()},
+    )
 
   @functools.wraps(update_priorities)
   def update_priorities_from_host(state, indices, *args, **kwargs):
     validation.check_on_the_states_devices(
-        state, (indices, *args, *kwargs.values()), what="update_priorities")
+      state, (indices, *args, *kwargs.values()), what="update_priorities"
+    )
     return jitted_update(
-        state, validation.host_indices(listed_array(indices)),
-        *map(listed_array, args),
-        **{name: listed_array(value) for name, value in kwargs.items()})
+      state,
+      validation.host_indices(listed_array(indices)),
+      *map(listed_array, args),
+      **{name: listed_array(value) for name, value in kwargs.items()},
+    )
 
   return Buffer(
-      init=init,
-      add=_explained("add", add_from_host),
-      sample=_explained("sample", jax.jit(sample, static_argnames="batch_size"),
-                        batch_size_position=2),
-      update_priorities=_explained("update_priorities",
-                                   update_priorities_from_host),
-      can_sample=_explained("can_sample",
-                            jax.jit(can_sample, static_argnames="batch_size"),
-                            batch_size_position=1),
-      clear=_explained("clear", jax.jit(clear, donate_argnums=0)),
-      kind=kind,
+    init=init,
+    add=_explained("add", add_from_host),
+    sample=_explained(
+      "sample", jax.jit(sample, static_argnames="batch_size"), batch_size_position=2
+    ),
+    update_priorities=_explained("update_priorities", update_priorities_from_host),
+    can_sample=_explained(
+      "can_sample", jax.jit(can_sample, static_argnames="batch_size"), batch_size_position=1
+    ),
+    clear=_explained("clear", jax.jit(clear, donate_argnums=0)),
+    kind=kind,
   )

@@ -37,8 +37,7 @@ def _scan_consts_and_carry(params: dict[str, Any]) -> tuple[int, int]:
   return len(consts), len(carry)
 
 
-def _inner_source(eqn: Any, index: int,
-                  forwarding: Callable[[Any], _Forwarding]) -> int | None:
+def _inner_source(eqn: Any, index: int, forwarding: Callable[[Any], _Forwarding]) -> int | None:
   """The input of `eqn` that its output `index` is, unchanged, or None.
 
   Calls forward what their body forwards. Loops (`scan`, `while`: several
@@ -55,8 +54,7 @@ def _inner_source(eqn: Any, index: int,
   if name == "scan":
     num_consts, num_carry = _scan_consts_and_carry(eqn.params)
     carry_input = num_consts + index
-    if index < num_carry and (
-        forwarding(eqn.params["jaxpr"])[index] == carry_input):
+    if index < num_carry and (forwarding(eqn.params["jaxpr"])[index] == carry_input):
       return carry_input
     return None
   if name == "while":
@@ -108,18 +106,19 @@ def _storage_positions(index_tree: Any) -> list[tuple[str, int]]:
   tree whose leaves are their own flat positions."""
   found = []
   states = jax.tree_util.tree_flatten_with_path(
-      index_tree, is_leaf=lambda node: isinstance(node, BufferState))[0]
+    index_tree, is_leaf=lambda node: isinstance(node, BufferState)
+  )[0]
   for path, state in states:
     if isinstance(state, BufferState) and hasattr(state, "storage"):
       name = jax.tree_util.keystr(path)
-      found += [(f"{name}.storage{jax.tree_util.keystr(leaf_path)}", position)
-                for leaf_path, position in
-                jax.tree_util.tree_flatten_with_path(state.storage)[0]]
+      found += [
+        (f"{name}.storage{jax.tree_util.keystr(leaf_path)}", position)
+        for leaf_path, position in jax.tree_util.tree_flatten_with_path(state.storage)[0]
+      ]
   return found
 
 
-def cond_update(pred: Any, true_fun: Callable, false_fun: Callable,
-                *operands: Any) -> Any:
+def cond_update(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any) -> Any:
   """`jax.lax.cond(pred, true_fun, false_fun, *operands)`, with storage kept
   out of the select.
 
@@ -165,39 +164,43 @@ def cond_update(pred: Any, true_fun: Callable, false_fun: Callable,
   def flat_branch(fun: Callable) -> Callable:
     return lambda *leaves: fun(*jax.tree_util.tree_unflatten(in_tree, leaves))
 
-  true_jaxpr, true_shapes = jax.make_jaxpr(
-      flat_branch(true_fun), return_shape=True)(*flat)
-  false_jaxpr, false_shapes = jax.make_jaxpr(
-      flat_branch(false_fun), return_shape=True)(*flat)
+  true_jaxpr, true_shapes = jax.make_jaxpr(flat_branch(true_fun), return_shape=True)(*flat)
+  false_jaxpr, false_shapes = jax.make_jaxpr(flat_branch(false_fun), return_shape=True)(*flat)
   out_tree: Any = jax.tree_util.tree_structure(true_shapes)
   if out_tree != jax.tree_util.tree_structure(false_shapes) or any(
-      (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in
-      zip(jax.tree_util.tree_leaves(true_shapes),
-          jax.tree_util.tree_leaves(false_shapes))):
+    (a.shape, a.dtype) != (b.shape, b.dtype)
+    for a, b in zip(jax.tree_util.tree_leaves(true_shapes), jax.tree_util.tree_leaves(false_shapes))
+  ):
     # lax.cond's own message says how the branches differ.
     return jax.lax.cond(pred, true_fun, false_fun, *operands)
   true_forwarding = _forwarded_inputs(true_jaxpr)
   false_forwarding = _forwarded_inputs(false_jaxpr)
 
-  storage_in = {position for _, position in _storage_positions(
-      jax.tree_util.tree_unflatten(in_tree, range(len(flat))))}
+  storage_in = {
+    position
+    for _, position in _storage_positions(jax.tree_util.tree_unflatten(in_tree, range(len(flat))))
+  }
   num_outputs = out_tree.num_leaves
   for name, position in _storage_positions(
-      jax.tree_util.tree_unflatten(out_tree, range(num_outputs))):
-    for branch, forwarding in (("true_fun", true_forwarding),
-                               ("false_fun", false_forwarding)):
+    jax.tree_util.tree_unflatten(out_tree, range(num_outputs))
+  ):
+    for branch, forwarding in (("true_fun", true_forwarding), ("false_fun", false_forwarding)):
       if forwarding[position] not in storage_in or (
-          true_forwarding[position] != false_forwarding[position]):
+        true_forwarding[position] != false_forwarding[position]
+      ):
         raise ValueError(
-            f"cond_update: {branch} returns output{name} other than an "
-            f"operand's storage passed through unchanged (items added inside "
-            f"the cond?). Storage in a cond's outputs is selected, a copy "
-            f"of the whole buffer under vmap: add outside the cond, or use "
-            f"jax.lax.cond if the copy is intended.")
+          f"cond_update: {branch} returns output{name} other than an "
+          f"operand's storage passed through unchanged (items added inside "
+          f"the cond?). Storage in a cond's outputs is selected, a copy "
+          f"of the whole buffer under vmap: add outside the cond, or use "
+          f"jax.lax.cond if the copy is intended."
+        )
 
-  selected = [index for index in range(num_outputs)
-              if true_forwarding[index] is None
-              or true_forwarding[index] != false_forwarding[index]]
+  selected = [
+    index
+    for index in range(num_outputs)
+    if true_forwarding[index] is None or true_forwarding[index] != false_forwarding[index]
+  ]
 
   def run(closed: jax_core.ClosedJaxpr) -> Callable:
     evaluate = jax_core.jaxpr_as_fun(closed)
@@ -205,11 +208,12 @@ def cond_update(pred: Any, true_fun: Callable, false_fun: Callable,
     def branch(*leaves):
       outputs = evaluate(*leaves)
       return [outputs[index] for index in selected]
+
     return branch
 
-  chosen = iter(jax.lax.cond(pred, run(true_jaxpr), run(false_jaxpr), *flat)
-                if selected else [])
-  outputs = [next(chosen) if index in selected
-             else jnp.asarray(flat[cast(int, true_forwarding[index])])
-             for index in range(num_outputs)]
+  chosen = iter(jax.lax.cond(pred, run(true_jaxpr), run(false_jaxpr), *flat) if selected else [])
+  outputs = [
+    next(chosen) if index in selected else jnp.asarray(flat[cast(int, true_forwarding[index])])
+    for index in range(num_outputs)
+  ]
   return jax.tree_util.tree_unflatten(out_tree, outputs)

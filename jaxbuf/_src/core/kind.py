@@ -62,8 +62,8 @@ class BufferState:
   envs) without a switch over buffer kinds; and, in its static `settings`,
   the bound settings its bookkeeping depends on (this module).
   """
-  settings: Settings = flax.struct.field(
-      pytree_node=False, default=NO_SETTINGS, kw_only=True)
+
+  settings: Settings = flax.struct.field(pytree_node=False, default=NO_SETTINGS, kw_only=True)
 
   if TYPE_CHECKING:
     # flax.struct.dataclass adds `replace` to every state class at runtime;
@@ -81,14 +81,12 @@ class BufferState:
     """The stack of D devices' local states (leaves `[D, ...]`) as the state
     of one unsharded buffer holding the same items, priorities and counts.
     Kinds that `jaxbuf.sharded` can split override it and `divided`."""
-    raise ValueError(f"{type(self).__name__} cannot be regrouped over another "
-                     f"number of devices.")
+    raise ValueError(f"{type(self).__name__} cannot be regrouped over another number of devices.")
 
   def divided(self, num_devices: int) -> Self:
     """This unsharded state as the stack of `num_devices` local states, the
     inverse of `joined`; raises naming the reason where no exact split exists."""
-    raise ValueError(f"{type(self).__name__} cannot be regrouped over another "
-                     f"number of devices.")
+    raise ValueError(f"{type(self).__name__} cannot be regrouped over another number of devices.")
 
 
 class Split(NamedTuple):
@@ -98,71 +96,79 @@ class Split(NamedTuple):
   `[D, ...]`); ids are slots (item replay) or window ids (sequence replay),
   local to the device.
   """
-  init: Callable          # example -> local state (sizes divided by D)
-  add: Callable           # local state, *add arguments -> local state
+
+  init: Callable  # example -> local state (sizes divided by D)
+  add: Callable  # local state, *add arguments -> local state
   add_arguments: Callable  # (*args, **kwargs) of the buffer's add, after
-                           # the state -> the arguments as a tuple, in order,
-                           # each split over devices along its axis 0
-  check_add: Callable     # stacked state, arguments -> None; raises as the
-                          # unsharded buffer would, with the global sizes
-  sample: Callable        # local state, key, S -> its sample (local mode)
+  # the state -> the arguments as a tuple, in order,
+  # each split over devices along its axis 0
+  check_add: Callable  # stacked state, arguments -> None; raises as the
+  # unsharded buffer would, with the global sizes
+  sample: Callable  # local state, key, S -> its sample (local mode)
   update_priorities: Callable | None  # None: the identity (uniform kinds)
-  clear: Callable         # local state -> local state
+  clear: Callable  # local state -> local state
   local_counter: Callable  # state -> an int array [*stack, *counter_shape]
   counter_shape: tuple[int, ...]  # that array's shape on one device
   ids_per_device: Callable  # stacked state -> int (static)
-  held: Callable          # state -> int32 [*stack]: items or windows sampleable
-  enough: Callable        # held, S -> bool: the kind's can_sample
+  held: Callable  # state -> int32 [*stack]: items or windows sampleable
+  enough: Callable  # held, S -> bool: the kind's can_sample
   masses: Callable | None  # local state -> SumTree, a leaf per id; None: draw
-                           # uniformly by rank
-  at_rank: Callable       # local state, int32 [S] ranks -> int32 [S] ids
-  rows: Callable          # local state, ids [S], key -> the rows to send, a
-                          # pytree; the key, the same on every device, is
-                          # for a random draw that must be made where the
-                          # rows are held (hindsight goals); most ignore it
-  item_ids: Callable      # local state, ids [S] -> uint32 [S]
-  as_sample: Callable     # rows, indices, weights, item_ids, drawn -> the
-                          # sample; drawn: bool (), something could be drawn
+  # uniformly by rank
+  at_rank: Callable  # local state, int32 [S] ranks -> int32 [S] ids
+  rows: Callable  # local state, ids [S], key -> the rows to send, a
+  # pytree; the key, the same on every device, is
+  # for a random draw that must be made where the
+  # rows are held (hindsight goals); most ignore it
+  item_ids: Callable  # local state, ids [S] -> uint32 [S]
+  as_sample: Callable  # rows, indices, weights, item_ids, drawn -> the
+  # sample; drawn: bool (), something could be drawn
   check_update: Callable | None  # indices, priorities -> None, raising as
-                                 # the unsharded update would; None: nothing
-  beta: Any               # float or schedule; None: weights 1 (uniform kinds)
-  stratified: bool        # one target per equal stratum of the global total
+  # the unsharded update would; None: nothing
+  beta: Any  # float or schedule; None: weights 1 (uniform kinds)
+  stratified: bool  # one target per equal stratum of the global total
   uniform_when_massless: bool  # all leaves 0: uniform over items held
-                               # (item replay) or id 0 with weight 0
+  # (item replay) or id 0 with weight 0
 
 
 class Kind(NamedTuple):
   """What a buffer kind says about itself; `buffer.kind`."""
-  name: str               # the factory's name, e.g. "prioritized_replay"
-  state_type: type[Any]   # the class of its states
-  exact_type: bool        # whether subclasses of state_type are refused
-  settings: Settings      # recorded in each state, checked on every call
+
+  name: str  # the factory's name, e.g. "prioritized_replay"
+  state_type: type[Any]  # the class of its states
+  exact_type: bool  # whether subclasses of state_type are refused
+  settings: Settings  # recorded in each state, checked on every call
   split: Callable[[int], Split] | None  # num_devices -> Split; None: the
-                                        # kind cannot be split over devices
-  checked: bool = False   # the buffer raises on run-time violations (set
-                          # by `bind`)
+  # kind cannot be split over devices
+  checked: bool = False  # the buffer raises on run-time violations (set
+  # by `bind`)
 
 
 def add_arguments_of(add: Callable) -> Callable:
   """`(*args, **kwargs) -> tuple`: what a call of `add(state, ...)` passes
   after the state, in `add`'s order, defaults filled (`Split.add_arguments`),
   with `add`'s signature, so a wrapper shows the kind's own arguments."""
-  parameters = [parameter for parameter in
-                list(inspect.signature(add).parameters.values())[1:]
-                if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+  parameters = [
+    parameter
+    for parameter in list(inspect.signature(add).parameters.values())[1:]
+    if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+  ]
   signature = inspect.Signature(parameters)
 
   def add_arguments(*args, **kwargs):
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     return tuple(bound.arguments.values())
+
   add_arguments.__signature__ = signature  # type: ignore[attr-defined]
   return add_arguments
 
 
-def settings_difference(recorded: Settings | dict[str, Any],
-                        expected: Settings | dict[str, Any], *,
-                        labels: tuple[str, str] = ("state", "buffer")) -> str:
+def settings_difference(
+  recorded: Settings | dict[str, Any],
+  expected: Settings | dict[str, Any],
+  *,
+  labels: tuple[str, str] = ("state", "buffer"),
+) -> str:
   """The settings that differ, `"alpha: state 0.6, buffer 1.0"`; '' if none.
 
   A setting only one side has (a state of a sharded buffer given to an
@@ -171,9 +177,11 @@ def settings_difference(recorded: Settings | dict[str, Any],
   recorded, expected = dict(recorded), dict(expected)
   names = sorted(set(recorded) | set(expected))
   return "; ".join(
-      f"{name}: {labels[0]} {recorded.get(name, 'none')!r}, {labels[1]} "
-      f"{expected.get(name, 'none')!r}"
-      for name in names if recorded.get(name, None) != expected.get(name, None))
+    f"{name}: {labels[0]} {recorded.get(name, 'none')!r}, {labels[1]} "
+    f"{expected.get(name, 'none')!r}"
+    for name in names
+    if recorded.get(name, None) != expected.get(name, None)
+  )
 
 
 def check_settings(state: Any, kind: Kind, *, what: str) -> None:
@@ -183,16 +191,17 @@ def check_settings(state: Any, kind: Kind, *, what: str) -> None:
   a state of another type: the function's own type check names both types.
   """
   recorded = getattr(state, "settings", NO_SETTINGS)
-  if (kind.exact_type and type(state) is not kind.state_type
-      and isinstance(state, kind.state_type)):
+  if kind.exact_type and type(state) is not kind.state_type and isinstance(state, kind.state_type):
     # A state of a kind built on this one (frame-stack on prioritized
     # sequence replay): another kind, not other settings.
     raise TypeError(
-        f"{what}: expected a {kind.state_type.__name__}, given a "
-        f"{type(state).__name__}; pass each buffer's state to its own "
-        f"functions ({kind.name}'s state to {kind.name}'s).")
-  of_the_kind = (type(state) is kind.state_type if kind.exact_type
-                 else isinstance(state, kind.state_type))
+      f"{what}: expected a {kind.state_type.__name__}, given a "
+      f"{type(state).__name__}; pass each buffer's state to its own "
+      f"functions ({kind.name}'s state to {kind.name}'s)."
+    )
+  of_the_kind = (
+    type(state) is kind.state_type if kind.exact_type else isinstance(state, kind.state_type)
+  )
   if recorded in (NO_SETTINGS, kind.settings) or not of_the_kind:
     return
   state_devices = dict(recorded).get("devices")
@@ -203,12 +212,14 @@ def check_settings(state: Any, kind: Kind, *, what: str) -> None:
     return
   if state_devices != buffer_devices and state_devices is None:
     raise ValueError(
-        f"{what}: expected a sharded state, split over {buffer_devices} "
-        f"devices; given the state of an unsharded buffer. Make it with the "
-        f"sharded buffer's init.")
+      f"{what}: expected a sharded state, split over {buffer_devices} "
+      f"devices; given the state of an unsharded buffer. Make it with the "
+      f"sharded buffer's init."
+    )
   raise ValueError(
-      f"{what}: this state was made by a buffer with other settings than "
-      f"this {kind.name} buffer's "
-      f"({settings_difference(recorded, kind.settings)}); its "
-      f"bookkeeping depends on them, so pass each state to the buffer that "
-      f"made it (or one made with the same settings).")
+    f"{what}: this state was made by a buffer with other settings than "
+    f"this {kind.name} buffer's "
+    f"({settings_difference(recorded, kind.settings)}); its "
+    f"bookkeeping depends on them, so pass each state to the buffer that "
+    f"made it (or one made with the same settings)."
+  )

@@ -44,9 +44,9 @@ def _rotate_left(x: jax.Array, distance: int) -> jax.Array:
   return (x << np.uint32(distance)) | (x >> np.uint32(32 - distance))
 
 
-def threefry_2x32(key_words: tuple[jax.Array, jax.Array],
-                  counts: tuple[jax.Array, jax.Array]
-                  ) -> tuple[jax.Array, jax.Array]:
+def threefry_2x32(
+  key_words: tuple[jax.Array, jax.Array], counts: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
   """The Threefry-2x32 hash (20 rounds) of counter pairs, elementwise.
 
   Args:
@@ -56,8 +56,7 @@ def threefry_2x32(key_words: tuple[jax.Array, jax.Array],
   Returns:
     Two uint32 arrays of that shape.
   """
-  schedule = (key_words[0], key_words[1],
-              key_words[0] ^ key_words[1] ^ _KEY_PARITY)
+  schedule = (key_words[0], key_words[1], key_words[0] ^ key_words[1] ^ _KEY_PARITY)
   x0 = counts[0] + schedule[0]
   x1 = counts[1] + schedule[1]
   for block in range(5):
@@ -83,9 +82,12 @@ def _threefry_key_words(key: jax.Array) -> tuple[jax.Array, jax.Array] | None:
     if key.shape != () or str(jax.random.key_impl(key)) != "threefry2x32":
       return None
     key = jax.random.key_data(key)
-  elif (str(config.jax_default_prng_impl) != "threefry2x32"
-        or key.shape != (2,) or key.dtype != jnp.uint32
-        or config.jax_legacy_prng_key != "allow"):
+  elif (
+    str(config.jax_default_prng_impl) != "threefry2x32"
+    or key.shape != (2,)
+    or key.dtype != jnp.uint32
+    or config.jax_legacy_prng_key != "allow"
+  ):
     return None  # jax.random decides what such a key means, warns or rejects
   return key[0], key[1]
 
@@ -94,7 +96,7 @@ def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """`jax.random.bits(key, shape, jnp.uint32)` for one key: uint32 `shape`."""
   key_words = _threefry_key_words(key)
   size = math.prod(shape)
-  if key_words is None or size >= 2 ** 32:
+  if key_words is None or size >= 2**32:
     return jax.random.bits(key, shape, jnp.uint32)
   # JAX counts the elements with a 64-bit index split into two words; below
   # 2**32 elements the high word is zero.
@@ -131,12 +133,12 @@ def uniform_from_bits(bits: jax.Array) -> jax.Array:
   """uint32 random bits as float32 uniforms in `[0, 1)`, as `jax.random.uniform`."""
   # The top 23 bits as the mantissa of a float in [1, 2), minus one.
   one_to_two = jax.lax.bitcast_convert_type(
-      (bits >> np.uint32(9)) | np.uint32(0x3F800000), jnp.float32)
+    (bits >> np.uint32(9)) | np.uint32(0x3F800000), jnp.float32
+  )
   return one_to_two - 1.0
 
 
-def computed_once(compute: Callable[[], jax.Array],
-                  never_negative: jax.Array) -> jax.Array:
+def computed_once(compute: Callable[[], jax.Array], never_negative: jax.Array) -> jax.Array:
   """`compute()`, kept in a buffer of its own on CPU rather than fused.
 
   XLA fuses cheap elementwise producers into their consumers and recomputes
@@ -158,9 +160,12 @@ def computed_once(compute: Callable[[], jax.Array],
     # the loop's carry keeps one type. Starting from `compute()` itself would
     # let XLA see the result as loop-invariant and fuse it again.
     placeholder = jax.tree.map(jnp.zeros_like, compute())
-    return jax.lax.while_loop(lambda carry: carry[0] < trips,
-                              lambda carry: (carry[0] + 1, compute()),
-                              (jnp.int32(0), placeholder))[1]
+    return jax.lax.while_loop(
+      lambda carry: carry[0] < trips,
+      lambda carry: (carry[0] + 1, compute()),
+      (jnp.int32(0), placeholder),
+    )[1]
+
   return jax.lax.platform_dependent(cpu=in_a_loop, default=compute)
 
 
@@ -174,14 +179,13 @@ def multiply_high(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
   a_low, a_high = a & mask, a >> np.uint32(16)
   b_low, b_high = b & mask, b >> np.uint32(16)
   low_low = a_low * b_low
-  middle = a_high * b_low + (low_low >> np.uint32(16))     # < 2**32
-  other_middle = a_low * b_high + (middle & mask)           # < 2**32
+  middle = a_high * b_low + (low_low >> np.uint32(16))  # < 2**32
+  other_middle = a_low * b_high + (middle & mask)  # < 2**32
   high = a_high * b_high + (middle >> np.uint32(16)) + (other_middle >> np.uint32(16))
   return high, a * b
 
 
-def scale_to_span(higher_bits: jax.Array, lower_bits: jax.Array,
-                  span: jax.Array) -> jax.Array:
+def scale_to_span(higher_bits: jax.Array, lower_bits: jax.Array, span: jax.Array) -> jax.Array:
   """`floor(r * span / 2**64)` for the 64-bit `r = higher_bits * 2**32 + lower_bits`.
 
   Multiply-shift reduction (Lemire's, without rejection): each of the `span`
@@ -216,10 +220,12 @@ def uniform_indices(key: jax.Array, size: jax.Array, batch_size: int) -> jax.Arr
   calls, each of them a loop of small kernels on CPU. Computed once
   (`computed_once`), not inside each gather that uses them.
   """
+
   def draw():
     higher_bits, lower_bits = random_bits(key, (2, batch_size))
     span = jnp.maximum(size, 1).astype(jnp.uint32)
     return scale_to_span(higher_bits, lower_bits, span).astype(jnp.int32)
+
   return computed_once(draw, size)
 
 
@@ -227,7 +233,7 @@ def uniform_indices(key: jax.Array, size: jax.Array, batch_size: int) -> jax.Arr
 # key, so that one sort of a single uint32 array orders them: on CPU, 4 us
 # for 256 indices, where a sort of keys and indices as two arrays (argsort)
 # took 24. Below 2**12 indices, at least 20 random bits remain per key.
-SHORT_PERMUTATION_MAX = 2 ** 12
+SHORT_PERMUTATION_MAX = 2**12
 
 
 def short_permutation(bits: jax.Array) -> jax.Array:
@@ -268,12 +274,10 @@ def permutation(key: jax.Array, num_items: int) -> jax.Array:
   [0, 1, 2, 3, 4]
   """
   high_bits, low_bits = random_bits(key, (2, num_items))
-  return lax.sort((high_bits, low_bits, lax.iota(jnp.int32, num_items)),
-                  num_keys=2)[2]
+  return lax.sort((high_bits, low_bits, lax.iota(jnp.int32, num_items)), num_keys=2)[2]
 
 
-def permutation_of_first(key: jax.Array, num_slots: int,
-                         count: jax.Array) -> jax.Array:
+def permutation_of_first(key: jax.Array, num_slots: int, count: jax.Array) -> jax.Array:
   """Slots `0..count-1` in a uniformly random order, then the rest.
 
   `count` may be traced (the items held); the shape is `num_slots`, static.

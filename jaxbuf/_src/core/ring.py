@@ -28,8 +28,8 @@ def capacity_of(storage: PyTree) -> int:
 def init_storage(example_item: PyTree, capacity: int) -> PyTree:
   """Zeros `[C, *leaf.shape]` for each leaf, keeping each leaf's dtype."""
   return jax.tree.map(
-      lambda leaf: jnp.zeros((capacity, *jnp.shape(leaf)), jnp.result_type(leaf)),
-      example_item)
+    lambda leaf: jnp.zeros((capacity, *jnp.shape(leaf)), jnp.result_type(leaf)), example_item
+  )
 
 
 def item_spec(storage: PyTree) -> PyTree:
@@ -37,8 +37,9 @@ def item_spec(storage: PyTree) -> PyTree:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), storage)
 
 
-def write(storage: PyTree, items: PyTree, insert_position: jax.Array,
-          batch_size: int) -> tuple[PyTree, jax.Array]:
+def write(
+  storage: PyTree, items: PyTree, insert_position: jax.Array, batch_size: int
+) -> tuple[PyTree, jax.Array]:
   """Writes `items [B, ...]` in ring order from `insert_position`.
 
   A batch larger than C keeps its newest C items. The older ones are dropped
@@ -55,32 +56,35 @@ def write(storage: PyTree, items: PyTree, insert_position: jax.Array,
   start = (insert_position + dropped % capacity) % capacity
   slots = (start + jnp.arange(kept, dtype=jnp.int32)) % capacity
   storage = jax.tree.map(
-      lambda column, new: column.at[slots].set(
-          new, unique_indices=True, mode="promise_in_bounds"),
-      storage, items)
+    lambda column, new: column.at[slots].set(new, unique_indices=True, mode="promise_in_bounds"),
+    storage,
+    items,
+  )
   return storage, slots
 
 
 def gather(storage: PyTree, indices: jax.Array) -> PyTree:
   """Rows `indices [S]` of every leaf: `[S, ...]`."""
-  return jax.tree.map(
-      lambda column: column.at[indices].get(mode="promise_in_bounds"), storage)
+  return jax.tree.map(lambda column: column.at[indices].get(mode="promise_in_bounds"), storage)
 
 
 @flax.struct.dataclass
 class ReplayState(BufferState):
   """A ring buffer of items. Every field is an array; nothing is static."""
-  storage: PyTree             # each leaf [C, *item_shape], the item's own dtype
+
+  storage: PyTree  # each leaf [C, *item_shape], the item's own dtype
   insert_position: jax.Array  # shape=(), int32: the slot the next item goes to
-  size: jax.Array             # shape=(), int32: items held, at most C
-  add_count: jax.Array        # shape=(), uint32: items ever added, modulo 2**32
+  size: jax.Array  # shape=(), int32: items held, at most C
+  add_count: jax.Array  # shape=(), uint32: items ever added, modulo 2**32
 
   def buffer_dims(self) -> dict[str, Any]:
     # The scalar counters have exactly the vmapped axes, if any.
     batch_shape = np.shape(self.insert_position)
     storage = jax.tree_util.tree_leaves(self.storage)[0]
-    return {"vmapped buffers": list(batch_shape),
-            "capacity": int(np.shape(storage)[len(batch_shape)])}
+    return {
+      "vmapped buffers": list(batch_shape),
+      "capacity": int(np.shape(storage)[len(batch_shape)]),
+    }
 
   def joined(self) -> Self:
     """D lockstep rings of L slots (every add splits evenly over the
@@ -91,12 +95,13 @@ class ReplayState(BufferState):
     for name in ("insert_position", "size"):
       require_equal_on_every_device(getattr(self, name), name)
     return self.replace(
-        storage=jax.tree.map(
-            lambda leaf: jnp.swapaxes(leaf, 0, 1).reshape(
-                (-1,) + leaf.shape[2:]), self.storage),
-        insert_position=self.insert_position[0] * num_devices,
-        size=self.size[0] * num_devices,
-        add_count=jnp.sum(self.add_count, dtype=jnp.uint32))
+      storage=jax.tree.map(
+        lambda leaf: jnp.swapaxes(leaf, 0, 1).reshape((-1,) + leaf.shape[2:]), self.storage
+      ),
+      insert_position=self.insert_position[0] * num_devices,
+      size=self.size[0] * num_devices,
+      add_count=jnp.sum(self.add_count, dtype=jnp.uint32),
+    )
 
   def divided(self, num_devices: int) -> Self:
     """The inverse of `joined`: slot s to local slot s // D of device s % D.
@@ -113,23 +118,29 @@ class ReplayState(BufferState):
     full = self.size == capacity
     if is_concrete(self.size) and not bool(full) and int(self.size) % num_devices:
       raise ValueError(
-          f"load: the state holds {int(self.size)} items, which do not split "
-          f"evenly over {num_devices} devices (each device's ring must hold "
-          f"as many); add items up to a multiple of {num_devices}, or load "
-          f"it over a number of devices that divides {int(self.size)}.")
+        f"load: the state holds {int(self.size)} items, which do not split "
+        f"evenly over {num_devices} devices (each device's ring must hold "
+        f"as many); add items up to a multiple of {num_devices}, or load "
+        f"it over a number of devices that divides {int(self.size)}."
+      )
     turn = jnp.where(full, self.insert_position, 0)
     spread = lambda leaf: jnp.swapaxes(
-        jnp.roll(leaf, -turn, axis=0).reshape(
-            (capacity // num_devices, num_devices) + leaf.shape[1:]), 0, 1)
+      jnp.roll(leaf, -turn, axis=0).reshape(
+        (capacity // num_devices, num_devices) + leaf.shape[1:]
+      ),
+      0,
+      1,
+    )
     per_device = lambda value: jnp.full((num_devices,), value)
     return self.replace(
-        storage=jax.tree.map(spread, self.storage),
-        insert_position=per_device(
-            jnp.where(full, 0, self.insert_position) // num_devices),
-        size=per_device(self.size // num_devices),
-        add_count=self.add_count // jnp.uint32(num_devices) + (
-            jnp.arange(num_devices, dtype=jnp.uint32)
-            < self.add_count % jnp.uint32(num_devices)).astype(jnp.uint32))
+      storage=jax.tree.map(spread, self.storage),
+      insert_position=per_device(jnp.where(full, 0, self.insert_position) // num_devices),
+      size=per_device(self.size // num_devices),
+      add_count=self.add_count // jnp.uint32(num_devices)
+      + (
+        jnp.arange(num_devices, dtype=jnp.uint32) < self.add_count % jnp.uint32(num_devices)
+      ).astype(jnp.uint32),
+    )
 
 
 def is_concrete(value: Any) -> bool:
@@ -141,17 +152,20 @@ def require_equal_on_every_device(value: jax.Array, name: str) -> None:
   """Raises unless a counter `[D]` is the same on every device."""
   if is_concrete(value) and np.unique(np.asarray(value)).size > 1:
     raise ValueError(
-        f"load: the devices' {name} differ ({np.asarray(value).tolist()}); "
-        f"a state made by a jaxbuf.sharded buffer keeps them equal, so this "
-        f"one cannot be regrouped exactly.")
+      f"load: the devices' {name} differ ({np.asarray(value).tolist()}); "
+      f"a state made by a jaxbuf.sharded buffer keeps them equal, so this "
+      f"one cannot be regrouped exactly."
+    )
 
 
 def init_ring(example_item: PyTree, capacity: int) -> dict[str, Any]:
   """The `ReplayState` fields of an empty buffer, as keyword arguments."""
-  return dict(storage=init_storage(example_item, capacity),
-              insert_position=jnp.zeros((), jnp.int32),
-              size=jnp.zeros((), jnp.int32),
-              add_count=jnp.zeros((), jnp.uint32))
+  return dict(
+    storage=init_storage(example_item, capacity),
+    insert_position=jnp.zeros((), jnp.int32),
+    size=jnp.zeros((), jnp.int32),
+    add_count=jnp.zeros((), jnp.uint32),
+  )
 
 
 # A ring state or a subclass (prioritized): what the ring helpers return.
@@ -164,18 +178,16 @@ def add_to_ring(state: RingStateT, items: PyTree) -> tuple[RingStateT, jax.Array
   Returns:
     The new state and the slots written, int32 `[min(B, C)]`.
   """
-  (batch_size,) = validation.check_batched_leaves(
-      item_spec(state.storage), items, what="add")
+  (batch_size,) = validation.check_batched_leaves(item_spec(state.storage), items, what="add")
   validation.check_host_integers(items, what="add")
   items = jax.tree.map(jnp.asarray, items)
   capacity = capacity_of(state.storage)
-  storage, slots = write(state.storage, items, state.insert_position,
-                              batch_size)
+  storage, slots = write(state.storage, items, state.insert_position, batch_size)
   return state.replace(
-      storage=storage,
-      insert_position=(state.insert_position + batch_size % capacity) % capacity,
-      size=jnp.minimum(state.size + min(batch_size, capacity), capacity),
-      add_count=state.add_count + jnp.uint32(batch_size % 2**32),
+    storage=storage,
+    insert_position=(state.insert_position + batch_size % capacity) % capacity,
+    size=jnp.minimum(state.size + min(batch_size, capacity), capacity),
+    add_count=state.add_count + jnp.uint32(batch_size % 2**32),
   ), slots
 
 
@@ -208,9 +220,14 @@ def indices_in_range(indices: jax.Array, size: jax.Array) -> jax.Array:
   return in_range
 
 
-def valid_priority_updates(state: ReplayState, indices: jax.Array,
-                           priorities: jax.Array, item_ids: jax.Array | None,
-                           *, checked: bool) -> jax.Array:
+def valid_priority_updates(
+  state: ReplayState,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None,
+  *,
+  checked: bool,
+) -> jax.Array:
   """Which updates apply: bool `[S]`. Validates shapes while tracing.
 
   An update applies when its index points at an item held, its priority is
@@ -225,12 +242,19 @@ def valid_priority_updates(state: ReplayState, indices: jax.Array,
   in_range = indices_in_range(indices, state.size)
   finite = jnp.isfinite(priorities)
   if checked:
-    checkify.check(jnp.all(in_range), "update_priorities: indices must point at "
-                   "items held, in [0, size={size}); given {indices}",
-                   size=state.size, indices=indices)
-    checkify.check(jnp.all(finite & (priorities >= 0)), "update_priorities: "
-                   "priorities must be finite and non-negative (pass "
-                   "|TD error|); given {priorities}", priorities=priorities)
+    checkify.check(
+      jnp.all(in_range),
+      "update_priorities: indices must point at items held, in [0, size={size}); given {indices}",
+      size=state.size,
+      indices=indices,
+    )
+    checkify.check(
+      jnp.all(finite & (priorities >= 0)),
+      "update_priorities: "
+      "priorities must be finite and non-negative (pass "
+      "|TD error|); given {priorities}",
+      priorities=priorities,
+    )
   valid = in_range & finite
   if item_ids is not None:
     # Only in-range indices are used, so the cast cannot matter.
@@ -244,22 +268,28 @@ def can_sample(state: ReplayState, batch_size: int) -> jax.Array:
   return state.size >= batch_size
 
 
-def _check_items_to_split(state: ReplayState, arguments: tuple,
-                          num_devices: int) -> None:
+def _check_items_to_split(state: ReplayState, arguments: tuple, num_devices: int) -> None:
   """Items `[B, ...]` checked against the whole buffer's item, B by D."""
   (items,) = arguments
-  spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype),
-                      state.storage)
+  spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), state.storage)
   (batch_size,) = validation.check_batched_leaves(spec, items, what="add")
   validation.check_host_integers(items, what="add")
   validation.check_divides(batch_size, num_devices, "the add batch B", "add")
 
 
-def split_over_devices(num_devices: int, *, capacity: int, init: Callable,
-                       add: Callable, sample: Callable,
-                       update_priorities: Callable | None, clear: Callable,
-                       beta: Any, stratified: bool,
-                       masses: Callable | None) -> kind.Split:
+def split_over_devices(
+  num_devices: int,
+  *,
+  capacity: int,
+  init: Callable,
+  add: Callable,
+  sample: Callable,
+  update_priorities: Callable | None,
+  clear: Callable,
+  beta: Any,
+  stratified: bool,
+  masses: Callable | None,
+) -> kind.Split:
   """Item replay split over D devices: capacity in blocks of L = C / D.
 
   Global slot `g` is local slot `g % L` of device `g // L`; items held fill
@@ -267,26 +297,27 @@ def split_over_devices(num_devices: int, *, capacity: int, init: Callable,
   """
   validation.check_divides(capacity, num_devices, "capacity", "sharded")
   return kind.Split(
-      init=functools.partial(init, capacity=capacity // num_devices),
-      add=add,
-      add_arguments=kind.add_arguments_of(add),
-      check_add=_check_items_to_split,
-      sample=sample,
-      update_priorities=update_priorities,
-      clear=clear,
-      local_counter=lambda state: state.size,
-      counter_shape=(),
-      ids_per_device=lambda state: jax.tree_util.tree_leaves(
-          state.storage)[0].shape[1],
-      held=lambda state: state.size,
-      enough=lambda held, batch_size: held >= batch_size,
-      masses=masses,
-      at_rank=lambda local, ranks: ranks,
-      rows=lambda local, slots, key: gather(local.storage, slots),
-      item_ids=current_item_ids,
-      as_sample=lambda rows, indices, weights, item_ids, drawn: ReplaySample(
-          items=rows, indices=indices, weights=weights, item_ids=item_ids),
-      check_update=None,
-      beta=beta,
-      stratified=stratified,
-      uniform_when_massless=True)
+    init=functools.partial(init, capacity=capacity // num_devices),
+    add=add,
+    add_arguments=kind.add_arguments_of(add),
+    check_add=_check_items_to_split,
+    sample=sample,
+    update_priorities=update_priorities,
+    clear=clear,
+    local_counter=lambda state: state.size,
+    counter_shape=(),
+    ids_per_device=lambda state: jax.tree_util.tree_leaves(state.storage)[0].shape[1],
+    held=lambda state: state.size,
+    enough=lambda held, batch_size: held >= batch_size,
+    masses=masses,
+    at_rank=lambda local, ranks: ranks,
+    rows=lambda local, slots, key: gather(local.storage, slots),
+    item_ids=current_item_ids,
+    as_sample=lambda rows, indices, weights, item_ids, drawn: ReplaySample(
+      items=rows, indices=indices, weights=weights, item_ids=item_ids
+    ),
+    check_update=None,
+    beta=beta,
+    stratified=stratified,
+    uniform_when_massless=True,
+  )

@@ -15,8 +15,9 @@ def _gymnasium_spaces() -> Any:
   try:
     import gymnasium.spaces  # pylint: disable=import-outside-toplevel
   except ImportError as error:
-    raise ImportError("example_from_space needs gymnasium: pip install "
-                      "gymnasium (or jaxbuf[examples]).") from error
+    raise ImportError(
+      "example_from_space needs gymnasium: pip install gymnasium (or jaxbuf[examples])."
+    ) from error
   return gymnasium.spaces
 
 
@@ -56,15 +57,19 @@ def example_from_space(space: Any) -> PyTree:
 
 def _example(space: Any, spaces: Any, *, path: str) -> PyTree:
   if isinstance(space, spaces.Dict):
-    return {key: _example(subspace, spaces, path=f"{path}[{key!r}]")
-            for key, subspace in space.spaces.items()}
+    return {
+      key: _example(subspace, spaces, path=f"{path}[{key!r}]")
+      for key, subspace in space.spaces.items()
+    }
   if isinstance(space, spaces.Tuple):
-    return tuple(_example(subspace, spaces, path=f"{path}[{index}]")
-                 for index, subspace in enumerate(space.spaces))
-  if isinstance(space, (spaces.Box, spaces.Discrete, spaces.MultiDiscrete,
-                        spaces.MultiBinary)):
+    return tuple(
+      _example(subspace, spaces, path=f"{path}[{index}]")
+      for index, subspace in enumerate(space.spaces)
+    )
+  if isinstance(space, (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
     return np.zeros(space.shape, space.dtype)
   raise TypeError(
-      f"example_from_space: {path} is a {type(space).__name__}, whose "
-      f"elements have no fixed shape and dtype; supported: Box, Discrete, "
-      f"MultiDiscrete, MultiBinary, and Dict or Tuple of them.")
+    f"example_from_space: {path} is a {type(space).__name__}, whose "
+    f"elements have no fixed shape and dtype; supported: Box, Discrete, "
+    f"MultiDiscrete, MultiBinary, and Dict or Tuple of them."
+  )

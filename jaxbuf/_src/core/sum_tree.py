@@ -34,6 +34,7 @@ BRANCHING = 8
 @flax.struct.dataclass
 class SumTree:
   """Levels bottom-up; `levels[0]` are the leaves, `levels[-1]` the root."""
+
   levels: tuple[jax.Array, ...]  # each float32; shapes [K*m_1], [K*m_2], ..., [1]
 
 
@@ -50,8 +51,7 @@ def level_sizes(num_leaves: int) -> tuple[int, ...]:
 
 def init(num_leaves: int) -> SumTree:
   """An all-zero tree over `num_leaves` leaves."""
-  return SumTree(tuple(jnp.zeros(size, jnp.float32)
-                       for size in level_sizes(num_leaves)))
+  return SumTree(tuple(jnp.zeros(size, jnp.float32) for size in level_sizes(num_leaves)))
 
 
 def from_leaves(values: jax.Array) -> SumTree:
@@ -61,11 +61,10 @@ def from_leaves(values: jax.Array) -> SumTree:
   the tree is the one that writing every leaf would give.
   """
   sizes = level_sizes(values.shape[0])
-  levels = [jnp.zeros(sizes[0], jnp.float32).at[:values.shape[0]].set(
-      values.astype(jnp.float32))]
+  levels = [jnp.zeros(sizes[0], jnp.float32).at[: values.shape[0]].set(values.astype(jnp.float32))]
   for size in sizes[1:]:
     sums = levels[-1].reshape(-1, BRANCHING).sum(axis=1)
-    levels.append(jnp.zeros(size, jnp.float32).at[:sums.shape[0]].set(sums))
+    levels.append(jnp.zeros(size, jnp.float32).at[: sums.shape[0]].set(sums))
   return SumTree(tuple(levels))
 
 
@@ -79,7 +78,7 @@ def leaves(tree: SumTree) -> jax.Array:
   return tree.levels[0]
 
 
-DENSE_LEVEL_MAX = 2 ** 12  # children summed whole; measured best at K = 8
+DENSE_LEVEL_MAX = 2**12  # children summed whole; measured best at K = 8
 
 # Duplicate writes are resolved in the leaf level itself: every valid write
 # first scatter-maxes a marker above LEAF_VALUE_LIMIT which grows with its
@@ -91,8 +90,8 @@ DENSE_LEVEL_MAX = 2 ** 12  # children summed whole; measured best at K = 8
 # slower on CPU. It needs every leaf, written or already there, below the
 # limit and not NaN: such a leaf would win the scatter-max and keep later
 # writes to its slot out. (`capped` keeps them so.)
-LEAF_VALUE_LIMIT = 2.0 ** 127
-MARKED_BATCH_MAX = 2 ** 23
+LEAF_VALUE_LIMIT = 2.0**127
+MARKED_BATCH_MAX = 2**23
 
 
 def capped(values: jax.Array, tree: SumTree) -> jax.Array:
@@ -106,8 +105,9 @@ def capped(values: jax.Array, tree: SumTree) -> jax.Array:
   return jnp.minimum(values, cap)
 
 
-def claim_last_writes(leaf_level: jax.Array, indices: jax.Array,
-                      valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+def claim_last_writes(
+  leaf_level: jax.Array, indices: jax.Array, valid: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Marks, for each distinct valid index, its last valid occurrence.
 
   Args:
@@ -122,18 +122,22 @@ def claim_last_writes(leaf_level: jax.Array, indices: jax.Array,
   """
   batch_size = indices.shape[0]
   assert batch_size <= MARKED_BATCH_MAX, batch_size
-  markers = LEAF_VALUE_LIMIT * (
-      1 + jnp.arange(batch_size, dtype=jnp.float32) * 2.0 ** -23)
+  markers = LEAF_VALUE_LIMIT * (1 + jnp.arange(batch_size, dtype=jnp.float32) * 2.0**-23)
   leaf_level = leaf_level.at[jnp.where(valid, indices, leaf_level.shape[0])].max(
-      markers, mode="drop")
-  last_marker = leaf_level.at[jnp.where(valid, indices, 0)].get(
-      mode="promise_in_bounds")
+    markers, mode="drop"
+  )
+  last_marker = leaf_level.at[jnp.where(valid, indices, 0)].get(mode="promise_in_bounds")
   return leaf_level, valid & (last_marker == markers)
 
 
-def set_leaves(tree: SumTree, indices: jax.Array, values: jax.Array,
-               valid: jax.Array | None = None, *,
-               unique_indices: bool = False) -> SumTree:
+def set_leaves(
+  tree: SumTree,
+  indices: jax.Array,
+  values: jax.Array,
+  valid: jax.Array | None = None,
+  *,
+  unique_indices: bool = False,
+) -> SumTree:
   """Sets `leaves[indices] = values` and recomputes their ancestors.
 
   Duplicate indices are well defined: the last valid occurrence wins, as if the
@@ -166,8 +170,11 @@ def set_leaves(tree: SumTree, indices: jax.Array, values: jax.Array,
     write = valid
   else:
     levels[0], write = claim_last_writes(levels[0], indices, valid)
-  levels[0] = levels[0].at[jnp.where(write, indices, levels[0].shape[0])].set(
-      values, mode="drop", unique_indices=True)
+  levels[0] = (
+    levels[0]
+    .at[jnp.where(write, indices, levels[0].shape[0])]
+    .set(values, mode="drop", unique_indices=True)
+  )
   # Skipped entries may point anywhere; send them to node 0 so every gather
   # below is in bounds, and drop their scatters.
   node = jnp.where(write, indices, 0)
@@ -178,14 +185,14 @@ def set_leaves(tree: SumTree, indices: jax.Array, values: jax.Array,
     if children.size <= DENSE_LEVEL_MAX:
       # A small level is cheaper summed whole, in one kernel, than gathered
       # and scattered B rows at a time; only the lowest levels are not small.
-      levels[depth + 1] = jax.lax.dynamic_update_slice(
-          parent_level, children.sum(axis=1), (0,))
+      levels[depth + 1] = jax.lax.dynamic_update_slice(parent_level, children.sum(axis=1), (0,))
       continue
     sums = children.at[node].get(mode="promise_in_bounds").sum(axis=1)
     # Siblings written in one batch share a parent; each of them writes the
     # same sum of the already-updated children, so the scatter is exact.
-    levels[depth + 1] = parent_level.at[
-        jnp.where(write, node, parent_level.shape[0])].set(sums, mode="drop")
+    levels[depth + 1] = parent_level.at[jnp.where(write, node, parent_level.shape[0])].set(
+      sums, mode="drop"
+    )
   return SumTree(tuple(levels))
 
 
@@ -206,8 +213,9 @@ def num_redraws(tree: SumTree) -> int:
   return max(0, -(-descent_levels // LEVELS_PER_TARGET) - 1)
 
 
-def sample_leaves(tree: SumTree, key: jax.Array, batch_size: int, *,
-                  stratified: bool) -> tuple[jax.Array, jax.Array]:
+def sample_leaves(
+  tree: SumTree, key: jax.Array, batch_size: int, *, stratified: bool
+) -> tuple[jax.Array, jax.Array]:
   """Draws `batch_size` leaves, leaf i with probability `leaves[i] / total`.
 
   Args:
@@ -220,14 +228,15 @@ def sample_leaves(tree: SumTree, key: jax.Array, batch_size: int, *,
   Returns:
     int32 `[S]` leaf indices and float32 `[S]` their leaf values.
   """
-  targets, redraws = draw_targets(key, batch_size, total(tree),
-                                  num_redraws(tree), stratified=stratified)
+  targets, redraws = draw_targets(
+    key, batch_size, total(tree), num_redraws(tree), stratified=stratified
+  )
   return find_prefix_sums_and_leaves(tree, targets, redraws)
 
 
-def draw_targets(key: jax.Array, batch_size: int, total_mass: jax.Array,
-                 num_redraws: int, *, stratified: bool
-                 ) -> tuple[jax.Array, jax.Array]:
+def draw_targets(
+  key: jax.Array, batch_size: int, total_mass: jax.Array, num_redraws: int, *, stratified: bool
+) -> tuple[jax.Array, jax.Array]:
   """S descent targets in `[0, total_mass)` and the R redraws they need.
 
   One call to the generator for the targets, every redraw and (stratified)
@@ -236,9 +245,8 @@ def draw_targets(key: jax.Array, batch_size: int, total_mass: jax.Array,
   Returns:
     float32 `[S]` targets and float32 `[R, S]` uniforms in `[0, 1)`.
   """
-  bits = random.random_bits(key, (1 + num_redraws + int(stratified),
-                                  batch_size))
-  uniforms = random.uniform_from_bits(bits[:1 + num_redraws])
+  bits = random.random_bits(key, (1 + num_redraws + int(stratified), batch_size))
+  uniforms = random.uniform_from_bits(bits[: 1 + num_redraws])
   if stratified:
     targets = random_strata_targets(uniforms[0], bits[-1], total_mass)
   else:
@@ -246,8 +254,9 @@ def draw_targets(key: jax.Array, batch_size: int, total_mass: jax.Array,
   return targets, uniforms[1:]
 
 
-def random_strata_targets(uniforms: jax.Array, order_bits: jax.Array,
-                          total_mass: jax.Array) -> jax.Array:
+def random_strata_targets(
+  uniforms: jax.Array, order_bits: jax.Array, total_mass: jax.Array
+) -> jax.Array:
   """One target in each of S equal strata of `[0, total_mass)`, in random order.
 
   In stratum order, position j of every batch would come from stratum j: a
@@ -273,8 +282,9 @@ def random_strata_targets(uniforms: jax.Array, order_bits: jax.Array,
   return (strata.astype(jnp.float32) + uniforms) * (total_mass / batch_size)
 
 
-def find_prefix_sums(tree: SumTree, targets: jax.Array,
-                     redraws: jax.Array | None = None) -> jax.Array:
+def find_prefix_sums(
+  tree: SumTree, targets: jax.Array, redraws: jax.Array | None = None
+) -> jax.Array:
   """For each target, the leaf whose prefix-sum interval contains it.
 
   Without redraws (trees of at most 8**3 leaves), leaf i is returned for
@@ -309,9 +319,9 @@ def row_prefix_sums(rows: jax.Array) -> jax.Array:
   return prefix
 
 
-def find_prefix_sums_and_leaves(tree: SumTree, targets: jax.Array,
-                                redraws: jax.Array | None = None
-                                ) -> tuple[jax.Array, jax.Array]:
+def find_prefix_sums_and_leaves(
+  tree: SumTree, targets: jax.Array, redraws: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
   """`find_prefix_sums`, and the values of the leaves found.
 
   Every `LEVELS_PER_TARGET` levels below the root, the target is replaced by
@@ -340,20 +350,22 @@ def find_prefix_sums_and_leaves(tree: SumTree, targets: jax.Array,
     redraws = jnp.zeros(expected, jnp.float32)
   if redraws is None or tuple(jnp.shape(redraws)) != expected:
     raise ValueError(
-        f"find_prefix_sums: a tree of {len(tree.levels)} levels needs redraws "
-        f"of shape {expected} (uniforms in [0, 1); see sample_leaves), given "
-        f"{None if redraws is None else tuple(jnp.shape(redraws))}.")
+      f"find_prefix_sums: a tree of {len(tree.levels)} levels needs redraws "
+      f"of shape {expected} (uniforms in [0, 1); see sample_leaves), given "
+      f"{None if redraws is None else tuple(jnp.shape(redraws))}."
+    )
   node = jnp.zeros(targets.shape, jnp.int32)
   if len(tree.levels) == 1:  # a single leaf, which is also the root
     return node, jnp.broadcast_to(tree.levels[0][0], targets.shape)
   child_position = jnp.arange(BRANCHING, dtype=jnp.int32)[None, :]
-  child: jax.Array     # [S]: set by each level, read by the next
+  child: jax.Array  # [S]: set by each level, read by the next
   children: jax.Array  # [S, K]: likewise
   for depth, level in enumerate(reversed(tree.levels[:-1])):
     if depth and depth % LEVELS_PER_TARGET == 0:
       node_value = jnp.sum(
-          jnp.where(child_position == child[:, None], children, 0.0),  # noqa: F821
-          axis=1)
+        jnp.where(child_position == child[:, None], children, 0.0),  # noqa: F821
+        axis=1,
+      )
       targets = redraws[depth // LEVELS_PER_TARGET - 1] * node_value
     children = level.reshape(-1, BRANCHING).at[node].get(mode="promise_in_bounds")
     prefix = row_prefix_sums(children)
@@ -363,15 +375,16 @@ def find_prefix_sums_and_leaves(tree: SumTree, targets: jax.Array,
     # (an empty tree), child 0. One reduction, and a zero child is never
     # picked, even where rounding left the prefix sums not quite monotonic.
     score = jnp.min(
-        jnp.where(children > 0,
-                  jnp.where(prefix > targets[:, None], child_position,
-                            2 * BRANCHING - 1 - child_position),
-                  2 * BRANCHING - 1), axis=1)
+      jnp.where(
+        children > 0,
+        jnp.where(prefix > targets[:, None], child_position, 2 * BRANCHING - 1 - child_position),
+        2 * BRANCHING - 1,
+      ),
+      axis=1,
+    )
     child = jnp.where(score < BRANCHING, score, 2 * BRANCHING - 1 - score)
-    before = jnp.sum(
-        jnp.where(child_position == child[:, None] - 1, prefix, 0.0), axis=1)
+    before = jnp.sum(jnp.where(child_position == child[:, None] - 1, prefix, 0.0), axis=1)
     targets = targets - before
     node = node * BRANCHING + child
-  leaf_values = jnp.sum(
-      jnp.where(child_position == child[:, None], children, 0.0), axis=1)
+  leaf_values = jnp.sum(jnp.where(child_position == child[:, None], children, 0.0), axis=1)
   return node, leaf_values

@@ -29,11 +29,12 @@ class RecordedStep(NamedTuple):
   A pytree of NumPy arrays, so it can be passed into a jitted step that
   adds it there (`recorded.add_to(buffer, state)` inside the jit).
   """
-  items: PyTree | None     # Transition [B] (items; None: no row to add) or
-                           # EpisodeStep [N] (streams)
+
+  items: PyTree | None  # Transition [B] (items; None: no row to add) or
+  # EpisodeStep [N] (streams)
   mask: np.ndarray | None  # bool [N], streams: the envs whose step is stored
   final_steps: PyTree | None  # EpisodeStep [N], streams: the final
-                              # observations, `last` where an episode ended
+  # observations, `last` where an episode ended
 
   def add_to(self, buffer: Buffer, state: Any) -> Any:
     """`buffer.add(state, ...)` with these arguments; the state unchanged
@@ -42,38 +43,44 @@ class RecordedStep(NamedTuple):
       return state
     if self.final_steps is None:
       return buffer.add(state, self.items)
-    return buffer.add(state, self.items, mask=self.mask,
-                      final_steps=self.final_steps)
+    return buffer.add(state, self.items, mask=self.mask, final_steps=self.final_steps)
 
 
 def _autoreset_mode(envs: Any, autoreset_mode: Any) -> Any:
   """The env's `AutoresetMode`, refusing DISABLED, none, or a disagreement."""
   # Imported here: jaxbuf itself never depends on gymnasium.
   from gymnasium.vector import AutoresetMode  # pylint: disable=import-outside-toplevel
+
   given = envs.metadata.get("autoreset_mode")
   if given is None and autoreset_mode is None:
     raise ValueError(
-        f"VectorEnvRecorder: {type(envs).__name__}'s metadata names no "
-        "autoreset_mode, and the recorder cannot tell a reset step from a "
-        "transition without it; pass autoreset_mode=AutoresetMode.NEXT_STEP "
-        "or SAME_STEP, whichever the env does.")
-  if given is not None and autoreset_mode is not None and (
-      AutoresetMode(given) != AutoresetMode(autoreset_mode)):
+      f"VectorEnvRecorder: {type(envs).__name__}'s metadata names no "
+      "autoreset_mode, and the recorder cannot tell a reset step from a "
+      "transition without it; pass autoreset_mode=AutoresetMode.NEXT_STEP "
+      "or SAME_STEP, whichever the env does."
+    )
+  if (
+    given is not None
+    and autoreset_mode is not None
+    and (AutoresetMode(given) != AutoresetMode(autoreset_mode))
+  ):
     raise ValueError(
-        f"VectorEnvRecorder: autoreset_mode={AutoresetMode(autoreset_mode)} "
-        f"was given, but the env's metadata says {AutoresetMode(given)}.")
+      f"VectorEnvRecorder: autoreset_mode={AutoresetMode(autoreset_mode)} "
+      f"was given, but the env's metadata says {AutoresetMode(given)}."
+    )
   mode = AutoresetMode(given if given is not None else autoreset_mode)
   if mode not in (AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP):
     raise ValueError(
-        f"VectorEnvRecorder: the env's autoreset mode is {mode}: the caller "
-        "resets ended episodes, so a step cannot say whether it follows a "
-        "reset. Make the env with autoreset_mode=AutoresetMode.NEXT_STEP (the "
-        "default) or SAME_STEP.")
+      f"VectorEnvRecorder: the env's autoreset mode is {mode}: the caller "
+      "resets ended episodes, so a step cannot say whether it follows a "
+      "reset. Make the env with autoreset_mode=AutoresetMode.NEXT_STEP (the "
+      "default) or SAME_STEP."
+    )
   return mode
 
 
 def _layout(buffer: Buffer) -> str:
-  """"items" or "streams", from the buffer kind's state type."""
+  """ "items" or "streams", from the buffer kind's state type."""
   # A rollout buffer is no `Buffer` and has no kind.
   kind = getattr(buffer, "kind", None)
   if kind is not None and issubclass(kind.state_type, SequenceReplayState):
@@ -81,17 +88,22 @@ def _layout(buffer: Buffer) -> str:
   if kind is not None and issubclass(kind.state_type, ReplayState):
     if dict(kind.settings).get("devices") is not None:
       raise ValueError(
-          "VectorEnvRecorder: a jaxbuf.sharded item replay buffer adds "
-          "batches that divide over its devices, and the number of "
-          "transitions of a vector step varies (reset steps are left out); "
-          "record into the unsharded buffer, or into a stream kind.")
+        "VectorEnvRecorder: a jaxbuf.sharded item replay buffer adds "
+        "batches that divide over its devices, and the number of "
+        "transitions of a vector step varies (reset steps are left out); "
+        "record into the unsharded buffer, or into a stream kind."
+      )
     return "items"
   raise TypeError(
-      "VectorEnvRecorder: the buffer holds neither items (uniform or "
-      "prioritized replay) nor per-env streams (sequence, frame-stack, "
-      "hindsight, episode replay)"
-      + (f"; given a {kind.name} buffer." if kind is not None
-         else f"; given a {type(buffer).__name__}."))
+    "VectorEnvRecorder: the buffer holds neither items (uniform or "
+    "prioritized replay) nor per-env streams (sequence, frame-stack, "
+    "hindsight, episode replay)"
+    + (
+      f"; given a {kind.name} buffer."
+      if kind is not None
+      else f"; given a {type(buffer).__name__}."
+    )
+  )
 
 
 def _copied(tree: PyTree) -> PyTree:
@@ -112,8 +124,10 @@ def _rows(tree: PyTree, rows: np.ndarray) -> PyTree:
 def _flags(name: str, value: Any, num_envs: int) -> np.ndarray:
   flags = np.asarray(value)
   if flags.shape != (num_envs,) or flags.dtype != np.bool_:
-    raise ValueError(f"VectorEnvRecorder: {name} must be bool [{num_envs}], "
-                     f"given {flags.dtype} {list(flags.shape)}.")
+    raise ValueError(
+      f"VectorEnvRecorder: {name} must be bool [{num_envs}], "
+      f"given {flags.dtype} {list(flags.shape)}."
+    )
   return flags
 
 
@@ -202,26 +216,29 @@ class VectorEnvRecorder:
   ((32, 4), (32, 4))
   """
 
-  def __init__(self, envs: Any, buffer: Buffer, *,
-               autoreset_mode: Any = None):
+  def __init__(self, envs: Any, buffer: Buffer, *, autoreset_mode: Any = None):
     self.autoreset_mode = _autoreset_mode(envs, autoreset_mode)
     self.buffer = buffer
     self.num_envs = int(envs.num_envs)
     self._layout = _layout(buffer)
-    self._next_step = self.autoreset_mode is type(
-        self.autoreset_mode).NEXT_STEP
+    self._next_step = self.autoreset_mode is type(self.autoreset_mode).NEXT_STEP
     observation = example_from_space(envs.single_observation_space)
     action = example_from_space(envs.single_action_space)
     reward, flag = np.zeros((), np.float32), np.zeros((), np.bool_)
     self.example: Transition | EpisodeStep
     if self._layout == "items":
-      self.example = Transition(obs=observation, action=action, reward=reward,
-                                next_obs=observation, terminated=flag,
-                                truncated=flag)
+      self.example = Transition(
+        obs=observation,
+        action=action,
+        reward=reward,
+        next_obs=observation,
+        terminated=flag,
+        truncated=flag,
+      )
     else:
-      self.example = EpisodeStep(obs=observation, action=action,
-                                 reward=reward, terminated=flag,
-                                 truncated=flag, last=flag)
+      self.example = EpisodeStep(
+        obs=observation, action=action, reward=reward, terminated=flag, truncated=flag, last=flag
+      )
     batched = lambda leaf: np.zeros((self.num_envs, *leaf.shape), leaf.dtype)
     # A final step's action, reward and flags: padding, never read.
     self._padding = jax.tree.map(batched, (action, reward, flag))
@@ -242,12 +259,18 @@ class VectorEnvRecorder:
     if reset_mask is None:
       self._resetting = np.zeros(self.num_envs, np.bool_)
     else:
-      self._resetting = self._resetting & ~_flags("reset_mask", reset_mask,
-                                                  self.num_envs)
+      self._resetting = self._resetting & ~_flags("reset_mask", reset_mask, self.num_envs)
     self._obs = _copied(obs)
 
-  def record(self, actions: PyTree, next_obs: PyTree, rewards: Any,
-             terminated: Any, truncated: Any, info: dict) -> RecordedStep:
+  def record(
+    self,
+    actions: PyTree,
+    next_obs: PyTree,
+    rewards: Any,
+    terminated: Any,
+    truncated: Any,
+    info: dict,
+  ) -> RecordedStep:
     """The add of one `envs.step(actions)`, and the step recorded.
 
     Args:
@@ -264,8 +287,10 @@ class VectorEnvRecorder:
         (SAME_STEP) or `info` that only a SAME_STEP env gives (NEXT_STEP).
     """
     if self._obs is None:
-      raise RuntimeError("VectorEnvRecorder: call reset(obs) with the "
-                         "observations of envs.reset() before recording steps.")
+      raise RuntimeError(
+        "VectorEnvRecorder: call reset(obs) with the "
+        "observations of envs.reset() before recording steps."
+      )
     terminated = _flags("terminated", terminated, self.num_envs)
     truncated = _flags("truncated", truncated, self.num_envs)
     rewards = np.asarray(rewards).astype(np.float32)
@@ -280,9 +305,14 @@ class VectorEnvRecorder:
       final_obs = self._final_observations(held, ended, info)
     obs, self._obs = self._obs, held
     if self._layout == "items":
-      transitions = Transition(obs=obs, action=actions, reward=rewards,
-                               next_obs=final_obs, terminated=terminated,
-                               truncated=truncated)
+      transitions = Transition(
+        obs=obs,
+        action=actions,
+        reward=rewards,
+        next_obs=final_obs,
+        terminated=terminated,
+        truncated=truncated,
+      )
       if stepped is not self._all_envs:
         rows = np.flatnonzero(stepped)
         if not rows.size:
@@ -290,66 +320,85 @@ class VectorEnvRecorder:
         transitions = Transition(*(_rows(field, rows) for field in transitions))
       return RecordedStep(transitions, None, None)
     no_flag = self._padding[2]
-    steps = EpisodeStep(obs=obs, action=actions, reward=rewards,
-                        terminated=terminated, truncated=truncated,
-                        last=no_flag)
+    steps = EpisodeStep(
+      obs=obs,
+      action=actions,
+      reward=rewards,
+      terminated=terminated,
+      truncated=truncated,
+      last=no_flag,
+    )
     padding_action, padding_reward, _ = self._padding
-    final_steps = EpisodeStep(obs=final_obs, action=padding_action,
-                              reward=padding_reward, terminated=no_flag,
-                              truncated=no_flag, last=ended & stepped)
+    final_steps = EpisodeStep(
+      obs=final_obs,
+      action=padding_action,
+      reward=padding_reward,
+      terminated=no_flag,
+      truncated=no_flag,
+      last=ended & stepped,
+    )
     return RecordedStep(steps, stepped, final_steps)
 
-  def add(self, state: Any, actions: PyTree, next_obs: PyTree, rewards: Any,
-          terminated: Any, truncated: Any, info: dict) -> Any:
+  def add(
+    self,
+    state: Any,
+    actions: PyTree,
+    next_obs: PyTree,
+    rewards: Any,
+    terminated: Any,
+    truncated: Any,
+    info: dict,
+  ) -> Any:
     """`record`, then its add: the state after one `envs.step(actions)`.
 
     The arguments after `actions` are `envs.step`'s five results in order.
     The state passed in is consumed, as by `buffer.add`.
     """
-    return self.record(actions, next_obs, rewards, terminated, truncated,
-                       info).add_to(self.buffer, state)
+    return self.record(actions, next_obs, rewards, terminated, truncated, info).add_to(
+      self.buffer, state
+    )
 
   def _check_next_step(self, ended: np.ndarray, info: dict) -> np.ndarray:
     """The envs whose step is a transition (not a reset); refuses a step
     that no NEXT_STEP env gives."""
     if "final_obs" in info:
       raise ValueError(
-          "VectorEnvRecorder: info holds final_obs, which only an env in "
-          "AutoresetMode.SAME_STEP gives, but the env's metadata says "
-          "NEXT_STEP; make the recorder with the mode the env steps in.")
+        "VectorEnvRecorder: info holds final_obs, which only an env in "
+        "AutoresetMode.SAME_STEP gives, but the env's metadata says "
+        "NEXT_STEP; make the recorder with the mode the env steps in."
+      )
     if self._resetting.any():
       both = np.flatnonzero(self._resetting & ended)
       if both.size:
         raise ValueError(
-            f"VectorEnvRecorder: env {int(both[0])} ended its episode on the "
-            "step after an episode end, which a NEXT_STEP env spends on the "
-            "reset (neither terminated nor truncated); is it in NEXT_STEP "
-            "mode, and was every step recorded?")
+          f"VectorEnvRecorder: env {int(both[0])} ended its episode on the "
+          "step after an episode end, which a NEXT_STEP env spends on the "
+          "reset (neither terminated nor truncated); is it in NEXT_STEP "
+          "mode, and was every step recorded?"
+        )
       return ~self._resetting
     return self._all_envs
 
-  def _final_observations(self, held: PyTree, ended: np.ndarray,
-                          info: dict) -> PyTree:
+  def _final_observations(self, held: PyTree, ended: np.ndarray, info: dict) -> PyTree:
     """SAME_STEP: `held` (a copy of the returned observations) with the
     true final observation, `info["final_obs"][n]`, where env n ended."""
     if not ended.any():
       return held
-    has_final = np.asarray(info.get("_final_obs", np.zeros(self.num_envs,
-                                                           np.bool_)))
+    has_final = np.asarray(info.get("_final_obs", np.zeros(self.num_envs, np.bool_)))
     missing = np.flatnonzero(ended & ~has_final)
     if missing.size:
       raise ValueError(
-          f"VectorEnvRecorder: env {int(missing[0])} ended its episode, but "
-          "info has no final_obs for it (info['_final_obs'] is not True "
-          "there), which an env in AutoresetMode.SAME_STEP always gives; "
-          "the true final observation is lost. Pass the info envs.step "
-          "returned, unchanged.")
+        f"VectorEnvRecorder: env {int(missing[0])} ended its episode, but "
+        "info has no final_obs for it (info['_final_obs'] is not True "
+        "there), which an env in AutoresetMode.SAME_STEP always gives; "
+        "the true final observation is lost. Pass the info envs.step "
+        "returned, unchanged."
+      )
     # A second copy: `held` is the next step's `obs`, the reset observations.
     final_obs = _copied(held)
     leaves = jax.tree.leaves(final_obs)
     for env in np.flatnonzero(ended):
       # One env's observation: the same structure, so its leaves in order.
-      for leaf, final in zip(leaves, jax.tree.leaves(info["final_obs"][env]),
-                             strict=True):
+      for leaf, final in zip(leaves, jax.tree.leaves(info["final_obs"][env]), strict=True):
         leaf[env] = final
     return final_obs

@@ -33,22 +33,29 @@ _INT32_MAX = jnp.iinfo(jnp.int32).max
 @flax.struct.dataclass
 class PrioritizedReplayState(ReplayState):
   """A `ReplayState` with priorities. Fields below add to the ring's."""
+
   sum_tree: sum_tree.SumTree  # leaves: (priority + eps) ** alpha per slot, 0 if empty
-  max_priority: jax.Array     # shape=(), float32: largest priority + eps seen
-  beta_step: jax.Array        # shape=(), int32: update_priorities calls so far
-                              # (saturating); the step fed to a beta schedule
+  max_priority: jax.Array  # shape=(), float32: largest priority + eps seen
+  beta_step: jax.Array  # shape=(), int32: update_priorities calls so far
+  # (saturating); the step fed to a beta schedule
 
   def joined(self) -> Self:
     """`ReplayState.joined`, each leaf's priority moved with its item."""
-    num_devices, per_device = self.insert_position.shape[0], ring.capacity_of(
-        jax.tree.map(lambda leaf: leaf[0], self.storage))
+    num_devices, per_device = (
+      self.insert_position.shape[0],
+      ring.capacity_of(jax.tree.map(lambda leaf: leaf[0], self.storage)),
+    )
     ring.require_equal_on_every_device(self.beta_step, "beta_step")
     leaves = sum_tree.leaves(self.sum_tree)[:, :per_device]
-    return super().joined().replace(
-        sum_tree=sum_tree.from_leaves(
-            jnp.swapaxes(leaves, 0, 1).reshape(num_devices * per_device)),
+    return (
+      super()
+      .joined()
+      .replace(
+        sum_tree=sum_tree.from_leaves(jnp.swapaxes(leaves, 0, 1).reshape(num_devices * per_device)),
         max_priority=jnp.max(self.max_priority),
-        beta_step=self.beta_step[0])
+        beta_step=self.beta_step[0],
+      )
+    )
 
   def divided(self, num_devices: int) -> Self:
     """`ReplayState.divided`, each leaf's priority moved with its item."""
@@ -56,44 +63,48 @@ class PrioritizedReplayState(ReplayState):
     turn = jnp.where(self.size == capacity, self.insert_position, 0)
     leaves = jnp.roll(sum_tree.leaves(self.sum_tree)[:capacity], -turn)
     per_device = lambda value: jnp.full((num_devices,), value)
-    return super().divided(num_devices).replace(
-        sum_tree=jax.vmap(sum_tree.from_leaves)(jnp.swapaxes(
-            leaves.reshape(capacity // num_devices, num_devices), 0, 1)),
+    return (
+      super()
+      .divided(num_devices)
+      .replace(
+        sum_tree=jax.vmap(sum_tree.from_leaves)(
+          jnp.swapaxes(leaves.reshape(capacity // num_devices, num_devices), 0, 1)
+        ),
         max_priority=per_device(self.max_priority),
-        beta_step=per_device(self.beta_step))
+        beta_step=per_device(self.beta_step),
+      )
+    )
 
 
 def init(example_item: PyTree, *, capacity: int) -> PrioritizedReplayState:
   """An empty prioritized buffer for items shaped like `example_item`."""
   validation.check_capacity(capacity)
   return PrioritizedReplayState(
-      **ring.init_ring(example_item, capacity),
-      sum_tree=sum_tree.init(capacity),
-      max_priority=jnp.ones((), jnp.float32),
-      beta_step=jnp.zeros((), jnp.int32))
+    **ring.init_ring(example_item, capacity),
+    sum_tree=sum_tree.init(capacity),
+    max_priority=jnp.ones((), jnp.float32),
+    beta_step=jnp.zeros((), jnp.int32),
+  )
 
 
-def capped_leaf_values(priorities: jax.Array, alpha: float,
-                       tree: sum_tree.SumTree) -> jax.Array:
+def capped_leaf_values(priorities: jax.Array, alpha: float, tree: sum_tree.SumTree) -> jax.Array:
   """`priorities ** alpha` as leaf values the tree can hold (`sum_tree.capped`)."""
-  return sum_tree.capped(priorities ** alpha, tree)
+  return sum_tree.capped(priorities**alpha, tree)
 
 
-def add(state: PrioritizedReplayState, items: PyTree, *,
-        alpha: float) -> PrioritizedReplayState:
+def add(state: PrioritizedReplayState, items: PyTree, *, alpha: float) -> PrioritizedReplayState:
   """Adds `items [B, ...]` in ring order at the running maximum priority."""
   validation.check_state_kind(state, PrioritizedReplayState, what="add")
   state, slots = ring.add_to_ring(state, items)
   new_leaves = jnp.full(
-      slots.shape, capped_leaf_values(state.max_priority, alpha, state.sum_tree),
-      jnp.float32)
+    slots.shape, capped_leaf_values(state.max_priority, alpha, state.sum_tree), jnp.float32
+  )
   return state.replace(
-      sum_tree=sum_tree.set_leaves(state.sum_tree, slots, new_leaves,
-                                   unique_indices=True))
+    sum_tree=sum_tree.set_leaves(state.sum_tree, slots, new_leaves, unique_indices=True)
+  )
 
 
-def beta_at(beta: float | Schedule, step: jax.Array, *,
-            checked: bool = False) -> jax.Array:
+def beta_at(beta: float | Schedule, step: jax.Array, *, checked: bool = False) -> jax.Array:
   """`beta`, or the schedule's value at `step`: float32 `()`.
 
   A schedule value that is NaN, infinite or negative would make every
@@ -103,15 +114,25 @@ def beta_at(beta: float | Schedule, step: jax.Array, *,
   value = jnp.asarray(beta(step) if callable(beta) else beta, jnp.float32)
   usable = jnp.isfinite(value) & (value >= 0)
   if checked:
-    checkify.check(usable, "sample: the beta schedule returned {beta} at "
-                   "step {step}; beta must be finite and non-negative.",
-                   beta=value, step=step)
+    checkify.check(
+      usable,
+      "sample: the beta schedule returned {beta} at "
+      "step {step}; beta must be finite and non-negative.",
+      beta=value,
+      step=step,
+    )
   return jnp.where(usable, value, 1.0)
 
 
-def sample(state: PrioritizedReplayState, key: jax.Array, batch_size: int, *,
-           beta: float | Schedule, stratified: bool = True,
-           checked: bool = False) -> ReplaySample:
+def sample(
+  state: PrioritizedReplayState,
+  key: jax.Array,
+  batch_size: int,
+  *,
+  beta: float | Schedule,
+  stratified: bool = True,
+  checked: bool = False,
+) -> ReplaySample:
   """Draws `batch_size` items in proportion to `priority ** alpha`.
 
   With `stratified`, `[0, total)` is cut into S equal strata and one target is
@@ -131,27 +152,38 @@ def sample(state: PrioritizedReplayState, key: jax.Array, batch_size: int, *,
   # One key serves the descent and the uniform fallback without a split: the
   # fallback's indices are used only when the descent's are not.
   has_mass = total > 0
-  found, leaf_values = sum_tree.sample_leaves(state.sum_tree, key, batch_size,
-                                              stratified=stratified)
+  found, leaf_values = sum_tree.sample_leaves(
+    state.sum_tree, key, batch_size, stratified=stratified
+  )
   # A cond, not a where: the fallback's random draw runs only when needed
   # (under vmap both branches run, as with a where).
   indices = jax.lax.cond(
-      has_mass, lambda: found,
-      lambda: random.uniform_indices(key, state.size, batch_size))
+    has_mass, lambda: found, lambda: random.uniform_indices(key, state.size, batch_size)
+  )
   probabilities = leaf_values / total
   log_weights = -beta_at(beta, state.beta_step, checked=checked) * jnp.log(
-      state.size.astype(jnp.float32) * probabilities)
+    state.size.astype(jnp.float32) * probabilities
+  )
   weights = jnp.exp(log_weights - jnp.max(log_weights))
   weights = jnp.where(has_mass, weights, (state.size > 0).astype(jnp.float32))
-  return ReplaySample(items=ring.gather(state.storage, indices), indices=indices,
-                      weights=weights,
-                      item_ids=ring.current_item_ids(state, indices))
+  return ReplaySample(
+    items=ring.gather(state.storage, indices),
+    indices=indices,
+    weights=weights,
+    item_ids=ring.current_item_ids(state, indices),
+  )
 
 
-def update_priorities(state: PrioritizedReplayState, indices: jax.Array,
-                      priorities: jax.Array, item_ids: jax.Array | None = None,
-                      *, alpha: float, eps: float,
-                      checked: bool = False) -> PrioritizedReplayState:
+def update_priorities(
+  state: PrioritizedReplayState,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None = None,
+  *,
+  alpha: float,
+  eps: float,
+  checked: bool = False,
+) -> PrioritizedReplayState:
   """Sets the priorities of slots `indices [S]` to `|priorities [S]| + eps`.
 
   The magnitude is what proportional prioritization ranks by, so signed TD
@@ -163,40 +195,42 @@ def update_priorities(state: PrioritizedReplayState, indices: jax.Array,
   first two, and on a negative priority. Leaf values are capped
   (`capped_leaf_values`) so that the total stays finite. Cost O(S log C).
   """
-  validation.check_state_kind(state, PrioritizedReplayState,
-                              what="update_priorities")
+  validation.check_state_kind(state, PrioritizedReplayState, what="update_priorities")
   indices = jnp.asarray(validation.host_indices(indices))
   priorities = jnp.asarray(priorities)
-  valid = ring.valid_priority_updates(state, indices, priorities, item_ids,
-                                 checked=checked)
+  valid = ring.valid_priority_updates(state, indices, priorities, item_ids, checked=checked)
   indices = indices.astype(jnp.int32)
-  new_priorities = jnp.where(
-      valid, jnp.abs(priorities.astype(jnp.float32)) + eps, 0.0)
+  new_priorities = jnp.where(valid, jnp.abs(priorities.astype(jnp.float32)) + eps, 0.0)
   return state.replace(
-      sum_tree=sum_tree.set_leaves(
-          state.sum_tree, indices,
-          capped_leaf_values(new_priorities, alpha, state.sum_tree), valid),
-      # `initial`: an empty update leaves the maximum as it is.
-      max_priority=jnp.maximum(state.max_priority,
-                               jnp.max(new_priorities, initial=0.0)),
-      beta_step=jnp.minimum(state.beta_step, _INT32_MAX - 1) + 1)
+    sum_tree=sum_tree.set_leaves(
+      state.sum_tree, indices, capped_leaf_values(new_priorities, alpha, state.sum_tree), valid
+    ),
+    # `initial`: an empty update leaves the maximum as it is.
+    max_priority=jnp.maximum(state.max_priority, jnp.max(new_priorities, initial=0.0)),
+    beta_step=jnp.minimum(state.beta_step, _INT32_MAX - 1) + 1,
+  )
 
 
 def clear(state: PrioritizedReplayState) -> PrioritizedReplayState:
   """Empties the buffer without reallocating; priorities reset, beta_step kept."""
   validation.check_state_kind(state, PrioritizedReplayState, what="clear")
   return state.replace(
-      insert_position=jnp.zeros_like(state.insert_position),
-      size=jnp.zeros_like(state.size),
-      sum_tree=jax.tree.map(jnp.zeros_like, state.sum_tree),
-      max_priority=jnp.ones_like(state.max_priority))
+    insert_position=jnp.zeros_like(state.insert_position),
+    size=jnp.zeros_like(state.size),
+    sum_tree=jax.tree.map(jnp.zeros_like, state.sum_tree),
+    max_priority=jnp.ones_like(state.max_priority),
+  )
 
 
-def prioritized_replay(capacity: int, *, alpha: float = 0.6,
-                       beta: float | Schedule = 0.4, eps: float = 1e-6,
-                       stratified: bool = True,
-                       checked: bool = False
-                       ) -> Buffer[PrioritizedReplayState, ReplaySample]:
+def prioritized_replay(
+  capacity: int,
+  *,
+  alpha: float = 0.6,
+  beta: float | Schedule = 0.4,
+  eps: float = 1e-6,
+  stratified: bool = True,
+  checked: bool = False,
+) -> Buffer[PrioritizedReplayState, ReplaySample]:
   """A proportional prioritized replay buffer holding up to `capacity` items.
 
   Args:
@@ -231,25 +265,30 @@ def prioritized_replay(capacity: int, *, alpha: float = 0.6,
     validation.check_hyperparameter(beta, "beta (or a schedule)")
   bound_add = functools.partial(add, alpha=alpha)
   split = functools.partial(
-      ring.split_over_devices, capacity=capacity, init=init, add=bound_add,
-      sample=functools.partial(sample, beta=beta, stratified=stratified),
-      update_priorities=functools.partial(update_priorities, alpha=alpha,
-                                          eps=eps),
-      clear=clear, beta=beta, stratified=stratified,
-      masses=lambda local: local.sum_tree)
+    ring.split_over_devices,
+    capacity=capacity,
+    init=init,
+    add=bound_add,
+    sample=functools.partial(sample, beta=beta, stratified=stratified),
+    update_priorities=functools.partial(update_priorities, alpha=alpha, eps=eps),
+    clear=clear,
+    beta=beta,
+    stratified=stratified,
+    masses=lambda local: local.sum_tree,
+  )
   return bind(
-      init=functools.partial(init, capacity=capacity),
-      add=bound_add,
-      sample=functools.partial(sample, beta=beta, stratified=stratified,
-                               checked=checked),
-      update_priorities=functools.partial(update_priorities, alpha=alpha,
-                                          eps=eps, checked=checked),
-      can_sample=ring.can_sample,
-      clear=clear,
-      kind=kind.Kind(
-          name="prioritized_replay", state_type=PrioritizedReplayState,
-          exact_type=False,
-          settings=kind.settings_of(capacity=capacity, alpha=float(alpha),
-                                    eps=float(eps)),
-          split=split),
-      checked=checked)
+    init=functools.partial(init, capacity=capacity),
+    add=bound_add,
+    sample=functools.partial(sample, beta=beta, stratified=stratified, checked=checked),
+    update_priorities=functools.partial(update_priorities, alpha=alpha, eps=eps, checked=checked),
+    can_sample=ring.can_sample,
+    clear=clear,
+    kind=kind.Kind(
+      name="prioritized_replay",
+      state_type=PrioritizedReplayState,
+      exact_type=False,
+      settings=kind.settings_of(capacity=capacity, alpha=float(alpha), eps=float(eps)),
+      split=split,
+    ),
+    checked=checked,
+  )

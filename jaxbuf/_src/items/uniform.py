@@ -45,8 +45,9 @@ def add(state: ReplayState, items: PyTree) -> ReplayState:
   return state
 
 
-def sample(state: ReplayState, key: jax.Array, batch_size: int,
-           *, checked: bool = False) -> ReplaySample:
+def sample(
+  state: ReplayState, key: jax.Array, batch_size: int, *, checked: bool = False
+) -> ReplaySample:
   """Draws `batch_size` items uniformly, with replacement, from those held.
 
   Sampling an empty buffer returns slot 0 (whatever it holds) with weight 0, so
@@ -60,13 +61,15 @@ def sample(state: ReplayState, key: jax.Array, batch_size: int,
   validation.check_sample_args(state.size, key, batch_size, checked=checked)
   indices = random.uniform_indices(key, state.size, batch_size)
   weights = jnp.full((batch_size,), state.size > 0, jnp.float32)
-  return ReplaySample(items=ring.gather(state.storage, indices), indices=indices,
-                      weights=weights,
-                      item_ids=ring.current_item_ids(state, indices))
+  return ReplaySample(
+    items=ring.gather(state.storage, indices),
+    indices=indices,
+    weights=weights,
+    item_ids=ring.current_item_ids(state, indices),
+  )
 
 
-def epoch_batches(state: ReplayState, key: jax.Array,
-                  batch_size: int) -> ReplaySample:
+def epoch_batches(state: ReplayState, key: jax.Array, batch_size: int) -> ReplaySample:
   """Every item held exactly once, in a random order: batches `[M, S, ...]`.
 
   Sampling without replacement, for a pass over the buffer (offline RL,
@@ -112,16 +115,24 @@ def epoch_batches(state: ReplayState, key: jax.Array,
   slots = jnp.where(held, order, 0)
   indices = jnp.where(held, order, capacity)
   return jax.tree.map(
-      lambda leaf: leaf.reshape(num_batches, batch_size, *leaf.shape[1:]),
-      ReplaySample(items=ring.gather(state.storage, slots), indices=indices,
-                   weights=held.astype(jnp.float32),
-                   item_ids=jnp.where(held, ring.current_item_ids(state, slots),
-                                      jnp.uint32(0))))
+    lambda leaf: leaf.reshape(num_batches, batch_size, *leaf.shape[1:]),
+    ReplaySample(
+      items=ring.gather(state.storage, slots),
+      indices=indices,
+      weights=held.astype(jnp.float32),
+      item_ids=jnp.where(held, ring.current_item_ids(state, slots), jnp.uint32(0)),
+    ),
+  )
 
 
-def update_priorities(state: ReplayState, indices: jax.Array,
-                      priorities: jax.Array, item_ids: jax.Array | None = None,
-                      *, checked: bool = False) -> ReplayState:
+def update_priorities(
+  state: ReplayState,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None = None,
+  *,
+  checked: bool = False,
+) -> ReplayState:
   """The identity: uniform replay keeps no priorities.
 
   Arguments are still validated as for prioritized replay (shapes while
@@ -129,12 +140,15 @@ def update_priorities(state: ReplayState, indices: jax.Array,
   errors. Unchecked, only shapes and dtypes are read, so the bound function
   needs no jit and a Python-loop call costs no dispatch.
   """
-  validation.check_state_kind(state, ReplayState, what="update_priorities",
-                              exact=True)
+  validation.check_state_kind(state, ReplayState, what="update_priorities", exact=True)
   if checked:
     ring.valid_priority_updates(
-        state, jnp.asarray(validation.host_indices(indices)),
-        jnp.asarray(priorities), item_ids, checked=True)
+      state,
+      jnp.asarray(validation.host_indices(indices)),
+      jnp.asarray(priorities),
+      item_ids,
+      checked=True,
+    )
   else:
     validation.check_priority_update_args(indices, priorities, item_ids)
   return state
@@ -143,12 +157,12 @@ def update_priorities(state: ReplayState, indices: jax.Array,
 def clear(state: ReplayState) -> ReplayState:
   """Empties the buffer without reallocating or zeroing its storage."""
   validation.check_state_kind(state, ReplayState, what="clear", exact=True)
-  return state.replace(insert_position=jnp.zeros_like(state.insert_position),
-                       size=jnp.zeros_like(state.size))
+  return state.replace(
+    insert_position=jnp.zeros_like(state.insert_position), size=jnp.zeros_like(state.size)
+  )
 
 
-def uniform_replay(capacity: int, *, checked: bool = False
-                   ) -> Buffer[ReplayState, ReplaySample]:
+def uniform_replay(capacity: int, *, checked: bool = False) -> Buffer[ReplayState, ReplaySample]:
   """A uniform replay buffer holding up to `capacity` items.
 
   Args:
@@ -175,20 +189,32 @@ def uniform_replay(capacity: int, *, checked: bool = False
   """
   validation.check_capacity(capacity)
   split = functools.partial(
-      ring.split_over_devices, capacity=capacity, init=init, add=add,
-      sample=sample, update_priorities=None, clear=clear, beta=None,
-      stratified=False, masses=None)
+    ring.split_over_devices,
+    capacity=capacity,
+    init=init,
+    add=add,
+    sample=sample,
+    update_priorities=None,
+    clear=clear,
+    beta=None,
+    stratified=False,
+    masses=None,
+  )
   return bind(
-      init=functools.partial(init, capacity=capacity),
-      add=add,
-      sample=functools.partial(sample, checked=checked),
-      update_priorities=functools.partial(update_priorities, checked=checked),
-      can_sample=ring.can_sample,
-      clear=clear,
-      kind=kind.Kind(name="uniform_replay", state_type=ReplayState,
-                     exact_type=True,
-                     settings=kind.settings_of(capacity=capacity),
-                     split=split),
-      checked=checked,
-      # The identity with shape checks: a jitted call would only add dispatch.
-      jit_update_priorities=False)
+    init=functools.partial(init, capacity=capacity),
+    add=add,
+    sample=functools.partial(sample, checked=checked),
+    update_priorities=functools.partial(update_priorities, checked=checked),
+    can_sample=ring.can_sample,
+    clear=clear,
+    kind=kind.Kind(
+      name="uniform_replay",
+      state_type=ReplayState,
+      exact_type=True,
+      settings=kind.settings_of(capacity=capacity),
+      split=split,
+    ),
+    checked=checked,
+    # The identity with shape checks: a jitted call would only add dispatch.
+    jit_update_priorities=False,
+  )

@@ -27,8 +27,10 @@ def _take(tree: PyTree, rows: np.ndarray) -> PyTree:
 
 def _rows_equal(first: np.ndarray, second: np.ndarray) -> np.ndarray:
   """Whether rows `[M, ...]` are equal bit for bit (NaN == NaN): bool [M]."""
+
   def as_bytes(x):
     return np.ascontiguousarray(x).reshape(x.shape[0], -1).view(np.uint8)
+
   return (as_bytes(first) == as_bytes(second)).all(axis=1)
 
 
@@ -45,45 +47,50 @@ def _item_episodes(state: Any) -> Iterator[Episode]:
   chained = np.ones(max(size - 1, 0), bool)
   # In blocks, so that the check never gathers a copy of the observations.
   for block in range(0, max(size - 1, 0), _CHECK_BLOCK):
-    earlier = order[block:min(block + _CHECK_BLOCK, size - 1)]
-    for next_obs, obs in zip(jax.tree.leaves(storage.next_obs),
-                             jax.tree.leaves(storage.obs)):
-      chained[block:block + earlier.size] &= _rows_equal(
-          next_obs[earlier], obs[order[block + 1:block + 1 + earlier.size]])
+    earlier = order[block : min(block + _CHECK_BLOCK, size - 1)]
+    for next_obs, obs in zip(jax.tree.leaves(storage.next_obs), jax.tree.leaves(storage.obs)):
+      chained[block : block + earlier.size] &= _rows_equal(
+        next_obs[earlier], obs[order[block + 1 : block + 1 + earlier.size]]
+      )
   end_positions = np.flatnonzero(ends)
   first_kept = 1 if wrapped else 0
   if end_positions.size > first_kept:
     inside = np.arange(size - 1)
-    span = ((inside >= (end_positions[first_kept - 1] + 1 if first_kept
-                        else 0)) & (inside < end_positions[-1]))
+    span = (inside >= (end_positions[first_kept - 1] + 1 if first_kept else 0)) & (
+      inside < end_positions[-1]
+    )
     broken = np.flatnonzero(span & ~ends[:-1] & ~chained)
     if broken.size:
       earlier, later = order[broken[0]], order[broken[0] + 1]
       raise ValueError(
-          f"held_episodes: next_obs of slot {earlier} is not obs of slot {later}, "
-          "the next item added, though neither terminated nor truncated: "
-          "the items are not in episode order (added from several envs at "
-          "once?). Item replay writes back only items added one episode "
-          "after another; use sequence replay for several envs.")
+        f"held_episodes: next_obs of slot {earlier} is not obs of slot {later}, "
+        "the next item added, though neither terminated nor truncated: "
+        "the items are not in episode order (added from several envs at "
+        "once?). Item replay writes back only items added one episode "
+        "after another; use sequence replay for several envs."
+      )
   return _item_runs(storage, order, end_positions, first_kept)
 
 
-def _item_runs(storage: Transition, order: np.ndarray,
-               end_positions: np.ndarray, first_kept: int
-               ) -> Iterator[Episode]:
+def _item_runs(
+  storage: Transition, order: np.ndarray, end_positions: np.ndarray, first_kept: int
+) -> Iterator[Episode]:
   run_start = 0
   for run_index, end in enumerate(end_positions.tolist()):
-    rows = order[run_start:end + 1]
+    rows = order[run_start : end + 1]
     run_start = end + 1
     if run_index < first_kept:
       continue
     items = _take(storage, rows)
     yield Episode(
-        observations=jax.tree.map(
-            lambda obs, final: np.concatenate([obs, final[-1:]]),
-            items.obs, items.next_obs),
-        actions=items.action, rewards=items.reward,
-        terminations=items.terminated, truncations=items.truncated)
+      observations=jax.tree.map(
+        lambda obs, final: np.concatenate([obs, final[-1:]]), items.obs, items.next_obs
+      ),
+      actions=items.action,
+      rewards=items.reward,
+      terminations=items.terminated,
+      truncations=items.truncated,
+    )
 
 
 def _stream_episodes(state: Any) -> Iterator[Episode]:
@@ -99,16 +106,18 @@ def _stream_episodes(state: Any) -> Iterator[Episode]:
     ends = np.flatnonzero(episode_ends[env, order]).tolist()
     run_start = 0
     for run_index, end in enumerate(ends):
-      rows = order[run_start:end + 1]
+      rows = order[run_start : end + 1]
       run_start = end + 1
       if run_index == 0 and not whole_start:
         continue
       steps = jax.tree.map(lambda x, rows=rows: x[env, rows], storage)
       yield Episode(
-          observations=steps.obs,
-          actions=jax.tree.map(lambda x: x[:-1], steps.action),
-          rewards=steps.reward[:-1], terminations=steps.terminated[:-1],
-          truncations=steps.truncated[:-1])
+        observations=steps.obs,
+        actions=jax.tree.map(lambda x: x[:-1], steps.action),
+        rewards=steps.reward[:-1],
+        terminations=steps.terminated[:-1],
+        truncations=steps.truncated[:-1],
+      )
 
 
 def held_episodes(buffer: Buffer, state: Any) -> list[Episode]:
@@ -131,8 +140,7 @@ def held_episodes(buffer: Buffer, state: Any) -> list[Episode]:
   return list(iterate_held_episodes(buffer, state, what="held_episodes"))
 
 
-def iterate_held_episodes(buffer: Buffer, state: Any, *, what: str
-                          ) -> Iterator[Episode]:
+def iterate_held_episodes(buffer: Buffer, state: Any, *, what: str) -> Iterator[Episode]:
   """`held_episodes`, one at a time (errors raised before the first).
 
   A sharded state is read as the unsharded buffer it stands for (its

@@ -40,7 +40,7 @@ class _RowReader:
         self._offset = 0
       moved = min(count - filled, len(self._rows[0]) - self._offset)
       for leaf, rows in zip(out, self._rows):
-        leaf[filled:filled + moved] = rows[self._offset:self._offset + moved]
+        leaf[filled : filled + moved] = rows[self._offset : self._offset + moved]
       filled += moved
       self._offset += moved
 
@@ -48,8 +48,7 @@ class _RowReader:
 def _parts(count: int, largest: int) -> list[int]:
   """`count` as full chunks of `largest` and the remainder: the adds compile
   for two shapes per load."""
-  return [largest] * (count // largest) + [count % largest] * bool(
-      count % largest)
+  return [largest] * (count // largest) + [count % largest] * bool(count % largest)
 
 
 def _chunk_size_per_env(chunk_size: int, num_envs: int) -> int:
@@ -72,8 +71,7 @@ def _newest_items(lengths: Sequence[int], capacity: int) -> list[int]:
   return kept[::-1]
 
 
-def _newest_streams(lengths: Sequence[int], num_envs: int,
-                    per_env: int) -> list[list[int]]:
+def _newest_streams(lengths: Sequence[int], num_envs: int, per_env: int) -> list[list[int]]:
   """For each env the episode indices it gets, oldest first: the newest
   episodes, each to the env with the most room, while one fits."""
   used = [0] * num_envs
@@ -96,8 +94,7 @@ def _progress_bar(total: int, enabled: bool, description: str) -> Any:
   try:
     import tqdm  # pylint: disable=import-outside-toplevel
   except ImportError as error:
-    raise ImportError("progress=True needs tqdm: pip install "
-                      "'jaxbuf[offline]'") from error
+    raise ImportError("progress=True needs tqdm: pip install 'jaxbuf[offline]'") from error
   return tqdm.tqdm(total=total, desc=description, unit="step")
 
 
@@ -114,10 +111,18 @@ def _deleted(state: Any) -> None:
       leaf.delete()
 
 
-def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
-                  lengths: Sequence[int], buffer: Buffer, state: Any, *,
-                  names: Callable[[int], str], chunk_size: int,
-                  progress: bool, round_floats: bool, what: str) -> Any:
+def load_episodes(
+  read: Callable[[list[int]], Iterator[Episode]],
+  lengths: Sequence[int],
+  buffer: Buffer,
+  state: Any,
+  *,
+  names: Callable[[int], str],
+  chunk_size: int,
+  progress: bool,
+  round_floats: bool,
+  what: str,
+) -> Any:
   """Adds the newest episodes that fit to `state`, in chunks.
 
   Args:
@@ -152,51 +157,71 @@ def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
     room = f"{per_env} steps per env ({num_envs} envs)"
   if not kept:
     raise ValueError(
-        f"{what}: the newest episode ({names(len(lengths) - 1)}, "
-        f"{lengths[-1]} transitions) does not fit the buffer ({room}); "
-        "make the buffer larger.")
+      f"{what}: the newest episode ({names(len(lengths) - 1)}, "
+      f"{lengths[-1]} transitions) does not fit the buffer ({room}); "
+      "make the buffer larger."
+    )
 
   def reader(indices):
-    return _RowReader((checked_episode(episode, spec, names(index),
-                                       round_floats=round_floats)
-                       for index, episode in zip(indices, read(indices))),
-                      layout)
+    return _RowReader(
+      (
+        checked_episode(episode, spec, names(index), round_floats=round_floats)
+        for index, episode in zip(indices, read(indices))
+      ),
+      layout,
+    )
 
   readers = [reader(group) for group in groups]
   total = sum(lengths[index] + (layout == "streams") for index in kept)
   if layout == "items" and total % num_devices:
     raise ValueError(
-        f"{what}: a {buffer.kind.name} buffer keeps its {num_devices} "
-        f"devices' rings in lockstep (each add splits evenly over them), so "
-        f"it loads a multiple of {num_devices} transitions; the newest "
-        f"episodes that fit hold {total}. Load into the unsharded buffer, "
-        "or into a sharded sequence replay buffer (split over envs).")
+      f"{what}: a {buffer.kind.name} buffer keeps its {num_devices} "
+      f"devices' rings in lockstep (each add splits evenly over them), so "
+      f"it loads a multiple of {num_devices} transitions; the newest "
+      f"episodes that fit hold {total}. Load into the unsharded buffer, "
+      "or into a sharded sequence replay buffer (split over envs)."
+    )
   bar = _progress_bar(total, progress, what)
   try:
     if layout == "items":
       # One chunk, refilled: each add has run before the next fill (`_added`).
-      chunk = [np.empty((min(per_add, total), *leaf.shape), leaf.dtype)
-               for leaf in jax.tree.leaves(spec)]
+      chunk = [
+        np.empty((min(per_add, total), *leaf.shape), leaf.dtype) for leaf in jax.tree.leaves(spec)
+      ]
       for count in _parts(total, per_add):
         rows = [leaf[:count] for leaf in chunk]
         readers[0].take(rows)
-        state = _added(buffer.add(state, jax.tree.unflatten(
-            jax.tree.structure(spec),
-            [_in_device_blocks(leaf, num_devices) for leaf in rows])))
+        state = _added(
+          buffer.add(
+            state,
+            jax.tree.unflatten(
+              jax.tree.structure(spec), [_in_device_blocks(leaf, num_devices) for leaf in rows]
+            ),
+          )
+        )
         if bar is not None:
           bar.update(count)
     else:
-      state = _add_streams(buffer, state, readers, groups, lengths, spec,
-                           _chunk_size_per_env(chunk_size, len(groups)), bar)
+      state = _add_streams(
+        buffer,
+        state,
+        readers,
+        groups,
+        lengths,
+        spec,
+        _chunk_size_per_env(chunk_size, len(groups)),
+        bar,
+      )
       _check_episode_ends(buffer, state, groups, lengths, what=what)
   except Exception as error:
     _deleted(state)
-    consumed = (f"The state passed to {what} was consumed (its arrays are "
-                "deleted, so no partly loaded state can pass for loaded): "
-                "make a new one with buffer.init.")
+    consumed = (
+      f"The state passed to {what} was consumed (its arrays are "
+      "deleted, so no partly loaded state can pass for loaded): "
+      "make a new one with buffer.init."
+    )
     if type(error) in (ValueError, TypeError):
-      raise type(error)(f"{error} {consumed}").with_traceback(
-          error.__traceback__) from None
+      raise type(error)(f"{error} {consumed}").with_traceback(error.__traceback__) from None
     error.add_note(consumed)
     raise
   except BaseException:
@@ -208,8 +233,7 @@ def load_episodes(read: Callable[[list[int]], Iterator[Episode]],
   return state
 
 
-def _check_no_running_episode(buffer: Buffer, state: Any, layout: str, *,
-                              what: str) -> None:
+def _check_no_running_episode(buffer: Buffer, state: Any, layout: str, *, what: str) -> None:
   """Raises `ValueError` if `state` holds an episode that has not ended.
 
   The dataset's first episode would continue it: stream kinds would sample
@@ -218,8 +242,9 @@ def _check_no_running_episode(buffer: Buffer, state: Any, layout: str, *,
   arrays (item replay: the two flags) are read to the host.
   """
   if layout == "items":
-    flags = state.replace(storage=state.storage._replace(
-        obs=None, action=None, reward=None, next_obs=None))
+    flags = state.replace(
+      storage=state.storage._replace(obs=None, action=None, reward=None, next_obs=None)
+    )
     if devices_of(buffer) is not None:
       flags = type(flags).joined(jax.device_get(flags))
     size = int(flags.size)
@@ -227,19 +252,19 @@ def _check_no_running_episode(buffer: Buffer, state: Any, layout: str, *,
       return
     capacity = flags.storage.terminated.shape[0]
     newest = (int(flags.insert_position) - 1) % capacity
-    ends = np.asarray(flags.storage.terminated) | np.asarray(
-        flags.storage.truncated)
+    ends = np.asarray(flags.storage.terminated) | np.asarray(flags.storage.truncated)
     if ends[newest]:
       return
     order = (newest - np.arange(size)) % capacity
     running = int(np.argmax(ends[order])) if ends[order].any() else size
     raise ValueError(
-        f"{what}: the state's newest item (slot {newest}) neither terminated "
-        f"nor truncated: it holds a running episode ({running} items since "
-        "the last end), which the dataset's first episode would seem to "
-        "continue, so neither could be written back whole. Add the rest of "
-        "that episode first (up to a termination or truncation), or load "
-        "into a fresh state (buffer.init); nothing was added.")
+      f"{what}: the state's newest item (slot {newest}) neither terminated "
+      f"nor truncated: it holds a running episode ({running} items since "
+      "the last end), which the dataset's first episode would seem to "
+      "continue, so neither could be written back whole. Add the rest of "
+      "that episode first (up to a termination or truncation), or load "
+      "into a fresh state (buffer.init); nothing was added."
+    )
   num_envs = int(np.prod(state.write_heads.shape))
   ends = np.asarray(jax.device_get(state.episode_ends)).reshape(num_envs, -1)
   heads = np.asarray(jax.device_get(state.write_heads)).reshape(num_envs)
@@ -248,15 +273,15 @@ def _check_no_running_episode(buffer: Buffer, state: Any, layout: str, *,
   for env in range(num_envs):
     newest = (heads[env] - 1 - np.arange(held[env])) % per_env
     if held[env] and not ends[env, newest[0]]:
-      running = (int(np.argmax(ends[env, newest])) if ends[env, newest].any()
-                 else int(held[env]))
+      running = int(np.argmax(ends[env, newest])) if ends[env, newest].any() else int(held[env])
       raise ValueError(
-          f"{what}: env {env} of the state holds a running episode ({running} "
-          "steps since its last episode end); the dataset's first episode "
-          "would be glued onto it (windows, frame stacks and hindsight goals "
-          "across the two, written back as one episode). Add its final step "
-          "first (`last` True, or episode_end), or load into a fresh state "
-          "(buffer.init); nothing was added.")
+        f"{what}: env {env} of the state holds a running episode ({running} "
+        "steps since its last episode end); the dataset's first episode "
+        "would be glued onto it (windows, frame stacks and hindsight goals "
+        "across the two, written back as one episode). Add its final step "
+        "first (`last` True, or episode_end), or load into a fresh state "
+        "(buffer.init); nothing was added."
+      )
 
 
 def _in_device_blocks(rows: np.ndarray, num_devices: int) -> np.ndarray:
@@ -267,31 +292,38 @@ def _in_device_blocks(rows: np.ndarray, num_devices: int) -> np.ndarray:
   if num_devices == 1:
     return rows
   return np.ascontiguousarray(
-      rows.reshape(-1, num_devices, *rows.shape[1:]).swapaxes(0, 1)
+    rows.reshape(-1, num_devices, *rows.shape[1:]).swapaxes(0, 1)
   ).reshape(rows.shape)
 
 
-def _add_streams(buffer: Buffer, state: Any, readers: list[_RowReader],
-                 groups: list[list[int]], lengths: Sequence[int], spec: Any,
-                 per_chunk: int, bar: Any) -> Any:
+def _add_streams(
+  buffer: Buffer,
+  state: Any,
+  readers: list[_RowReader],
+  groups: list[list[int]],
+  lengths: Sequence[int],
+  spec: Any,
+  per_chunk: int,
+  bar: Any,
+) -> Any:
   """Each env's stream in chunks `[N, K, ...]`; an env with fewer steps left
   is masked out. Parts of each env go in the same order as its stream."""
   num_envs = len(groups)
   treedef = jax.tree.structure(spec)
-  parts = [_parts(sum(lengths[i] + 1 for i in group), per_chunk)
-           for group in groups]
+  parts = [_parts(sum(lengths[i] + 1 for i in group), per_chunk) for group in groups]
   # One chunk, refilled (see load_episodes); rows of envs masked out are
   # never written to the buffer.
-  chunk = [np.zeros((num_envs, per_chunk, *leaf.shape), leaf.dtype)
-           for leaf in jax.tree.leaves(spec)]
+  chunk = [
+    np.zeros((num_envs, per_chunk, *leaf.shape), leaf.dtype) for leaf in jax.tree.leaves(spec)
+  ]
   position = 0
   while any(position < len(env_parts) for env_parts in parts):
     # Envs whose part at this position has the same size add together.
-    sizes = sorted({env_parts[position] for env_parts in parts
-                    if position < len(env_parts)}, reverse=True)
+    sizes = sorted(
+      {env_parts[position] for env_parts in parts if position < len(env_parts)}, reverse=True
+    )
     for size in sizes:
-      envs = [n for n in range(num_envs)
-              if position < len(parts[n]) and parts[n][position] == size]
+      envs = [n for n in range(num_envs) if position < len(parts[n]) and parts[n][position] == size]
       leaves = [leaf[:, :size] for leaf in chunk]
       for env in envs:
         readers[env].take([leaf[env] for leaf in leaves])
@@ -304,8 +336,9 @@ def _add_streams(buffer: Buffer, state: Any, readers: list[_RowReader],
   return state
 
 
-def _check_episode_ends(buffer: Buffer, state: Any, groups: list[list[int]],
-                        lengths: Sequence[int], *, what: str) -> None:
+def _check_episode_ends(
+  buffer: Buffer, state: Any, groups: list[list[int]], lengths: Sequence[int], *, what: str
+) -> None:
   """Raises unless each env's steps just written hold one episode end per
   episode added: a kind whose add ignored the steps' `last` leaf (the
   stream convention) would hold them run together, as one episode."""
@@ -320,14 +353,14 @@ def _check_episode_ends(buffer: Buffer, state: Any, groups: list[list[int]],
     # The ring's slots written last, as at most two slices (no index array
     # as long as the buffer).
     start = (int(heads[env]) - written) % per_env
-    recorded = (np.count_nonzero(ends[env, start:start + written])
-                + np.count_nonzero(ends[env, :max(start + written - per_env,
-                                                  0)]))
+    recorded = np.count_nonzero(ends[env, start : start + written]) + np.count_nonzero(
+      ends[env, : max(start + written - per_env, 0)]
+    )
     if recorded != len(group):
       raise ValueError(
-          f"{what}: the {buffer.kind.name} buffer recorded {recorded} episode "
-          f"ends in the {written} steps written to env {env}, where "
-          f"{len(group)} episodes were added: its add does not read the "
-          "steps' `last` leaf (the stream convention, help(jaxbuf.streams)), "
-          "so the episodes would run together.")
-
+        f"{what}: the {buffer.kind.name} buffer recorded {recorded} episode "
+        f"ends in the {written} steps written to env {env}, where "
+        f"{len(group)} episodes were added: its add does not read the "
+        "steps' `last` leaf (the stream convention, help(jaxbuf.streams)), "
+        "so the episodes would run together."
+      )

@@ -124,31 +124,34 @@ _EPISODE_FIELDS = ("actions", "rewards", "terminations", "truncations")
 
 class Transition(NamedTuple):
   """An item of item replay loaded from a dataset (unbatched leaves)."""
-  obs: PyTree            # the observation space's structure
-  action: PyTree         # the action space's structure
-  reward: Any            # shape=(), the dataset's reward dtype
-  next_obs: PyTree       # like obs: the observation after the action
-  terminated: Any        # shape=(), bool: the action ended the episode
-  truncated: Any         # shape=(), bool: the episode was cut after it
+
+  obs: PyTree  # the observation space's structure
+  action: PyTree  # the action space's structure
+  reward: Any  # shape=(), the dataset's reward dtype
+  next_obs: PyTree  # like obs: the observation after the action
+  terminated: Any  # shape=(), bool: the action ended the episode
+  truncated: Any  # shape=(), bool: the episode was cut after it
 
 
 class EpisodeStep(NamedTuple):
   """A step of a sequence replay stream (the stream convention)."""
-  obs: PyTree            # the observation space's structure
-  action: PyTree         # zeros on a `last` step
-  reward: Any            # shape=(); 0 on a `last` step
-  terminated: Any        # shape=(), bool: this step's action ended it
-  truncated: Any         # shape=(), bool: cut after this step's action
-  last: Any              # shape=(), bool: holds an episode's final obs
+
+  obs: PyTree  # the observation space's structure
+  action: PyTree  # zeros on a `last` step
+  reward: Any  # shape=(); 0 on a `last` step
+  terminated: Any  # shape=(), bool: this step's action ended it
+  truncated: Any  # shape=(), bool: cut after this step's action
+  last: Any  # shape=(), bool: holds an episode's final obs
 
 
 class Episode(NamedTuple):
   """One episode in Minari's layout, NumPy leaves."""
-  observations: PyTree   # leaves [T + 1, ...]
-  actions: PyTree        # leaves [T, ...]
-  rewards: np.ndarray    # [T]
+
+  observations: PyTree  # leaves [T + 1, ...]
+  actions: PyTree  # leaves [T, ...]
+  rewards: np.ndarray  # [T]
   terminations: np.ndarray  # bool [T]
-  truncations: np.ndarray   # bool [T]
+  truncations: np.ndarray  # bool [T]
 
 
 # --- Reading the buffer's layout from its kind ----------------------------
@@ -158,20 +161,23 @@ _FORMS = {"items": Transition, "streams": EpisodeStep}
 
 
 def layout_of_kind(buffer: Buffer, *, what: str) -> str:
-  """"items" or "streams", from the kind's state type: kinds built on item
+  """ "items" or "streams", from the kind's state type: kinds built on item
   or sequence replay load with no change here."""
   kind = getattr(buffer, "kind", None)
   if kind is None:
-    raise TypeError(f"{what}: the buffer has no kind (buffer.kind is None); "
-                    "pass a buffer made by a jaxbuf factory.")
+    raise TypeError(
+      f"{what}: the buffer has no kind (buffer.kind is None); "
+      "pass a buffer made by a jaxbuf factory."
+    )
   if issubclass(kind.state_type, SequenceReplayState):
     return "streams"
   if issubclass(kind.state_type, ReplayState):
     return "items"
   raise TypeError(
-      f"{what}: a {kind.name} buffer (state {kind.state_type.__name__}) "
-      "holds neither items (ReplayState) nor per-env streams "
-      "(SequenceReplayState); offline datasets load into those.")
+    f"{what}: a {kind.name} buffer (state {kind.state_type.__name__}) "
+    "holds neither items (ReplayState) nor per-env streams "
+    "(SequenceReplayState); offline datasets load into those."
+  )
 
 
 def checked_layout(buffer: Buffer, state: Any, *, what: str) -> str:
@@ -181,15 +187,18 @@ def checked_layout(buffer: Buffer, state: Any, *, what: str) -> str:
   kind = buffer.kind
   assert kind is not None  # layout_of_kind refuses a buffer without one
   if not isinstance(state, kind.state_type):
-    raise TypeError(f"{what}: expected a {kind.state_type.__name__} of this "
-                    f"{kind.name} buffer, given {type(state).__name__}.")
+    raise TypeError(
+      f"{what}: expected a {kind.state_type.__name__} of this "
+      f"{kind.name} buffer, given {type(state).__name__}."
+    )
   form = _FORMS[layout]
   if not isinstance(state.storage, form):
     raise TypeError(
-        f"{what}: a {kind.name} state for offline data holds "
-        f"jaxbuf.{form.__name__} {'items' if layout == 'items' else 'steps'}"
-        f" (given {type(state.storage).__name__}); make it with "
-        f"buffer.init(jaxbuf.offline_example(dataset, buffer)).")
+      f"{what}: a {kind.name} state for offline data holds "
+      f"jaxbuf.{form.__name__} {'items' if layout == 'items' else 'steps'}"
+      f" (given {type(state.storage).__name__}); make it with "
+      f"buffer.init(jaxbuf.offline_example(dataset, buffer))."
+    )
   return layout
 
 
@@ -207,15 +216,17 @@ def unsharded_shapes(buffer: Buffer, state: Any) -> Any:
   if devices_of(buffer) is None:
     return state
   # Shapes without their shardings: the regrouping is traced on one device.
-  return jax.eval_shape(type(state).joined, jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+  return jax.eval_shape(
+    type(state).joined, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  )
 
 
 def storage_spec(buffer: Buffer, state: Any, layout: str) -> Any:
   """The unbatched shapes and dtypes of one item or step."""
   skip = 1 if layout == "items" else 2
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[skip:], x.dtype),
-                      unsharded_shapes(buffer, state).storage)
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape[skip:], x.dtype), unsharded_shapes(buffer, state).storage
+  )
 
 
 # --- Dtypes and exact conversion ------------------------------------------
@@ -226,32 +237,35 @@ def held_dtype(dtype: Any) -> np.dtype:
   return np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype)))
 
 
-def check_spec(name: str, given: PyTree, expected: PyTree, *,
-               dtypes: bool = True) -> None:
+def check_spec(name: str, given: PyTree, expected: PyTree, *, dtypes: bool = True) -> None:
   """Structure, shapes and dtypes of `given` (a dataset's) against the
   buffer's `expected`; raises naming the field."""
   given_paths: Any = jax.tree_util.tree_flatten_with_path(given)
   expected_paths = jax.tree_util.tree_flatten_with_path(expected)
   if given_paths[1] != expected_paths[1]:
     raise ValueError(
-        f"{name}: the dataset's structure {given_paths[1]} does not match the "
-        f"buffer's example {expected_paths[1]}.")
+      f"{name}: the dataset's structure {given_paths[1]} does not match the "
+      f"buffer's example {expected_paths[1]}."
+    )
   for (path, leaf), (_, want) in zip(given_paths[0], expected_paths[0]):
     field = name + jax.tree_util.keystr(path)
     if tuple(leaf.shape) != tuple(want.shape):
-      raise ValueError(f"{field}: the dataset's shape {tuple(leaf.shape)} does "
-                       f"not match the buffer's {tuple(want.shape)}.")
-    if dtypes and np.dtype(want.dtype) not in (np.dtype(leaf.dtype),
-                                               held_dtype(leaf.dtype)):
+      raise ValueError(
+        f"{field}: the dataset's shape {tuple(leaf.shape)} does "
+        f"not match the buffer's {tuple(want.shape)}."
+      )
+    if dtypes and np.dtype(want.dtype) not in (np.dtype(leaf.dtype), held_dtype(leaf.dtype)):
       raise TypeError(
-          f"{field}: the dataset's dtype {np.dtype(leaf.dtype)} is not the "
-          f"buffer's {np.dtype(want.dtype)} (nor what JAX holds it as, "
-          f"{held_dtype(leaf.dtype)}); make the buffer's example with "
-          "jaxbuf.offline_example.")
+        f"{field}: the dataset's dtype {np.dtype(leaf.dtype)} is not the "
+        f"buffer's {np.dtype(want.dtype)} (nor what JAX holds it as, "
+        f"{held_dtype(leaf.dtype)}); make the buffer's example with "
+        "jaxbuf.offline_example."
+      )
 
 
-def exact(field: str, values: Any, dtype: np.dtype, where: str, *,
-          round_floats: bool = False) -> np.ndarray:
+def exact(
+  field: str, values: Any, dtype: np.dtype, where: str, *, round_floats: bool = False
+) -> np.ndarray:
   """`values` as `dtype`, or `ValueError` naming the first value not kept.
 
   With `round_floats`, float values may be rounded to a float `dtype`.
@@ -260,8 +274,7 @@ def exact(field: str, values: Any, dtype: np.dtype, where: str, *,
   if values.dtype == dtype:
     return values
   if values.dtype.kind not in "biuf":
-    raise TypeError(f"{field}: {where} holds {values.dtype} data, the buffer "
-                    f"{dtype}.")
+    raise TypeError(f"{field}: {where} holds {values.dtype} data, the buffer {dtype}.")
   if round_floats and values.dtype.kind == "f" and dtype.kind == "f":
     return values.astype(dtype)
   with np.errstate(all="ignore"):
@@ -274,12 +287,11 @@ def exact(field: str, values: Any, dtype: np.dtype, where: str, *,
     step = int(np.argwhere(~same)[0][0])
     bad = np.asarray(values[step])[~np.asarray(same[step])].flat[0].item()
     if values.dtype.kind == "f" and dtype.kind in "biu" and not np.isfinite(bad):
-      raise ValueError(f"{field}: {bad} at step {step} of {where}, where the "
-                       f"dtype is {dtype}.")
-    hint = (" (round_floats=True rounds floats)"
-            if values.dtype.kind == dtype.kind == "f" else "")
-    raise ValueError(f"{field}: {bad} at step {step} of {where} is not kept "
-                     f"exactly as {dtype}{hint}.")
+      raise ValueError(f"{field}: {bad} at step {step} of {where}, where the dtype is {dtype}.")
+    hint = " (round_floats=True rounds floats)" if values.dtype.kind == dtype.kind == "f" else ""
+    raise ValueError(
+      f"{field}: {bad} at step {step} of {where} is not kept exactly as {dtype}{hint}."
+    )
   return converted
 
 
@@ -289,16 +301,18 @@ def common_length(field: str, tree: PyTree, where: str) -> int:
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     shape = np.shape(leaf)
     if not shape:
-      raise ValueError(f"{field}{jax.tree_util.keystr(path)}: {where} holds a "
-                       "scalar, expected one value per step.")
+      raise ValueError(
+        f"{field}{jax.tree_util.keystr(path)}: {where} holds a scalar, expected one value per step."
+      )
     lengths[field + jax.tree_util.keystr(path)] = shape[0]
   if len(set(lengths.values())) > 1:
     raise ValueError(f"{where}: inconsistent lengths {lengths}.")
   return next(iter(lengths.values()))
 
 
-def checked_episode(episode: Episode, spec: Any, where: str, *,
-                    round_floats: bool = False) -> Episode:
+def checked_episode(
+  episode: Episode, spec: Any, where: str, *, round_floats: bool = False
+) -> Episode:
   """`episode` checked (lengths, flags) and converted exactly to `spec`'s
   dtypes (a `Transition` or `EpisodeStep` of `ShapeDtypeStruct`s)."""
   num_observations = common_length("observations", episode.observations, where)
@@ -306,48 +320,60 @@ def checked_episode(episode: Episode, spec: Any, where: str, *,
   for field in _EPISODE_FIELDS:
     lengths[field] = common_length(field, getattr(episode, field), where)
   num_steps = lengths["actions"]
-  if num_steps < 1 or any(
-      lengths[field] != num_steps for field in _EPISODE_FIELDS) or (
-          num_observations != num_steps + 1):
+  if (
+    num_steps < 1
+    or any(lengths[field] != num_steps for field in _EPISODE_FIELDS)
+    or (num_observations != num_steps + 1)
+  ):
     raise ValueError(
-        f"{where}: inconsistent lengths {lengths}; an episode of T >= 1 "
-        "steps has T + 1 observations and T actions, rewards, terminations "
-        "and truncations.")
+      f"{where}: inconsistent lengths {lengths}; an episode of T >= 1 "
+      "steps has T + 1 observations and T actions, rewards, terminations "
+      "and truncations."
+    )
 
   def converted(field, tree, want):
     # Dtypes are not compared here: each value is converted exactly below.
-    check_spec(field, jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], np.asarray(x).dtype),
-        tree), want, dtypes=False)
+    check_spec(
+      field,
+      jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], np.asarray(x).dtype), tree),
+      want,
+      dtypes=False,
+    )
     return jax.tree_util.tree_map_with_path(
-        lambda path, x, w: exact(field + jax.tree_util.keystr(path), x,
-                                 np.dtype(w.dtype), where,
-                                 round_floats=round_floats), tree, want)
+      lambda path, x, w: exact(
+        field + jax.tree_util.keystr(path), x, np.dtype(w.dtype), where, round_floats=round_floats
+      ),
+      tree,
+      want,
+    )
 
-  terminations = exact("terminations", episode.terminations, np.dtype(bool),
-                       where)
-  truncations = exact("truncations", episode.truncations, np.dtype(bool),
-                      where)
+  terminations = exact("terminations", episode.terminations, np.dtype(bool), where)
+  truncations = exact("truncations", episode.truncations, np.dtype(bool), where)
   ends = terminations | truncations
   if ends[:-1].any():
     step = int(np.argwhere(ends[:-1])[0][0])
-    raise ValueError(f"terminations/truncations: {where} ends at step {step} "
-                     f"of {num_steps}; only its last step may end it.")
+    raise ValueError(
+      f"terminations/truncations: {where} ends at step {step} "
+      f"of {num_steps}; only its last step may end it."
+    )
   if not ends[-1]:
     raise ValueError(
-        f"terminations/truncations: {where} ends with neither a termination "
-        "nor a truncation on its last step; mark an episode cut short as "
-        "truncated.")
+      f"terminations/truncations: {where} ends with neither a termination "
+      "nor a truncation on its last step; mark an episode cut short as "
+      "truncated."
+    )
   return Episode(
-      observations=converted("observations", episode.observations, spec.obs),
-      actions=converted("actions", episode.actions, spec.action),
-      rewards=exact("rewards", episode.rewards, np.dtype(spec.reward.dtype),
-                    where, round_floats=round_floats),
-      terminations=terminations, truncations=truncations)
+    observations=converted("observations", episode.observations, spec.obs),
+    actions=converted("actions", episode.actions, spec.action),
+    rewards=exact(
+      "rewards", episode.rewards, np.dtype(spec.reward.dtype), where, round_floats=round_floats
+    ),
+    terminations=terminations,
+    truncations=truncations,
+  )
 
 
 # --- The rows of an episode -----------------------------------------------
-
 
 
 def episode_rows(episode: Episode, layout: str) -> PyTree:
@@ -355,36 +381,50 @@ def episode_rows(episode: Episode, layout: str) -> PyTree:
   `[T + 1, ...]` (views where possible)."""
   if layout == "items":
     return Transition(
-        obs=jax.tree.map(lambda x: x[:-1], episode.observations),
-        action=episode.actions, reward=episode.rewards,
-        next_obs=jax.tree.map(lambda x: x[1:], episode.observations),
-        terminated=episode.terminations, truncated=episode.truncations)
+      obs=jax.tree.map(lambda x: x[:-1], episode.observations),
+      action=episode.actions,
+      reward=episode.rewards,
+      next_obs=jax.tree.map(lambda x: x[1:], episode.observations),
+      terminated=episode.terminations,
+      truncated=episode.truncations,
+    )
   num_steps = episode.rewards.shape[0]
 
   def padded(x):
     return np.concatenate([x, np.zeros((1, *x.shape[1:]), x.dtype)])
 
   return EpisodeStep(
-      obs=episode.observations,
-      action=jax.tree.map(padded, episode.actions),
-      reward=padded(episode.rewards),
-      terminated=padded(episode.terminations),
-      truncated=padded(episode.truncations),
-      last=np.arange(num_steps + 1) == num_steps)
+    obs=episode.observations,
+    action=jax.tree.map(padded, episode.actions),
+    reward=padded(episode.rewards),
+    terminated=padded(episode.terminations),
+    truncated=padded(episode.truncations),
+    last=np.arange(num_steps + 1) == num_steps,
+  )
 
 
-
-
-def example_of(observation_spec: PyTree, action_spec: PyTree,
-               reward_dtype: Any, layout: str) -> Any:
+def example_of(
+  observation_spec: PyTree, action_spec: PyTree, reward_dtype: Any, layout: str
+) -> Any:
   def zeros(spec):
-    return jax.tree.map(
-        lambda x: np.zeros(x.shape, held_dtype(x.dtype)), spec)
+    return jax.tree.map(lambda x: np.zeros(x.shape, held_dtype(x.dtype)), spec)
+
   flag = np.zeros((), bool)
   reward = np.zeros((), held_dtype(reward_dtype))
   if layout == "items":
-    return Transition(obs=zeros(observation_spec), action=zeros(action_spec),
-                      reward=reward, next_obs=zeros(observation_spec),
-                      terminated=flag, truncated=flag)
-  return EpisodeStep(obs=zeros(observation_spec), action=zeros(action_spec),
-                     reward=reward, terminated=flag, truncated=flag, last=flag)
+    return Transition(
+      obs=zeros(observation_spec),
+      action=zeros(action_spec),
+      reward=reward,
+      next_obs=zeros(observation_spec),
+      terminated=flag,
+      truncated=flag,
+    )
+  return EpisodeStep(
+    obs=zeros(observation_spec),
+    action=zeros(action_spec),
+    reward=reward,
+    terminated=flag,
+    truncated=flag,
+    last=flag,
+  )

@@ -32,63 +32,66 @@ def _open_minari(dataset: Any, *, what: str) -> Any:
   try:
     import minari  # pylint: disable=import-outside-toplevel
   except ImportError as error:
-    raise ImportError(f"{what} needs minari: pip install "
-                      "'jaxbuf[offline]'") from error
+    raise ImportError(f"{what} needs minari: pip install 'jaxbuf[offline]'") from error
   if isinstance(dataset, minari.MinariDataset):
     return dataset
   if not isinstance(dataset, (str, os.PathLike)):
-    raise TypeError(f"{what}: expected a minari.MinariDataset or a dataset "
-                    f"id, given {type(dataset).__name__}.")
+    raise TypeError(
+      f"{what}: expected a minari.MinariDataset or a dataset id, given {type(dataset).__name__}."
+    )
   try:
     return minari.load_dataset(str(dataset))
   except FileNotFoundError as error:
     root = os.environ.get("MINARI_DATASETS_PATH", "~/.minari/datasets")
     raise FileNotFoundError(
-        f"{what}: no Minari dataset {str(dataset)!r} under {root} "
-        f"(MINARI_DATASETS_PATH): {error}") from None
+      f"{what}: no Minari dataset {str(dataset)!r} under {root} (MINARI_DATASETS_PATH): {error}"
+    ) from None
   except Exception as error:  # pylint: disable=broad-exception-caught
-    raise ValueError(f"{what}: Minari could not open dataset "
-                     f"{str(dataset)!r}: {error}") from error
+    raise ValueError(f"{what}: Minari could not open dataset {str(dataset)!r}: {error}") from error
 
 
 def _minari_lengths(dataset: Any) -> list[int]:
   indices = [int(i) for i in dataset.episode_indices]
-  return [int(metadata["total_steps"]) for metadata in
-          dataset.storage.get_episode_metadata(indices)]
+  return [
+    int(metadata["total_steps"]) for metadata in dataset.storage.get_episode_metadata(indices)
+  ]
 
 
-def episode_reader(dataset: Any
-                   ) -> Callable[[list[int]], Generator[Episode, None, None]]:
+def episode_reader(dataset: Any) -> Callable[[list[int]], Generator[Episode, None, None]]:
   episode_ids = [int(i) for i in dataset.episode_indices]
 
   def read(indices):
     ids = [episode_ids[i] for i in indices]
     for data in itertools.chain.from_iterable(
-        dataset.storage.get_episodes(ids[start:start + _EPISODES_PER_OPEN])
-        for start in range(0, len(ids), _EPISODES_PER_OPEN)):
+      dataset.storage.get_episodes(ids[start : start + _EPISODES_PER_OPEN])
+      for start in range(0, len(ids), _EPISODES_PER_OPEN)
+    ):
       yield Episode(
-          observations=data["observations"], actions=data["actions"],
-          rewards=data["rewards"], terminations=data["terminations"],
-          truncations=data["truncations"])
-  return read
+        observations=data["observations"],
+        actions=data["actions"],
+        rewards=data["rewards"],
+        terminations=data["terminations"],
+        truncations=data["truncations"],
+      )
 
+  return read
 
 
 def _space_spec(space: Any, name: str) -> PyTree:
   """A gymnasium space as a pytree of `ShapeDtypeStruct` (numpy dtypes)."""
   import gymnasium  # pylint: disable=import-outside-toplevel
-  if isinstance(space, gymnasium.spaces.Dict):
-    return {key: _space_spec(sub, f"{name}[{key!r}]")
-            for key, sub in space.spaces.items()}
-  if isinstance(space, gymnasium.spaces.Tuple):
-    return tuple(_space_spec(sub, f"{name}[{i}]")
-                 for i, sub in enumerate(space.spaces))
-  if space.dtype is None or space.shape is None:
-    raise TypeError(f"{name}: the space {space} has no fixed shape and dtype; "
-                    "only Box, Discrete, MultiDiscrete, MultiBinary and Dict "
-                    "or Tuple of them load into a buffer.")
-  return jax.ShapeDtypeStruct(tuple(space.shape), np.dtype(space.dtype))
 
+  if isinstance(space, gymnasium.spaces.Dict):
+    return {key: _space_spec(sub, f"{name}[{key!r}]") for key, sub in space.spaces.items()}
+  if isinstance(space, gymnasium.spaces.Tuple):
+    return tuple(_space_spec(sub, f"{name}[{i}]") for i, sub in enumerate(space.spaces))
+  if space.dtype is None or space.shape is None:
+    raise TypeError(
+      f"{name}: the space {space} has no fixed shape and dtype; "
+      "only Box, Discrete, MultiDiscrete, MultiBinary and Dict "
+      "or Tuple of them load into a buffer."
+    )
+  return jax.ShapeDtypeStruct(tuple(space.shape), np.dtype(space.dtype))
 
 
 def offline_example(dataset: Any, buffer: Buffer) -> Any:
@@ -118,8 +121,7 @@ def offline_example(dataset: Any, buffer: Buffer) -> Any:
   if isinstance(dataset, dict):
     steps = step_arrays(dataset, what=what)
     spec = row_spec(steps)
-    return example_of(spec["observation"], spec["action"],
-                      steps["reward"].dtype, layout)
+    return example_of(spec["observation"], spec["action"], steps["reward"].dtype, layout)
   dataset = _open_minari(dataset, what=what)
   # No space gives the rewards' dtype (Minari keeps gymnasium's Python float
   # rewards as float64): the first episode's is taken.
@@ -128,14 +130,23 @@ def offline_example(dataset: Any, buffer: Buffer) -> Any:
     first = episode_reader(dataset)([0])
     reward_dtype = np.asarray(next(first).rewards).dtype
     first.close()  # closes Minari's HDF5 file now
-  return example_of(_space_spec(dataset.observation_space, "observations"),
-                    _space_spec(dataset.action_space, "actions"), reward_dtype,
-                    layout)
+  return example_of(
+    _space_spec(dataset.observation_space, "observations"),
+    _space_spec(dataset.action_space, "actions"),
+    reward_dtype,
+    layout,
+  )
 
 
-def from_minari(dataset: Any, buffer: Buffer, state: Any, *,
-                chunk_size: int = DEFAULT_CHUNK_SIZE,
-                progress: bool = False, round_floats: bool = False) -> Any:
+def from_minari(
+  dataset: Any,
+  buffer: Buffer,
+  state: Any,
+  *,
+  chunk_size: int = DEFAULT_CHUNK_SIZE,
+  progress: bool = False,
+  round_floats: bool = False,
+) -> Any:
   """Adds a Minari dataset's newest episodes that fit to `state`.
 
   See `help(jaxbuf.offline)` for the
@@ -192,17 +203,20 @@ def from_minari(dataset: Any, buffer: Buffer, state: Any, *,
   dataset = _open_minari(dataset, what=what)
   layout = checked_layout(buffer, state, what=what)
   spec = storage_spec(buffer, state, layout)
-  check_spec("observations", _space_spec(dataset.observation_space,
-                                         "observations"), spec.obs)
-  check_spec("actions", _space_spec(dataset.action_space, "actions"),
-             spec.action)
+  check_spec("observations", _space_spec(dataset.observation_space, "observations"), spec.obs)
+  check_spec("actions", _space_spec(dataset.action_space, "actions"), spec.action)
   episode_ids = [int(i) for i in dataset.episode_indices]
   return load_episodes(
-      episode_reader(dataset), _minari_lengths(dataset), buffer, state,
-      names=lambda index: f"episode {episode_ids[index]} of {dataset.id}",
-      chunk_size=chunk_size, progress=progress, round_floats=round_floats,
-      what=what)
-
+    episode_reader(dataset),
+    _minari_lengths(dataset),
+    buffer,
+    state,
+    names=lambda index: f"episode {episode_ids[index]} of {dataset.id}",
+    chunk_size=chunk_size,
+    progress=progress,
+    round_floats=round_floats,
+    what=what,
+  )
 
 
 def _check_in_space(values: PyTree, space: Any, field: str, where: str) -> None:
@@ -214,6 +228,7 @@ def _check_in_space(values: PyTree, space: Any, field: str, where: str) -> None:
       nested as the space (`_space_spec`).
   """
   import gymnasium  # pylint: disable=import-outside-toplevel
+
   spaces = gymnasium.spaces
   if isinstance(space, spaces.Dict):
     for key, subspace in space.spaces.items():
@@ -231,35 +246,46 @@ def _check_in_space(values: PyTree, space: Any, field: str, where: str) -> None:
     start = int(space.start)
     inside = (values >= start) & (values < start + int(space.n))
   elif isinstance(space, spaces.MultiDiscrete):
-    inside = per_step((values >= space.start) &
-                      (values < space.start + space.nvec))
+    inside = per_step((values >= space.start) & (values < space.start + space.nvec))
   elif isinstance(space, spaces.MultiBinary):
     inside = per_step((values == 0) | (values == 1))
   else:
     inside = np.array([space.contains(value) for value in values], bool)
   if not inside.all():
     step = int(np.argmin(inside))
-    raise ValueError(f"{field}: {values[step].tolist()!r} at step {step} of "
-                     f"{where} is not in the space {space}; Minari's "
-                     "`space.contains` would be False for it. Pass the spaces "
-                     "the data was collected in.")
+    raise ValueError(
+      f"{field}: {values[step].tolist()!r} at step {step} of "
+      f"{where} is not in the space {space}; Minari's "
+      "`space.contains` would be False for it. Pass the spaces "
+      "the data was collected in."
+    )
 
 
-def _as_space_dtypes(tree: PyTree, space_spec: PyTree, field: str,
-                     where: str) -> PyTree:
+def _as_space_dtypes(tree: PyTree, space_spec: PyTree, field: str, where: str) -> PyTree:
   """`tree`'s leaves converted exactly to the space's dtypes."""
-  check_spec(field, jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree), space_spec,
-             dtypes=False)
+  check_spec(
+    field,
+    jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree),
+    space_spec,
+    dtypes=False,
+  )
   return jax.tree_util.tree_map_with_path(
-      lambda path, x, spec: exact(field + jax.tree_util.keystr(path), x,
-                                  np.dtype(spec.dtype), where),
-      tree, space_spec)
+    lambda path, x, spec: exact(field + jax.tree_util.keystr(path), x, np.dtype(spec.dtype), where),
+    tree,
+    space_spec,
+  )
 
 
-def to_minari(dataset_id: str, buffer: Buffer, state: Any, *,
-              observation_space: Any, action_space: Any,
-              reward_dtype: Any = np.float64, **minari_arguments: Any) -> Any:
+def to_minari(
+  dataset_id: str,
+  buffer: Buffer,
+  state: Any,
+  *,
+  observation_space: Any,
+  action_space: Any,
+  reward_dtype: Any = np.float64,
+  **minari_arguments: Any,
+) -> Any:
   """Writes the whole episodes `state` holds as a new Minari dataset.
 
   Observations and actions are written in the spaces' dtypes (an int32
@@ -315,8 +341,7 @@ def to_minari(dataset_id: str, buffer: Buffer, state: Any, *,
     from minari.data_collector import EpisodeBuffer  # pylint: disable=import-outside-toplevel
     from minari.storage import get_dataset_path  # pylint: disable=import-outside-toplevel
   except ImportError as error:
-    raise ImportError(f"{what} needs minari: pip install "
-                      "'jaxbuf[offline]'") from error
+    raise ImportError(f"{what} needs minari: pip install 'jaxbuf[offline]'") from error
   observation_spec = _space_spec(observation_space, "observations")
   action_spec = _space_spec(action_space, "actions")
   held = iterate_held_episodes(buffer, state, what=what)
@@ -328,27 +353,30 @@ def to_minari(dataset_id: str, buffer: Buffer, state: Any, *,
     # One episode at a time: Minari writes each as it comes.
     for number, episode in enumerate(itertools.chain([first], held)):
       where = f"episode {number} of the state"
-      observations = _as_space_dtypes(episode.observations, observation_spec,
-                                      "observations", where)
-      actions = _as_space_dtypes(episode.actions, action_spec, "actions",
-                                 where)
+      observations = _as_space_dtypes(episode.observations, observation_spec, "observations", where)
+      actions = _as_space_dtypes(episode.actions, action_spec, "actions", where)
       _check_in_space(observations, observation_space, "observations", where)
       _check_in_space(actions, action_space, "actions", where)
       yield EpisodeBuffer(
-          observations=observations, actions=actions,
-          rewards=exact("rewards", episode.rewards, np.dtype(reward_dtype),
-                        where),
-          terminations=episode.terminations,
-          truncations=episode.truncations)
+        observations=observations,
+        actions=actions,
+        rewards=exact("rewards", episode.rewards, np.dtype(reward_dtype), where),
+        terminations=episode.terminations,
+        truncations=episode.truncations,
+      )
 
   path = get_dataset_path(dataset_id)
   if path.exists():
-    raise FileExistsError(f"{what}: a Minari dataset {dataset_id!r} exists "
-                          f"already, at {path}.")
+    raise FileExistsError(f"{what}: a Minari dataset {dataset_id!r} exists already, at {path}.")
   try:
     return minari.create_dataset_from_buffers(
-        dataset_id, written(), observation_space=observation_space,
-        action_space=action_space, jpeg_encoding=False, **minari_arguments)
+      dataset_id,
+      written(),
+      observation_space=observation_space,
+      action_space=action_space,
+      jpeg_encoding=False,
+      **minari_arguments,
+    )
   except BaseException:
     # No partly written dataset is left behind under the id.
     if path.exists():

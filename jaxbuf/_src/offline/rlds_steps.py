@@ -22,36 +22,46 @@ _RLDS_FLAGS = ("is_first", "is_last", "is_terminal")
 
 def step_arrays(steps: Any, *, what: str) -> dict[str, Any]:
   if not isinstance(steps, dict):
-    raise TypeError(f"{what}: expected RLDS steps as a dict of NumPy arrays "
-                    f"(observation, action, reward, is_first, is_last, "
-                    f"is_terminal), given {type(steps).__name__}.")
-  missing = [field for field in ("observation", "action", "reward",
-                                 *_RLDS_FLAGS) if field not in steps]
+    raise TypeError(
+      f"{what}: expected RLDS steps as a dict of NumPy arrays "
+      f"(observation, action, reward, is_first, is_last, "
+      f"is_terminal), given {type(steps).__name__}."
+    )
+  missing = [
+    field for field in ("observation", "action", "reward", *_RLDS_FLAGS) if field not in steps
+  ]
   if missing:
     raise ValueError(f"{what}: RLDS steps lack {missing}.")
   steps = dict(steps)
   for field in ("reward", *_RLDS_FLAGS):
     steps[field] = np.asarray(steps[field])
-  num_steps = common_length("steps", {field: steps[field] for field in
-                                 ("observation", "action", "reward",
-                                 *_RLDS_FLAGS)}, "the RLDS steps")
+  num_steps = common_length(
+    "steps",
+    {field: steps[field] for field in ("observation", "action", "reward", *_RLDS_FLAGS)},
+    "the RLDS steps",
+  )
   del num_steps
   for field in ("reward", *_RLDS_FLAGS):
     # Known before the first add: a [T, 1] reward would fail in NumPy's
     # broadcast at the first chunk, after the state was consumed.
     if steps[field].ndim != 1:
-      raise ValueError(f"{what}: {field} has shape {steps[field].shape}; "
-                       "RLDS steps hold one scalar per step, shape (T,) "
-                       f"(squeeze it: {field}[:, 0]). Nothing was added.")
+      raise ValueError(
+        f"{what}: {field} has shape {steps[field].shape}; "
+        "RLDS steps hold one scalar per step, shape (T,) "
+        f"(squeeze it: {field}[:, 0]). Nothing was added."
+      )
   for field in _RLDS_FLAGS:
     steps[field] = exact(field, steps[field], np.dtype(bool), "the RLDS steps")
   return steps
 
 
 def row_spec(steps: dict[str, Any]) -> dict[str, Any]:
-  return {field: jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], np.asarray(x).dtype),
-      steps[field]) for field in ("observation", "action")}
+  return {
+    field: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], np.asarray(x).dtype), steps[field]
+    )
+    for field in ("observation", "action")
+  }
 
 
 def _rlds_bounds(steps: dict[str, Any], *, what: str) -> list[tuple[int, int]]:
@@ -64,21 +74,25 @@ def _rlds_bounds(steps: dict[str, Any], *, what: str) -> list[tuple[int, int]]:
   if not is_first[0]:
     raise ValueError(f"{what}: is_first: step 0 does not start an episode.")
   if not is_last[-1]:
-    raise ValueError(f"{what}: is_last: the last step ({is_last.size - 1}) "
-                     "does not end an episode (an unfinished episode).")
+    raise ValueError(
+      f"{what}: is_last: the last step ({is_last.size - 1}) "
+      "does not end an episode (an unfinished episode)."
+    )
   if firsts.size != lasts.size or np.any(firsts[1:] != lasts[:-1] + 1):
-    raise ValueError(f"{what}: is_first/is_last: episodes must alternate, "
-                     f"one is_last before each is_first; is_first at "
-                     f"{firsts[:8].tolist()}, is_last at {lasts[:8].tolist()}.")
+    raise ValueError(
+      f"{what}: is_first/is_last: episodes must alternate, "
+      f"one is_last before each is_first; is_first at "
+      f"{firsts[:8].tolist()}, is_last at {lasts[:8].tolist()}."
+    )
   terminal = np.flatnonzero(steps["is_terminal"] & ~is_last)
   if terminal.size:
-    raise ValueError(f"{what}: is_terminal: step {terminal[0]} is terminal "
-                     "but not is_last.")
+    raise ValueError(f"{what}: is_terminal: step {terminal[0]} is terminal but not is_last.")
   return list(zip(firsts.tolist(), lasts.tolist()))
 
 
-def _rlds_reader(steps: dict[str, Any], bounds: list[tuple[int, int]]
-                 ) -> Callable[[list[int]], Iterator[Episode]]:
+def _rlds_reader(
+  steps: dict[str, Any], bounds: list[tuple[int, int]]
+) -> Callable[[list[int]], Iterator[Episode]]:
   def read(indices):
     for index in indices:
       first, last = bounds[index]
@@ -89,18 +103,25 @@ def _rlds_reader(steps: dict[str, Any], bounds: list[tuple[int, int]]
       if num_steps:
         terminations[-1], truncations[-1] = terminal, not terminal
       yield Episode(
-          observations=jax.tree.map(lambda x: x[first:last + 1],
-                                    steps["observation"]),
-          actions=jax.tree.map(lambda x: x[first:last], steps["action"]),
-          rewards=steps["reward"][first:last],
-          terminations=terminations, truncations=truncations)
+        observations=jax.tree.map(lambda x: x[first : last + 1], steps["observation"]),
+        actions=jax.tree.map(lambda x: x[first:last], steps["action"]),
+        rewards=steps["reward"][first:last],
+        terminations=terminations,
+        truncations=truncations,
+      )
+
   return read
 
 
-def from_rlds_steps(steps: dict[str, Any], buffer: Buffer, state: Any, *,
-                    chunk_size: int = DEFAULT_CHUNK_SIZE,
-                    progress: bool = False,
-                    round_floats: bool = False) -> Any:
+def from_rlds_steps(
+  steps: dict[str, Any],
+  buffer: Buffer,
+  state: Any,
+  *,
+  chunk_size: int = DEFAULT_CHUNK_SIZE,
+  progress: bool = False,
+  round_floats: bool = False,
+) -> Any:
   """Adds RLDS-layout steps (NumPy, no TensorFlow) to `state`.
 
   Args:
@@ -138,12 +159,16 @@ def from_rlds_steps(steps: dict[str, Any], buffer: Buffer, state: Any, *,
   check_spec("action", given["action"], spec.action)
   bounds = _rlds_bounds(steps, what=what)
   return load_episodes(
-      _rlds_reader(steps, bounds), [last - first for first, last in bounds],
-      buffer, state,
-      names=lambda index: f"the RLDS episode at steps {bounds[index][0]}.."
-      f"{bounds[index][1]}", chunk_size=chunk_size, progress=progress,
-      round_floats=round_floats, what=what)
-
+    _rlds_reader(steps, bounds),
+    [last - first for first, last in bounds],
+    buffer,
+    state,
+    names=lambda index: f"the RLDS episode at steps {bounds[index][0]}..{bounds[index][1]}",
+    chunk_size=chunk_size,
+    progress=progress,
+    round_floats=round_floats,
+    what=what,
+  )
 
 
 def to_rlds_steps(buffer: Buffer, state: Any) -> dict[str, Any]:
@@ -170,11 +195,13 @@ def to_rlds_steps(buffer: Buffer, state: Any) -> dict[str, Any]:
     raise ValueError("to_rlds_steps: the state holds no whole episode.")
   parts = [episode_rows(episode, "streams") for episode in held]
   steps = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
-  return {"observation": steps.obs, "action": steps.action,
-          "reward": steps.reward,
-          "is_first": np.concatenate(
-              [np.arange(len(part.last)) == 0 for part in parts]),
-          "is_last": steps.last,
-          "is_terminal": np.concatenate(
-              [np.append(np.zeros(len(part.last) - 1, bool),
-                         part.terminated[-2]) for part in parts])}
+  return {
+    "observation": steps.obs,
+    "action": steps.action,
+    "reward": steps.reward,
+    "is_first": np.concatenate([np.arange(len(part.last)) == 0 for part in parts]),
+    "is_last": steps.last,
+    "is_terminal": np.concatenate(
+      [np.append(np.zeros(len(part.last) - 1, bool), part.terminated[-2]) for part in parts]
+    ),
+  }

@@ -50,41 +50,42 @@ Numeric = Any
 
 class _Rollout(NamedTuple):
   """Validated inputs in canonical dtypes, gradients stopped (trace-time only)."""
-  rewards: jax.Array                   # [T, ...], values' dtype
-  values: jax.Array                    # [T, ...] float
-  terminated: jax.Array                # [T, ...] bool
-  last_value: jax.Array                # [...], values' dtype
-  truncated: jax.Array | None          # [T, ...] bool
-  truncated_values: jax.Array | None   # [T, ...], values' dtype
-  valid: jax.Array | None              # [T, ...] bool
+
+  rewards: jax.Array  # [T, ...], values' dtype
+  values: jax.Array  # [T, ...] float
+  terminated: jax.Array  # [T, ...] bool
+  last_value: jax.Array  # [...], values' dtype
+  truncated: jax.Array | None  # [T, ...] bool
+  truncated_values: jax.Array | None  # [T, ...], values' dtype
+  valid: jax.Array | None  # [T, ...] bool
 
 
-def _validated(what, rewards, values, terminated, last_value, truncated,
-               truncated_values, valid) -> _Rollout:
+def _validated(
+  what, rewards, values, terminated, last_value, truncated, truncated_values, valid
+) -> _Rollout:
   """Checks shapes and dtypes while tracing; messages name the argument."""
   validation.check_floating("values", values, what=what)
   shape = tuple(np.shape(values))
   if not shape:
-    raise ValueError(f"{what}: values must have a time axis, shape [T, ...]; "
-                     f"given shape {shape}.")
+    raise ValueError(f"{what}: values must have a time axis, shape [T, ...]; given shape {shape}.")
   validation.check_floating("rewards", rewards, what=what)
   validation.check_shape("rewards", rewards, shape, what=what, like="values")
   validation.check_flags("terminated", terminated, what=what)
-  validation.check_shape("terminated", terminated, shape, what=what,
-                         like="values")
+  validation.check_shape("terminated", terminated, shape, what=what, like="values")
   validation.check_floating("last_value", last_value, what=what)
-  validation.check_shape("last_value", last_value, shape[1:], what=what,
-                         like="values[0] (no time axis)")
+  validation.check_shape(
+    "last_value", last_value, shape[1:], what=what, like="values[0] (no time axis)"
+  )
   if (truncated is None) != (truncated_values is None):
-    raise ValueError(f"{what}: pass truncated and truncated_values together "
-                     "(a truncated step needs the value to bootstrap from).")
+    raise ValueError(
+      f"{what}: pass truncated and truncated_values together "
+      "(a truncated step needs the value to bootstrap from)."
+    )
   if truncated is not None:
     validation.check_flags("truncated", truncated, what=what)
-    validation.check_shape("truncated", truncated, shape, what=what,
-                           like="values")
+    validation.check_shape("truncated", truncated, shape, what=what, like="values")
     validation.check_floating("truncated_values", truncated_values, what=what)
-    validation.check_shape("truncated_values", truncated_values, shape,
-                           what=what, like="values")
+    validation.check_shape("truncated_values", truncated_values, shape, what=what, like="values")
   if valid is not None:
     validation.check_flags("valid", valid, what=what)
     validation.check_shape("valid", valid, shape, what=what, like="values")
@@ -98,27 +99,28 @@ def _validated(what, rewards, values, terminated, last_value, truncated,
     return None if flags is None else jnp.asarray(flags).astype(bool)
 
   return _Rollout(
-      rewards=as_float(rewards),
-      values=lax.stop_gradient(values),
-      terminated=as_bool(terminated),
-      last_value=as_float(last_value),
-      truncated=as_bool(truncated),
-      truncated_values=as_float(truncated_values),
-      valid=as_bool(valid))
+    rewards=as_float(rewards),
+    values=lax.stop_gradient(values),
+    terminated=as_bool(terminated),
+    last_value=as_float(last_value),
+    truncated=as_bool(truncated),
+    truncated_values=as_float(truncated_values),
+    valid=as_bool(valid),
+  )
 
 
-def _hyperparameter(what: str, name: str, value: Numeric,
-                    rollout: _Rollout) -> jax.Array:
+def _hyperparameter(what: str, name: str, value: Numeric, rollout: _Rollout) -> jax.Array:
   """A scalar or a per-step `[T, ...]` array, in the values' dtype."""
-  validation.check_scalar_or_shape(name, value, rollout.values.shape, what=what,
-                                   like="values")
+  validation.check_scalar_or_shape(name, value, rollout.values.shape, what=what, like="values")
   return lax.stop_gradient(jnp.asarray(value).astype(rollout.values.dtype))
 
 
 def _check_associative(what: str, associative: Any) -> None:
   if not isinstance(associative, bool):
-    raise TypeError(f"{what}: associative must be a Python bool (it picks the "
-                    f"program), given {type(associative).__name__}.")
+    raise TypeError(
+      f"{what}: associative must be a Python bool (it picks the "
+      f"program), given {type(associative).__name__}."
+    )
 
 
 def _weighted(weight: jax.Array, x: jax.Array) -> jax.Array:
@@ -131,8 +133,7 @@ def _weighted(weight: jax.Array, x: jax.Array) -> jax.Array:
 
 def _cut(rollout: _Rollout) -> jax.Array:
   """Whether the trace ends after each step: bool `[T, ...]`."""
-  return (rollout.terminated if rollout.truncated is None
-          else rollout.terminated | rollout.truncated)
+  return rollout.terminated if rollout.truncated is None else rollout.terminated | rollout.truncated
 
 
 def _next_values(rollout: _Rollout, *, associative: bool) -> jax.Array:
@@ -142,19 +143,19 @@ def _next_values(rollout: _Rollout, *, associative: bool) -> jax.Array:
   # first_valid[t] = V of the first valid step at or after t; its shift is
   # the successor's value. Padding values never enter the arithmetic.
   first_valid = _reverse_linear_scan(
-      jnp.where(rollout.valid, 0.0, 1.0).astype(rollout.values.dtype),
-      jnp.where(rollout.valid, rollout.values, 0.0),
-      rollout.last_value, associative=associative)
+    jnp.where(rollout.valid, 0.0, 1.0).astype(rollout.values.dtype),
+    jnp.where(rollout.valid, rollout.values, 0.0),
+    rollout.last_value,
+    associative=associative,
+  )
   return jnp.concatenate([first_valid[1:], rollout.last_value[None]])
 
 
-def _bootstrap_values(rollout: _Rollout, next_values: jax.Array,
-                      gamma: jax.Array) -> jax.Array:
+def _bootstrap_values(rollout: _Rollout, next_values: jax.Array, gamma: jax.Array) -> jax.Array:
   """`gamma * V(next state)`, exactly 0 after termination: `[T, ...]`."""
   if rollout.truncated is not None:
     assert rollout.truncated_values is not None  # given together (_validated)
-    next_values = jnp.where(rollout.truncated, rollout.truncated_values,
-                            next_values)
+    next_values = jnp.where(rollout.truncated, rollout.truncated_values, next_values)
   return _weighted(jnp.where(rollout.terminated, 0.0, gamma), next_values)
 
 
@@ -174,8 +175,10 @@ def _compose_affine(later, earlier):
   """
   later_decay, later_increment = later
   earlier_decay, earlier_increment = earlier
-  return (_weighted(earlier_decay, later_decay),
-          earlier_increment + _weighted(earlier_decay, later_increment))
+  return (
+    _weighted(earlier_decay, later_decay),
+    earlier_increment + _weighted(earlier_decay, later_increment),
+  )
 
 
 def _affine_step(next_x, decay_and_increment):
@@ -184,8 +187,9 @@ def _affine_step(next_x, decay_and_increment):
   return x, x
 
 
-def _reverse_linear_scan(decay: jax.Array, increment: jax.Array,
-                         final: jax.Array, *, associative: bool) -> jax.Array:
+def _reverse_linear_scan(
+  decay: jax.Array, increment: jax.Array, final: jax.Array, *, associative: bool
+) -> jax.Array:
   """`x[t] = increment[t] + decay[t] * x[t + 1]` for t < T, with `x[T] = final`.
 
   Where `decay[t]` is 0, `x[t + 1]` is not read (a NaN there stays out).
@@ -203,7 +207,8 @@ def _reverse_linear_scan(decay: jax.Array, increment: jax.Array,
   """
   if associative:
     total_decay, total_increment = lax.associative_scan(
-        _compose_affine, (decay, increment), reverse=True)
+      _compose_affine, (decay, increment), reverse=True
+    )
     return total_increment + _weighted(total_decay, final[None])
   _, xs = lax.scan(_affine_step, final, (decay, increment), reverse=True)
   return xs
@@ -215,17 +220,17 @@ def _per_step(x: jax.Array) -> jax.Array | None:
 
 
 def compute_gae(
-    rewards: jax.Array,
-    values: jax.Array,
-    terminated: jax.Array,
-    last_value: jax.Array,
-    *,
-    gamma: Numeric,
-    gae_lambda: Numeric,
-    truncated: jax.Array | None = None,
-    truncated_values: jax.Array | None = None,
-    valid: jax.Array | None = None,
-    associative: bool = False,
+  rewards: jax.Array,
+  values: jax.Array,
+  terminated: jax.Array,
+  last_value: jax.Array,
+  *,
+  gamma: Numeric,
+  gae_lambda: Numeric,
+  truncated: jax.Array | None = None,
+  truncated_values: jax.Array | None = None,
+  valid: jax.Array | None = None,
+  associative: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Generalized advantage estimation (Schulman et al., 2016) over axis 0.
 
@@ -278,27 +283,30 @@ def compute_gae(
   """
   what = "compute_gae"
   _check_associative(what, associative)
-  rollout = _validated(what, rewards, values, terminated, last_value, truncated,
-                       truncated_values, valid)
+  rollout = _validated(
+    what, rewards, values, terminated, last_value, truncated, truncated_values, valid
+  )
   gamma = _hyperparameter(what, "gamma", gamma, rollout)
   gae_lambda = _hyperparameter(what, "gae_lambda", gae_lambda, rollout)
   if not associative:
-    return _gae_scan(rollout, gamma if gamma.ndim == 0 else None,
-                     gae_lambda if gae_lambda.ndim == 0 else None,
-                     _per_step(gamma), _per_step(gae_lambda))
+    return _gae_scan(
+      rollout,
+      gamma if gamma.ndim == 0 else None,
+      gae_lambda if gae_lambda.ndim == 0 else None,
+      _per_step(gamma),
+      _per_step(gae_lambda),
+    )
   next_values = _next_values(rollout, associative=True)
-  deltas = (rollout.rewards + _bootstrap_values(rollout, next_values, gamma)
-            - rollout.values)
+  deltas = rollout.rewards + _bootstrap_values(rollout, next_values, gamma) - rollout.values
   decay = jnp.where(_cut(rollout), 0.0, gamma * gae_lambda).astype(deltas.dtype)
   if rollout.valid is not None:
     # Padding passes the later steps' advantage through unchanged.
     decay = jnp.where(rollout.valid, decay, 1.0).astype(deltas.dtype)
     deltas = jnp.where(rollout.valid, deltas, 0.0)
-  advantages = _reverse_linear_scan(decay, deltas,
-                                    jnp.zeros_like(rollout.last_value),
-                                    associative=True)
-  return (_at_valid(rollout, advantages),
-          _at_valid(rollout, advantages + rollout.values))
+  advantages = _reverse_linear_scan(
+    decay, deltas, jnp.zeros_like(rollout.last_value), associative=True
+  )
+  return (_at_valid(rollout, advantages), _at_valid(rollout, advantages + rollout.values))
 
 
 @jax.jit
@@ -313,10 +321,10 @@ def _gae_scan(rollout, gamma, gae_lambda, gamma_steps, lambda_steps):
   hyperparameter comes as `gamma` / `gae_lambda` (its `_steps` None), a
   per-step one as `gamma_steps` / `lambda_steps`, scanned with the rollout.
   """
+
   def step(carry, inputs):
     later_advantage, next_value = carry
-    (reward, value, terminated_t, truncated_t, truncated_value, valid_t,
-     gamma_t, lambda_t) = inputs
+    (reward, value, terminated_t, truncated_t, truncated_value, valid_t, gamma_t, lambda_t) = inputs
     gamma_t = gamma if gamma_t is None else gamma_t
     lambda_t = gae_lambda if lambda_t is None else lambda_t
     if truncated_t is not None:
@@ -324,38 +332,44 @@ def _gae_scan(rollout, gamma, gae_lambda, gamma_steps, lambda_steps):
       cut = terminated_t | truncated_t
     else:
       bootstrap, cut = next_value, terminated_t
-    delta = (reward + _weighted(jnp.where(terminated_t, 0.0, gamma_t), bootstrap)
-             - value)
-    advantage = delta + _weighted(jnp.where(cut, 0.0, gamma_t * lambda_t),
-                                  later_advantage)
+    delta = reward + _weighted(jnp.where(terminated_t, 0.0, gamma_t), bootstrap) - value
+    advantage = delta + _weighted(jnp.where(cut, 0.0, gamma_t * lambda_t), later_advantage)
     if valid_t is None:
       return (advantage, value), (advantage, advantage + value)
     # Padding: emit 0 and pass the later steps' carry through unchanged.
-    carry = (jnp.where(valid_t, advantage, later_advantage),
-             jnp.where(valid_t, value, next_value))
-    return carry, (jnp.where(valid_t, advantage, 0.0),
-                   jnp.where(valid_t, advantage + value, 0.0))
+    carry = (jnp.where(valid_t, advantage, later_advantage), jnp.where(valid_t, value, next_value))
+    return carry, (jnp.where(valid_t, advantage, 0.0), jnp.where(valid_t, advantage + value, 0.0))
 
   _, (advantages, returns) = lax.scan(
-      step, (jnp.zeros_like(rollout.last_value), rollout.last_value),
-      (rollout.rewards, rollout.values, rollout.terminated, rollout.truncated,
-       rollout.truncated_values, rollout.valid, gamma_steps, lambda_steps),
-      reverse=True)
+    step,
+    (jnp.zeros_like(rollout.last_value), rollout.last_value),
+    (
+      rollout.rewards,
+      rollout.values,
+      rollout.terminated,
+      rollout.truncated,
+      rollout.truncated_values,
+      rollout.valid,
+      gamma_steps,
+      lambda_steps,
+    ),
+    reverse=True,
+  )
   return advantages, returns
 
 
 def lambda_returns(
-    rewards: jax.Array,
-    values: jax.Array,
-    terminated: jax.Array,
-    last_value: jax.Array,
-    *,
-    gamma: Numeric,
-    gae_lambda: Numeric,
-    truncated: jax.Array | None = None,
-    truncated_values: jax.Array | None = None,
-    valid: jax.Array | None = None,
-    associative: bool = False,
+  rewards: jax.Array,
+  values: jax.Array,
+  terminated: jax.Array,
+  last_value: jax.Array,
+  *,
+  gamma: Numeric,
+  gae_lambda: Numeric,
+  truncated: jax.Array | None = None,
+  truncated_values: jax.Array | None = None,
+  valid: jax.Array | None = None,
+  associative: bool = False,
 ) -> jax.Array:
   """TD(lambda) returns: `G[t] = r[t] + gamma[t] ((1 - l[t]) V(next) + l[t] G[t + 1])`.
 
@@ -377,8 +391,9 @@ def lambda_returns(
   """
   what = "lambda_returns"
   _check_associative(what, associative)
-  rollout = _validated(what, rewards, values, terminated, last_value, truncated,
-                       truncated_values, valid)
+  rollout = _validated(
+    what, rewards, values, terminated, last_value, truncated, truncated_values, valid
+  )
   gamma = _hyperparameter(what, "gamma", gamma, rollout)
   gae_lambda = _hyperparameter(what, "gae_lambda", gae_lambda, rollout)
   next_values = _next_values(rollout, associative=associative)
@@ -386,28 +401,26 @@ def lambda_returns(
   # where a cut trace takes its whole bootstrap from V(next).
   cut = _cut(rollout)
   bootstrap = _bootstrap_values(rollout, next_values, gamma)
-  increment = rollout.rewards + _weighted(
-      jnp.where(cut, 1.0, 1.0 - gae_lambda), bootstrap)
+  increment = rollout.rewards + _weighted(jnp.where(cut, 1.0, 1.0 - gae_lambda), bootstrap)
   decay = jnp.where(cut, 0.0, gamma * gae_lambda).astype(increment.dtype)
   if rollout.valid is not None:
     decay = jnp.where(rollout.valid, decay, 1.0).astype(increment.dtype)
     increment = jnp.where(rollout.valid, increment, 0.0)
-  returns = _reverse_linear_scan(decay, increment, rollout.last_value,
-                                 associative=associative)
+  returns = _reverse_linear_scan(decay, increment, rollout.last_value, associative=associative)
   return _at_valid(rollout, returns)
 
 
 def n_step_returns(
-    rewards: jax.Array,
-    values: jax.Array,
-    terminated: jax.Array,
-    last_value: jax.Array,
-    *,
-    n: int,
-    gamma: Numeric,
-    truncated: jax.Array | None = None,
-    truncated_values: jax.Array | None = None,
-    valid: jax.Array | None = None,
+  rewards: jax.Array,
+  values: jax.Array,
+  terminated: jax.Array,
+  last_value: jax.Array,
+  *,
+  n: int,
+  gamma: Numeric,
+  truncated: jax.Array | None = None,
+  truncated_values: jax.Array | None = None,
+  valid: jax.Array | None = None,
 ) -> jax.Array:
   """n-step bootstrapped returns: n discounted rewards, then V of the state reached.
 
@@ -434,40 +447,40 @@ def n_step_returns(
   [3.5, 2.5, 3.0]
   """
   what = "n_step_returns"
-  validation.check_positive_int(n, "n", prefix=f"{what}: ",
-                                reason=" (it sets the number of rounds)")
-  rollout = _validated(what, rewards, values, terminated, last_value, truncated,
-                       truncated_values, valid)
+  validation.check_positive_int(
+    n, "n", prefix=f"{what}: ", reason=" (it sets the number of rounds)"
+  )
+  rollout = _validated(
+    what, rewards, values, terminated, last_value, truncated, truncated_values, valid
+  )
   gamma = _hyperparameter(what, "gamma", gamma, rollout)
   num_steps = rollout.values.shape[0]
   if rollout.valid is None:
+
     def successors(x):
       return jnp.concatenate([x[1:], rollout.last_value[None]])
   else:
     # Index of each step's successor: the first valid step after it, or T,
     # which reads `last_value` from the extended array below.
     time = lax.broadcasted_iota(jnp.int32, rollout.valid.shape, 0)
-    first_valid = lax.cummin(jnp.where(rollout.valid, time, num_steps), axis=0,
-                             reverse=True)
-    successor = jnp.concatenate(
-        [first_valid[1:], jnp.full_like(first_valid[:1], num_steps)])
+    first_valid = lax.cummin(jnp.where(rollout.valid, time, num_steps), axis=0, reverse=True)
+    successor = jnp.concatenate([first_valid[1:], jnp.full_like(first_valid[:1], num_steps)])
 
     def successors(x):
       extended = jnp.concatenate([x, rollout.last_value[None]])
-      return jnp.take_along_axis(extended, successor, axis=0,
-                                 mode="promise_in_bounds")
+      return jnp.take_along_axis(extended, successor, axis=0, mode="promise_in_bounds")
 
   # After j rounds, returns[t] holds the j-step return from t; one more round
   # prepends a reward and reads the successor's j-step return.
   returns = rollout.values
   for _ in range(n):
-    returns = rollout.rewards + _bootstrap_values(rollout, successors(returns),
-                                                  gamma)
+    returns = rollout.rewards + _bootstrap_values(rollout, successors(returns), gamma)
   return _at_valid(rollout, returns)
 
 
-def normalize_advantages(advantages: jax.Array, valid: jax.Array | None = None,
-                         *, eps: float = 1e-8) -> jax.Array:
+def normalize_advantages(
+  advantages: jax.Array, valid: jax.Array | None = None, *, eps: float = 1e-8
+) -> jax.Array:
   """Advantages shifted to mean 0 and scaled to standard deviation 1.
 
   The mean and (population, ddof=0) standard deviation are taken over the
@@ -491,8 +504,7 @@ def normalize_advantages(advantages: jax.Array, valid: jax.Array | None = None,
   what = "normalize_advantages"
   validation.check_floating("advantages", advantages, what=what)
   if isinstance(eps, bool) or not isinstance(eps, (int, float, np.number)):
-    raise TypeError(f"{what}: eps must be a Python float, given "
-                    f"{type(eps).__name__}.")
+    raise TypeError(f"{what}: eps must be a Python float, given {type(eps).__name__}.")
   if not 0 < eps < float("inf"):
     raise ValueError(f"{what}: eps must be positive and finite, given {eps}.")
   advantages = lax.stop_gradient(jnp.asarray(advantages))
@@ -500,8 +512,7 @@ def normalize_advantages(advantages: jax.Array, valid: jax.Array | None = None,
     valid = jnp.ones(advantages.shape, bool)
   else:
     validation.check_flags("valid", valid, what=what)
-    validation.check_shape("valid", valid, advantages.shape, what=what,
-                           like="advantages")
+    validation.check_shape("valid", valid, advantages.shape, what=what, like="advantages")
   valid = jnp.asarray(valid).astype(bool)
   count = jnp.maximum(jnp.sum(valid, dtype=jnp.int32), 1).astype(advantages.dtype)
   mean = jnp.sum(jnp.where(valid, advantages, 0.0)) / count

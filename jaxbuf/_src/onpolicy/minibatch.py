@@ -32,10 +32,11 @@ from jaxbuf._src.core.base import PyTree
 
 class SequenceMinibatches(NamedTuple):
   """Minibatches of env sequences for recurrent policies, time order kept."""
-  data: PyTree            # each leaf [M, L, E, ...], time-major within a minibatch
+
+  data: PyTree  # each leaf [M, L, E, ...], time-major within a minibatch
   initial_hidden: PyTree  # each leaf [M, E, ...]: the hidden state stored at
-                          # each sequence's first step
-  valid: jax.Array        # bool [M, L, E]: False at padding
+  # each sequence's first step
+  valid: jax.Array  # bool [M, L, E]: False at padding
 
 
 def _leading_shape(tree: PyTree, num_axes: int, *, what: str) -> tuple[int, ...]:
@@ -49,23 +50,26 @@ def _leading_shape(tree: PyTree, num_axes: int, *, what: str) -> tuple[int, ...]
     shape = tuple(np.shape(leaf))
     if len(shape) < num_axes or shape[:num_axes] != leading:
       raise ValueError(
-          f"{what}: leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
-          f"{shape}; every leaf must start with the same {num_axes} axes as "
-          f"leaf {jax.tree_util.keystr(first_path) or '<root>'}, {leading}.")
+        f"{what}: leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+        f"{shape}; every leaf must start with the same {num_axes} axes as "
+        f"leaf {jax.tree_util.keystr(first_path) or '<root>'}, {leading}."
+      )
   return leading
 
 
-def _check_divides(total: int, parts: Any, *, what: str, total_name: str,
-                   parts_name: str) -> None:
-  validation.check_python_int(parts, parts_name, prefix=f"{what}: ",
-                              reason=" (it sets the output shape)")
+def _check_divides(total: int, parts: Any, *, what: str, total_name: str, parts_name: str) -> None:
+  validation.check_python_int(
+    parts, parts_name, prefix=f"{what}: ", reason=" (it sets the output shape)"
+  )
   if parts <= 0 or total % parts:
-    raise ValueError(f"{what}: {parts_name}={parts} must be positive and divide "
-                     f"{total_name}={total}.")
+    raise ValueError(
+      f"{what}: {parts_name}={parts} must be positive and divide {total_name}={total}."
+    )
 
 
-def shuffled_minibatches(key: jax.Array, data: PyTree, *, num_minibatches: int,
-                         num_batch_axes: int = 2) -> PyTree:
+def shuffled_minibatches(
+  key: jax.Array, data: PyTree, *, num_minibatches: int, num_batch_axes: int = 2
+) -> PyTree:
   """Shuffles every step of a rollout into `num_minibatches` equal minibatches.
 
   The leading `num_batch_axes` axes (`[T, N]` by default) are flattened and
@@ -84,27 +88,35 @@ def shuffled_minibatches(key: jax.Array, data: PyTree, *, num_minibatches: int,
     `data` with leaves `[M, B, ...]`, B = steps / M.
   """
   validation.check_key(key, what="shuffled_minibatches")
-  validation.check_positive_int(num_batch_axes, "num_batch_axes",
-                                prefix="shuffled_minibatches: ")
+  validation.check_positive_int(num_batch_axes, "num_batch_axes", prefix="shuffled_minibatches: ")
   leading = _leading_shape(data, num_batch_axes, what="shuffled_minibatches")
   num_items = int(np.prod(leading))
-  _check_divides(num_items, num_minibatches, what="shuffled_minibatches",
-                 total_name="steps", parts_name="num_minibatches")
+  _check_divides(
+    num_items,
+    num_minibatches,
+    what="shuffled_minibatches",
+    total_name="steps",
+    parts_name="num_minibatches",
+  )
   order = random.permutation(key, num_items)
 
   def shuffle(leaf):
-    leaf = jnp.reshape(jnp.asarray(leaf),
-                       (num_items, *jnp.shape(leaf)[num_batch_axes:]))
+    leaf = jnp.reshape(jnp.asarray(leaf), (num_items, *jnp.shape(leaf)[num_batch_axes:]))
     leaf = leaf.at[order].get(mode="promise_in_bounds", unique_indices=True)
-    return jnp.reshape(leaf, (num_minibatches, num_items // num_minibatches,
-                              *leaf.shape[1:]))
+    return jnp.reshape(leaf, (num_minibatches, num_items // num_minibatches, *leaf.shape[1:]))
 
   return jax.tree.map(shuffle, data)
 
 
-def sequence_chunks(key: jax.Array, data: PyTree, hidden: PyTree, *,
-                    chunk_length: int, num_minibatches: int,
-                    valid: jax.Array | None = None) -> SequenceMinibatches:
+def sequence_chunks(
+  key: jax.Array,
+  data: PyTree,
+  hidden: PyTree,
+  *,
+  chunk_length: int,
+  num_minibatches: int,
+  valid: jax.Array | None = None,
+) -> SequenceMinibatches:
   """Cuts every env's column into chunks of `chunk_length` steps and shuffles them.
 
   Chunk c of env n covers steps `[c * L, (c + 1) * L)` in time order; the
@@ -140,54 +152,64 @@ def sequence_chunks(key: jax.Array, data: PyTree, hidden: PyTree, *,
   num_steps, num_envs = _leading_shape(data, 2, what=what)
   hidden_leading = _leading_shape(hidden, 2, what=what + " (hidden)")
   if hidden_leading != (num_steps, num_envs):
-    raise ValueError(f"{what}: hidden leaves start with {hidden_leading}, "
-                     f"expected [T, N] = {(num_steps, num_envs)} like data.")
+    raise ValueError(
+      f"{what}: hidden leaves start with {hidden_leading}, "
+      f"expected [T, N] = {(num_steps, num_envs)} like data."
+    )
   if valid is None:
     valid = jnp.ones((num_steps, num_envs), bool)
   else:
     validation.check_flags("valid", valid, what=what)
-    validation.check_shape("valid", valid, (num_steps, num_envs), what=what,
-                           like="[T, N] of data")
-  _check_divides(num_steps, chunk_length, what=what, total_name="T",
-                 parts_name="chunk_length")
+    validation.check_shape("valid", valid, (num_steps, num_envs), what=what, like="[T, N] of data")
+  _check_divides(num_steps, chunk_length, what=what, total_name="T", parts_name="chunk_length")
   num_chunks = num_steps // chunk_length
   num_sequences = num_chunks * num_envs
-  _check_divides(num_sequences, num_minibatches, what=what,
-                 total_name="(T / chunk_length) * N", parts_name="num_minibatches")
+  _check_divides(
+    num_sequences,
+    num_minibatches,
+    what=what,
+    total_name="(T / chunk_length) * N",
+    parts_name="num_minibatches",
+  )
   sequences_per_minibatch = num_sequences // num_minibatches
   order = random.permutation(key, num_sequences)
 
   def as_sequences(leaf):
     """`[T, N, ...]` -> `[L, C * N, ...]`; sequence c * N + n: chunk c, env n."""
     rest = jnp.shape(leaf)[2:]
-    leaf = jnp.reshape(jnp.asarray(leaf),
-                       (num_chunks, chunk_length, num_envs, *rest))
-    return jnp.reshape(jnp.swapaxes(leaf, 0, 1),
-                       (chunk_length, num_sequences, *rest))
+    leaf = jnp.reshape(jnp.asarray(leaf), (num_chunks, chunk_length, num_envs, *rest))
+    return jnp.reshape(jnp.swapaxes(leaf, 0, 1), (chunk_length, num_sequences, *rest))
 
   def shuffle(leaf):
     """`[T, N, ...]` -> `[M, L, E, ...]`."""
     leaf = as_sequences(leaf)
     leaf = leaf.at[:, order].get(mode="promise_in_bounds", unique_indices=True)
-    leaf = jnp.reshape(leaf, (chunk_length, num_minibatches,
-                              sequences_per_minibatch, *leaf.shape[2:]))
+    leaf = jnp.reshape(
+      leaf, (chunk_length, num_minibatches, sequences_per_minibatch, *leaf.shape[2:])
+    )
     return jnp.swapaxes(leaf, 0, 1)
 
   def first_steps(leaf):
     """`[T, N, ...]` -> `[M, E, ...]`, the leaf at each sequence's first step."""
     starts = as_sequences(leaf)[0]
     starts = starts.at[order].get(mode="promise_in_bounds", unique_indices=True)
-    return jnp.reshape(starts, (num_minibatches, sequences_per_minibatch,
-                                *starts.shape[1:]))
+    return jnp.reshape(starts, (num_minibatches, sequences_per_minibatch, *starts.shape[1:]))
 
-  return SequenceMinibatches(data=jax.tree.map(shuffle, data),
-                             initial_hidden=jax.tree.map(first_steps, hidden),
-                             valid=shuffle(jnp.asarray(valid).astype(bool)))
+  return SequenceMinibatches(
+    data=jax.tree.map(shuffle, data),
+    initial_hidden=jax.tree.map(first_steps, hidden),
+    valid=shuffle(jnp.asarray(valid).astype(bool)),
+  )
 
 
-def env_minibatches(key: jax.Array, data: PyTree, hidden: PyTree, *,
-                    num_minibatches: int,
-                    valid: jax.Array | None = None) -> SequenceMinibatches:
+def env_minibatches(
+  key: jax.Array,
+  data: PyTree,
+  hidden: PyTree,
+  *,
+  num_minibatches: int,
+  valid: jax.Array | None = None,
+) -> SequenceMinibatches:
   """Shuffles whole env columns into minibatches, keeping time order.
 
   The recurrent-PPO split: each minibatch holds `E = N / M` complete env
@@ -215,5 +237,6 @@ def env_minibatches(key: jax.Array, data: PyTree, hidden: PyTree, *,
   ((2, 8, 2, 3), (2, 2, 16))
   """
   num_steps = _leading_shape(data, 2, what="env_minibatches")[0]
-  return sequence_chunks(key, data, hidden, chunk_length=num_steps,
-                         num_minibatches=num_minibatches, valid=valid)
+  return sequence_chunks(
+    key, data, hidden, chunk_length=num_steps, num_minibatches=num_minibatches, valid=valid
+  )

@@ -49,8 +49,7 @@ from jax.experimental import checkify
 from jax.typing import ArrayLike
 
 from jaxbuf._src.core import validation
-from jaxbuf._src.core.base import (BufferState, PyTree, listed_array,
-                               with_jit_tools)
+from jaxbuf._src.core.base import BufferState, PyTree, listed_array, with_jit_tools
 
 
 def valid_mask(step_counts: jax.Array, num_steps: int) -> jax.Array:
@@ -62,8 +61,9 @@ def valid_mask(step_counts: jax.Array, num_steps: int) -> jax.Array:
 @flax.struct.dataclass
 class RolloutState(BufferState):
   """One rollout in progress. Every field is an array; nothing is static."""
-  data: PyTree             # each leaf [T, N, *step_shape], the step's own dtype
-  step_counts: jax.Array   # shape=(N,), int32: steps written per env, at most T
+
+  data: PyTree  # each leaf [T, N, *step_shape], the step's own dtype
+  step_counts: jax.Array  # shape=(N,), int32: steps written per env, at most T
 
   @property
   def num_steps(self) -> int:
@@ -85,22 +85,25 @@ class RolloutState(BufferState):
   def buffer_dims(self) -> dict[str, Any]:
     batch_shape = np.shape(self.step_counts)[:-1]
     data = jax.tree_util.tree_leaves(self.data)[0]
-    return {"vmapped buffers": list(batch_shape),
-            "num_steps": int(np.shape(data)[len(batch_shape)]),
-            "num_envs": int(np.shape(self.step_counts)[-1])}
+    return {
+      "vmapped buffers": list(batch_shape),
+      "num_steps": int(np.shape(data)[len(batch_shape)]),
+      "num_envs": int(np.shape(self.step_counts)[-1]),
+    }
 
 
 class RolloutAddFn(Protocol):
   """`rollout.add(state, steps, mask=None)`: steps `[N, ...]`; mask bool
   `[N]` (a list too), the envs that stepped, None for all."""
 
-  def __call__(self, state: RolloutState, steps: PyTree, /,
-               mask: ArrayLike | Sequence[bool] | None = None) -> RolloutState:
-    ...
+  def __call__(
+    self, state: RolloutState, steps: PyTree, /, mask: ArrayLike | Sequence[bool] | None = None
+  ) -> RolloutState: ...
 
 
 class RolloutBuffer(NamedTuple):
   """The functions of a rollout buffer, its shape bound."""
+
   init: Callable[[PyTree], RolloutState]
   add: RolloutAddFn
   reset: Callable[[RolloutState], RolloutState]
@@ -111,8 +114,9 @@ def _check_sizes(num_steps: Any, num_envs: Any) -> None:
   validation.check_positive_int(num_envs, "num_envs")
   # add indexes the storage as int32 rows of [(T + 1) * N].
   if (num_steps + 1) * num_envs >= 2**31:
-    raise ValueError(f"num_steps * num_envs must be below 2**31 - num_envs, "
-                     f"given {num_steps} * {num_envs}.")
+    raise ValueError(
+      f"num_steps * num_envs must be below 2**31 - num_envs, given {num_steps} * {num_envs}."
+    )
 
 
 def init(example_step: PyTree, *, num_steps: int, num_envs: int) -> RolloutState:
@@ -130,17 +134,19 @@ def init(example_step: PyTree, *, num_steps: int, num_envs: int) -> RolloutState
   """
   _check_sizes(num_steps, num_envs)
   if not jax.tree_util.tree_leaves(example_step):
-    raise ValueError("init: example_step has no array leaves; a rollout "
-                     "needs at least one (e.g. the reward).")
+    raise ValueError(
+      "init: example_step has no array leaves; a rollout needs at least one (e.g. the reward)."
+    )
   data = jax.tree.map(
-      lambda leaf: jnp.zeros((num_steps, num_envs, *jnp.shape(leaf)),
-                             jnp.result_type(leaf)),
-      example_step)
+    lambda leaf: jnp.zeros((num_steps, num_envs, *jnp.shape(leaf)), jnp.result_type(leaf)),
+    example_step,
+  )
   return RolloutState(data=data, step_counts=jnp.zeros((num_envs,), jnp.int32))
 
 
-def add(state: RolloutState, steps: PyTree, mask: jax.Array | None = None,
-        *, checked: bool = False) -> RolloutState:
+def add(
+  state: RolloutState, steps: PyTree, mask: jax.Array | None = None, *, checked: bool = False
+) -> RolloutState:
   """Writes one step for every env (or every env where `mask`) at its own position.
 
   Env i's step goes to row `step_counts[i]`, which then advances by one. Only
@@ -168,32 +174,32 @@ def add(state: RolloutState, steps: PyTree, mask: jax.Array | None = None,
     The new state.
   """
   num_steps, num_envs = state.num_steps, state.step_counts.shape[0]
-  spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype),
-                      state.data)
-  validation.check_batched_leaves(spec, steps, what="add",
-                                  batch_shape=(num_envs,))
+  spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), state.data)
+  validation.check_batched_leaves(spec, steps, what="add", batch_shape=(num_envs,))
   steps = jax.tree.map(jnp.asarray, steps)
   if mask is None:
     mask = jnp.ones((num_envs,), bool)
   else:
     if np.shape(mask) != (num_envs,):
-      raise ValueError(f"add: mask has shape {np.shape(mask)}, expected "
-                       f"({num_envs},), one flag per env.")
+      raise ValueError(
+        f"add: mask has shape {np.shape(mask)}, expected ({num_envs},), one flag per env."
+      )
     if validation.canonical_dtype(mask) != jnp.bool_:
-      raise TypeError(f"add: mask must be bool, given dtype "
-                      f"{validation.canonical_dtype(mask)}.")
+      raise TypeError(f"add: mask must be bool, given dtype {validation.canonical_dtype(mask)}.")
     mask = jnp.asarray(mask)
   # A full rollout that receives a write starts over (every count to 0).
   starts_over = jnp.all(state.step_counts >= num_steps) & jnp.any(mask)
   step_counts = jnp.where(starts_over, 0, state.step_counts)
   has_room = step_counts < num_steps
   if checked:
-    checkify.check(jnp.all(has_room | ~mask),
-                   "add: envs {envs} (where 1) are full, holding num_steps="
-                   f"{num_steps} steps, while other envs have room; their "
-                   "steps would be dropped. Mask them out (mask = "
-                   "state.step_counts < num_steps) or reset the rollout.",
-                   envs=(mask & ~has_room).astype(jnp.int32))
+    checkify.check(
+      jnp.all(has_room | ~mask),
+      "add: envs {envs} (where 1) are full, holding num_steps="
+      f"{num_steps} steps, while other envs have room; their "
+      "steps would be dropped. Mask them out (mask = "
+      "state.step_counts < num_steps) or reset the rollout.",
+      envs=(mask & ~has_room).astype(jnp.int32),
+    )
   writes = mask & has_room
   # Scatter into the storage seen as [T * N, ...] rows (a free reshape): one
   # index per env is several times faster on CPU than a (row, column) pair.
@@ -208,8 +214,7 @@ def add(state: RolloutState, steps: PyTree, mask: jax.Array | None = None,
     return jnp.reshape(flat, stored.shape)
 
   data = jax.tree.map(write, state.data, steps)
-  return state.replace(data=data,
-                       step_counts=step_counts + writes.astype(jnp.int32))
+  return state.replace(data=data, step_counts=step_counts + writes.astype(jnp.int32))
 
 
 def reset(state: RolloutState) -> RolloutState:
@@ -221,8 +226,7 @@ def reset(state: RolloutState) -> RolloutState:
   return state.replace(step_counts=jnp.zeros_like(state.step_counts))
 
 
-def rollout_buffer(num_steps: int, num_envs: int, *,
-                   checked: bool = False) -> RolloutBuffer:
+def rollout_buffer(num_steps: int, num_envs: int, *, checked: bool = False) -> RolloutBuffer:
   """A time-major rollout buffer of `num_steps` steps for each of `num_envs` envs.
 
   Args:
@@ -258,9 +262,9 @@ def rollout_buffer(num_steps: int, num_envs: int, *,
   validation.check_bool(checked, "checked", what="rollout_buffer")
   # update_wrapper: help(rollout.add) shows add's docstring, not partial's.
   bound_init = functools.update_wrapper(
-      functools.partial(init, num_steps=num_steps, num_envs=num_envs), init)
-  bound_add = functools.update_wrapper(
-      functools.partial(add, checked=checked), add)
+    functools.partial(init, num_steps=num_steps, num_envs=num_envs), init
+  )
+  bound_add = functools.update_wrapper(functools.partial(add, checked=checked), add)
   if checked:
     return RolloutBuffer(init=bound_init, add=bound_add, reset=reset)
   jitted_add = jax.jit(bound_add, donate_argnums=0)
@@ -271,6 +275,8 @@ def rollout_buffer(num_steps: int, num_envs: int, *,
   def add_from_host(state, steps, mask=None):
     return jitted_add(state, steps, listed_array(mask))
 
-  return RolloutBuffer(init=bound_init,
-                       add=with_jit_tools(add_from_host, jitted_add),
-                       reset=jax.jit(reset, donate_argnums=0))
+  return RolloutBuffer(
+    init=bound_init,
+    add=with_jit_tools(add_from_host, jitted_add),
+    reset=jax.jit(reset, donate_argnums=0),
+  )

@@ -55,10 +55,11 @@ class EpisodeSample(ReplaySample):
   `SequenceSample`: True on the steps of the episode the row was drawn
   for, False on padding a per-step loss must not read.
   """
-  mask: jax.Array       # bool [S, M]: True on the piece's steps
-  lengths: jax.Array    # int32 [S]: steps in each piece, in [1, M]
+
+  mask: jax.Array  # bool [S, M]: True on the piece's steps
+  lengths: jax.Array  # int32 [S]: steps in each piece, in [1, M]
   continues: jax.Array  # bool [S]: the episode went on after the piece
-                        # (it was split at M steps)
+  # (it was split at M steps)
 
 
 @flax.struct.dataclass
@@ -67,12 +68,13 @@ class EpisodeReplayState(SequenceReplayState):
 
   Windows are single steps: `window_counts` counts the steps held.
   """
+
   window_tree: sum_tree.SumTree  # leaves [N * R]: 1 or the length at each
-                                 # complete piece's first slot
-  piece_lengths: jax.Array    # int32 [N, R]: at a complete piece's first
-                              # slot, its length
+  # complete piece's first slot
+  piece_lengths: jax.Array  # int32 [N, R]: at a complete piece's first
+  # slot, its length
   piece_positions: jax.Array  # int32 [N]: where each env's next step falls
-                              # in its piece, < M
+  # in its piece, < M
 
   def per_env_fields(self) -> tuple[str, ...]:
     return super().per_env_fields() + ("piece_lengths", "piece_positions")
@@ -91,27 +93,33 @@ def check_sizes(num_envs: int, capacity: int, max_episode_length: int) -> None:
   sequence.check_sizes(num_envs, capacity, 1, 1)
   if max_episode_length > capacity // num_envs:
     raise ValueError(
-        f"max_episode_length {max_episode_length} exceeds the steps held per "
-        f"env, capacity // num_envs = {capacity // num_envs}; use capacity "
-        f">= {max_episode_length * num_envs} (several episodes' worth, to "
-        "sample from more than the newest).")
+      f"max_episode_length {max_episode_length} exceeds the steps held per "
+      f"env, capacity // num_envs = {capacity // num_envs}; use capacity "
+      f">= {max_episode_length * num_envs} (several episodes' worth, to "
+      "sample from more than the newest)."
+    )
 
 
-def init(example_step: PyTree, *, num_envs: int,
-         capacity: int) -> EpisodeReplayState:
+def init(example_step: PyTree, *, num_envs: int, capacity: int) -> EpisodeReplayState:
   """An empty buffer for steps shaped like `example_step` (one env, unbatched)."""
-  base = sequence.init(example_step, num_envs=num_envs, capacity=capacity,
-                       with_tree=True)
+  base = sequence.init(example_step, num_envs=num_envs, capacity=capacity, with_tree=True)
   return EpisodeReplayState(
-      **{name: getattr(base, name) for name in base.__dataclass_fields__},
-      piece_lengths=jnp.zeros((num_envs, capacity // num_envs), jnp.int32),
-      piece_positions=jnp.zeros((num_envs,), jnp.int32))
+    **{name: getattr(base, name) for name in base.__dataclass_fields__},
+    piece_lengths=jnp.zeros((num_envs, capacity // num_envs), jnp.int32),
+    piece_positions=jnp.zeros((num_envs,), jnp.int32),
+  )
 
 
-def add(state: EpisodeReplayState, steps: PyTree,
-        mask: jax.Array | None = None, episode_end: jax.Array | None = None,
-        final_steps: PyTree | None = None, *, max_episode_length: int,
-        weight_by_length: bool) -> EpisodeReplayState:
+def add(
+  state: EpisodeReplayState,
+  steps: PyTree,
+  mask: jax.Array | None = None,
+  episode_end: jax.Array | None = None,
+  final_steps: PyTree | None = None,
+  *,
+  max_episode_length: int,
+  weight_by_length: bool,
+) -> EpisodeReplayState:
   """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`), and the
   final observations of the envs whose episode ended (`final_steps`).
 
@@ -137,66 +145,87 @@ def add(state: EpisodeReplayState, steps: PyTree,
       None for none.
     max_episode_length, weight_by_length: the buffer's settings.
   """
-  validation.check_state_kind(state, EpisodeReplayState, what="add",
-                              exact=True)
+  validation.check_state_kind(state, EpisodeReplayState, what="add", exact=True)
   return sequence.add_stream(
-      state, steps, mask, episode_end, final_steps, write=functools.partial(
-          write_steps, max_episode_length=max_episode_length,
-          weight_by_length=weight_by_length))
+    state,
+    steps,
+    mask,
+    episode_end,
+    final_steps,
+    write=functools.partial(
+      write_steps, max_episode_length=max_episode_length, weight_by_length=weight_by_length
+    ),
+  )
 
 
-def write_steps(state: EpisodeReplayState, steps: PyTree,
-                mask: jax.Array | None, episode_end: jax.Array | None, *,
-                max_episode_length: int,
-                weight_by_length: bool) -> EpisodeReplayState:
+def write_steps(
+  state: EpisodeReplayState,
+  steps: PyTree,
+  mask: jax.Array | None,
+  episode_end: jax.Array | None,
+  *,
+  max_episode_length: int,
+  weight_by_length: bool,
+) -> EpisodeReplayState:
   """Writes steps (`[N, ...]` or `[N, T, ...]`, episode ends resolved) and
   the pieces they complete."""
-  steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
-                                                       episode_end)
+  steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask, episode_end)
   if not episode_end.shape[1]:
     # An empty chunk [N, 0, ...] adds nothing, as in sequence replay.
     return state
-  written = sequence.add_steps(state, steps, mask, episode_end, **_STEPS,
-                               new_leaf_value=jnp.float32(0.0))
+  written = sequence.add_steps(
+    state, steps, mask, episode_end, **_STEPS, new_leaf_value=jnp.float32(0.0)
+  )
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
   length = episode_end.shape[1]
   chunk = sequence.chunk_slots(state, length, mask)
   kept, dropped, slots = chunk.kept, chunk.dropped, chunk.slots
   offsets = jnp.arange(length, dtype=jnp.int32)[None, :]
   # Positions count from the latest episode start, modulo M: the splits.
-  starts = jnp.concatenate([jnp.zeros((num_envs, 1), bool),
-                            episode_end[:, :-1]], axis=1)
+  starts = jnp.concatenate([jnp.zeros((num_envs, 1), bool), episode_end[:, :-1]], axis=1)
   latest_start = jax.lax.cummax(jnp.where(starts, offsets, -1), axis=1)
-  positions = jnp.where(latest_start >= 0, offsets - latest_start,
-                        state.piece_positions[:, None] + offsets
-                        ) % max_episode_length
+  positions = (
+    jnp.where(latest_start >= 0, offsets - latest_start, state.piece_positions[:, None] + offsets)
+    % max_episode_length
+  )
   piece_ends = episode_end | (positions == max_episode_length - 1)
   positions, piece_ends = positions[:, dropped:], piece_ends[:, dropped:]
   first_slots = (slots - positions) % per_env
   # A piece ended early in a chunk may have lost its first step to a later
   # step of the same chunk.
   first_ago = kept - 1 - jnp.arange(kept, dtype=jnp.int32)[None, :] + positions
-  complete = (mask[:, None] & piece_ends
-              & (first_ago < written.steps_held[:, None]))
+  complete = mask[:, None] & piece_ends & (first_ago < written.steps_held[:, None])
   envs = jnp.arange(num_envs, dtype=jnp.int32)[:, None]
   lengths = positions + 1
-  leaves = (lengths.astype(jnp.float32) if weight_by_length
-            else jnp.ones(lengths.shape, jnp.float32))
+  leaves = lengths.astype(jnp.float32) if weight_by_length else jnp.ones(lengths.shape, jnp.float32)
   rows = jnp.where(complete, envs, num_envs)
   return written.replace(
-      window_tree=sum_tree.set_leaves(
-          written.window_tree, (envs * per_env + first_slots).reshape(-1),
-          leaves.reshape(-1), complete.reshape(-1), unique_indices=True),
-      piece_lengths=state.piece_lengths.at[rows, first_slots].set(
-          lengths, mode="drop", unique_indices=True),
-      piece_positions=jnp.where(
-          mask, jnp.where(episode_end[:, -1], 0,
-                          (positions[:, -1] + 1) % max_episode_length),
-          state.piece_positions))
+    window_tree=sum_tree.set_leaves(
+      written.window_tree,
+      (envs * per_env + first_slots).reshape(-1),
+      leaves.reshape(-1),
+      complete.reshape(-1),
+      unique_indices=True,
+    ),
+    piece_lengths=state.piece_lengths.at[rows, first_slots].set(
+      lengths, mode="drop", unique_indices=True
+    ),
+    piece_positions=jnp.where(
+      mask,
+      jnp.where(episode_end[:, -1], 0, (positions[:, -1] + 1) % max_episode_length),
+      state.piece_positions,
+    ),
+  )
 
 
-def sample(state: EpisodeReplayState, key: jax.Array, batch_size: int, *,
-           max_episode_length: int, checked: bool = False) -> EpisodeSample:
+def sample(
+  state: EpisodeReplayState,
+  key: jax.Array,
+  batch_size: int,
+  *,
+  max_episode_length: int,
+  checked: bool = False,
+) -> EpisodeSample:
   """Draws `batch_size` complete pieces, with replacement.
 
   Uniformly over the pieces held, or in proportion to their lengths
@@ -210,55 +239,60 @@ def sample(state: EpisodeReplayState, key: jax.Array, batch_size: int, *,
     `[S]` (the first step's id), mask bool `[S, M]`, lengths int32 `[S]`,
     continues bool `[S]`.
   """
-  validation.check_state_kind(state, EpisodeReplayState, what="sample",
-                              exact=True)
+  validation.check_state_kind(state, EpisodeReplayState, what="sample", exact=True)
   validation.check_key(key, what="sample")
   validation.check_batch_size(batch_size, what="sample")
   has_pieces = sum_tree.total(state.window_tree) > 0
   if checked:
-    checkify.check(has_pieces, "sample: the buffer holds no complete "
-                   "episode; add steps up to an episode end (or "
-                   "max_episode_length steps) first (guard with can_sample).")
-  found, _ = sum_tree.sample_leaves(state.window_tree, key, batch_size,
-                                    stratified=False)
+    checkify.check(
+      has_pieces,
+      "sample: the buffer holds no complete "
+      "episode; add steps up to an episode end (or "
+      "max_episode_length steps) first (guard with can_sample).",
+    )
+  found, _ = sum_tree.sample_leaves(state.window_tree, key, batch_size, stratified=False)
   first_ids = jnp.where(has_pieces, found, 0)
   items, mask, lengths, continues = gather_pieces(
-      state, first_ids, max_episode_length=max_episode_length)
+    state, first_ids, max_episode_length=max_episode_length
+  )
   return EpisodeSample(
-      items=items, indices=first_ids,
-      weights=jnp.full((batch_size,), has_pieces, jnp.float32),
-      item_ids=sequence.window_item_ids(state, first_ids), mask=mask,
-      lengths=lengths, continues=continues)
+    items=items,
+    indices=first_ids,
+    weights=jnp.full((batch_size,), has_pieces, jnp.float32),
+    item_ids=sequence.window_item_ids(state, first_ids),
+    mask=mask,
+    lengths=lengths,
+    continues=continues,
+  )
 
 
-def gather_pieces(state: EpisodeReplayState, first_ids: jax.Array, *,
-                  max_episode_length: int
-                  ) -> tuple[PyTree, jax.Array, jax.Array, jax.Array]:
+def gather_pieces(
+  state: EpisodeReplayState, first_ids: jax.Array, *, max_episode_length: int
+) -> tuple[PyTree, jax.Array, jax.Array, jax.Array]:
   """The pieces starting at slot ids `[S]`: items `[S, M, ...]` zero-padded,
   mask bool `[S, M]`, lengths int32 `[S]` (0 when the buffer holds none),
   continues bool `[S]`."""
   has_pieces = sum_tree.total(state.window_tree) > 0
-  items, _ = sequence.gather_windows(state, first_ids,
-                                     sequence_length=max_episode_length)
+  items, _ = sequence.gather_windows(state, first_ids, sequence_length=max_episode_length)
   per_env = sequence.steps_per_env(state)
   envs, slots = first_ids // per_env, first_ids % per_env
   lengths = jnp.where(has_pieces, state.piece_lengths[envs, slots], 0)
-  mask = (jnp.arange(max_episode_length, dtype=jnp.int32)[None, :]
-          < lengths[:, None])
+  mask = jnp.arange(max_episode_length, dtype=jnp.int32)[None, :] < lengths[:, None]
   padded = lambda leaf: jnp.where(
-      mask.reshape(mask.shape + (1,) * (leaf.ndim - 2)), leaf,
-      jnp.zeros((), leaf.dtype))
-  ended = state.episode_ends[envs, (slots + jnp.maximum(lengths, 1) - 1)
-                             % per_env]
+    mask.reshape(mask.shape + (1,) * (leaf.ndim - 2)), leaf, jnp.zeros((), leaf.dtype)
+  )
+  ended = state.episode_ends[envs, (slots + jnp.maximum(lengths, 1) - 1) % per_env]
   return (jax.tree.map(padded, items), mask, lengths, has_pieces & ~ended)
 
 
-def update_priorities(state: EpisodeReplayState, indices: jax.Array,
-                      priorities: jax.Array,
-                      item_ids: jax.Array | None = None) -> EpisodeReplayState:
+def update_priorities(
+  state: EpisodeReplayState,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None = None,
+) -> EpisodeReplayState:
   """The identity: episode replay keeps no priorities (arguments validated)."""
-  validation.check_state_kind(state, EpisodeReplayState,
-                              what="update_priorities", exact=True)
+  validation.check_state_kind(state, EpisodeReplayState, what="update_priorities", exact=True)
   validation.check_priority_update_args(indices, priorities, item_ids)
   return state
 
@@ -271,16 +305,18 @@ def can_sample(state: EpisodeReplayState, batch_size: int) -> jax.Array:
 
 def clear(state: EpisodeReplayState) -> EpisodeReplayState:
   """Empties the buffer; the next step added starts a piece."""
-  validation.check_state_kind(state, EpisodeReplayState, what="clear",
-                              exact=True)
-  return sequence.clear(state).replace(
-      piece_positions=jnp.zeros_like(state.piece_positions))
+  validation.check_state_kind(state, EpisodeReplayState, what="clear", exact=True)
+  return sequence.clear(state).replace(piece_positions=jnp.zeros_like(state.piece_positions))
 
 
-def episode_replay(num_envs: int, capacity: int, max_episode_length: int, *,
-                   weight_by_length: bool = False,
-                   checked: bool = False
-                   ) -> Buffer[EpisodeReplayState, EpisodeSample]:
+def episode_replay(
+  num_envs: int,
+  capacity: int,
+  max_episode_length: int,
+  *,
+  weight_by_length: bool = False,
+  checked: bool = False,
+) -> Buffer[EpisodeReplayState, EpisodeSample]:
   """A replay buffer of whole episodes, padded to `max_episode_length`.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.
@@ -313,54 +349,82 @@ def episode_replay(num_envs: int, capacity: int, max_episode_length: int, *,
   [True, True, True, False]
   """
   check_sizes(num_envs, capacity, max_episode_length)
-  validation.check_bool(weight_by_length, "weight_by_length",
-                        what="episode_replay")
-  bound_add = functools.partial(add, max_episode_length=max_episode_length,
-                                weight_by_length=weight_by_length)
-  bound_sample = functools.partial(sample,
-                                   max_episode_length=max_episode_length)
+  validation.check_bool(weight_by_length, "weight_by_length", what="episode_replay")
+  bound_add = functools.partial(
+    add, max_episode_length=max_episode_length, weight_by_length=weight_by_length
+  )
+  bound_sample = functools.partial(sample, max_episode_length=max_episode_length)
   return bind(
-      init=functools.partial(init, num_envs=num_envs, capacity=capacity),
-      add=bound_add,
-      sample=functools.partial(bound_sample, checked=checked),
-      update_priorities=update_priorities,
-      can_sample=can_sample,
-      clear=clear,
-      kind=kind.Kind(
-          name="episode_replay", state_type=EpisodeReplayState,
-          exact_type=True,
-          settings=kind.settings_of(
-              num_envs=num_envs, capacity=capacity,
-              max_episode_length=max_episode_length,
-              weight_by_length=weight_by_length),
-          split=functools.partial(
-              split_over_devices, num_envs=num_envs, capacity=capacity,
-              add=bound_add, sample=bound_sample,
-              max_episode_length=max_episode_length)),
-      checked=checked,
-      jit_update_priorities=False)
+    init=functools.partial(init, num_envs=num_envs, capacity=capacity),
+    add=bound_add,
+    sample=functools.partial(bound_sample, checked=checked),
+    update_priorities=update_priorities,
+    can_sample=can_sample,
+    clear=clear,
+    kind=kind.Kind(
+      name="episode_replay",
+      state_type=EpisodeReplayState,
+      exact_type=True,
+      settings=kind.settings_of(
+        num_envs=num_envs,
+        capacity=capacity,
+        max_episode_length=max_episode_length,
+        weight_by_length=weight_by_length,
+      ),
+      split=functools.partial(
+        split_over_devices,
+        num_envs=num_envs,
+        capacity=capacity,
+        add=bound_add,
+        sample=bound_sample,
+        max_episode_length=max_episode_length,
+      ),
+    ),
+    checked=checked,
+    jit_update_priorities=False,
+  )
 
 
-def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
-                       add: Callable, sample: Callable,
-                       max_episode_length: int) -> kind.Split:
+def split_over_devices(
+  num_devices: int,
+  *,
+  num_envs: int,
+  capacity: int,
+  add: Callable,
+  sample: Callable,
+  max_episode_length: int,
+) -> kind.Split:
   """Episode replay split over D devices as sequence replay is: envs in
   blocks of N / D, whole, so a piece never spans devices; pieces are drawn
   by the mass of each device's tree (1 or the length per piece)."""
   split = sequence.split_over_devices(
-      num_devices, num_envs=num_envs, capacity=capacity, init=init, add=add,
-      sample=sample, update_priorities=None, clear=clear, beta=None,
-      stratified=False, **_STEPS)
+    num_devices,
+    num_envs=num_envs,
+    capacity=capacity,
+    init=init,
+    add=add,
+    sample=sample,
+    update_priorities=None,
+    clear=clear,
+    beta=None,
+    stratified=False,
+    **_STEPS,
+  )
   return split._replace(
-      # Positive exactly when a piece is held (the tree's total: pieces, or
-      # their steps with weight_by_length); only its sign is read.
-      held=lambda state: jnp.ceil(
-          state.window_tree.levels[-1][..., 0]).astype(jnp.int32),
-      masses=lambda local: local.window_tree,
-      rows=lambda local, ids, key: gather_pieces(
-          local, ids, max_episode_length=max_episode_length),
-      # gather_pieces already gives an all-False mask and length 0 when
-      # nothing is held, as the unsharded sample does.
-      as_sample=lambda rows, indices, weights, item_ids, drawn: EpisodeSample(
-          items=rows[0], indices=indices, weights=weights, item_ids=item_ids,
-          mask=rows[1], lengths=rows[2], continues=rows[3]))
+    # Positive exactly when a piece is held (the tree's total: pieces, or
+    # their steps with weight_by_length); only its sign is read.
+    held=lambda state: jnp.ceil(state.window_tree.levels[-1][..., 0]).astype(jnp.int32),
+    masses=lambda local: local.window_tree,
+    rows=lambda local, ids, key: gather_pieces(local, ids, max_episode_length=max_episode_length),
+    # gather_pieces already gives an all-False mask and length 0 when
+    # nothing is held, as the unsharded sample does.
+    as_sample=lambda rows, indices, weights, item_ids, drawn: EpisodeSample(
+      items=rows[0],
+      indices=indices,
+      weights=weights,
+      item_ids=item_ids,
+      mask=rows[1],
+      lengths=rows[2],
+      continues=rows[3],
+    ),
+  )

@@ -99,13 +99,14 @@ class FrameStackTransition(NamedTuple):
   (rlax's `discount_t`). The sample's `indices` are transition ids
   (`env * R + slot` of step t), its `item_ids` step t's id.
   """
-  obs: PyTree          # leaves [S, ...]; stacked leaves with K inserted at
-                       # stack_axis, oldest frame first
-  action: PyTree       # leaves [S, ...]
-  reward: jax.Array    # [S]: n-step discounted reward, the reward's dtype
+
+  obs: PyTree  # leaves [S, ...]; stacked leaves with K inserted at
+  # stack_axis, oldest frame first
+  action: PyTree  # leaves [S, ...]
+  reward: jax.Array  # [S]: n-step discounted reward, the reward's dtype
   discount: jax.Array  # [S], the reward's dtype: gamma^k for the k <= n
-                       # steps summed, 0 after a termination
-  next_obs: PyTree     # like obs: the stack at step t + k (k <= n)
+  # steps summed, 0 after a termination
+  next_obs: PyTree  # like obs: the stack at step t + k (k <= n)
 
 
 @flax.struct.dataclass
@@ -116,10 +117,11 @@ class FrameStackReplayState(PrioritizedSequenceReplayState):
   transitions sampleable per env; `max_priority` and `beta_step` stay at 1
   and 0 without priorities.
   """
+
   episode_positions: jax.Array  # uint8 [N, R]: each step's index in its
-                                # episode, saturated at K - 1
-  next_positions: jax.Array     # int32 [N]: the index the next step of each
-                                # env will have, saturated at K - 1
+  # episode, saturated at K - 1
+  next_positions: jax.Array  # int32 [N]: the index the next step of each
+  # env will have, saturated at K - 1
 
   def per_env_fields(self) -> tuple[str, ...]:
     return super().per_env_fields() + ("episode_positions", "next_positions")
@@ -127,8 +129,7 @@ class FrameStackReplayState(PrioritizedSequenceReplayState):
   def oldest_held_starts_an_episode(self) -> jax.Array:
     """Also where the ring wrapped at an episode's start: the oldest held
     step's position in its episode is 0."""
-    oldest = jnp.take_along_axis(self.episode_positions,
-                                 self.oldest_held_slots()[:, None], axis=1)
+    oldest = jnp.take_along_axis(self.episode_positions, self.oldest_held_slots()[:, None], axis=1)
     return super().oldest_held_starts_an_episode() | (oldest[:, 0] == 0)
 
 
@@ -142,63 +143,78 @@ def _stacked_mask(obs: PyTree, stack_keys: tuple[str, ...] | None) -> PyTree:
   """A bool per leaf of `obs`: whether it is stacked."""
   if stack_keys is None:
     return jax.tree.map(lambda _: True, obs)
-  names = (list(obs) if isinstance(obs, collections.abc.Mapping)
-           else list(getattr(obs, "_fields", ())))
+  names = (
+    list(obs) if isinstance(obs, collections.abc.Mapping) else list(getattr(obs, "_fields", ()))
+  )
   missing = [key for key in stack_keys if key not in names]
   if missing:
     raise ValueError(
-        f"stack_keys names {missing}, which obs does not have; obs "
-        f"{'has the keys ' + str(names) if names else 'is not a dict or NamedTuple'}"
-        f" (stack_keys=None stacks every leaf).")
+      f"stack_keys names {missing}, which obs does not have; obs "
+      f"{'has the keys ' + str(names) if names else 'is not a dict or NamedTuple'}"
+      f" (stack_keys=None stacks every leaf)."
+    )
   if isinstance(obs, collections.abc.Mapping):
     mapping_type: Any = type(obs)  # a dict, or a Mapping made from one
-    return mapping_type({key: jax.tree.map(lambda _, k=key: k in stack_keys,
-                                           value) for key, value in obs.items()})
-  return type(obs)(**{key: jax.tree.map(lambda _, k=key: k in stack_keys,
-                                        getattr(obs, key)) for key in names})
+    return mapping_type(
+      {key: jax.tree.map(lambda _, k=key: k in stack_keys, value) for key, value in obs.items()}
+    )
+  return type(obs)(
+    **{key: jax.tree.map(lambda _, k=key: k in stack_keys, getattr(obs, key)) for key in names}
+  )
 
 
-def check_step(example_step: PyTree, *, stack_keys: tuple[str, ...] | None,
-               stack_axis: int) -> None:
+def check_step(
+  example_step: PyTree, *, stack_keys: tuple[str, ...] | None, stack_axis: int
+) -> None:
   """Raises naming what is wrong with a step of the frame stream."""
   for name in STEP_FIELDS:
     try:
       _field(example_step, name)
     except (KeyError, AttributeError, TypeError):
       raise ValueError(
-          f"frame_stack_replay: the step has no field {name!r}; a step holds "
-          f"{STEP_FIELDS} (a dict or a NamedTuple).") from None
+        f"frame_stack_replay: the step has no field {name!r}; a step holds "
+        f"{STEP_FIELDS} (a dict or a NamedTuple)."
+      ) from None
   validation.check_reward_and_terminated(
-      _field(example_step, "reward"), _field(example_step, "terminated"),
-      what="frame_stack_replay")
+    _field(example_step, "reward"), _field(example_step, "terminated"), what="frame_stack_replay"
+  )
   obs = _field(example_step, "obs")
   stacked = _stacked_mask(obs, stack_keys)
   for (path, leaf), is_stacked in zip(
-      jax.tree_util.tree_flatten_with_path(obs)[0], jax.tree.leaves(stacked)):
+    jax.tree_util.tree_flatten_with_path(obs)[0], jax.tree.leaves(stacked)
+  ):
     rank = np.ndim(leaf)
     if is_stacked and not -(rank + 1) <= stack_axis <= rank:
       raise ValueError(
-          f"stack_axis {stack_axis} is out of range for obs leaf "
-          f"{jax.tree_util.keystr(path) or '<root>'} of shape "
-          f"{np.shape(leaf)}: the stack axis goes in [{-(rank + 1)}, {rank}].")
+        f"stack_axis {stack_axis} is out of range for obs leaf "
+        f"{jax.tree_util.keystr(path) or '<root>'} of shape "
+        f"{np.shape(leaf)}: the stack axis goes in [{-(rank + 1)}, {rank}]."
+      )
 
 
-def check_settings(num_envs: Any, capacity: Any, num_stack: Any, n_step: Any,
-                   gamma: Any = 0.99, pad: Any = "zeros", stack_axis: Any = -1,
-                   stack_keys: Any = None) -> None:
+def check_settings(
+  num_envs: Any,
+  capacity: Any,
+  num_stack: Any,
+  n_step: Any,
+  gamma: Any = 0.99,
+  pad: Any = "zeros",
+  stack_axis: Any = -1,
+  stack_keys: Any = None,
+) -> None:
   """Raises naming the setting; a capacity is never rounded silently."""
   validation.check_positive_int(num_stack, "num_stack")
   validation.check_positive_int(n_step, "n_step")
   if num_stack > MAX_NUM_STACK:
-    raise ValueError(f"num_stack must be at most {MAX_NUM_STACK}, given "
-                     f"{num_stack}.")
+    raise ValueError(f"num_stack must be at most {MAX_NUM_STACK}, given {num_stack}.")
   sequence.check_sizes(num_envs, capacity, 1, 1)
   per_env = capacity // num_envs
   if per_env < num_stack + n_step:
     raise ValueError(
-        f"capacity {capacity} holds {per_env} steps per env; a stacked "
-        f"n-step transition reads num_stack + n_step = {num_stack + n_step}: "
-        f"use capacity >= {(num_stack + n_step) * num_envs}.")
+      f"capacity {capacity} holds {per_env} steps per env; a stacked "
+      f"n-step transition reads num_stack + n_step = {num_stack + n_step}: "
+      f"use capacity >= {(num_stack + n_step) * num_envs}."
+    )
   validation.check_hyperparameter(gamma, "gamma")
   if float(gamma) > 1:
     raise ValueError(f"gamma must be in [0, 1], given {gamma}.")
@@ -206,15 +222,19 @@ def check_settings(num_envs: Any, capacity: Any, num_stack: Any, n_step: Any,
     raise ValueError(f"pad must be one of {PAD_MODES}, given {pad!r}.")
   validation.check_python_int(stack_axis, "stack_axis")
   if stack_keys is not None and (
-      isinstance(stack_keys, str) or not all(
-          isinstance(key, str) for key in stack_keys)):
-    raise TypeError(f"stack_keys must be None or a tuple of key names, "
-                    f"given {stack_keys!r}.")
+    isinstance(stack_keys, str) or not all(isinstance(key, str) for key in stack_keys)
+  ):
+    raise TypeError(f"stack_keys must be None or a tuple of key names, given {stack_keys!r}.")
 
 
-def init(example_step: PyTree, *, num_envs: int, capacity: int,
-         stack_keys: tuple[str, ...] | None = None,
-         stack_axis: int = -1) -> FrameStackReplayState:
+def init(
+  example_step: PyTree,
+  *,
+  num_envs: int,
+  capacity: int,
+  stack_keys: tuple[str, ...] | None = None,
+  stack_axis: int = -1,
+) -> FrameStackReplayState:
   """An empty buffer for steps shaped like `example_step` (one env, unbatched).
 
   Args:
@@ -227,17 +247,17 @@ def init(example_step: PyTree, *, num_envs: int, capacity: int,
       `frame_stack_replay`).
   """
   check_step(example_step, stack_keys=stack_keys, stack_axis=stack_axis)
-  base = prioritized_sequence.init(example_step, num_envs=num_envs,
-                                   capacity=capacity)
+  base = prioritized_sequence.init(example_step, num_envs=num_envs, capacity=capacity)
   return FrameStackReplayState(
-      **{name: getattr(base, name) for name in base.__dataclass_fields__},
-      episode_positions=jnp.zeros((num_envs, capacity // num_envs),
-                                  jnp.uint8),
-      next_positions=jnp.zeros((num_envs,), jnp.int32))
+    **{name: getattr(base, name) for name in base.__dataclass_fields__},
+    episode_positions=jnp.zeros((num_envs, capacity // num_envs), jnp.uint8),
+    next_positions=jnp.zeros((num_envs,), jnp.int32),
+  )
 
 
-def transitions_valid(state: FrameStackReplayState, envs: jax.Array,
-                      slots: jax.Array, *, n_step: int) -> jax.Array:
+def transitions_valid(
+  state: FrameStackReplayState, envs: jax.Array, slots: jax.Array, *, n_step: int
+) -> jax.Array:
   """Whether the transition at each `(env, slot)` can be sampled: bool.
 
   The steps its n-step target reads are held (its step and the n after
@@ -252,29 +272,26 @@ def transitions_valid(state: FrameStackReplayState, envs: jax.Array,
   if n_step > 1:
     # Step t + j is held when j <= ago; a slot beyond the write head holds
     # an older lap's flag, which must not count.
-    ahead = jnp.arange(1, n_step, dtype=jnp.int32).reshape(
-        (1,) * slots.ndim + (-1,))
-    ends = state.episode_ends[envs[..., None],
-                              (slots[..., None] + ahead)
-                              % sequence.steps_per_env(state)]
+    ahead = jnp.arange(1, n_step, dtype=jnp.int32).reshape((1,) * slots.ndim + (-1,))
+    ends = state.episode_ends[
+      envs[..., None], (slots[..., None] + ahead) % sequence.steps_per_env(state)
+    ]
     complete |= jnp.any(ends & (ahead <= ago[..., None]), axis=-1)
-  return (complete & (ago + history < state.steps_held[envs])
-          & ~state.episode_ends[envs, slots])
+  return complete & (ago + history < state.steps_held[envs]) & ~state.episode_ends[envs, slots]
 
 
-def transition_ids_valid(state: FrameStackReplayState, ids: jax.Array, *,
-                         n_step: int) -> jax.Array:
+def transition_ids_valid(state: FrameStackReplayState, ids: jax.Array, *, n_step: int) -> jax.Array:
   """`transitions_valid` for ids `[S]` (any ints; out of range is False)."""
   per_env = sequence.steps_per_env(state)
   ids = ids.astype(jnp.int32)
   in_range = (ids >= 0) & (ids < sequence.num_envs_of(state) * per_env)
   safe = jnp.where(in_range, ids, 0)
-  return in_range & transitions_valid(state, safe // per_env, safe % per_env,
-                                      n_step=n_step)
+  return in_range & transitions_valid(state, safe // per_env, safe % per_env, n_step=n_step)
 
 
-def episode_positions_of(next_positions: jax.Array, episode_end: jax.Array,
-                         *, num_stack: int) -> tuple[jax.Array, jax.Array]:
+def episode_positions_of(
+  next_positions: jax.Array, episode_end: jax.Array, *, num_stack: int
+) -> tuple[jax.Array, jax.Array]:
   """Each chunk step's position in its episode, saturated at K - 1.
 
   Args:
@@ -288,21 +305,24 @@ def episode_positions_of(next_positions: jax.Array, episode_end: jax.Array,
   length = episode_end.shape[1]
   index = jnp.arange(length, dtype=jnp.int32)[None, :]
   # Step i starts an episode when step i - 1 ended one.
-  starts = jnp.concatenate(
-      [jnp.zeros_like(episode_end[:, :1]), episode_end[:, :-1]], axis=1)
+  starts = jnp.concatenate([jnp.zeros_like(episode_end[:, :1]), episode_end[:, :-1]], axis=1)
   last_start = jax.lax.cummax(jnp.where(starts, index, -1), axis=1)
-  positions = jnp.where(last_start >= 0, index - last_start,
-                        next_positions[:, None] + index)
+  positions = jnp.where(last_start >= 0, index - last_start, next_positions[:, None] + index)
   positions = jnp.minimum(positions, num_stack - 1)
-  after = jnp.where(episode_end[:, -1], 0,
-                    jnp.minimum(positions[:, -1] + 1, num_stack - 1))
+  after = jnp.where(episode_end[:, -1], 0, jnp.minimum(positions[:, -1] + 1, num_stack - 1))
   return positions, after
 
 
-def add_steps(state: FrameStackReplayState, steps: PyTree,
-              mask: jax.Array | None, episode_end: jax.Array | None, *,
-              num_stack: int, n_step: int,
-              new_leaf_value: jax.Array) -> FrameStackReplayState:
+def add_steps(
+  state: FrameStackReplayState,
+  steps: PyTree,
+  mask: jax.Array | None,
+  episode_end: jax.Array | None,
+  *,
+  num_stack: int,
+  n_step: int,
+  new_leaf_value: jax.Array,
+) -> FrameStackReplayState:
   """Writes steps and updates the transitions they complete or break.
 
   Args:
@@ -314,54 +334,60 @@ def add_steps(state: FrameStackReplayState, steps: PyTree,
     new_leaf_value: the tree leaf of a transition that becomes sampleable.
   """
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
-  steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
-                                                       episode_end)
+  steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask, episode_end)
   if not episode_end.shape[1]:
     # An empty chunk [N, 0, ...] adds nothing, as in sequence replay.
     return state
-  positions, after = episode_positions_of(state.next_positions, episode_end,
-                                          num_stack=num_stack)
+  positions, after = episode_positions_of(state.next_positions, episode_end, num_stack=num_stack)
   new_state, chunk = sequence.write_chunk(
-      state, steps, mask, episode_end,
-      episode_positions=positions.astype(jnp.uint8))
+    state, steps, mask, episode_end, episode_positions=positions.astype(jnp.uint8)
+  )
   kept = chunk.kept
-  new_state = new_state.replace(
-      next_positions=jnp.where(mask, after, state.next_positions))
+  new_state = new_state.replace(next_positions=jnp.where(mask, after, state.next_positions))
   # Transitions that can change, by steps ago after the write: those written
   # (0..K'-1), those whose j-th next step was written for a j <= n (a final
   # step completes a target early: 1..n+K'-1), and the K - 1 oldest, whose
   # history the write may have overwritten. Every other keeps its steps,
   # its history and its validity.
-  touched_ago = np.unique(np.concatenate([
-      np.arange(n_step + kept), per_env - 1 - np.arange(num_stack - 1)]))
+  touched_ago = np.unique(
+    np.concatenate([np.arange(n_step + kept), per_env - 1 - np.arange(num_stack - 1)])
+  )
   touched_ago = touched_ago[(touched_ago >= 0) & (touched_ago < per_env)]
-  touched_slots = (new_state.write_heads[:, None] - 1
-                   - jnp.asarray(touched_ago, jnp.int32)[None, :]) % per_env
-  envs = jnp.broadcast_to(jnp.arange(num_envs, dtype=jnp.int32)[:, None],
-                          touched_slots.shape)
+  touched_slots = (
+    new_state.write_heads[:, None] - 1 - jnp.asarray(touched_ago, jnp.int32)[None, :]
+  ) % per_env
+  envs = jnp.broadcast_to(jnp.arange(num_envs, dtype=jnp.int32)[:, None], touched_slots.shape)
   before = transitions_valid(state, envs, touched_slots, n_step=n_step)
-  after_valid = transitions_valid(new_state, envs, touched_slots,
-                                  n_step=n_step)
-  change = (jnp.sum(after_valid, axis=1, dtype=jnp.int32)
-            - jnp.sum(before, axis=1, dtype=jnp.int32))
+  after_valid = transitions_valid(new_state, envs, touched_slots, n_step=n_step)
+  change = jnp.sum(after_valid, axis=1, dtype=jnp.int32) - jnp.sum(before, axis=1, dtype=jnp.int32)
   # A rewritten slot holds a new transition: its leaf is set whenever either
   # is sampleable. Another keeps its leaf (its priority) unless it became
   # sampleable or stopped being so.
   rewritten = jnp.asarray(touched_ago < kept)[None, :]
-  changed = mask[:, None] & jnp.where(rewritten, before | after_valid,
-                                      before != after_valid)
+  changed = mask[:, None] & jnp.where(rewritten, before | after_valid, before != after_valid)
   leaves = jnp.where(after_valid, new_leaf_value, 0.0).astype(jnp.float32)
   return new_state.replace(
-      window_counts=state.window_counts + jnp.where(mask, change, 0),
-      window_tree=sum_tree.set_leaves(
-          state.window_tree, (envs * per_env + touched_slots).reshape(-1),
-          leaves.reshape(-1), changed.reshape(-1), unique_indices=True))
+    window_counts=state.window_counts + jnp.where(mask, change, 0),
+    window_tree=sum_tree.set_leaves(
+      state.window_tree,
+      (envs * per_env + touched_slots).reshape(-1),
+      leaves.reshape(-1),
+      changed.reshape(-1),
+      unique_indices=True,
+    ),
+  )
 
 
-def add(state: FrameStackReplayState, steps: PyTree,
-        mask: jax.Array | None = None, episode_end: jax.Array | None = None,
-        final_steps: PyTree | None = None, *, num_stack: int,
-        n_step: int) -> FrameStackReplayState:
+def add(
+  state: FrameStackReplayState,
+  steps: PyTree,
+  mask: jax.Array | None = None,
+  episode_end: jax.Array | None = None,
+  final_steps: PyTree | None = None,
+  *,
+  num_stack: int,
+  n_step: int,
+) -> FrameStackReplayState:
   """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`), and the
   final observations of the envs whose episode ended (`final_steps`).
 
@@ -391,27 +417,45 @@ def add(state: FrameStackReplayState, steps: PyTree,
       None for none.
     num_stack, n_step: the buffer's settings.
   """
-  validation.check_state_kind(state, FrameStackReplayState, what="add",
-                              exact=True)
+  validation.check_state_kind(state, FrameStackReplayState, what="add", exact=True)
   return sequence.add_stream(
-      state, steps, mask, episode_end, final_steps, write=functools.partial(
-          add_steps, num_stack=num_stack, n_step=n_step,
-          new_leaf_value=jnp.float32(1.0)))
+    state,
+    steps,
+    mask,
+    episode_end,
+    final_steps,
+    write=functools.partial(
+      add_steps, num_stack=num_stack, n_step=n_step, new_leaf_value=jnp.float32(1.0)
+    ),
+  )
 
 
-def prioritized_add(state: FrameStackReplayState, steps: PyTree,
-                    mask: jax.Array | None = None,
-                    episode_end: jax.Array | None = None,
-                    final_steps: PyTree | None = None, *, num_stack: int,
-                    n_step: int, alpha: float) -> FrameStackReplayState:
+def prioritized_add(
+  state: FrameStackReplayState,
+  steps: PyTree,
+  mask: jax.Array | None = None,
+  episode_end: jax.Array | None = None,
+  final_steps: PyTree | None = None,
+  *,
+  num_stack: int,
+  n_step: int,
+  alpha: float,
+) -> FrameStackReplayState:
   """`add`; transitions completed enter at the running maximum priority."""
-  validation.check_state_kind(state, FrameStackReplayState, what="add",
-                              exact=True)
+  validation.check_state_kind(state, FrameStackReplayState, what="add", exact=True)
   return sequence.add_stream(
-      state, steps, mask, episode_end, final_steps, write=functools.partial(
-          add_steps, num_stack=num_stack, n_step=n_step,
-          new_leaf_value=prioritized.capped_leaf_values(
-              state.max_priority, alpha, state.window_tree)))
+    state,
+    steps,
+    mask,
+    episode_end,
+    final_steps,
+    write=functools.partial(
+      add_steps,
+      num_stack=num_stack,
+      n_step=n_step,
+      new_leaf_value=prioritized.capped_leaf_values(state.max_priority, alpha, state.window_tree),
+    ),
+  )
 
 
 def _move_stack_axis(leaf: jax.Array, stack_axis: int) -> jax.Array:
@@ -420,10 +464,17 @@ def _move_stack_axis(leaf: jax.Array, stack_axis: int) -> jax.Array:
   return jnp.moveaxis(leaf, 1, 1 + stack_axis % (rank + 1))
 
 
-def gather_transitions(state: FrameStackReplayState, ids: jax.Array, *,
-                       num_stack: int, n_step: int, gamma: Any, pad: str,
-                       stack_keys: tuple[str, ...] | None,
-                       stack_axis: int) -> FrameStackTransition:
+def gather_transitions(
+  state: FrameStackReplayState,
+  ids: jax.Array,
+  *,
+  num_stack: int,
+  n_step: int,
+  gamma: Any,
+  pad: str,
+  stack_keys: tuple[str, ...] | None,
+  stack_axis: int,
+) -> FrameStackTransition:
   """The stacked n-step transitions of ids `[S]` (each a sampleable one)."""
   per_env = sequence.steps_per_env(state)
   num_rows = sequence.num_envs_of(state) * per_env
@@ -440,17 +491,18 @@ def gather_transitions(state: FrameStackReplayState, ids: jax.Array, *,
 
   step = lambda name: _field(state.storage, name)
   ahead = rows_at(jnp.arange(n_step + 1, dtype=jnp.int32)[None, :])
-  take = lambda column, rows: flat(column).at[rows].get(
-      mode="promise_in_bounds")
+  take = lambda column, rows: flat(column).at[rows].get(mode="promise_in_bounds")
   rewards = take(step("reward"), ahead)
   targets = transitions.n_step_targets(
-      rewards, take(step("terminated"), ahead),
-      take(state.episode_ends, ahead), n=n_step,
-      gamma=jnp.asarray(gamma, rewards.dtype))
+    rewards,
+    take(step("terminated"), ahead),
+    take(state.episode_ends, ahead),
+    n=n_step,
+    gamma=jnp.asarray(gamma, rewards.dtype),
+  )
   next_offsets = targets.next_index[:, 0]
   positions = take(state.episode_positions, ahead).astype(jnp.int32)
-  next_positions = jnp.take_along_axis(positions, next_offsets[:, None],
-                                       axis=1)[:, 0]
+  next_positions = jnp.take_along_axis(positions, next_offsets[:, None], axis=1)[:, 0]
 
   def stack_offsets(anchor, position):
     """Offsets `[S, K]` of a stack's frames, oldest first, and which are real."""
@@ -461,8 +513,7 @@ def gather_transitions(state: FrameStackReplayState, ids: jax.Array, *,
     return anchor[:, None] - back, real
 
   def frame_rows():
-    obs_offsets, _ = stack_offsets(jnp.zeros_like(next_offsets),
-                                   positions[:, 0])
+    obs_offsets, _ = stack_offsets(jnp.zeros_like(next_offsets), positions[:, 0])
     next_stack, _ = stack_offsets(next_offsets, next_positions)
     return rows_at(jnp.concatenate([obs_offsets, next_stack], axis=1))
 
@@ -471,8 +522,7 @@ def gather_transitions(state: FrameStackReplayState, ids: jax.Array, *,
   _, obs_real = stack_offsets(jnp.zeros_like(next_offsets), positions[:, 0])
   _, next_real = stack_offsets(next_offsets, next_positions)
   real = jnp.concatenate([obs_real, next_real], axis=1)
-  single_rows = rows_at(jnp.stack([jnp.zeros_like(next_offsets),
-                                   next_offsets], axis=1))
+  single_rows = rows_at(jnp.stack([jnp.zeros_like(next_offsets), next_offsets], axis=1))
 
   def gather_obs(leaf, is_stacked):
     if not is_stacked:
@@ -482,43 +532,63 @@ def gather_transitions(state: FrameStackReplayState, ids: jax.Array, *,
     if pad == "zeros":
       shown = real.reshape(real.shape + (1,) * (frames.ndim - 2))
       frames = jnp.where(shown, frames, jnp.zeros((), frames.dtype))
-    return (_move_stack_axis(frames[:, :num_stack], stack_axis),
-            _move_stack_axis(frames[:, num_stack:], stack_axis))
+    return (
+      _move_stack_axis(frames[:, :num_stack], stack_axis),
+      _move_stack_axis(frames[:, num_stack:], stack_axis),
+    )
 
   obs_column = step("obs")
   leaves, structure = jax.tree.flatten(obs_column)
-  pairs = [gather_obs(leaf, is_stacked) for leaf, is_stacked in zip(
-      leaves, jax.tree.leaves(_stacked_mask(obs_column, stack_keys)))]
+  pairs = [
+    gather_obs(leaf, is_stacked)
+    for leaf, is_stacked in zip(leaves, jax.tree.leaves(_stacked_mask(obs_column, stack_keys)))
+  ]
   obs = jax.tree.unflatten(structure, [pair[0] for pair in pairs])
   next_obs = jax.tree.unflatten(structure, [pair[1] for pair in pairs])
   action = jax.tree.map(lambda leaf: take(leaf, ahead[:, 0]), step("action"))
   return FrameStackTransition(
-      obs=obs, action=action, reward=targets.rewards[:, 0],
-      discount=targets.discounts[:, 0], next_obs=next_obs)
+    obs=obs,
+    action=action,
+    reward=targets.rewards[:, 0],
+    discount=targets.discounts[:, 0],
+    next_obs=next_obs,
+  )
 
 
-def transition_item_ids(state: FrameStackReplayState,
-                        ids: jax.Array) -> jax.Array:
+def transition_item_ids(state: FrameStackReplayState, ids: jax.Array) -> jax.Array:
   """The absolute step id of each transition's step, modulo 2**32: uint32."""
   return sequence.window_item_ids(state, ids)
 
 
-def _check_sample(state: FrameStackReplayState, key: jax.Array,
-                  batch_size: int, *, checked: bool) -> jax.Array:
+def _check_sample(
+  state: FrameStackReplayState, key: jax.Array, batch_size: int, *, checked: bool
+) -> jax.Array:
   total = jnp.sum(state.window_counts)
   validation.check_key(key, what="sample")
   validation.check_batch_size(batch_size, what="sample")
   if checked:
-    checkify.check(total > 0, "sample: the buffer holds no sampleable "
-                   "transition; add steps before sampling (guard with "
-                   "can_sample).")
+    checkify.check(
+      total > 0,
+      "sample: the buffer holds no sampleable "
+      "transition; add steps before sampling (guard with "
+      "can_sample).",
+    )
   return total
 
 
-def sample(state: FrameStackReplayState, key: jax.Array, batch_size: int, *,
-           num_stack: int, n_step: int, gamma: Any, pad: str,
-           stack_keys: tuple[str, ...] | None, stack_axis: int,
-           checked: bool = False) -> ReplaySample:
+def sample(
+  state: FrameStackReplayState,
+  key: jax.Array,
+  batch_size: int,
+  *,
+  num_stack: int,
+  n_step: int,
+  gamma: Any,
+  pad: str,
+  stack_keys: tuple[str, ...] | None,
+  stack_axis: int,
+  checked: bool = False,
+) -> ReplaySample:
   """Draws `batch_size` transitions uniformly, with replacement.
 
   With no sampleable transition it returns transition 0 (whatever its slots
@@ -529,26 +599,42 @@ def sample(state: FrameStackReplayState, key: jax.Array, batch_size: int, *,
     int32 `[S]` (transition ids `n * R + j`), weights float32 `[S]` (1, or 0
     when empty), item_ids uint32 `[S]`.
   """
-  validation.check_state_kind(state, FrameStackReplayState, what="sample",
-                              exact=True)
+  validation.check_state_kind(state, FrameStackReplayState, what="sample", exact=True)
   total = _check_sample(state, key, batch_size, checked=checked)
-  found, _ = sum_tree.sample_leaves(state.window_tree, key, batch_size,
-                                    stratified=False)
+  found, _ = sum_tree.sample_leaves(state.window_tree, key, batch_size, stratified=False)
   ids = jnp.where(total > 0, found, 0)
   return ReplaySample(
-      items=gather_transitions(state, ids, num_stack=num_stack, n_step=n_step,
-                               gamma=gamma, pad=pad, stack_keys=stack_keys,
-                               stack_axis=stack_axis),
-      indices=ids, weights=jnp.full((batch_size,), total > 0, jnp.float32),
-      item_ids=transition_item_ids(state, ids))
+    items=gather_transitions(
+      state,
+      ids,
+      num_stack=num_stack,
+      n_step=n_step,
+      gamma=gamma,
+      pad=pad,
+      stack_keys=stack_keys,
+      stack_axis=stack_axis,
+    ),
+    indices=ids,
+    weights=jnp.full((batch_size,), total > 0, jnp.float32),
+    item_ids=transition_item_ids(state, ids),
+  )
 
 
-def prioritized_sample(state: FrameStackReplayState, key: jax.Array,
-                       batch_size: int, *, num_stack: int, n_step: int,
-                       gamma: Any, pad: str,
-                       stack_keys: tuple[str, ...] | None, stack_axis: int,
-                       beta: float | Schedule, stratified: bool = True,
-                       checked: bool = False) -> ReplaySample:
+def prioritized_sample(
+  state: FrameStackReplayState,
+  key: jax.Array,
+  batch_size: int,
+  *,
+  num_stack: int,
+  n_step: int,
+  gamma: Any,
+  pad: str,
+  stack_keys: tuple[str, ...] | None,
+  stack_axis: int,
+  beta: float | Schedule,
+  stratified: bool = True,
+  checked: bool = False,
+) -> ReplaySample:
   """Draws `batch_size` transitions in proportion to `(priority + eps) ** alpha`.
 
   Importance weights `(N P(i)) ** -beta`, N the sampleable transitions,
@@ -556,21 +642,37 @@ def prioritized_sample(state: FrameStackReplayState, key: jax.Array,
   With nothing sampleable (or every leaf underflowed) it returns transition
   0 with weight 0; checked mode raises when nothing is sampleable.
   """
-  validation.check_state_kind(state, FrameStackReplayState, what="sample",
-                              exact=True)
+  validation.check_state_kind(state, FrameStackReplayState, what="sample", exact=True)
   num_held = _check_sample(state, key, batch_size, checked=checked)
   ids, weights, _ = prioritized_sequence.draw_by_priority(
-      state, key, batch_size, num_held, beta=beta, stratified=stratified)
+    state, key, batch_size, num_held, beta=beta, stratified=stratified
+  )
   return ReplaySample(
-      items=gather_transitions(state, ids, num_stack=num_stack, n_step=n_step,
-                               gamma=gamma, pad=pad, stack_keys=stack_keys,
-                               stack_axis=stack_axis),
-      indices=ids, weights=weights, item_ids=transition_item_ids(state, ids))
+    items=gather_transitions(
+      state,
+      ids,
+      num_stack=num_stack,
+      n_step=n_step,
+      gamma=gamma,
+      pad=pad,
+      stack_keys=stack_keys,
+      stack_axis=stack_axis,
+    ),
+    indices=ids,
+    weights=weights,
+    item_ids=transition_item_ids(state, ids),
+  )
 
 
-def valid_priority_updates(state: FrameStackReplayState, indices: jax.Array,
-                           priorities: jax.Array, item_ids: jax.Array | None,
-                           *, n_step: int, checked: bool) -> jax.Array:
+def valid_priority_updates(
+  state: FrameStackReplayState,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None,
+  *,
+  n_step: int,
+  checked: bool,
+) -> jax.Array:
   """Which updates apply: bool `[S]`, as `sequence.valid_priority_updates`
   with transitions for windows. Reads no storage leaf."""
   validation.check_priority_update_args(indices, priorities, item_ids)
@@ -580,52 +682,71 @@ def valid_priority_updates(state: FrameStackReplayState, indices: jax.Array,
   in_range = ring.indices_in_range(indices, jnp.int32(num_ids))
   finite = jnp.isfinite(priorities)
   if checked:
-    checkify.check(jnp.all(in_range), "update_priorities: indices must be "
-                   "transition ids, in [0, capacity={capacity}); given "
-                   "{indices}", capacity=jnp.int32(num_ids), indices=indices)
-    checkify.check(jnp.all(finite & (priorities >= 0)), "update_priorities: "
-                   "priorities must be finite and non-negative (pass "
-                   "|TD error|); given {priorities}", priorities=priorities)
-  valid = in_range & finite & transition_ids_valid(
-      state, indices.astype(jnp.int32), n_step=n_step)
+    checkify.check(
+      jnp.all(in_range),
+      "update_priorities: indices must be "
+      "transition ids, in [0, capacity={capacity}); given "
+      "{indices}",
+      capacity=jnp.int32(num_ids),
+      indices=indices,
+    )
+    checkify.check(
+      jnp.all(finite & (priorities >= 0)),
+      "update_priorities: "
+      "priorities must be finite and non-negative (pass "
+      "|TD error|); given {priorities}",
+      priorities=priorities,
+    )
+  valid = in_range & finite & transition_ids_valid(state, indices.astype(jnp.int32), n_step=n_step)
   if item_ids is not None:
     safe = jnp.where(in_range, indices.astype(jnp.int32), 0)
     valid &= transition_item_ids(state, safe) == item_ids
   return valid
 
 
-def update_priorities(state: FrameStackReplayState, indices: jax.Array,
-                      priorities: jax.Array, item_ids: jax.Array | None = None,
-                      *, n_step: int,
-                      checked: bool = False) -> FrameStackReplayState:
+def update_priorities(
+  state: FrameStackReplayState,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None = None,
+  *,
+  n_step: int,
+  checked: bool = False,
+) -> FrameStackReplayState:
   """The identity: uniform replay keeps no priorities (arguments validated
   as for prioritized replay, so switching kinds surfaces no new errors)."""
-  validation.check_state_kind(state, FrameStackReplayState,
-                              what="update_priorities", exact=True)
+  validation.check_state_kind(state, FrameStackReplayState, what="update_priorities", exact=True)
   if checked:
-    valid_priority_updates(state, indices, priorities, item_ids,
-                           n_step=n_step, checked=True)
+    valid_priority_updates(state, indices, priorities, item_ids, n_step=n_step, checked=True)
   else:
     validation.check_priority_update_args(indices, priorities, item_ids)
   return state
 
 
 def prioritized_update_priorities(
-    state: FrameStackReplayState, indices: jax.Array, priorities: jax.Array,
-    item_ids: jax.Array | None = None, *, n_step: int, alpha: float,
-    eps: float, checked: bool = False) -> FrameStackReplayState:
+  state: FrameStackReplayState,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None = None,
+  *,
+  n_step: int,
+  alpha: float,
+  eps: float,
+  checked: bool = False,
+) -> FrameStackReplayState:
   """Sets the priorities of transitions `indices [S]` to `|priorities| + eps`.
 
   Skips, duplicates and checked mode as `prioritized_sequence_replay`'s
   (an id naming no sampleable transition, a priority not finite, a
   transition overwritten since it was sampled). Cost O(S log C).
   """
-  validation.check_state_kind(state, FrameStackReplayState,
-                              what="update_priorities", exact=True)
-  valid = valid_priority_updates(state, indices, priorities, item_ids,
-                                 n_step=n_step, checked=checked)
+  validation.check_state_kind(state, FrameStackReplayState, what="update_priorities", exact=True)
+  valid = valid_priority_updates(
+    state, indices, priorities, item_ids, n_step=n_step, checked=checked
+  )
   return prioritized_sequence.with_window_priorities(
-      state, indices, priorities, valid, alpha=alpha, eps=eps)
+    state, indices, priorities, valid, alpha=alpha, eps=eps
+  )
 
 
 def can_sample(state: FrameStackReplayState, batch_size: int) -> jax.Array:
@@ -641,51 +762,88 @@ def clear(state: FrameStackReplayState) -> FrameStackReplayState:
   next steps' stacks would read frames that are gone, so (as after an
   overwrite) a transition whose stack needs them is not sampled.
   """
-  validation.check_state_kind(state, FrameStackReplayState, what="clear",
-                              exact=True)
+  validation.check_state_kind(state, FrameStackReplayState, what="clear", exact=True)
   return prioritized_sequence.clear(state)
 
 
-def _frame_settings(num_envs: int, capacity: int, num_stack: int,
-                    n_step: int, **more: Any) -> kind.Settings:
-  return kind.settings_of(num_envs=num_envs, capacity=capacity,
-                          num_stack=num_stack, n_step=n_step, **more)
+def _frame_settings(
+  num_envs: int, capacity: int, num_stack: int, n_step: int, **more: Any
+) -> kind.Settings:
+  return kind.settings_of(
+    num_envs=num_envs, capacity=capacity, num_stack=num_stack, n_step=n_step, **more
+  )
 
 
-def _split(num_devices: int, *, num_envs: int, capacity: int, init_fn: Callable,
-           add_fn: Callable, sample_fn: Callable,
-           update_fn: Callable | None, gather: Callable, beta: Any,
-           stratified: bool) -> kind.Split:
+def _split(
+  num_devices: int,
+  *,
+  num_envs: int,
+  capacity: int,
+  init_fn: Callable,
+  add_fn: Callable,
+  sample_fn: Callable,
+  update_fn: Callable | None,
+  gather: Callable,
+  beta: Any,
+  stratified: bool,
+) -> kind.Split:
   """Split over devices as sequence replay is (envs in blocks of N / D, a
   transition never spans devices), drawing by the transition tree."""
   split = sequence.split_over_devices(
-      num_devices, num_envs=num_envs, capacity=capacity, init=init_fn,
-      add=add_fn, sample=sample_fn, update_priorities=update_fn, clear=clear,
-      beta=beta, stratified=stratified, sequence_length=1, period=1,
-      within=True)
+    num_devices,
+    num_envs=num_envs,
+    capacity=capacity,
+    init=init_fn,
+    add=add_fn,
+    sample=sample_fn,
+    update_priorities=update_fn,
+    clear=clear,
+    beta=beta,
+    stratified=stratified,
+    sequence_length=1,
+    period=1,
+    within=True,
+  )
 
   def at_rank(local, ranks):
     # Unused while `masses` is set: the rank-th leaf of the 0/1 tree.
-    return sum_tree.find_prefix_sums(local.window_tree,
-                                     ranks.astype(jnp.float32) + 0.5)
+    return sum_tree.find_prefix_sums(local.window_tree, ranks.astype(jnp.float32) + 0.5)
 
   return split._replace(
-      at_rank=at_rank, rows=lambda local, ids, key: gather(local, ids),
-      item_ids=transition_item_ids,
-      as_sample=lambda rows, indices, weights, item_ids, drawn: ReplaySample(
-          items=rows, indices=indices, weights=weights, item_ids=item_ids))
+    at_rank=at_rank,
+    rows=lambda local, ids, key: gather(local, ids),
+    item_ids=transition_item_ids,
+    as_sample=lambda rows, indices, weights, item_ids, drawn: ReplaySample(
+      items=rows, indices=indices, weights=weights, item_ids=item_ids
+    ),
+  )
 
 
-def _factory(name: str, num_envs: int, capacity: int, num_stack: int, *,
-             n_step: int, gamma: Any, stack_keys: Any, stack_axis: int,
-             pad: str, checked: bool, priorities: dict | None) -> Buffer:
-  check_settings(num_envs, capacity, num_stack, n_step, gamma, pad,
-                 stack_axis, stack_keys)
+def _factory(
+  name: str,
+  num_envs: int,
+  capacity: int,
+  num_stack: int,
+  *,
+  n_step: int,
+  gamma: Any,
+  stack_keys: Any,
+  stack_axis: int,
+  pad: str,
+  checked: bool,
+  priorities: dict | None,
+) -> Buffer:
+  check_settings(num_envs, capacity, num_stack, n_step, gamma, pad, stack_axis, stack_keys)
   stack_keys = None if stack_keys is None else tuple(stack_keys)
-  layout = dict(num_stack=num_stack, n_step=n_step, gamma=gamma, pad=pad,
-                stack_keys=stack_keys, stack_axis=stack_axis)
-  bound_init = functools.partial(init, stack_keys=stack_keys,
-                                 stack_axis=stack_axis)
+  layout = dict(
+    num_stack=num_stack,
+    n_step=n_step,
+    gamma=gamma,
+    pad=pad,
+    stack_keys=stack_keys,
+    stack_axis=stack_axis,
+  )
+  bound_init = functools.partial(init, stack_keys=stack_keys, stack_axis=stack_axis)
   if priorities is None:
     bound_add = functools.partial(add, num_stack=num_stack, n_step=n_step)
     bound_sample = functools.partial(sample, **layout)
@@ -694,41 +852,57 @@ def _factory(name: str, num_envs: int, capacity: int, num_stack: int, *,
   else:
     alpha, eps = priorities["alpha"], priorities["eps"]
     beta, stratified = priorities["beta"], priorities["stratified"]
-    bound_add = functools.partial(prioritized_add, num_stack=num_stack,
-                                  n_step=n_step, alpha=alpha)
-    bound_sample = functools.partial(prioritized_sample, **layout, beta=beta,
-                                     stratified=stratified)
-    bound_update = functools.partial(prioritized_update_priorities,
-                                     n_step=n_step, alpha=alpha, eps=eps)
+    bound_add = functools.partial(prioritized_add, num_stack=num_stack, n_step=n_step, alpha=alpha)
+    bound_sample = functools.partial(prioritized_sample, **layout, beta=beta, stratified=stratified)
+    bound_update = functools.partial(
+      prioritized_update_priorities, n_step=n_step, alpha=alpha, eps=eps
+    )
     split_update = bound_update
     more = dict(alpha=float(alpha), eps=float(eps))
   gather = functools.partial(gather_transitions, **layout)
   split = functools.partial(
-      _split, num_envs=num_envs, capacity=capacity, init_fn=bound_init,
-      add_fn=bound_add, sample_fn=bound_sample, update_fn=split_update,
-      gather=gather, beta=beta, stratified=stratified)
+    _split,
+    num_envs=num_envs,
+    capacity=capacity,
+    init_fn=bound_init,
+    add_fn=bound_add,
+    sample_fn=bound_sample,
+    update_fn=split_update,
+    gather=gather,
+    beta=beta,
+    stratified=stratified,
+  )
   return bind(
-      init=functools.partial(bound_init, num_envs=num_envs, capacity=capacity),
-      add=bound_add,
-      sample=functools.partial(bound_sample, checked=checked),
-      update_priorities=functools.partial(bound_update, checked=checked),
-      can_sample=can_sample,
-      clear=clear,
-      kind=kind.Kind(
-          name=name, state_type=FrameStackReplayState, exact_type=True,
-          settings=_frame_settings(num_envs, capacity, num_stack, n_step,
-                                   **more),
-          split=split),
-      checked=checked,
-      jit_update_priorities=priorities is not None)
+    init=functools.partial(bound_init, num_envs=num_envs, capacity=capacity),
+    add=bound_add,
+    sample=functools.partial(bound_sample, checked=checked),
+    update_priorities=functools.partial(bound_update, checked=checked),
+    can_sample=can_sample,
+    clear=clear,
+    kind=kind.Kind(
+      name=name,
+      state_type=FrameStackReplayState,
+      exact_type=True,
+      settings=_frame_settings(num_envs, capacity, num_stack, n_step, **more),
+      split=split,
+    ),
+    checked=checked,
+    jit_update_priorities=priorities is not None,
+  )
 
 
-def frame_stack_replay(num_envs: int, capacity: int, num_stack: int, *,
-                       n_step: int = 1, gamma: float = 0.99,
-                       stack_keys: tuple[str, ...] | None = None,
-                       stack_axis: int = -1, pad: str = "zeros",
-                       checked: bool = False
-                       ) -> Buffer[FrameStackReplayState, ReplaySample]:
+def frame_stack_replay(
+  num_envs: int,
+  capacity: int,
+  num_stack: int,
+  *,
+  n_step: int = 1,
+  gamma: float = 0.99,
+  stack_keys: tuple[str, ...] | None = None,
+  stack_axis: int = -1,
+  pad: str = "zeros",
+  checked: bool = False,
+) -> Buffer[FrameStackReplayState, ReplaySample]:
   """A uniform replay buffer of stacked n-step transitions, frames stored once.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.
@@ -774,18 +948,37 @@ def frame_stack_replay(num_envs: int, capacity: int, num_stack: int, *,
   ...                                       [0, 1, 2, 3])   # zero padded
   True
   """
-  return _factory("frame_stack_replay", num_envs, capacity, num_stack,
-                  n_step=n_step, gamma=gamma, stack_keys=stack_keys,
-                  stack_axis=stack_axis, pad=pad, checked=checked,
-                  priorities=None)
+  return _factory(
+    "frame_stack_replay",
+    num_envs,
+    capacity,
+    num_stack,
+    n_step=n_step,
+    gamma=gamma,
+    stack_keys=stack_keys,
+    stack_axis=stack_axis,
+    pad=pad,
+    checked=checked,
+    priorities=None,
+  )
 
 
 def prioritized_frame_stack_replay(
-    num_envs: int, capacity: int, num_stack: int, *, n_step: int = 1,
-    gamma: float = 0.99, stack_keys: tuple[str, ...] | None = None,
-    stack_axis: int = -1, pad: str = "zeros", alpha: float = 0.6,
-    beta: float | Schedule = 0.4, eps: float = 1e-6, stratified: bool = True,
-    checked: bool = False) -> Buffer[FrameStackReplayState, ReplaySample]:
+  num_envs: int,
+  capacity: int,
+  num_stack: int,
+  *,
+  n_step: int = 1,
+  gamma: float = 0.99,
+  stack_keys: tuple[str, ...] | None = None,
+  stack_axis: int = -1,
+  pad: str = "zeros",
+  alpha: float = 0.6,
+  beta: float | Schedule = 0.4,
+  eps: float = 1e-6,
+  stratified: bool = True,
+  checked: bool = False,
+) -> Buffer[FrameStackReplayState, ReplaySample]:
   """A prioritized replay buffer of stacked n-step transitions.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.
@@ -816,14 +1009,21 @@ def prioritized_frame_stack_replay(
   >>> batch.items.obs.shape, float(batch.weights.max())
   ((4, 3, 2), 1.0)
   """
-  validation.check_bool(stratified, "stratified",
-                        what="prioritized_frame_stack_replay")
+  validation.check_bool(stratified, "stratified", what="prioritized_frame_stack_replay")
   if not callable(beta):
     validation.check_hyperparameter(beta, "beta")
   validation.check_hyperparameter(alpha, "alpha")
   validation.check_hyperparameter(eps, "eps", positive=True)
-  return _factory("prioritized_frame_stack_replay", num_envs, capacity,
-                  num_stack, n_step=n_step, gamma=gamma, stack_keys=stack_keys,
-                  stack_axis=stack_axis, pad=pad, checked=checked,
-                  priorities=dict(alpha=alpha, beta=beta, eps=eps,
-                                  stratified=stratified))
+  return _factory(
+    "prioritized_frame_stack_replay",
+    num_envs,
+    capacity,
+    num_stack,
+    n_step=n_step,
+    gamma=gamma,
+    stack_keys=stack_keys,
+    stack_axis=stack_axis,
+    pad=pad,
+    checked=checked,
+    priorities=dict(alpha=alpha, beta=beta, eps=eps, stratified=stratified),
+  )

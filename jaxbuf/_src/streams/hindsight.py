@@ -100,17 +100,19 @@ class HindsightTransition(NamedTuple):
   `indices` are transition ids (`env * R + slot` of step t), its
   `item_ids` step t's id.
   """
-  obs: PyTree          # GoalEnv dict, leaves [S, ...]
-  action: PyTree       # leaves [S, ...]
-  reward: jax.Array    # [S], the stored reward's dtype
+
+  obs: PyTree  # GoalEnv dict, leaves [S, ...]
+  action: PyTree  # leaves [S, ...]
+  reward: jax.Array  # [S], the stored reward's dtype
   discount: jax.Array  # [S], the reward's dtype: gamma, or 0 where the
-                       # transition terminated the episode
-  next_obs: PyTree     # GoalEnv dict, leaves [S, ...]; the same desired_goal
+  # transition terminated the episode
+  next_obs: PyTree  # GoalEnv dict, leaves [S, ...]; the same desired_goal
 
 
 @flax.struct.dataclass
 class HindsightSample(ReplaySample):
   """A `ReplaySample` of `HindsightTransition` items, with the relabelled rows."""
+
   relabelled: jax.Array  # bool [S]: the row carries a hindsight goal
 
 
@@ -120,13 +122,14 @@ class HindsightReplayState(PrioritizedSequenceReplayState):
 
   `max_priority` and `beta_step` stay at 1 and 0 without priorities.
   """
-  episode_keys: jax.Array     # int32 [N, R]: each step's episode count mod R
-  episode_firsts: jax.Array   # uint32 [N, R]: each step's episode's first
-                              # step id (mod 2**32)
-  episode_lasts: jax.Array    # uint32 [N, R]: by episode key, the id of the
-                              # episode's last step, once it ended
-  current_keys: jax.Array     # int32 [N]: key of each env's newest episode
-  current_firsts: jax.Array   # uint32 [N]: first step id of that episode
+
+  episode_keys: jax.Array  # int32 [N, R]: each step's episode count mod R
+  episode_firsts: jax.Array  # uint32 [N, R]: each step's episode's first
+  # step id (mod 2**32)
+  episode_lasts: jax.Array  # uint32 [N, R]: by episode key, the id of the
+  # episode's last step, once it ended
+  current_keys: jax.Array  # int32 [N]: key of each env's newest episode
+  current_firsts: jax.Array  # uint32 [N]: first step id of that episode
   episode_running: jax.Array  # bool [N]: the next step continues it
 
   def per_env_fields(self) -> tuple[str, ...]:
@@ -138,15 +141,21 @@ class HindsightReplayState(PrioritizedSequenceReplayState):
     """Also where the ring wrapped at an episode's start: the oldest held
     step's id is its episode's first step id."""
     oldest_id = self.step_counts - self.steps_held.astype(jnp.uint32)
-    first = jnp.take_along_axis(self.episode_firsts,
-                                self.oldest_held_slots()[:, None], axis=1)
+    first = jnp.take_along_axis(self.episode_firsts, self.oldest_held_slots()[:, None], axis=1)
     return super().oldest_held_starts_an_episode() | (
-        (first[:, 0] == oldest_id) & (self.steps_held > 0))
+      (first[:, 0] == oldest_id) & (self.steps_held > 0)
+    )
 
 
 # The episode fields, one row per env `[N, ...]`.
-_EPISODE_FIELDS = ("episode_keys", "episode_firsts", "episode_lasts",
-                   "current_keys", "current_firsts", "episode_running")
+_EPISODE_FIELDS = (
+  "episode_keys",
+  "episode_firsts",
+  "episode_lasts",
+  "current_keys",
+  "current_firsts",
+  "episode_running",
+)
 
 
 def _field(tree: Any, name: str) -> Any:
@@ -162,32 +171,43 @@ def check_step(example_step: PyTree) -> None:
       _field(example_step, name)
     except (KeyError, AttributeError):
       raise ValueError(
-          f"hindsight_replay: the step has no field {name!r}; a step holds "
-          f"{STEP_FIELDS} (obs a dict of {GOAL_KEYS}).") from None
+        f"hindsight_replay: the step has no field {name!r}; a step holds "
+        f"{STEP_FIELDS} (obs a dict of {GOAL_KEYS})."
+      ) from None
   obs = _field(example_step, "obs")
-  if not isinstance(obs, collections.abc.Mapping) or any(
-      key not in obs for key in GOAL_KEYS):
-    given = sorted(obs) if isinstance(obs, collections.abc.Mapping) else (
-        type(obs).__name__)
-    raise ValueError(f"hindsight_replay: step obs must be a dict with keys "
-                     f"{GOAL_KEYS} (the GoalEnv layout), given {given}.")
+  if not isinstance(obs, collections.abc.Mapping) or any(key not in obs for key in GOAL_KEYS):
+    given = sorted(obs) if isinstance(obs, collections.abc.Mapping) else (type(obs).__name__)
+    raise ValueError(
+      f"hindsight_replay: step obs must be a dict with keys "
+      f"{GOAL_KEYS} (the GoalEnv layout), given {given}."
+    )
   achieved = jax.tree.map(jnp.shape, obs["achieved_goal"])
   desired = jax.tree.map(jnp.shape, obs["desired_goal"])
-  dtypes = [jax.tree.map(lambda leaf: str(validation.canonical_dtype(leaf)),
-                         obs[key]) for key in ("achieved_goal", "desired_goal")]
+  dtypes = [
+    jax.tree.map(lambda leaf: str(validation.canonical_dtype(leaf)), obs[key])
+    for key in ("achieved_goal", "desired_goal")
+  ]
   if achieved != desired or dtypes[0] != dtypes[1]:
-    raise ValueError("hindsight_replay: obs['achieved_goal'] and "
-                     "obs['desired_goal'] must have the same shapes and "
-                     f"dtypes, given shapes {achieved} and {desired}, dtypes "
-                     f"{dtypes[0]} and {dtypes[1]}.")
+    raise ValueError(
+      "hindsight_replay: obs['achieved_goal'] and "
+      "obs['desired_goal'] must have the same shapes and "
+      f"dtypes, given shapes {achieved} and {desired}, dtypes "
+      f"{dtypes[0]} and {dtypes[1]}."
+    )
   validation.check_reward_and_terminated(
-      _field(example_step, "reward"), _field(example_step, "terminated"),
-      what="hindsight_replay")
+    _field(example_step, "reward"), _field(example_step, "terminated"), what="hindsight_replay"
+  )
 
 
-def check_settings(num_envs: Any, capacity: Any, reward_fn: Any,
-                   strategy: Any, relabel_fraction: Any,
-                   terminated_fn: Any = None, gamma: Any = 0.99) -> None:
+def check_settings(
+  num_envs: Any,
+  capacity: Any,
+  reward_fn: Any,
+  strategy: Any,
+  relabel_fraction: Any,
+  terminated_fn: Any = None,
+  gamma: Any = 0.99,
+) -> None:
   """Raises naming the setting."""
   validation.check_hyperparameter(gamma, "gamma")
   if float(gamma) > 1:
@@ -196,32 +216,33 @@ def check_settings(num_envs: Any, capacity: Any, reward_fn: Any,
   validation.check_capacity(capacity)
   if capacity % num_envs == 0 and capacity // num_envs < 2:
     raise ValueError(
-        f"capacity {capacity} holds {capacity // num_envs} step per env; a "
-        f"transition needs 2 steps: use capacity >= {2 * num_envs}.")
+      f"capacity {capacity} holds {capacity // num_envs} step per env; a "
+      f"transition needs 2 steps: use capacity >= {2 * num_envs}."
+    )
   sequence.check_sizes(num_envs, capacity, **_WINDOW_SIZES)
   if not callable(reward_fn):
-    raise TypeError(f"reward_fn must be callable (achieved_goal, "
-                    f"desired_goal) -> reward, given "
-                    f"{type(reward_fn).__name__}.")
+    raise TypeError(
+      f"reward_fn must be callable (achieved_goal, "
+      f"desired_goal) -> reward, given "
+      f"{type(reward_fn).__name__}."
+    )
   if terminated_fn is not None and not callable(terminated_fn):
-    raise TypeError(f"terminated_fn must be callable or None, given "
-                    f"{type(terminated_fn).__name__}.")
+    raise TypeError(
+      f"terminated_fn must be callable or None, given {type(terminated_fn).__name__}."
+    )
   if strategy not in STRATEGIES:
-    raise ValueError(f"strategy must be one of {STRATEGIES}, given "
-                     f"{strategy!r}.")
+    raise ValueError(f"strategy must be one of {STRATEGIES}, given {strategy!r}.")
   try:
     fraction = float(relabel_fraction)
   except (TypeError, ValueError):
-    raise TypeError(f"relabel_fraction must be a real number in [0, 1], "
-                    f"given {type(relabel_fraction).__name__}.") from None
-  if isinstance(relabel_fraction, bool) or not (
-      math.isfinite(fraction) and 0 <= fraction <= 1):
-    raise ValueError(f"relabel_fraction must be in [0, 1], given "
-                     f"{relabel_fraction}.")
+    raise TypeError(
+      f"relabel_fraction must be a real number in [0, 1], given {type(relabel_fraction).__name__}."
+    ) from None
+  if isinstance(relabel_fraction, bool) or not (math.isfinite(fraction) and 0 <= fraction <= 1):
+    raise ValueError(f"relabel_fraction must be in [0, 1], given {relabel_fraction}.")
 
 
-def init(example_step: PyTree, *, num_envs: int,
-         capacity: int) -> HindsightReplayState:
+def init(example_step: PyTree, *, num_envs: int, capacity: int) -> HindsightReplayState:
   """An empty buffer for steps shaped like `example_step` (one env, unbatched).
 
   Args:
@@ -232,22 +253,25 @@ def init(example_step: PyTree, *, num_envs: int,
     capacity: C, steps over all envs, a multiple of N.
   """
   check_step(example_step)
-  base = prioritized_sequence.init(example_step, num_envs=num_envs,
-                                   capacity=capacity)
+  base = prioritized_sequence.init(example_step, num_envs=num_envs, capacity=capacity)
   per_env = capacity // num_envs
   return HindsightReplayState(
-      **{name: getattr(base, name) for name in base.__dataclass_fields__},
-      episode_keys=jnp.zeros((num_envs, per_env), jnp.int32),
-      episode_firsts=jnp.zeros((num_envs, per_env), jnp.uint32),
-      episode_lasts=jnp.zeros((num_envs, per_env), jnp.uint32),
-      current_keys=jnp.zeros((num_envs,), jnp.int32),
-      current_firsts=jnp.zeros((num_envs,), jnp.uint32),
-      episode_running=jnp.zeros((num_envs,), bool))
+    **{name: getattr(base, name) for name in base.__dataclass_fields__},
+    episode_keys=jnp.zeros((num_envs, per_env), jnp.int32),
+    episode_firsts=jnp.zeros((num_envs, per_env), jnp.uint32),
+    episode_lasts=jnp.zeros((num_envs, per_env), jnp.uint32),
+    current_keys=jnp.zeros((num_envs,), jnp.int32),
+    current_firsts=jnp.zeros((num_envs,), jnp.uint32),
+    episode_running=jnp.zeros((num_envs,), bool),
+  )
 
 
-def record_episodes(state: HindsightReplayState, written: HindsightReplayState,
-                    mask: jax.Array,
-                    episode_end: jax.Array) -> HindsightReplayState:
+def record_episodes(
+  state: HindsightReplayState,
+  written: HindsightReplayState,
+  mask: jax.Array,
+  episode_end: jax.Array,
+) -> HindsightReplayState:
   """`written` (`state` after its steps were written) with their episodes.
 
   Args:
@@ -264,50 +288,60 @@ def record_episodes(state: HindsightReplayState, written: HindsightReplayState,
   positions = jnp.arange(length, dtype=jnp.int32)[None, :]
   # A step starts an episode when the step before it ended one; the chunk's
   # first step, when no episode is running.
-  starts = jnp.concatenate([~state.episode_running[:, None],
-                            episode_end[:, :-1]], axis=1)
-  keys = (state.current_keys[:, None]
-          + jnp.cumsum(starts, axis=1, dtype=jnp.int32)) % per_env
+  starts = jnp.concatenate([~state.episode_running[:, None], episode_end[:, :-1]], axis=1)
+  keys = (state.current_keys[:, None] + jnp.cumsum(starts, axis=1, dtype=jnp.int32)) % per_env
   ids = state.step_counts[:, None] + positions.astype(jnp.uint32)
   latest_start = jax.lax.cummax(jnp.where(starts, positions, -1), axis=1)
-  firsts = jnp.where(latest_start >= 0,
-                     state.step_counts[:, None] + latest_start.astype(jnp.uint32),
-                     state.current_firsts[:, None])
+  firsts = jnp.where(
+    latest_start >= 0,
+    state.step_counts[:, None] + latest_start.astype(jnp.uint32),
+    state.current_firsts[:, None],
+  )
   write = chunk.write
   envs = jnp.arange(num_envs, dtype=jnp.int32)[:, None]
   # The kept steps' episodes are consecutive, at most R: distinct keys.
-  end_rows = jnp.where(mask[:, None] & episode_end[:, dropped:], envs,
-                       num_envs)
+  end_rows = jnp.where(mask[:, None] & episode_end[:, dropped:], envs, num_envs)
   return written.replace(
-      episode_keys=write(state.episode_keys, keys),
-      episode_firsts=write(state.episode_firsts, firsts),
-      episode_lasts=state.episode_lasts.at[end_rows, keys[:, dropped:]].set(
-          ids[:, dropped:], mode="drop", unique_indices=True),
-      current_keys=jnp.where(mask, keys[:, -1], state.current_keys),
-      current_firsts=jnp.where(mask, firsts[:, -1], state.current_firsts),
-      episode_running=jnp.where(mask, ~episode_end[:, -1],
-                                state.episode_running))
+    episode_keys=write(state.episode_keys, keys),
+    episode_firsts=write(state.episode_firsts, firsts),
+    episode_lasts=state.episode_lasts.at[end_rows, keys[:, dropped:]].set(
+      ids[:, dropped:], mode="drop", unique_indices=True
+    ),
+    current_keys=jnp.where(mask, keys[:, -1], state.current_keys),
+    current_firsts=jnp.where(mask, firsts[:, -1], state.current_firsts),
+    episode_running=jnp.where(mask, ~episode_end[:, -1], state.episode_running),
+  )
 
 
-def write_steps(state: HindsightReplayState, steps: PyTree,
-                mask: jax.Array | None, episode_end: jax.Array | None, *,
-                new_leaf_value: jax.Array) -> HindsightReplayState:
+def write_steps(
+  state: HindsightReplayState,
+  steps: PyTree,
+  mask: jax.Array | None,
+  episode_end: jax.Array | None,
+  *,
+  new_leaf_value: jax.Array,
+) -> HindsightReplayState:
   """Writes steps (`[N, ...]` or `[N, T, ...]`, episode ends resolved) as
   `sequence.add_steps` does, then records their episodes."""
-  steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask,
-                                                       episode_end)
+  steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask, episode_end)
   if not episode_end.shape[1]:
     # An empty chunk [N, 0, ...] adds nothing, as in sequence replay.
     return state
-  written = sequence.add_steps(state, steps, mask, episode_end, **_WINDOW,
-                               new_leaf_value=new_leaf_value)
+  written = sequence.add_steps(
+    state, steps, mask, episode_end, **_WINDOW, new_leaf_value=new_leaf_value
+  )
   return record_episodes(state, written, mask, episode_end)
 
 
-def add(state: HindsightReplayState, steps: PyTree,
-        mask: jax.Array | None = None, episode_end: jax.Array | None = None,
-        final_steps: PyTree | None = None, *,
-        alpha: float | None) -> HindsightReplayState:
+def add(
+  state: HindsightReplayState,
+  steps: PyTree,
+  mask: jax.Array | None = None,
+  episode_end: jax.Array | None = None,
+  final_steps: PyTree | None = None,
+  *,
+  alpha: float | None,
+) -> HindsightReplayState:
   """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`), and the
   final observations of the envs whose episode ended (`final_steps`).
 
@@ -333,17 +367,29 @@ def add(state: HindsightReplayState, steps: PyTree,
     alpha: the priority exponent, None without priorities.
   """
   validation.check_state_kind(state, HindsightReplayState, what="add")
-  new_leaf_value = (jnp.float32(1.0) if alpha is None else
-                    prioritized.capped_leaf_values(state.max_priority, alpha,
-                                                   state.window_tree))
+  new_leaf_value = (
+    jnp.float32(1.0)
+    if alpha is None
+    else prioritized.capped_leaf_values(state.max_priority, alpha, state.window_tree)
+  )
   return sequence.add_stream(
-      state, steps, mask, episode_end, final_steps,
-      write=functools.partial(write_steps, new_leaf_value=new_leaf_value))
+    state,
+    steps,
+    mask,
+    episode_end,
+    final_steps,
+    write=functools.partial(write_steps, new_leaf_value=new_leaf_value),
+  )
 
 
-def goal_steps_ago(state: HindsightReplayState, window_ids: jax.Array,
-                   higher_bits: jax.Array, lower_bits: jax.Array, *,
-                   strategy: str) -> jax.Array:
+def goal_steps_ago(
+  state: HindsightReplayState,
+  window_ids: jax.Array,
+  higher_bits: jax.Array,
+  lower_bits: jax.Array,
+  *,
+  strategy: str,
+) -> jax.Array:
   """For transitions `window_ids [S]`, a goal step drawn by `strategy`: how
   many steps before its env's newest it lies, int32 `[S]`.
 
@@ -358,59 +404,60 @@ def goal_steps_ago(state: HindsightReplayState, window_ids: jax.Array,
   keys = state.episode_keys[envs, slots]
   newest = state.step_counts[envs] - jnp.uint32(1)
   running = state.episode_running[envs] & (keys == state.current_keys[envs])
-  last_ago = jnp.where(running, 0, (newest - state.episode_lasts[envs, keys])
-                       .astype(jnp.int32))
+  last_ago = jnp.where(running, 0, (newest - state.episode_lasts[envs, keys]).astype(jnp.int32))
   if strategy == "final":
     return last_ago
   if strategy == "future":
     latest_ago = transition_ago - 1
   else:
     first_ago = jnp.minimum(
-        newest - state.episode_firsts[envs, slots],
-        (state.steps_held[envs] - 1).astype(jnp.uint32)).astype(jnp.int32)
+      newest - state.episode_firsts[envs, slots], (state.steps_held[envs] - 1).astype(jnp.uint32)
+    ).astype(jnp.int32)
     latest_ago = first_ago - 1
   # At least 1 for a sampleable transition; an empty buffer's garbage row
   # still draws in range.
   span = jnp.maximum(latest_ago - last_ago + 1, 1).astype(jnp.uint32)
-  return last_ago + random.scale_to_span(higher_bits, lower_bits,
-                                         span).astype(jnp.int32)
+  return last_ago + random.scale_to_span(higher_bits, lower_bits, span).astype(jnp.int32)
 
 
-_TRACER_ERRORS = (jax.errors.TracerArrayConversionError,
-                  jax.errors.ConcretizationTypeError,
-                  jax.errors.TracerBoolConversionError,
-                  jax.errors.TracerIntegerConversionError)
+_TRACER_ERRORS = (
+  jax.errors.TracerArrayConversionError,
+  jax.errors.ConcretizationTypeError,
+  jax.errors.TracerBoolConversionError,
+  jax.errors.TracerIntegerConversionError,
+)
 
 
-def _traced_call(name: str, function: Callable, achieved: PyTree,
-                 desired: PyTree) -> Any:
+def _traced_call(name: str, function: Callable, achieved: PyTree, desired: PyTree) -> Any:
   """`function(achieved, desired)`, its tracer errors (NumPy, `float()`, a
   Python `if` on a goal) explained: it runs while `sample` is traced."""
   try:
     return function(achieved, desired)
   except _TRACER_ERRORS as error:
     raise TypeError(
-        f"sample: {name} runs under jit, on traced achieved_goal and "
-        f"desired_goal leaves [S, ...]: write it with jax.numpy (jnp.linalg."
-        f"norm, jnp.where), not NumPy, float() or a Python if on the goals. "
-        f"JAX said: {type(error).__name__}: "
-        f"{str(error).splitlines()[0]}") from error
+      f"sample: {name} runs under jit, on traced achieved_goal and "
+      f"desired_goal leaves [S, ...]: write it with jax.numpy (jnp.linalg."
+      f"norm, jnp.where), not NumPy, float() or a Python if on the goals. "
+      f"JAX said: {type(error).__name__}: "
+      f"{str(error).splitlines()[0]}"
+    ) from error
 
 
-def _checked_output(name: str, value: Any, shape: tuple[int, ...],
-                    dtype: Any) -> jax.Array:
+def _checked_output(name: str, value: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
   if np.shape(value) != shape or validation.canonical_dtype(value) != dtype:
     raise ValueError(
-        f"sample: {name} returned shape {np.shape(value)} dtype "
-        f"{validation.canonical_dtype(value)}, expected shape {shape} dtype "
-        f"{np.dtype(dtype)} (one per row, like the stored "
-        f"{'reward' if name == 'reward_fn' else 'terminated'}); it is called "
-        "on achieved_goal and desired_goal leaves [S, ...].")
+      f"sample: {name} returned shape {np.shape(value)} dtype "
+      f"{validation.canonical_dtype(value)}, expected shape {shape} dtype "
+      f"{np.dtype(dtype)} (one per row, like the stored "
+      f"{'reward' if name == 'reward_fn' else 'terminated'}); it is called "
+      "on achieved_goal and desired_goal leaves [S, ...]."
+    )
   return value
 
 
-def uniform_transition_ids(state: HindsightReplayState, words: jax.Array,
-                           tree_key: jax.Array) -> jax.Array:
+def uniform_transition_ids(
+  state: HindsightReplayState, words: jax.Array, tree_key: jax.Array
+) -> jax.Array:
   """Transition ids drawn uniformly over the transitions held: int32 `[S]`.
 
   Each row takes the first of `CANDIDATES` pairs of consecutive held steps
@@ -435,11 +482,11 @@ def uniform_transition_ids(state: HindsightReplayState, words: jax.Array,
   def candidates():
     higher_bits, lower_bits = words.reshape(2, CANDIDATES * batch_size)
     span = jnp.maximum(jnp.sum(pairs.window_counts), 1).astype(jnp.uint32)
-    ranks = random.scale_to_span(higher_bits, lower_bits,
-                                 span).astype(jnp.int32)
-    return sequence.window_ids_at_ranks(
-        pairs, ranks, sequence_length=2, period=1).reshape(CANDIDATES,
-                                                           batch_size)
+    ranks = random.scale_to_span(higher_bits, lower_bits, span).astype(jnp.int32)
+    return sequence.window_ids_at_ranks(pairs, ranks, sequence_length=2, period=1).reshape(
+      CANDIDATES, batch_size
+    )
+
   drawn = random.computed_once(candidates, state.steps_held[0])
   starts_transition = ~state.episode_ends[drawn // per_env, drawn % per_env]
   first = jnp.argmax(starts_transition, axis=0)
@@ -447,9 +494,9 @@ def uniform_transition_ids(state: HindsightReplayState, words: jax.Array,
   found = jnp.any(starts_transition, axis=0)
 
   def redraw(chosen):
-    from_tree, _ = sum_tree.sample_leaves(state.window_tree, tree_key,
-                                          batch_size, stratified=False)
+    from_tree, _ = sum_tree.sample_leaves(state.window_tree, tree_key, batch_size, stratified=False)
     return jnp.where(found, chosen, from_tree)
+
   return jax.lax.cond(jnp.all(found), lambda chosen: chosen, redraw, chosen)
 
 
@@ -458,33 +505,48 @@ class TransitionSteps(NamedTuple):
   and each one's hindsight goal, before the goals are applied
   (`relabelled_transitions`). Computed where the steps are held (on the
   owning device, under `jaxbuf.sharded`)."""
-  obs: PyTree          # GoalEnv dict of the transition's step, leaves [S, ...]
-  next_obs: PyTree     # the same dict of the next step, less "desired_goal"
-  action: PyTree       # leaves [S, ...]
-  reward: jax.Array    # [S], the stored reward
+
+  obs: PyTree  # GoalEnv dict of the transition's step, leaves [S, ...]
+  next_obs: PyTree  # the same dict of the next step, less "desired_goal"
+  action: PyTree  # leaves [S, ...]
+  reward: jax.Array  # [S], the stored reward
   terminated: jax.Array  # bool [S], the stored flag
-  goal: PyTree         # "achieved_goal" of the goal step, leaves [S, ...]
+  goal: PyTree  # "achieved_goal" of the goal step, leaves [S, ...]
   relabelled: jax.Array  # bool [S]: the row takes `goal` as its desired goal
 
 
-def transition_rows(state: HindsightReplayState, window_ids: jax.Array,
-                    higher_bits: jax.Array, lower_bits: jax.Array, *,
-                    strategy: str) -> jax.Array:
+def transition_rows(
+  state: HindsightReplayState,
+  window_ids: jax.Array,
+  higher_bits: jax.Array,
+  lower_bits: jax.Array,
+  *,
+  strategy: str,
+) -> jax.Array:
   """Rows of the flattened storage `[N * R, ...]` that transitions
   `window_ids [S]` read: int32 `[3, S]`, each transition's step, next step
   and goal step (`goal_steps_ago`, with the random words given)."""
   per_env = sequence.steps_per_env(state)
   envs = window_ids // per_env
   at_end = window_ids % per_env == per_env - 1
-  goal_slots = (state.write_heads[envs] - 1 - goal_steps_ago(
-      state, window_ids, higher_bits, lower_bits, strategy=strategy)) % per_env
-  return jnp.stack([window_ids, window_ids + jnp.where(at_end, 1 - per_env, 1),
-                    envs * per_env + goal_slots])
+  goal_slots = (
+    state.write_heads[envs]
+    - 1
+    - goal_steps_ago(state, window_ids, higher_bits, lower_bits, strategy=strategy)
+  ) % per_env
+  return jnp.stack(
+    [window_ids, window_ids + jnp.where(at_end, 1 - per_env, 1), envs * per_env + goal_slots]
+  )
 
 
-def gather_steps(state: HindsightReplayState, window_ids: jax.Array,
-                 words: jax.Array, *, strategy: str,
-                 relabel_fraction: float) -> TransitionSteps:
+def gather_steps(
+  state: HindsightReplayState,
+  window_ids: jax.Array,
+  words: jax.Array,
+  *,
+  strategy: str,
+  relabel_fraction: float,
+) -> TransitionSteps:
   """The steps and hindsight goals of transitions `window_ids [S]`.
 
   `words`: uint32 `[3, S]` random words, two for the goal step and one for
@@ -495,14 +557,19 @@ def gather_steps(state: HindsightReplayState, window_ids: jax.Array,
   higher_bits, lower_bits, relabel_bits = words
   num_rows = sequence.num_envs_of(state) * sequence.steps_per_env(state)
   rows = random.computed_once(
-      lambda: transition_rows(state, window_ids, higher_bits, lower_bits,
-                              strategy=strategy), window_ids[0])
+    lambda: transition_rows(state, window_ids, higher_bits, lower_bits, strategy=strategy),
+    window_ids[0],
+  )
   step_rows, next_rows, goal_rows = rows
 
   def gather(tree, at):
     return jax.tree.map(
-        lambda column: column.reshape((num_rows,) + column.shape[2:]).at[
-            at].get(mode="promise_in_bounds"), tree)
+      lambda column: (
+        column.reshape((num_rows,) + column.shape[2:]).at[at].get(mode="promise_in_bounds")
+      ),
+      tree,
+    )
+
   obs = dict(_field(state.storage, "obs"))
   # P(bits < threshold) = threshold / 2**32: the fraction to within 2**-32.
   if relabel_fraction >= 1:
@@ -510,19 +577,19 @@ def gather_steps(state: HindsightReplayState, window_ids: jax.Array,
   else:
     relabelled = relabel_bits < np.uint32(int(relabel_fraction * 2**32))
   return TransitionSteps(
-      obs=gather(obs, step_rows),
-      next_obs=gather({key: value for key, value in obs.items()
-                       if key != "desired_goal"}, next_rows),
-      action=gather(_field(state.storage, "action"), step_rows),
-      reward=gather(_field(state.storage, "reward"), step_rows),
-      terminated=gather(_field(state.storage, "terminated"), step_rows),
-      goal=gather(obs["achieved_goal"], goal_rows),
-      relabelled=relabelled)
+    obs=gather(obs, step_rows),
+    next_obs=gather({key: value for key, value in obs.items() if key != "desired_goal"}, next_rows),
+    action=gather(_field(state.storage, "action"), step_rows),
+    reward=gather(_field(state.storage, "reward"), step_rows),
+    terminated=gather(_field(state.storage, "terminated"), step_rows),
+    goal=gather(obs["achieved_goal"], goal_rows),
+    relabelled=relabelled,
+  )
 
 
-def relabelled_transitions(steps: TransitionSteps, *, reward_fn: Callable,
-                           terminated_fn: Callable | None, gamma: Any
-                           ) -> HindsightTransition:
+def relabelled_transitions(
+  steps: TransitionSteps, *, reward_fn: Callable, terminated_fn: Callable | None, gamma: Any
+) -> HindsightTransition:
   """Transitions from their steps, the relabelled rows given their goal:
   obs and next_obs carry it as "desired_goal", the reward is recomputed by
   `reward_fn` and, given `terminated_fn`, the discount by it (gamma, 0
@@ -533,46 +600,72 @@ def relabelled_transitions(steps: TransitionSteps, *, reward_fn: Callable,
   """
   relabelled = steps.relabelled
   rows = lambda leaf: relabelled.reshape((-1,) + (1,) * (leaf.ndim - 1))
-  desired = jax.tree.map(lambda goal, given: jnp.where(rows(goal), goal, given),
-                         steps.goal, steps.obs["desired_goal"])
+  desired = jax.tree.map(
+    lambda goal, given: jnp.where(rows(goal), goal, given), steps.goal, steps.obs["desired_goal"]
+  )
   next_obs = {**steps.next_obs, "desired_goal": desired}
-  reward = _checked_output("reward_fn", _traced_call(
-      "reward_fn", reward_fn, next_obs["achieved_goal"], desired),
-                           steps.reward.shape, steps.reward.dtype)
+  reward = _checked_output(
+    "reward_fn",
+    _traced_call("reward_fn", reward_fn, next_obs["achieved_goal"], desired),
+    steps.reward.shape,
+    steps.reward.dtype,
+  )
   terminated = steps.terminated
   if terminated_fn is not None:
-    terminated = jnp.where(relabelled, _checked_output(
-        "terminated_fn", _traced_call("terminated_fn", terminated_fn,
-                                      next_obs["achieved_goal"], desired),
-        terminated.shape, jnp.bool_), terminated)
+    terminated = jnp.where(
+      relabelled,
+      _checked_output(
+        "terminated_fn",
+        _traced_call("terminated_fn", terminated_fn, next_obs["achieved_goal"], desired),
+        terminated.shape,
+        jnp.bool_,
+      ),
+      terminated,
+    )
   return HindsightTransition(
-      obs={**steps.obs, "desired_goal": desired}, action=steps.action,
-      reward=jnp.where(relabelled, reward, steps.reward),
-      discount=jnp.where(terminated, jnp.zeros((), steps.reward.dtype),
-                         jnp.asarray(gamma, steps.reward.dtype)),
-      next_obs=next_obs)
+    obs={**steps.obs, "desired_goal": desired},
+    action=steps.action,
+    reward=jnp.where(relabelled, reward, steps.reward),
+    discount=jnp.where(
+      terminated, jnp.zeros((), steps.reward.dtype), jnp.asarray(gamma, steps.reward.dtype)
+    ),
+    next_obs=next_obs,
+  )
 
 
-def check_sample(state: HindsightReplayState, key: jax.Array, batch_size: int,
-                 *, checked: bool) -> jax.Array:
+def check_sample(
+  state: HindsightReplayState, key: jax.Array, batch_size: int, *, checked: bool
+) -> jax.Array:
   """Validates a sample's arguments; returns the transitions held, int32 `()`."""
   validation.check_state_kind(state, HindsightReplayState, what="sample")
   validation.check_key(key, what="sample")
   validation.check_batch_size(batch_size, what="sample")
   total = jnp.sum(state.window_counts)
   if checked:
-    checkify.check(total > 0, "sample: the buffer holds no transition (two "
-                   "consecutive steps of one episode); add steps before "
-                   "sampling (guard with can_sample).")
+    checkify.check(
+      total > 0,
+      "sample: the buffer holds no transition (two "
+      "consecutive steps of one episode); add steps before "
+      "sampling (guard with can_sample).",
+    )
   return total
 
 
-def sample(state: HindsightReplayState, key: jax.Array, batch_size: int, *,
-           reward_fn: Callable, strategy: str, relabel_fraction: float,
-           terminated_fn: Callable | None = None, gamma: Any = 0.99,
-           priorities: bool = False,
-           beta: float | Schedule = 0.4, stratified: bool = True,
-           checked: bool = False) -> HindsightSample:
+def sample(
+  state: HindsightReplayState,
+  key: jax.Array,
+  batch_size: int,
+  *,
+  reward_fn: Callable,
+  strategy: str,
+  relabel_fraction: float,
+  terminated_fn: Callable | None = None,
+  gamma: Any = 0.99,
+  priorities: bool = False,
+  beta: float | Schedule = 0.4,
+  stratified: bool = True,
+  checked: bool = False,
+) -> HindsightSample:
   """Draws `batch_size` transitions and relabels a `relabel_fraction` of them.
 
   Transitions are drawn uniformly (or, with `priorities`, in proportion to
@@ -599,41 +692,51 @@ def sample(state: HindsightReplayState, key: jax.Array, batch_size: int, *,
   # bookkeeping read of the goal draw (100 us of a 200 us sample at 1M).
   if priorities:
     window_ids, weights, _ = prioritized_sequence.draw_by_priority(
-        state, draw_key, batch_size, total, beta=beta, stratified=stratified)
-    words = random.computed_once(
-        lambda: random.random_bits(bits_key, (3, batch_size)), total)
+      state, draw_key, batch_size, total, beta=beta, stratified=stratified
+    )
+    words = random.computed_once(lambda: random.random_bits(bits_key, (3, batch_size)), total)
   else:
-    words = random.computed_once(lambda: random.random_bits(
-        bits_key, (2 * CANDIDATES + 3, batch_size)), total)
-    window_ids = jnp.where(total > 0, uniform_transition_ids(
-        state, words[:2 * CANDIDATES], draw_key), 0)
+    words = random.computed_once(
+      lambda: random.random_bits(bits_key, (2 * CANDIDATES + 3, batch_size)), total
+    )
+    window_ids = jnp.where(
+      total > 0, uniform_transition_ids(state, words[: 2 * CANDIDATES], draw_key), 0
+    )
     weights = jnp.full((batch_size,), total > 0, jnp.float32)
-    words = words[2 * CANDIDATES:]
-  steps = gather_steps(state, window_ids, words, strategy=strategy,
-                       relabel_fraction=relabel_fraction)
+    words = words[2 * CANDIDATES :]
+  steps = gather_steps(
+    state, window_ids, words, strategy=strategy, relabel_fraction=relabel_fraction
+  )
   return HindsightSample(
-      items=relabelled_transitions(steps, reward_fn=reward_fn,
-                                   terminated_fn=terminated_fn, gamma=gamma),
-      indices=window_ids, weights=weights,
-      item_ids=sequence.window_item_ids(state, window_ids),
-      relabelled=steps.relabelled)
+    items=relabelled_transitions(
+      steps, reward_fn=reward_fn, terminated_fn=terminated_fn, gamma=gamma
+    ),
+    indices=window_ids,
+    weights=weights,
+    item_ids=sequence.window_item_ids(state, window_ids),
+    relabelled=steps.relabelled,
+  )
 
 
-def update_priorities(state: HindsightReplayState, indices: jax.Array,
-                      priorities: jax.Array, item_ids: jax.Array | None = None,
-                      *, alpha: float | None, eps: float,
-                      checked: bool = False) -> HindsightReplayState:
+def update_priorities(
+  state: HindsightReplayState,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None = None,
+  *,
+  alpha: float | None,
+  eps: float,
+  checked: bool = False,
+) -> HindsightReplayState:
   """Sets transition priorities (`prioritized_sequence.update_priorities`);
   without priorities (`alpha` None) the identity, arguments validated alike."""
-  validation.check_state_kind(state, HindsightReplayState,
-                              what="update_priorities")
+  validation.check_state_kind(state, HindsightReplayState, what="update_priorities")
   if alpha is not None:
     return prioritized_sequence.update_priorities(
-        state, indices, priorities, item_ids, **_WINDOW, alpha=alpha, eps=eps,
-        checked=checked)
+      state, indices, priorities, item_ids, **_WINDOW, alpha=alpha, eps=eps, checked=checked
+    )
   if checked:
-    sequence.valid_priority_updates(state, indices, priorities, item_ids,
-                                    **_WINDOW, checked=True)
+    sequence.valid_priority_updates(state, indices, priorities, item_ids, **_WINDOW, checked=True)
   else:
     validation.check_priority_update_args(indices, priorities, item_ids)
   return state
@@ -643,16 +746,26 @@ def clear(state: HindsightReplayState) -> HindsightReplayState:
   """Empties the buffer; the next step added starts an episode."""
   validation.check_state_kind(state, HindsightReplayState, what="clear")
   return prioritized_sequence.clear(state).replace(
-      episode_running=jnp.zeros_like(state.episode_running))
+    episode_running=jnp.zeros_like(state.episode_running)
+  )
 
 
-def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
-                       add: Callable, sample: Callable,
-                       update_priorities: Callable | None, beta: Any,
-                       stratified: bool, reward_fn: Callable, strategy: str,
-                       relabel_fraction: float,
-                       terminated_fn: Callable | None,
-                       gamma: Any) -> kind.Split:
+def split_over_devices(
+  num_devices: int,
+  *,
+  num_envs: int,
+  capacity: int,
+  add: Callable,
+  sample: Callable,
+  update_priorities: Callable | None,
+  beta: Any,
+  stratified: bool,
+  reward_fn: Callable,
+  strategy: str,
+  relabel_fraction: float,
+  terminated_fn: Callable | None,
+  gamma: Any,
+) -> kind.Split:
   """Hindsight replay split over D devices as sequence replay is: envs in
   blocks of N / D, whole with their episode bookkeeping, so a transition and
   every step its goal may come from lie on one device.
@@ -664,36 +777,58 @@ def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
   device on its own block of a sharded batch).
   """
   split = sequence.split_over_devices(
-      num_devices, num_envs=num_envs, capacity=capacity, init=init, add=add,
-      sample=sample, update_priorities=update_priorities, clear=clear,
-      beta=beta, stratified=stratified, **_WINDOW)
+    num_devices,
+    num_envs=num_envs,
+    capacity=capacity,
+    init=init,
+    add=add,
+    sample=sample,
+    update_priorities=update_priorities,
+    clear=clear,
+    beta=beta,
+    stratified=stratified,
+    **_WINDOW,
+  )
 
   def rows(local, window_ids, key):
     words = random.computed_once(
-        lambda: random.random_bits(key, (3, window_ids.shape[0])),
-        window_ids[0])
-    return gather_steps(local, window_ids, words, strategy=strategy,
-                        relabel_fraction=relabel_fraction)
+      lambda: random.random_bits(key, (3, window_ids.shape[0])), window_ids[0]
+    )
+    return gather_steps(
+      local, window_ids, words, strategy=strategy, relabel_fraction=relabel_fraction
+    )
 
   def as_sample(steps, indices, weights, item_ids, drawn):
     del drawn  # Nothing drawn: transition 0, weight 0, as unsharded.
     return HindsightSample(
-        items=relabelled_transitions(steps, reward_fn=reward_fn,
-                                     terminated_fn=terminated_fn,
-                                     gamma=gamma),
-        indices=indices, weights=weights, item_ids=item_ids,
-        relabelled=steps.relabelled)
+      items=relabelled_transitions(
+        steps, reward_fn=reward_fn, terminated_fn=terminated_fn, gamma=gamma
+      ),
+      indices=indices,
+      weights=weights,
+      item_ids=item_ids,
+      relabelled=steps.relabelled,
+    )
+
   return split._replace(rows=rows, as_sample=as_sample)
 
 
-def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
-                     strategy: str = "future", relabel_fraction: float = 0.8,
-                     terminated_fn: Callable | None = None,
-                     gamma: float = 0.99,
-                     prioritized: bool = False, alpha: float = 0.6,
-                     beta: float | Schedule = 0.4, eps: float = 1e-6,
-                     stratified: bool = True, checked: bool = False
-                     ) -> Buffer[HindsightReplayState, HindsightSample]:
+def hindsight_replay(
+  num_envs: int,
+  capacity: int,
+  reward_fn: Callable,
+  *,
+  strategy: str = "future",
+  relabel_fraction: float = 0.8,
+  terminated_fn: Callable | None = None,
+  gamma: float = 0.99,
+  prioritized: bool = False,
+  alpha: float = 0.6,
+  beta: float | Schedule = 0.4,
+  eps: float = 1e-6,
+  stratified: bool = True,
+  checked: bool = False,
+) -> Buffer[HindsightReplayState, HindsightSample]:
   """A hindsight experience replay buffer over per-env episode streams.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.
@@ -748,8 +883,7 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
   >>> round(float(batch.items.discount[0]), 6)  # target = r + discount * Q'
   0.99
   """
-  check_settings(num_envs, capacity, reward_fn, strategy, relabel_fraction,
-                 terminated_fn, gamma)
+  check_settings(num_envs, capacity, reward_fn, strategy, relabel_fraction, terminated_fn, gamma)
   for name, flag in (("prioritized", prioritized), ("stratified", stratified)):
     validation.check_bool(flag, name, what="hindsight_replay")
   if prioritized:
@@ -759,37 +893,50 @@ def hindsight_replay(num_envs: int, capacity: int, reward_fn: Callable, *,
       validation.check_hyperparameter(beta, "beta")
   priority_alpha = alpha if prioritized else None
   relabelling: dict[str, Any] = dict(
-      reward_fn=reward_fn, strategy=strategy,
-      relabel_fraction=float(relabel_fraction), terminated_fn=terminated_fn,
-      gamma=gamma)
+    reward_fn=reward_fn,
+    strategy=strategy,
+    relabel_fraction=float(relabel_fraction),
+    terminated_fn=terminated_fn,
+    gamma=gamma,
+  )
   bound_add = functools.partial(add, alpha=priority_alpha)
-  bound_sample = functools.partial(sample, **relabelling,
-                                   priorities=prioritized, beta=beta,
-                                   stratified=stratified)
+  bound_sample = functools.partial(
+    sample, **relabelling, priorities=prioritized, beta=beta, stratified=stratified
+  )
   split = functools.partial(
-      split_over_devices, num_envs=num_envs, capacity=capacity, add=bound_add,
-      sample=bound_sample,
-      update_priorities=functools.partial(
-          update_priorities, alpha=priority_alpha, eps=eps) if prioritized
-      else None,
-      # Uniform: independent rows, as the unsharded draw gives.
-      beta=beta if prioritized else None,
-      stratified=stratified and prioritized, **relabelling)
+    split_over_devices,
+    num_envs=num_envs,
+    capacity=capacity,
+    add=bound_add,
+    sample=bound_sample,
+    update_priorities=functools.partial(update_priorities, alpha=priority_alpha, eps=eps)
+    if prioritized
+    else None,
+    # Uniform: independent rows, as the unsharded draw gives.
+    beta=beta if prioritized else None,
+    stratified=stratified and prioritized,
+    **relabelling,
+  )
   return bind(
-      init=functools.partial(init, num_envs=num_envs, capacity=capacity),
-      add=bound_add,
-      sample=functools.partial(bound_sample, checked=checked),
-      update_priorities=functools.partial(update_priorities,
-                                          alpha=priority_alpha, eps=eps,
-                                          checked=checked),
-      can_sample=sequence.can_sample,
-      clear=clear,
-      kind=kind.Kind(
-          name="hindsight_replay", state_type=HindsightReplayState,
-          exact_type=True,
-          settings=kind.settings_of(
-              num_envs=num_envs, capacity=capacity, prioritized=prioritized,
-              **(dict(alpha=float(alpha), eps=float(eps)) if prioritized
-                 else {})),
-          split=split),
-      checked=checked)
+    init=functools.partial(init, num_envs=num_envs, capacity=capacity),
+    add=bound_add,
+    sample=functools.partial(bound_sample, checked=checked),
+    update_priorities=functools.partial(
+      update_priorities, alpha=priority_alpha, eps=eps, checked=checked
+    ),
+    can_sample=sequence.can_sample,
+    clear=clear,
+    kind=kind.Kind(
+      name="hindsight_replay",
+      state_type=HindsightReplayState,
+      exact_type=True,
+      settings=kind.settings_of(
+        num_envs=num_envs,
+        capacity=capacity,
+        prioritized=prioritized,
+        **(dict(alpha=float(alpha), eps=float(eps)) if prioritized else {}),
+      ),
+      split=split,
+    ),
+    checked=checked,
+  )

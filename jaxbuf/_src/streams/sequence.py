@@ -79,31 +79,36 @@ class SequenceSample(ReplaySample):
   `EpisodeSample`: True on the steps of the episode the row was drawn for,
   False on steps a per-step loss must not read.
   """
+
   mask: jax.Array  # bool [S, L]: True up to and including the first episode
-                   # end in the window (all True under episodes="within");
-                   # all False when no window was held (weight 0)
+  # end in the window (all True under episodes="within");
+  # all False when no window was held (weight 0)
 
 
 @flax.struct.dataclass
 class SequenceReplayState(BufferState):
   """Per-env rings of steps. Every field is an array; nothing is static."""
-  storage: PyTree             # each leaf [N, R, *step_shape], the step's dtype
-  episode_ends: jax.Array     # bool [N, R]: the step ended an episode
-  write_heads: jax.Array      # int32 [N]: the slot each env writes next, < R
-  steps_held: jax.Array       # int32 [N]: steps held per env, at most R
-  step_counts: jax.Array      # uint32 [N]: steps ever added per env, mod 2**32
-  period_phases: jax.Array    # int32 [N]: steps ever added per env, mod period
-  window_counts: jax.Array    # int32 [N]: windows that can be sampled per env
+
+  storage: PyTree  # each leaf [N, R, *step_shape], the step's dtype
+  episode_ends: jax.Array  # bool [N, R]: the step ended an episode
+  write_heads: jax.Array  # int32 [N]: the slot each env writes next, < R
+  steps_held: jax.Array  # int32 [N]: steps held per env, at most R
+  step_counts: jax.Array  # uint32 [N]: steps ever added per env, mod 2**32
+  period_phases: jax.Array  # int32 [N]: steps ever added per env, mod period
+  window_counts: jax.Array  # int32 [N]: windows that can be sampled per env
   window_tree: sum_tree.SumTree | None  # leaves [N * R]: mass per window id;
-                                        # None for uniform cross-episode replay
+  # None for uniform cross-episode replay
 
   def buffer_dims(self) -> dict[str, Any]:
     # write_heads has the vmapped axes, then N.
     batch_shape = np.shape(self.write_heads)[:-1]
     num_envs = int(np.shape(self.write_heads)[-1])
     per_env = int(np.shape(self.episode_ends)[-1])
-    return {"vmapped buffers": list(batch_shape), "num_envs": num_envs,
-            "capacity": num_envs * per_env}
+    return {
+      "vmapped buffers": list(batch_shape),
+      "num_envs": num_envs,
+      "capacity": num_envs * per_env,
+    }
 
   def per_env_fields(self) -> tuple[str, ...]:
     """The fields with one row per env, `[N, ...]`, besides the storage:
@@ -132,29 +137,32 @@ class SequenceReplayState(BufferState):
     merge = lambda leaf: leaf.reshape((-1,) + leaf.shape[2:])
     per_device = self.episode_ends.shape[1] * self.episode_ends.shape[2]
     return self.replace(
-        **{name: merge(getattr(self, name)) for name in self.per_env_fields()},
-        storage=jax.tree.map(merge, self.storage),
-        window_tree=None if self.window_tree is None else sum_tree.from_leaves(
-            sum_tree.leaves(self.window_tree)[:, :per_device].reshape(-1)))
+      **{name: merge(getattr(self, name)) for name in self.per_env_fields()},
+      storage=jax.tree.map(merge, self.storage),
+      window_tree=None
+      if self.window_tree is None
+      else sum_tree.from_leaves(sum_tree.leaves(self.window_tree)[:, :per_device].reshape(-1)),
+    )
 
   def divided(self, num_devices: int) -> Self:
     """The inverse of `joined`: envs in blocks of N / D."""
     num_envs, per_env = self.episode_ends.shape
     if num_envs % num_devices:
       raise ValueError(
-          f"load: the state's {num_envs} envs do not split over "
-          f"{num_devices} devices (each device holds whole envs); load it "
-          f"over a number of devices that divides {num_envs}.")
-    split = lambda leaf: leaf.reshape(
-        (num_devices, num_envs // num_devices) + leaf.shape[1:])
+        f"load: the state's {num_envs} envs do not split over "
+        f"{num_devices} devices (each device holds whole envs); load it "
+        f"over a number of devices that divides {num_envs}."
+      )
+    split = lambda leaf: leaf.reshape((num_devices, num_envs // num_devices) + leaf.shape[1:])
     window_tree = None
     if self.window_tree is not None:
-      leaves = sum_tree.leaves(self.window_tree)[:num_envs * per_env]
-      window_tree = jax.vmap(sum_tree.from_leaves)(
-          leaves.reshape(num_devices, -1))
+      leaves = sum_tree.leaves(self.window_tree)[: num_envs * per_env]
+      window_tree = jax.vmap(sum_tree.from_leaves)(leaves.reshape(num_devices, -1))
     return self.replace(
-        **{name: split(getattr(self, name)) for name in self.per_env_fields()},
-        storage=jax.tree.map(split, self.storage), window_tree=window_tree)
+      **{name: split(getattr(self, name)) for name in self.per_env_fields()},
+      storage=jax.tree.map(split, self.storage),
+      window_tree=window_tree,
+    )
 
 
 # A sequence state or a subclass: what the helpers every stream kind
@@ -162,8 +170,14 @@ class SequenceReplayState(BufferState):
 SequenceStateT = TypeVar("SequenceStateT", bound=SequenceReplayState)
 
 # The fields with one row per env, `[N, ...]`.
-_PER_ENV_FIELDS = ("episode_ends", "write_heads", "steps_held", "step_counts",
-                   "period_phases", "window_counts")
+_PER_ENV_FIELDS = (
+  "episode_ends",
+  "write_heads",
+  "steps_held",
+  "step_counts",
+  "period_phases",
+  "window_counts",
+)
 
 
 def steps_per_env(state: SequenceReplayState) -> int:
@@ -177,12 +191,12 @@ def num_envs_of(state: SequenceReplayState) -> int:
 
 def step_spec(state: SequenceReplayState) -> PyTree:
   """The unbatched step shapes and dtypes, as `jax.ShapeDtypeStruct` values."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype),
-                      state.storage)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), state.storage)
 
 
-def check_sizes(num_envs: Any, capacity: Any, sequence_length: Any,
-                period: Any, episodes: Any = "cross") -> None:
+def check_sizes(
+  num_envs: Any, capacity: Any, sequence_length: Any, period: Any, episodes: Any = "cross"
+) -> None:
   """Raises naming the setting; a capacity is never rounded silently."""
   validation.check_positive_int(num_envs, "num_envs")
   validation.check_capacity(capacity)
@@ -193,24 +207,26 @@ def check_sizes(num_envs: Any, capacity: Any, sequence_length: Any,
     above = below + num_envs
     nearest = f"{below} or {above}" if below else f"{above}"
     raise ValueError(
-        f"capacity {capacity} is not a multiple of num_envs {num_envs}; each "
-        f"env holds capacity // num_envs steps. Nearest valid capacities: "
-        f"{nearest}.")
+      f"capacity {capacity} is not a multiple of num_envs {num_envs}; each "
+      f"env holds capacity // num_envs steps. Nearest valid capacities: "
+      f"{nearest}."
+    )
   per_env = capacity // num_envs
   if sequence_length > per_env:
     raise ValueError(
-        f"sequence_length {sequence_length} exceeds the steps held per env, "
-        f"capacity // num_envs = {per_env}; use capacity >= "
-        f"{sequence_length * num_envs} or a shorter sequence.")
+      f"sequence_length {sequence_length} exceeds the steps held per env, "
+      f"capacity // num_envs = {per_env}; use capacity >= "
+      f"{sequence_length * num_envs} or a shorter sequence."
+    )
   if period >= 2**30:
     raise ValueError(f"period must be below 2**30, given {period}.")
   if episodes not in EPISODE_MODES:
-    raise ValueError(f"episodes must be one of {EPISODE_MODES}, given "
-                     f"{episodes!r}.")
+    raise ValueError(f"episodes must be one of {EPISODE_MODES}, given {episodes!r}.")
 
 
-def init(example_step: PyTree, *, num_envs: int, capacity: int,
-         with_tree: bool) -> SequenceReplayState:
+def init(
+  example_step: PyTree, *, num_envs: int, capacity: int, with_tree: bool
+) -> SequenceReplayState:
   """An empty buffer for steps shaped like `example_step` (one env, unbatched).
 
   Args:
@@ -225,26 +241,35 @@ def init(example_step: PyTree, *, num_envs: int, capacity: int,
   # Separate arrays: a donated state must not hold one buffer twice.
   zeros = lambda: jnp.zeros((num_envs,), jnp.int32)
   return SequenceReplayState(
-      storage=jax.tree.map(
-          lambda leaf: jnp.zeros((num_envs, per_env, *jnp.shape(leaf)),
-                                 jnp.result_type(leaf)), example_step),
-      episode_ends=jnp.zeros((num_envs, per_env), bool),
-      write_heads=zeros(), steps_held=zeros(),
-      step_counts=jnp.zeros((num_envs,), jnp.uint32), period_phases=zeros(),
-      window_counts=zeros(),
-      window_tree=sum_tree.init(capacity) if with_tree else None)
+    storage=jax.tree.map(
+      lambda leaf: jnp.zeros((num_envs, per_env, *jnp.shape(leaf)), jnp.result_type(leaf)),
+      example_step,
+    ),
+    episode_ends=jnp.zeros((num_envs, per_env), bool),
+    write_heads=zeros(),
+    steps_held=zeros(),
+    step_counts=jnp.zeros((num_envs,), jnp.uint32),
+    period_phases=zeros(),
+    window_counts=zeros(),
+    window_tree=sum_tree.init(capacity) if with_tree else None,
+  )
 
 
-def steps_ago(state: SequenceReplayState, envs: jax.Array,
-              slots: jax.Array) -> jax.Array:
+def steps_ago(state: SequenceReplayState, envs: jax.Array, slots: jax.Array) -> jax.Array:
   """How many steps before the newest of its env each slot's step was added."""
   per_env = steps_per_env(state)
   return (state.write_heads[envs] - 1 - slots) % per_env
 
 
-def windows_valid(state: SequenceReplayState, envs: jax.Array,
-                  slots: jax.Array, *, sequence_length: int, period: int,
-                  within: bool) -> jax.Array:
+def windows_valid(
+  state: SequenceReplayState,
+  envs: jax.Array,
+  slots: jax.Array,
+  *,
+  sequence_length: int,
+  period: int,
+  within: bool,
+) -> jax.Array:
   """Whether the window starting at each `(env, slot)` can be sampled: bool.
 
   All its L steps are held (the first at most `steps_held - 1` steps ago, the
@@ -252,32 +277,43 @@ def windows_valid(state: SequenceReplayState, envs: jax.Array,
   `within`, no episode ends before its last step.
   """
   ago = steps_ago(state, envs, slots)
-  valid = ((ago >= sequence_length - 1) & (ago < state.steps_held[envs])
-           & ((state.period_phases[envs] - 1 - ago) % period == 0))
+  valid = (
+    (ago >= sequence_length - 1)
+    & (ago < state.steps_held[envs])
+    & ((state.period_phases[envs] - 1 - ago) % period == 0)
+  )
   if within and sequence_length > 1:
-    offsets = jnp.arange(sequence_length - 1, dtype=jnp.int32).reshape(
-        (1,) * slots.ndim + (-1,))
+    offsets = jnp.arange(sequence_length - 1, dtype=jnp.int32).reshape((1,) * slots.ndim + (-1,))
     inner = (slots[..., None] + offsets) % steps_per_env(state)
     ends = state.episode_ends[envs[..., None], inner]
     valid &= ~jnp.any(ends, axis=-1)
   return valid
 
 
-def window_ids_valid(state: SequenceReplayState, window_ids: jax.Array, *,
-                     sequence_length: int, period: int,
-                     within: bool) -> jax.Array:
+def window_ids_valid(
+  state: SequenceReplayState,
+  window_ids: jax.Array,
+  *,
+  sequence_length: int,
+  period: int,
+  within: bool,
+) -> jax.Array:
   """`windows_valid` for window ids `[S]` (any ints; out of range is False)."""
   per_env = steps_per_env(state)
   window_ids = window_ids.astype(jnp.int32)
   in_range = (window_ids >= 0) & (window_ids < num_envs_of(state) * per_env)
   safe = jnp.where(in_range, window_ids, 0)
   return in_range & windows_valid(
-      state, safe // per_env, safe % per_env, sequence_length=sequence_length,
-      period=period, within=within)
+    state,
+    safe // per_env,
+    safe % per_env,
+    sequence_length=sequence_length,
+    period=period,
+    within=within,
+  )
 
 
-def window_item_ids(state: SequenceReplayState,
-                    window_ids: jax.Array) -> jax.Array:
+def window_item_ids(state: SequenceReplayState, window_ids: jax.Array) -> jax.Array:
   """The absolute step id of each window's first step, modulo 2**32: uint32."""
   per_env = steps_per_env(state)
   envs, slots = window_ids // per_env, window_ids % per_env
@@ -287,12 +323,13 @@ def window_item_ids(state: SequenceReplayState,
 
 def _check_flags(name: str, value: Any, shape: tuple[int, ...]) -> None:
   if tuple(np.shape(value)) != shape:
-    raise ValueError(f"add: {name} has shape {tuple(np.shape(value))}, "
-                     f"expected {shape}, one flag per env"
-                     f"{' and step' if len(shape) == 2 else ''}.")
+    raise ValueError(
+      f"add: {name} has shape {tuple(np.shape(value))}, "
+      f"expected {shape}, one flag per env"
+      f"{' and step' if len(shape) == 2 else ''}."
+    )
   if validation.canonical_dtype(value) != jnp.bool_:
-    raise TypeError(f"add: {name} must be bool, given dtype "
-                    f"{validation.canonical_dtype(value)}.")
+    raise TypeError(f"add: {name} must be bool, given dtype {validation.canonical_dtype(value)}.")
 
 
 def _chunk_length(state: SequenceReplayState, steps: PyTree) -> int | None:
@@ -300,19 +337,18 @@ def _chunk_length(state: SequenceReplayState, steps: PyTree) -> int | None:
   spec = step_spec(state)
   num_envs = num_envs_of(state)
   validation.check_same_structure(spec, steps, what="add")
-  (path, first), = jax.tree_util.tree_flatten_with_path(steps)[0][:1]
+  ((path, first),) = jax.tree_util.tree_flatten_with_path(steps)[0][:1]
   step_rank = len(jax.tree_util.tree_leaves(spec)[0].shape)
   extra = np.ndim(first) - step_rank
   if extra not in (1, 2):
     raise ValueError(
-        f"add: leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
-        f"{np.shape(first)}; expected one step per env ({num_envs}, ...) or a "
-        f"chunk ({num_envs}, T, ...) before the step shape "
-        f"{jax.tree_util.tree_leaves(spec)[0].shape}.")
-  batch_shape: tuple[int, ...] = ((num_envs,) if extra == 1
-                                  else (num_envs, np.shape(first)[1]))
-  validation.check_batched_leaves(spec, steps, what="add",
-                                  batch_shape=batch_shape)
+      f"add: leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+      f"{np.shape(first)}; expected one step per env ({num_envs}, ...) or a "
+      f"chunk ({num_envs}, T, ...) before the step shape "
+      f"{jax.tree_util.tree_leaves(spec)[0].shape}."
+    )
+  batch_shape: tuple[int, ...] = (num_envs,) if extra == 1 else (num_envs, np.shape(first)[1])
+  validation.check_batched_leaves(spec, steps, what="add", batch_shape=batch_shape)
   return None if extra == 1 else batch_shape[1]
 
 
@@ -321,12 +357,14 @@ def last_flags(steps: PyTree) -> Any:
   None when the step has none. Raises `TypeError` unless it is bool."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(steps)[0]:
     key = path[0] if len(path) == 1 else None
-    if ((isinstance(key, jax.tree_util.GetAttrKey) and key.name == "last")
-        or (isinstance(key, jax.tree_util.DictKey) and key.key == "last")):
+    if (isinstance(key, jax.tree_util.GetAttrKey) and key.name == "last") or (
+      isinstance(key, jax.tree_util.DictKey) and key.key == "last"
+    ):
       if validation.canonical_dtype(leaf) != jnp.bool_:
         raise TypeError(
-            f"add: the step's `last` leaf marks episode ends and must be bool, "
-            f"given dtype {validation.canonical_dtype(leaf)}.")
+          f"add: the step's `last` leaf marks episode ends and must be bool, "
+          f"given dtype {validation.canonical_dtype(leaf)}."
+        )
       return leaf
   return None
 
@@ -340,15 +378,21 @@ def episode_ends_of(steps: PyTree, episode_end: jax.Array | None) -> Any:
     return episode_end
   if episode_end is not None:
     raise TypeError(
-        "add: the steps carry a `last` leaf, which marks episode ends; "
-        "episode_end is read from it, so do not pass episode_end too.")
+      "add: the steps carry a `last` leaf, which marks episode ends; "
+      "episode_end is read from it, so do not pass episode_end too."
+    )
   return jnp.asarray(last)
 
 
-def add_stream(state: SequenceStateT, steps: PyTree,
-               mask: jax.Array | None, episode_end: jax.Array | None,
-               final_steps: PyTree | None, *,
-               write: Callable[..., SequenceStateT]) -> SequenceStateT:
+def add_stream(
+  state: SequenceStateT,
+  steps: PyTree,
+  mask: jax.Array | None,
+  episode_end: jax.Array | None,
+  final_steps: PyTree | None,
+  *,
+  write: Callable[..., SequenceStateT],
+) -> SequenceStateT:
   """One add of a stream kind: the steps, then the final observations of
   the envs whose episode ended, `final_steps`, each kind writing with its
   own `write(state, steps, mask, episode_end)` (`add_steps` here; frame,
@@ -376,18 +420,20 @@ def add_stream(state: SequenceStateT, steps: PyTree,
   if last_flags(steps) is None:
     if episode_end is None:
       raise TypeError(
-          "add: final_steps need a flag saying which envs' episode ended, "
-          "and only those write their final observation: a `last` leaf in "
-          "the step (a bool field named `last`), or, for steps without "
-          f"one, episode_end bool [{num_envs}].")
+        "add: final_steps need a flag saying which envs' episode ended, "
+        "and only those write their final observation: a `last` leaf in "
+        "the step (a bool field named `last`), or, for steps without "
+        f"one, episode_end bool [{num_envs}]."
+      )
     if np.ndim(episode_end) != 1:
       raise ValueError(
-          f"add: with final_steps and steps without a `last` leaf, "
-          f"episode_end is bool [{num_envs}], the envs whose episode ended "
-          f"after their last step in `steps` (they write their final step, "
-          f"flagged as the episode's end); given shape "
-          f"{tuple(np.shape(episode_end))}. Episode ends inside a chunk need "
-          f"a `last` leaf in the step.")
+        f"add: with final_steps and steps without a `last` leaf, "
+        f"episode_end is bool [{num_envs}], the envs whose episode ended "
+        f"after their last step in `steps` (they write their final step, "
+        f"flagged as the episode's end); given shape "
+        f"{tuple(np.shape(episode_end))}. Episode ends inside a chunk need "
+        f"a `last` leaf in the step."
+      )
     _check_flags("episode_end", episode_end, (num_envs,))
     ended, steps_end = jnp.asarray(episode_end), None
   else:
@@ -399,9 +445,10 @@ def add_stream(state: SequenceStateT, steps: PyTree,
     raise type(error)(f"{error} (in final_steps)") from None
   if final_chunk is not None:
     raise ValueError(
-        f"add: final_steps hold one step per env, [{num_envs}, ...]: the "
-        f"final observation of each env whose episode ended after its last "
-        f"step in `steps`; given a chunk [{num_envs}, {final_chunk}, ...].")
+      f"add: final_steps hold one step per env, [{num_envs}, ...]: the "
+      f"final observation of each env whose episode ended after its last "
+      f"step in `steps`; given a chunk [{num_envs}, {final_chunk}, ...]."
+    )
   if ended is None:
     ended = jnp.asarray(last_flags(final_steps))
   if mask is not None:
@@ -411,9 +458,9 @@ def add_stream(state: SequenceStateT, steps: PyTree,
   return write(state, final_steps, ended, ended)
 
 
-def chunked_add_args(state: SequenceReplayState, steps: PyTree,
-                     mask: jax.Array | None, episode_end: jax.Array | None
-                     ) -> tuple[PyTree, jax.Array, jax.Array]:
+def chunked_add_args(
+  state: SequenceReplayState, steps: PyTree, mask: jax.Array | None, episode_end: jax.Array | None
+) -> tuple[PyTree, jax.Array, jax.Array]:
   """`add`'s arguments as a chunk: `(steps [N, T, ...], mask [N],
   episode_end [N, T])`, T = 1 for one step per env; checks their shapes."""
   num_envs = num_envs_of(state)
@@ -425,8 +472,7 @@ def chunked_add_args(state: SequenceReplayState, steps: PyTree,
   if episode_end is None:
     episode_end = jnp.zeros((num_envs, length), bool)
   else:
-    _check_flags("episode_end", episode_end,
-                 (num_envs,) if chunk is None else (num_envs, length))
+    _check_flags("episode_end", episode_end, (num_envs,) if chunk is None else (num_envs, length))
     episode_end = jnp.asarray(episode_end).reshape(num_envs, length)
   if mask is None:
     mask = jnp.ones((num_envs,), bool)
@@ -443,36 +489,42 @@ class ChunkSlots(NamedTuple):
   `dropped` ones are never written, so each written slot is written once
   (scatters with duplicate indices have no defined order).
   """
+
   kept: int
   dropped: int
   slots: jax.Array  # int32 [N, kept], the ring slots of the kept steps
-  rows: jax.Array   # int32 [N, kept], the env, or N for an env masked out
+  rows: jax.Array  # int32 [N, kept], the env, or N for an env masked out
 
   def write(self, column: jax.Array, chunk: jax.Array) -> jax.Array:
     """`column [N, R, ...]` with the kept steps of `chunk [N, T, ...]`
     written; envs masked out are dropped."""
     return column.at[self.rows, self.slots].set(
-        chunk[:, self.dropped:], mode="drop", unique_indices=True)
+      chunk[:, self.dropped :], mode="drop", unique_indices=True
+    )
 
 
-def chunk_slots(state: SequenceReplayState, length: int,
-                mask: jax.Array) -> ChunkSlots:
+def chunk_slots(state: SequenceReplayState, length: int, mask: jax.Array) -> ChunkSlots:
   """The slots and rows of a chunk of `length` steps per env, `mask [N]`
   the envs that stepped (`state.write_heads` as before the chunk)."""
   num_envs, per_env = num_envs_of(state), steps_per_env(state)
   kept = min(length, per_env)
   dropped = length - kept
-  slots = (state.write_heads[:, None] + dropped % per_env
-           + jnp.arange(kept, dtype=jnp.int32)[None, :]) % per_env
+  slots = (
+    state.write_heads[:, None] + dropped % per_env + jnp.arange(kept, dtype=jnp.int32)[None, :]
+  ) % per_env
   rows = jnp.broadcast_to(
-      jnp.where(mask, jnp.arange(num_envs, dtype=jnp.int32), num_envs)[:, None],
-      slots.shape)
+    jnp.where(mask, jnp.arange(num_envs, dtype=jnp.int32), num_envs)[:, None], slots.shape
+  )
   return ChunkSlots(kept=kept, dropped=dropped, slots=slots, rows=rows)
 
 
-def write_chunk(state: SequenceStateT, steps: PyTree, mask: jax.Array,
-                episode_end: jax.Array, **columns: jax.Array
-                ) -> tuple[SequenceStateT, ChunkSlots]:
+def write_chunk(
+  state: SequenceStateT,
+  steps: PyTree,
+  mask: jax.Array,
+  episode_end: jax.Array,
+  **columns: jax.Array,
+) -> tuple[SequenceStateT, ChunkSlots]:
   """Writes a chunk's steps, episode ends and per-step `columns` (fields of
   `state` shaped `[N, R]`, given `[N, T]`), and advances each env that
   stepped: write head, steps held, step count. Every kind built on the
@@ -491,22 +543,30 @@ def write_chunk(state: SequenceStateT, steps: PyTree, mask: jax.Array,
   length = episode_end.shape[1]
   chunk = chunk_slots(state, length, mask)
   return state.replace(
-      storage=jax.tree.map(chunk.write, state.storage, steps),
-      episode_ends=chunk.write(state.episode_ends, episode_end),
-      **{name: chunk.write(getattr(state, name), value)
-         for name, value in columns.items()},
-      write_heads=jnp.where(mask, (state.write_heads + length % per_env)
-                            % per_env, state.write_heads),
-      steps_held=jnp.where(mask, jnp.minimum(state.steps_held + chunk.kept,
-                                             per_env), state.steps_held),
-      step_counts=jnp.where(mask, state.step_counts + jnp.uint32(length % 2**32),
-                            state.step_counts)), chunk
+    storage=jax.tree.map(chunk.write, state.storage, steps),
+    episode_ends=chunk.write(state.episode_ends, episode_end),
+    **{name: chunk.write(getattr(state, name), value) for name, value in columns.items()},
+    write_heads=jnp.where(
+      mask, (state.write_heads + length % per_env) % per_env, state.write_heads
+    ),
+    steps_held=jnp.where(
+      mask, jnp.minimum(state.steps_held + chunk.kept, per_env), state.steps_held
+    ),
+    step_counts=jnp.where(mask, state.step_counts + jnp.uint32(length % 2**32), state.step_counts),
+  ), chunk
 
 
-def add_steps(state: SequenceStateT, steps: PyTree,
-              mask: jax.Array | None, episode_end: jax.Array | None, *,
-              sequence_length: int, period: int, within: bool,
-              new_leaf_value: jax.Array | None) -> SequenceStateT:
+def add_steps(
+  state: SequenceStateT,
+  steps: PyTree,
+  mask: jax.Array | None,
+  episode_end: jax.Array | None,
+  *,
+  sequence_length: int,
+  period: int,
+  within: bool,
+  new_leaf_value: jax.Array | None,
+) -> SequenceStateT:
   """Writes steps and updates the windows they complete or break.
 
   Args:
@@ -524,8 +584,10 @@ def add_steps(state: SequenceStateT, steps: PyTree,
   new_state, chunk = write_chunk(state, steps, mask, episode_end)
   kept = chunk.kept
   new_state = new_state.replace(
-      period_phases=jnp.where(mask, (state.period_phases + length % period)
-                              % period, state.period_phases))
+    period_phases=jnp.where(
+      mask, (state.period_phases + length % period) % period, state.period_phases
+    )
+  )
   # Only windows whose first or last step was written can change: starts
   # 0..K-1 steps ago (first step written) and L-1..L+K-2 steps ago (last step
   # written). Starts in between end past the newest step, before and after.
@@ -534,20 +596,16 @@ def add_steps(state: SequenceStateT, steps: PyTree,
   if span <= 2 * kept or span >= per_env:
     touched_ago = np.arange(min(span, per_env))
   else:
-    touched_ago = np.concatenate([np.arange(kept),
-                                  sequence_length - 1 + np.arange(kept)])
-  touched_slots = (new_state.write_heads[:, None] - 1
-                   - jnp.asarray(touched_ago, jnp.int32)[None, :]) % per_env
-  envs = jnp.broadcast_to(jnp.arange(num_envs, dtype=jnp.int32)[:, None],
-                          touched_slots.shape)
-  settings: dict[str, Any] = dict(sequence_length=sequence_length,
-                                  period=period, within=within)
+    touched_ago = np.concatenate([np.arange(kept), sequence_length - 1 + np.arange(kept)])
+  touched_slots = (
+    new_state.write_heads[:, None] - 1 - jnp.asarray(touched_ago, jnp.int32)[None, :]
+  ) % per_env
+  envs = jnp.broadcast_to(jnp.arange(num_envs, dtype=jnp.int32)[:, None], touched_slots.shape)
+  settings: dict[str, Any] = dict(sequence_length=sequence_length, period=period, within=within)
   before = windows_valid(state, envs, touched_slots, **settings)
   after = windows_valid(new_state, envs, touched_slots, **settings)
-  change = (jnp.sum(after, axis=1, dtype=jnp.int32)
-            - jnp.sum(before, axis=1, dtype=jnp.int32))
-  new_state = new_state.replace(
-      window_counts=state.window_counts + jnp.where(mask, change, 0))
+  change = jnp.sum(after, axis=1, dtype=jnp.int32) - jnp.sum(before, axis=1, dtype=jnp.int32)
+  new_state = new_state.replace(window_counts=state.window_counts + jnp.where(mask, change, 0))
   if state.window_tree is not None:
     assert new_leaf_value is not None  # given by every kind that keeps a tree
     leaves = jnp.where(after, new_leaf_value, 0.0).astype(jnp.float32)
@@ -557,14 +615,21 @@ def add_steps(state: SequenceStateT, steps: PyTree,
     # every sparse level of the tree, and with period P only about 2 / P of
     # the touched windows change.
     changed = mask[:, None] & (before | after)
-    new_state = new_state.replace(window_tree=sum_tree.set_leaves(
-        state.window_tree, (envs * per_env + touched_slots).reshape(-1),
-        leaves.reshape(-1), changed.reshape(-1), unique_indices=True))
+    new_state = new_state.replace(
+      window_tree=sum_tree.set_leaves(
+        state.window_tree,
+        (envs * per_env + touched_slots).reshape(-1),
+        leaves.reshape(-1),
+        changed.reshape(-1),
+        unique_indices=True,
+      )
+    )
   return new_state
 
 
-def gather_windows(state: SequenceReplayState, window_ids: jax.Array, *,
-                   sequence_length: int) -> tuple[PyTree, jax.Array]:
+def gather_windows(
+  state: SequenceReplayState, window_ids: jax.Array, *, sequence_length: int
+) -> tuple[PyTree, jax.Array]:
   """Items `[S, L, ...]` of windows `[S]` and their first-episode mask `[S, L]`.
 
   One gather of S * L rows from each leaf seen flat as `[N * R, ...]`. The
@@ -579,17 +644,18 @@ def gather_windows(state: SequenceReplayState, window_ids: jax.Array, *,
   def rows():
     starts = window_ids.astype(jnp.int32)
     firsts = starts - starts % per_env
-    offsets = (starts % per_env)[:, None] + jnp.arange(
-        sequence_length, dtype=jnp.int32)[None, :]
+    offsets = (starts % per_env)[:, None] + jnp.arange(sequence_length, dtype=jnp.int32)[None, :]
     # The env's ring: offsets past its end wrap to its first slot.
     wrapped = jnp.where(offsets >= per_env, offsets - per_env, offsets)
     return (firsts[:, None] + wrapped).reshape(-1)
 
   flat_rows = random.computed_once(rows, window_ids[0])
-  gather = lambda column: column.reshape(
-      (num_rows,) + column.shape[2:]).at[flat_rows].get(
-          mode="promise_in_bounds").reshape(
-              (num_windows, sequence_length) + column.shape[2:])
+  gather = lambda column: (
+    column.reshape((num_rows,) + column.shape[2:])
+    .at[flat_rows]
+    .get(mode="promise_in_bounds")
+    .reshape((num_windows, sequence_length) + column.shape[2:])
+  )
   items = jax.tree.map(gather, state.storage)
   ends = gather(state.episode_ends)
   # A step belongs to the first episode if no episode ended before it.
@@ -597,20 +663,25 @@ def gather_windows(state: SequenceReplayState, window_ids: jax.Array, *,
   return items, ended_before == 0
 
 
-def check_sample(state: SequenceReplayState, key: jax.Array, batch_size: int,
-                 *, checked: bool) -> jax.Array:
+def check_sample(
+  state: SequenceReplayState, key: jax.Array, batch_size: int, *, checked: bool
+) -> jax.Array:
   """Validates a sample's arguments; returns the number of windows, int32 `()`."""
   total = jnp.sum(state.window_counts)
   validation.check_key(key, what="sample")
   validation.check_batch_size(batch_size, what="sample")
   if checked:
-    checkify.check(total > 0, "sample: the buffer holds no complete window; "
-                   "add steps before sampling (guard with can_sample).")
+    checkify.check(
+      total > 0,
+      "sample: the buffer holds no complete window; "
+      "add steps before sampling (guard with can_sample).",
+    )
   return total
 
 
-def first_window_offsets(state: SequenceReplayState, *, sequence_length: int,
-                         period: int) -> jax.Array:
+def first_window_offsets(
+  state: SequenceReplayState, *, sequence_length: int, period: int
+) -> jax.Array:
   """Per env, how many steps ago its newest sampleable window starts: int32 `[N]`.
 
   The starts are the `ago >= L - 1` with `ago = phase - 1 (mod period)`;
@@ -620,10 +691,16 @@ def first_window_offsets(state: SequenceReplayState, *, sequence_length: int,
   return sequence_length - 1 + (residue - (sequence_length - 1)) % period
 
 
-def uniform_window_ids(state: SequenceReplayState, key: jax.Array,
-                       batch_size: int, total: jax.Array, *,
-                       sequence_length: int, period: int,
-                       within: bool) -> jax.Array:
+def uniform_window_ids(
+  state: SequenceReplayState,
+  key: jax.Array,
+  batch_size: int,
+  total: jax.Array,
+  *,
+  sequence_length: int,
+  period: int,
+  within: bool,
+) -> jax.Array:
   """Window ids drawn uniformly over every sampleable window: int32 `[S]`.
 
   Across episodes the windows of env n are every `period`-th start from
@@ -635,23 +712,22 @@ def uniform_window_ids(state: SequenceReplayState, key: jax.Array,
   """
   if within:
     assert state.window_tree is not None  # kept within episodes (init)
-    found, _ = sum_tree.sample_leaves(state.window_tree, key, batch_size,
-                                      stratified=False)
+    found, _ = sum_tree.sample_leaves(state.window_tree, key, batch_size, stratified=False)
     return jnp.where(total > 0, found, 0)
 
   def draw():
     higher_bits, lower_bits = random.random_bits(key, (2, batch_size))
     span = jnp.maximum(total, 1).astype(jnp.uint32)
     ranks = random.scale_to_span(higher_bits, lower_bits, span).astype(jnp.int32)
-    window_ids = window_ids_at_ranks(state, ranks,
-                                     sequence_length=sequence_length,
-                                     period=period)
+    window_ids = window_ids_at_ranks(state, ranks, sequence_length=sequence_length, period=period)
     return jnp.where(total > 0, window_ids, 0)
+
   return random.computed_once(draw, total)
 
 
-def window_ids_at_ranks(state: SequenceReplayState, ranks: jax.Array, *,
-                        sequence_length: int, period: int) -> jax.Array:
+def window_ids_at_ranks(
+  state: SequenceReplayState, ranks: jax.Array, *, sequence_length: int, period: int
+) -> jax.Array:
   """The `ranks [S]`-th sampleable windows, across episodes: int32 `[S]`.
 
   Windows are ranked env by env, newest first within an env: every
@@ -663,17 +739,26 @@ def window_ids_at_ranks(state: SequenceReplayState, ranks: jax.Array, *,
   # searchsorted(ends, ranks, side="right") as one count over [S, N]: N is
   # small, and a binary search is a loop of log N dependent steps.
   envs = jnp.minimum(
-      jnp.sum(ends[None, :] <= ranks[:, None], axis=1, dtype=jnp.int32),
-      num_envs_of(state) - 1)
+    jnp.sum(ends[None, :] <= ranks[:, None], axis=1, dtype=jnp.int32), num_envs_of(state) - 1
+  )
   within_env = ranks - (ends[envs] - state.window_counts[envs])
-  ago = (first_window_offsets(state, sequence_length=sequence_length,
-                              period=period)[envs] + within_env * period)
+  ago = (
+    first_window_offsets(state, sequence_length=sequence_length, period=period)[envs]
+    + within_env * period
+  )
   return envs * per_env + (state.write_heads[envs] - 1 - ago) % per_env
 
 
-def sample(state: SequenceReplayState, key: jax.Array, batch_size: int, *,
-           sequence_length: int, period: int, within: bool,
-           checked: bool = False) -> SequenceSample:
+def sample(
+  state: SequenceReplayState,
+  key: jax.Array,
+  batch_size: int,
+  *,
+  sequence_length: int,
+  period: int,
+  within: bool,
+  checked: bool = False,
+) -> SequenceSample:
   """Draws `batch_size` windows uniformly, with replacement.
 
   Every sampleable window (env, start) is equally likely, whatever the envs'
@@ -686,38 +771,46 @@ def sample(state: SequenceReplayState, key: jax.Array, batch_size: int, *,
     ids), weights float32 `[S]` (1, or 0 when empty), item_ids uint32 `[S]`,
     mask bool `[S, L]`.
   """
-  validation.check_state_kind(
-      state, SequenceReplayState, what="sample", exact=True)
+  validation.check_state_kind(state, SequenceReplayState, what="sample", exact=True)
   total = check_sample(state, key, batch_size, checked=checked)
-  window_ids = uniform_window_ids(state, key, batch_size, total,
-                                  sequence_length=sequence_length,
-                                  period=period, within=within)
-  items, mask = gather_windows(state, window_ids,
-                               sequence_length=sequence_length)
+  window_ids = uniform_window_ids(
+    state, key, batch_size, total, sequence_length=sequence_length, period=period, within=within
+  )
+  items, mask = gather_windows(state, window_ids, sequence_length=sequence_length)
   return SequenceSample(
-      items=items, indices=window_ids,
-      weights=jnp.full((batch_size,), total > 0, jnp.float32),
-      item_ids=window_item_ids(state, window_ids), mask=mask & (total > 0))
+    items=items,
+    indices=window_ids,
+    weights=jnp.full((batch_size,), total > 0, jnp.float32),
+    item_ids=window_item_ids(state, window_ids),
+    mask=mask & (total > 0),
+  )
 
 
 def check_window_priorities(indices: Any, priorities: Any) -> None:
   """Raises `ValueError` for per-step priorities `[S, L]`, naming the helper
   that reduces them to the one priority per window `[S]` a buffer takes."""
   index_shape, priority_shape = np.shape(indices), np.shape(priorities)
-  if (len(index_shape) == 1 and len(priority_shape) == 2
-      and priority_shape[0] == index_shape[0]):
+  if len(index_shape) == 1 and len(priority_shape) == 2 and priority_shape[0] == index_shape[0]:
     raise ValueError(
-        f"update_priorities: priorities have shape {priority_shape}, one per "
-        f"step of each window; a sequence buffer takes one priority per "
-        f"window, shape {index_shape}. Reduce them first, e.g. "
-        f"jaxbuf.r2d2_priorities(td_errors, sample.mask) (R2D2's "
-        f"eta * max + (1 - eta) * mean of |TD error| over the valid steps).")
+      f"update_priorities: priorities have shape {priority_shape}, one per "
+      f"step of each window; a sequence buffer takes one priority per "
+      f"window, shape {index_shape}. Reduce them first, e.g. "
+      f"jaxbuf.r2d2_priorities(td_errors, sample.mask) (R2D2's "
+      f"eta * max + (1 - eta) * mean of |TD error| over the valid steps)."
+    )
 
 
-def valid_priority_updates(state: SequenceReplayState, indices: jax.Array,
-                           priorities: jax.Array, item_ids: jax.Array | None,
-                           *, sequence_length: int, period: int, within: bool,
-                           checked: bool) -> jax.Array:
+def valid_priority_updates(
+  state: SequenceReplayState,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None,
+  *,
+  sequence_length: int,
+  period: int,
+  within: bool,
+  checked: bool,
+) -> jax.Array:
   """Which updates apply: bool `[S]`. Validates shapes while tracing.
 
   An update applies when its window id is in `[0, C)` and names a window that
@@ -736,46 +829,81 @@ def valid_priority_updates(state: SequenceReplayState, indices: jax.Array,
   in_range = ring.indices_in_range(indices, jnp.int32(num_windows))
   finite = jnp.isfinite(priorities)
   if checked:
-    checkify.check(jnp.all(in_range), "update_priorities: indices must be "
-                   "window ids, in [0, capacity={capacity}); given {indices}",
-                   capacity=jnp.int32(num_windows), indices=indices)
-    checkify.check(jnp.all(finite & (priorities >= 0)), "update_priorities: "
-                   "priorities must be finite and non-negative (pass "
-                   "|TD error|); given {priorities}", priorities=priorities)
-  valid = in_range & finite & window_ids_valid(
-      state, indices.astype(jnp.int32), sequence_length=sequence_length,
-      period=period, within=within)
+    checkify.check(
+      jnp.all(in_range),
+      "update_priorities: indices must be window ids, in [0, capacity={capacity}); given {indices}",
+      capacity=jnp.int32(num_windows),
+      indices=indices,
+    )
+    checkify.check(
+      jnp.all(finite & (priorities >= 0)),
+      "update_priorities: "
+      "priorities must be finite and non-negative (pass "
+      "|TD error|); given {priorities}",
+      priorities=priorities,
+    )
+  valid = (
+    in_range
+    & finite
+    & window_ids_valid(
+      state,
+      indices.astype(jnp.int32),
+      sequence_length=sequence_length,
+      period=period,
+      within=within,
+    )
+  )
   if item_ids is not None:
     safe = jnp.where(in_range, indices.astype(jnp.int32), 0)
     valid &= window_item_ids(state, safe) == item_ids
   return valid
 
 
-def update_priorities(state: SequenceReplayState, indices: jax.Array,
-                      priorities: jax.Array, item_ids: jax.Array | None = None,
-                      *, sequence_length: int, period: int, within: bool,
-                      checked: bool = False) -> SequenceReplayState:
+def update_priorities(
+  state: SequenceReplayState,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None = None,
+  *,
+  sequence_length: int,
+  period: int,
+  within: bool,
+  checked: bool = False,
+) -> SequenceReplayState:
   """The identity: uniform replay keeps no priorities.
 
   Arguments are validated as for prioritized sequence replay (shapes while
   tracing; values in checked mode), so switching kinds surfaces no new errors.
   """
-  validation.check_state_kind(
-      state, SequenceReplayState, what="update_priorities", exact=True)
+  validation.check_state_kind(state, SequenceReplayState, what="update_priorities", exact=True)
   check_window_priorities(indices, priorities)
   if checked:
-    valid_priority_updates(state, indices, priorities, item_ids,
-                           sequence_length=sequence_length, period=period,
-                           within=within, checked=True)
+    valid_priority_updates(
+      state,
+      indices,
+      priorities,
+      item_ids,
+      sequence_length=sequence_length,
+      period=period,
+      within=within,
+      checked=True,
+    )
   else:
     validation.check_priority_update_args(indices, priorities, item_ids)
   return state
 
 
-def add(state: SequenceReplayState, steps: PyTree,
-        mask: jax.Array | None = None, episode_end: jax.Array | None = None,
-        final_steps: PyTree | None = None, *, sequence_length: int,
-        period: int, within: bool) -> SequenceReplayState:
+def add(
+  state: SequenceReplayState,
+  steps: PyTree,
+  mask: jax.Array | None = None,
+  episode_end: jax.Array | None = None,
+  final_steps: PyTree | None = None,
+  *,
+  sequence_length: int,
+  period: int,
+  within: bool,
+) -> SequenceReplayState:
   """Adds one step per env (`[N, ...]`) or a chunk (`[N, T, ...]`).
 
   Episode ends have one flag. A step with a bool field (or dict key) named
@@ -826,13 +954,21 @@ def add(state: SequenceReplayState, steps: PyTree,
       none.
     sequence_length, period, within: the buffer's settings.
   """
-  validation.check_state_kind(
-      state, SequenceReplayState, what="add", exact=True)
-  return add_stream(state, steps, mask, episode_end, final_steps,
-                    write=functools.partial(
-                        add_steps, sequence_length=sequence_length,
-                        period=period, within=within,
-                        new_leaf_value=jnp.float32(1.0)))
+  validation.check_state_kind(state, SequenceReplayState, what="add", exact=True)
+  return add_stream(
+    state,
+    steps,
+    mask,
+    episode_end,
+    final_steps,
+    write=functools.partial(
+      add_steps,
+      sequence_length=sequence_length,
+      period=period,
+      within=within,
+      new_leaf_value=jnp.float32(1.0),
+    ),
+  )
 
 
 def can_sample(state: SequenceReplayState, batch_size: int) -> jax.Array:
@@ -849,18 +985,23 @@ def clear(state: SequenceStateT) -> SequenceStateT:
   a priority update sampled before the clear is recognised as stale.
   """
   validation.check_state_kind(state, SequenceReplayState, what="clear")
-  cleared = state.replace(steps_held=jnp.zeros_like(state.steps_held),
-                          window_counts=jnp.zeros_like(state.window_counts))
+  cleared = state.replace(
+    steps_held=jnp.zeros_like(state.steps_held), window_counts=jnp.zeros_like(state.window_counts)
+  )
   if state.window_tree is not None:
-    cleared = cleared.replace(
-        window_tree=jax.tree.map(jnp.zeros_like, state.window_tree))
+    cleared = cleared.replace(window_tree=jax.tree.map(jnp.zeros_like, state.window_tree))
   return cleared
 
 
-def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
-                    period: int = 1, episodes: str = "cross",
-                    checked: bool = False
-                    ) -> Buffer[SequenceReplayState, SequenceSample]:
+def sequence_replay(
+  num_envs: int,
+  capacity: int,
+  sequence_length: int,
+  *,
+  period: int = 1,
+  episodes: str = "cross",
+  checked: bool = False,
+) -> Buffer[SequenceReplayState, SequenceSample]:
   """A uniform replay buffer of per-env streams, sampled as windows.
 
   Steps follow the stream convention: `help(jaxbuf.streams)`.
@@ -911,52 +1052,74 @@ def sequence_replay(num_envs: int, capacity: int, sequence_length: int, *,
   True
   """
   check_sizes(num_envs, capacity, sequence_length, period, episodes)
-  settings: dict[str, Any] = dict(sequence_length=sequence_length,
-                                  period=period, within=episodes == "within")
+  settings: dict[str, Any] = dict(
+    sequence_length=sequence_length, period=period, within=episodes == "within"
+  )
   bound_init = functools.partial(init, with_tree=episodes == "within")
   bound_add = functools.partial(add, **settings)
   split = functools.partial(
-      split_over_devices, num_envs=num_envs, capacity=capacity,
-      init=bound_init, add=bound_add,
-      sample=functools.partial(sample, **settings), update_priorities=None,
-      clear=clear, beta=None, stratified=False, **settings)
+    split_over_devices,
+    num_envs=num_envs,
+    capacity=capacity,
+    init=bound_init,
+    add=bound_add,
+    sample=functools.partial(sample, **settings),
+    update_priorities=None,
+    clear=clear,
+    beta=None,
+    stratified=False,
+    **settings,
+  )
   return bind(
-      init=functools.partial(bound_init, num_envs=num_envs, capacity=capacity),
-      add=bound_add,
-      sample=functools.partial(sample, **settings, checked=checked),
-      update_priorities=functools.partial(update_priorities, **settings,
-                                          checked=checked),
-      can_sample=can_sample,
-      clear=clear,
-      kind=kind.Kind(
-          name="sequence_replay", state_type=SequenceReplayState,
-          exact_type=True,
-          settings=window_settings(num_envs, capacity, sequence_length,
-                                   period, episodes),
-          split=split),
-      checked=checked,
-      jit_update_priorities=False)
+    init=functools.partial(bound_init, num_envs=num_envs, capacity=capacity),
+    add=bound_add,
+    sample=functools.partial(sample, **settings, checked=checked),
+    update_priorities=functools.partial(update_priorities, **settings, checked=checked),
+    can_sample=can_sample,
+    clear=clear,
+    kind=kind.Kind(
+      name="sequence_replay",
+      state_type=SequenceReplayState,
+      exact_type=True,
+      settings=window_settings(num_envs, capacity, sequence_length, period, episodes),
+      split=split,
+    ),
+    checked=checked,
+    jit_update_priorities=False,
+  )
 
 
-def window_settings(num_envs: int, capacity: int, sequence_length: int,
-                    period: int, episodes: str, **more: Any) -> kind.Settings:
+def window_settings(
+  num_envs: int, capacity: int, sequence_length: int, period: int, episodes: str, **more: Any
+) -> kind.Settings:
   """The settings a sequence state's window bookkeeping depends on."""
-  return kind.settings_of(num_envs=num_envs, capacity=capacity,
-                          sequence_length=sequence_length, period=period,
-                          episodes=episodes, **more)
+  return kind.settings_of(
+    num_envs=num_envs,
+    capacity=capacity,
+    sequence_length=sequence_length,
+    period=period,
+    episodes=episodes,
+    **more,
+  )
 
 
-def _check_steps_to_split(state: SequenceReplayState, arguments: tuple,
-                          num_devices: int, *, init: Callable, add: Callable,
-                          num_envs: int, capacity: int) -> None:
+def _check_steps_to_split(
+  state: SequenceReplayState,
+  arguments: tuple,
+  num_devices: int,
+  *,
+  init: Callable,
+  add: Callable,
+  num_envs: int,
+  capacity: int,
+) -> None:
   """Steps, mask and episode ends checked as the unsharded buffer checks
   them, with its messages and the global N."""
   del num_devices  # N divides by D: checked when the buffer was split.
-  step_shapes = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape[3:], x.dtype), state.storage)
+  step_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[3:], x.dtype), state.storage)
   unsharded = jax.eval_shape(
-      functools.partial(init, num_envs=num_envs, capacity=capacity),
-      step_shapes)
+    functools.partial(init, num_envs=num_envs, capacity=capacity), step_shapes
+  )
   jax.eval_shape(add, unsharded, *jax.tree.map(_unplaced, arguments))
 
 
@@ -966,11 +1129,22 @@ def _unplaced(leaf: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
-def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
-                       init: Callable, add: Callable, sample: Callable,
-                       update_priorities: Callable | None, clear: Callable,
-                       beta: Any, stratified: bool, sequence_length: int,
-                       period: int, within: bool) -> kind.Split:
+def split_over_devices(
+  num_devices: int,
+  *,
+  num_envs: int,
+  capacity: int,
+  init: Callable,
+  add: Callable,
+  sample: Callable,
+  update_priorities: Callable | None,
+  clear: Callable,
+  beta: Any,
+  stratified: bool,
+  sequence_length: int,
+  period: int,
+  within: bool,
+) -> kind.Split:
   """Sequence replay split over D devices: envs in blocks of N / D.
 
   Device d holds envs `[d N/D, (d+1) N/D)` whole (their rings, episode ends
@@ -982,42 +1156,43 @@ def split_over_devices(num_devices: int, *, num_envs: int, capacity: int,
     below = num_envs - num_envs % num_devices
     nearest = " or ".join(str(n) for n in (below, below + num_devices) if n)
     raise ValueError(
-        f"sharded: num_envs {num_envs} does not divide by the {num_devices} "
-        f"devices of the mesh axis (each device holds num_envs / "
-        f"{num_devices} whole envs); nearest valid num_envs: {nearest}, "
-        f"with capacity num_envs * {capacity // num_envs} to keep the steps "
-        f"per env.")
+      f"sharded: num_envs {num_envs} does not divide by the {num_devices} "
+      f"devices of the mesh axis (each device holds num_envs / "
+      f"{num_devices} whole envs); nearest valid num_envs: {nearest}, "
+      f"with capacity num_envs * {capacity // num_envs} to keep the steps "
+      f"per env."
+    )
   with_tree = update_priorities is not None or within
   return kind.Split(
-      init=functools.partial(init, num_envs=num_envs // num_devices,
-                             capacity=capacity // num_devices),
-      add=add,
-      add_arguments=kind.add_arguments_of(add),
-      check_add=functools.partial(_check_steps_to_split, init=init, add=add,
-                                  num_envs=num_envs, capacity=capacity),
-      sample=sample,
-      update_priorities=update_priorities,
-      clear=clear,
-      local_counter=lambda state: state.write_heads,
-      counter_shape=(num_envs // num_devices,),
-      ids_per_device=lambda state: (state.episode_ends.shape[-2]
-                                    * state.episode_ends.shape[-1]),
-      held=lambda state: jnp.sum(state.window_counts, axis=-1,
-                                 dtype=jnp.int32),
-      # Sampling is with replacement: one window serves any batch size.
-      enough=lambda held, batch_size: held > 0,
-      masses=(lambda local: local.window_tree) if with_tree else None,
-      at_rank=functools.partial(window_ids_at_ranks,
-                                sequence_length=sequence_length,
-                                period=period),
-      rows=lambda local, window_ids, key: gather_windows(
-          local, window_ids, sequence_length=sequence_length),
-      item_ids=window_item_ids,
-      # Nothing drawn: mask all False, as the unsharded buffers give.
-      as_sample=lambda rows, indices, weights, item_ids, drawn: SequenceSample(
-          items=rows[0], indices=indices, weights=weights, item_ids=item_ids,
-          mask=rows[1] & drawn),
-      check_update=check_window_priorities,
-      beta=beta,
-      stratified=stratified,
-      uniform_when_massless=False)
+    init=functools.partial(
+      init, num_envs=num_envs // num_devices, capacity=capacity // num_devices
+    ),
+    add=add,
+    add_arguments=kind.add_arguments_of(add),
+    check_add=functools.partial(
+      _check_steps_to_split, init=init, add=add, num_envs=num_envs, capacity=capacity
+    ),
+    sample=sample,
+    update_priorities=update_priorities,
+    clear=clear,
+    local_counter=lambda state: state.write_heads,
+    counter_shape=(num_envs // num_devices,),
+    ids_per_device=lambda state: state.episode_ends.shape[-2] * state.episode_ends.shape[-1],
+    held=lambda state: jnp.sum(state.window_counts, axis=-1, dtype=jnp.int32),
+    # Sampling is with replacement: one window serves any batch size.
+    enough=lambda held, batch_size: held > 0,
+    masses=(lambda local: local.window_tree) if with_tree else None,
+    at_rank=functools.partial(window_ids_at_ranks, sequence_length=sequence_length, period=period),
+    rows=lambda local, window_ids, key: gather_windows(
+      local, window_ids, sequence_length=sequence_length
+    ),
+    item_ids=window_item_ids,
+    # Nothing drawn: mask all False, as the unsharded buffers give.
+    as_sample=lambda rows, indices, weights, item_ids, drawn: SequenceSample(
+      items=rows[0], indices=indices, weights=weights, item_ids=item_ids, mask=rows[1] & drawn
+    ),
+    check_update=check_window_priorities,
+    beta=beta,
+    stratified=stratified,
+    uniform_when_massless=False,
+  )

@@ -40,10 +40,11 @@ class NStepTargets(NamedTuple):
   The target of position t is `rewards[:, t] + discounts[:, t] *
   V(window step next_index[:, t])`.
   """
-  rewards: jax.Array     # [S, P]: discounted reward sum over the k <= n steps
-  discounts: jax.Array   # [S, P]: product of the k discounts; 0 if terminated
+
+  rewards: jax.Array  # [S, P]: discounted reward sum over the k <= n steps
+  discounts: jax.Array  # [S, P]: product of the k discounts; 0 if terminated
   next_index: jax.Array  # int32 [S, P]: window position of the next observation
-  valid: jax.Array       # bool [S, P]: False where position t is a `last` step
+  valid: jax.Array  # bool [S, P]: False where position t is a `last` step
 
 
 class NStepTransitions(NamedTuple):
@@ -54,27 +55,29 @@ class NStepTransitions(NamedTuple):
   bootstrap, `target = reward + discount * V(next_obs)`, with gamma already
   in it (rlax's `discount_t`).
   """
-  obs: PyTree          # leaves [S, ...]
-  action: PyTree       # leaves [S, ...]
-  reward: jax.Array    # [S]: n-step discounted reward
+
+  obs: PyTree  # leaves [S, ...]
+  action: PyTree  # leaves [S, ...]
+  reward: jax.Array  # [S]: n-step discounted reward
   discount: jax.Array  # [S]: gamma^k for the k <= n steps summed, 0 after
-                       # a termination
-  next_obs: PyTree     # leaves [S, ...]: obs k steps later (k <= n)
-  valid: jax.Array     # bool [S]: False if the first step is a `last` step;
-                       # give it zero loss weight
+  # a termination
+  next_obs: PyTree  # leaves [S, ...]: obs k steps later (k <= n)
+  valid: jax.Array  # bool [S]: False if the first step is a `last` step;
+  # give it zero loss weight
 
 
 def _check_n(n: Any, window_length: int, *, what: str) -> None:
   validation.check_positive_int(n, "n", prefix=f"{what}: ")
   if window_length < n + 1:
-    raise ValueError(f"{what}: windows of L = {window_length} steps are too "
-                     f"short for n = {n}: an n-step transition needs L >= "
-                     f"n + 1 = {n + 1} (the n steps and the next "
-                     "observation); sample longer windows or lower n.")
+    raise ValueError(
+      f"{what}: windows of L = {window_length} steps are too "
+      f"short for n = {n}: an n-step transition needs L >= "
+      f"n + 1 = {n + 1} (the n steps and the next "
+      "observation); sample longer windows or lower n."
+    )
 
 
-def _check_window_leaves(name: str, tree: PyTree, shape: tuple[int, ...], *,
-                         what: str) -> None:
+def _check_window_leaves(name: str, tree: PyTree, shape: tuple[int, ...], *, what: str) -> None:
   """Every leaf of `tree` starts with the `[S, L]` of `rewards`."""
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   if not leaves:
@@ -83,14 +86,15 @@ def _check_window_leaves(name: str, tree: PyTree, shape: tuple[int, ...], *,
     leaf_shape = tuple(np.shape(leaf))
     if leaf_shape[:2] != tuple(shape):
       raise ValueError(
-          f"{what}: {name} leaf {jax.tree_util.keystr(path) or '<root>'} has "
-          f"shape {leaf_shape}, expected [S, L, ...] = {tuple(shape)} + ... "
-          "like rewards.")
+        f"{what}: {name} leaf {jax.tree_util.keystr(path) or '<root>'} has "
+        f"shape {leaf_shape}, expected [S, L, ...] = {tuple(shape)} + ... "
+        "like rewards."
+      )
 
 
-def n_step_targets(rewards: jax.Array, terminated: jax.Array,
-                   last: jax.Array, *, n: int,
-                   gamma: Numeric) -> NStepTargets:
+def n_step_targets(
+  rewards: jax.Array, terminated: jax.Array, last: jax.Array, *, n: int, gamma: Numeric
+) -> NStepTargets:
   """n-step reward sums, discounts and bootstrap positions inside windows.
 
   For every position t < P = L - n of each window: k is n, or fewer when
@@ -142,17 +146,14 @@ def n_step_targets(rewards: jax.Array, terminated: jax.Array,
   what = "n_step_targets"
   rewards = jnp.asarray(rewards)
   if rewards.ndim != 2:
-    raise ValueError(f"{what}: rewards must have shape [S, L], given "
-                     f"{rewards.shape}.")
+    raise ValueError(f"{what}: rewards must have shape [S, L], given {rewards.shape}.")
   validation.check_floating("rewards", rewards, what=what)
   shape = rewards.shape
   validation.check_flags("terminated", terminated, what=what)
-  validation.check_shape("terminated", terminated, shape, what=what,
-                         like="rewards")
+  validation.check_shape("terminated", terminated, shape, what=what, like="rewards")
   validation.check_flags("last", last, what=what)
   validation.check_shape("last", last, shape, what=what, like="rewards")
-  validation.check_scalar_or_shape("gamma", gamma, shape, what=what,
-                                   like="rewards")
+  validation.check_scalar_or_shape("gamma", gamma, shape, what=what, like="rewards")
   _check_n(n, shape[1], what=what)
   dtype = rewards.dtype
   terminated = jnp.asarray(terminated).astype(bool)
@@ -161,7 +162,7 @@ def n_step_targets(rewards: jax.Array, terminated: jax.Array,
   num_positions = shape[1] - n
 
   def at(array, offset):
-    return array[:, offset:offset + num_positions]
+    return array[:, offset : offset + num_positions]
 
   alive = ~at(last, 0)
   valid = alive
@@ -170,26 +171,33 @@ def n_step_targets(rewards: jax.Array, terminated: jax.Array,
   steps = jnp.full((shape[0], num_positions), n, jnp.int32)
   for offset in range(n):
     # `where`, not a product with `alive`: padding may hold NaN.
-    reward_sum = jnp.where(alive, reward_sum + discount * at(rewards, offset),
-                           reward_sum)
+    reward_sum = jnp.where(alive, reward_sum + discount * at(rewards, offset), reward_sum)
     terminated_here = at(terminated, offset)
     discount = jnp.where(
-        alive, jnp.where(terminated_here, 0.0, discount * at(gamma, offset)),
-        discount)
+      alive, jnp.where(terminated_here, 0.0, discount * at(gamma, offset)), discount
+    )
     ended = terminated_here | at(last, offset + 1)
     steps = jnp.where(alive & ended, offset + 1, steps)
     alive = alive & ~ended
   positions = jax.lax.broadcasted_iota(jnp.int32, steps.shape, 1)
   return NStepTargets(
-      rewards=jnp.where(valid, reward_sum, 0.0),
-      discounts=jnp.where(valid, discount, 0.0),
-      next_index=jnp.where(valid, positions + steps, positions),
-      valid=valid)
+    rewards=jnp.where(valid, reward_sum, 0.0),
+    discounts=jnp.where(valid, discount, 0.0),
+    next_index=jnp.where(valid, positions + steps, positions),
+    valid=valid,
+  )
 
 
-def n_step_transitions(obs: PyTree, action: PyTree, rewards: jax.Array,
-                       terminated: jax.Array, last: jax.Array, *, n: int,
-                       gamma: Numeric) -> NStepTransitions:
+def n_step_transitions(
+  obs: PyTree,
+  action: PyTree,
+  rewards: jax.Array,
+  terminated: jax.Array,
+  last: jax.Array,
+  *,
+  n: int,
+  gamma: Numeric,
+) -> NStepTransitions:
   """The n-step transition from the first step of each sampled window.
 
   `next_obs` is the window's observation `k <= n` steps after the first, read
@@ -232,16 +240,16 @@ def n_step_transitions(obs: PyTree, action: PyTree, rewards: jax.Array,
   def next_of(leaf):
     leaf = jnp.asarray(leaf)
     index = jnp.reshape(next_index, (shape[0], 1) + (1,) * (leaf.ndim - 2))
-    return jnp.take_along_axis(leaf, index, axis=1,
-                               mode="promise_in_bounds")[:, 0]
+    return jnp.take_along_axis(leaf, index, axis=1, mode="promise_in_bounds")[:, 0]
 
   return NStepTransitions(
-      obs=jax.tree.map(lambda leaf: jnp.asarray(leaf)[:, 0], obs),
-      action=jax.tree.map(lambda leaf: jnp.asarray(leaf)[:, 0], action),
-      reward=targets.rewards[:, 0],
-      discount=targets.discounts[:, 0],
-      next_obs=jax.tree.map(next_of, obs),
-      valid=targets.valid[:, 0])
+    obs=jax.tree.map(lambda leaf: jnp.asarray(leaf)[:, 0], obs),
+    action=jax.tree.map(lambda leaf: jnp.asarray(leaf)[:, 0], action),
+    reward=targets.rewards[:, 0],
+    discount=targets.discounts[:, 0],
+    next_obs=jax.tree.map(next_of, obs),
+    valid=targets.valid[:, 0],
+  )
 
 
 def burn_in_split(window: PyTree, burn_in: int) -> tuple[PyTree, PyTree]:
@@ -272,18 +280,22 @@ def burn_in_split(window: PyTree, burn_in: int) -> tuple[PyTree, PyTree]:
   first_path, first = leaves[0]
   shape = tuple(np.shape(first))[:2]
   if len(shape) != 2:
-    raise ValueError(f"{what}: leaf {jax.tree_util.keystr(first_path)} has "
-                     f"shape {np.shape(first)}, expected [S, L, ...].")
+    raise ValueError(
+      f"{what}: leaf {jax.tree_util.keystr(first_path)} has "
+      f"shape {np.shape(first)}, expected [S, L, ...]."
+    )
   _check_window_leaves("window", window, shape, what=what)
   if not 0 <= burn_in < shape[1]:
-    raise ValueError(f"{what}: burn_in must be in [0, L) = [0, {shape[1]}), "
-                     f"given {burn_in}.")
-  return (jax.tree.map(lambda leaf: jnp.asarray(leaf)[:, :burn_in], window),
-          jax.tree.map(lambda leaf: jnp.asarray(leaf)[:, burn_in:], window))
+    raise ValueError(f"{what}: burn_in must be in [0, L) = [0, {shape[1]}), given {burn_in}.")
+  return (
+    jax.tree.map(lambda leaf: jnp.asarray(leaf)[:, :burn_in], window),
+    jax.tree.map(lambda leaf: jnp.asarray(leaf)[:, burn_in:], window),
+  )
 
 
-def r2d2_priorities(td_errors: jax.Array, mask: jax.Array | None = None, *,
-                    eta: Numeric = 0.9) -> jax.Array:
+def r2d2_priorities(
+  td_errors: jax.Array, mask: jax.Array | None = None, *, eta: Numeric = 0.9
+) -> jax.Array:
   """R2D2's sequence priority: `eta * max|td| + (1 - eta) * mean|td|` per window.
 
   Both the max and the mean run over the valid steps only; a window with no
@@ -306,20 +318,17 @@ def r2d2_priorities(td_errors: jax.Array, mask: jax.Array | None = None, *,
   what = "r2d2_priorities"
   td_errors = jnp.asarray(td_errors)
   if td_errors.ndim != 2:
-    raise ValueError(f"{what}: td_errors must have shape [S, T], given "
-                     f"{td_errors.shape}.")
+    raise ValueError(f"{what}: td_errors must have shape [S, T], given {td_errors.shape}.")
   validation.check_floating("td_errors", td_errors, what=what)
   if mask is None:
     mask = jnp.ones(td_errors.shape, bool)
   validation.check_flags("mask", mask, what=what)
-  validation.check_shape("mask", mask, td_errors.shape, what=what,
-                         like="td_errors")
+  validation.check_shape("mask", mask, td_errors.shape, what=what, like="td_errors")
   validation.check_scalar_or_shape("eta", eta, (), what=what, like="a scalar")
   mask = jnp.asarray(mask).astype(bool)
   magnitudes = jnp.where(mask, jnp.abs(jax.lax.stop_gradient(td_errors)), 0.0)
   count = jnp.sum(mask, axis=1)
-  mean = jnp.sum(magnitudes, axis=1) / jnp.maximum(count, 1).astype(
-      td_errors.dtype)
+  mean = jnp.sum(magnitudes, axis=1) / jnp.maximum(count, 1).astype(td_errors.dtype)
   eta = jnp.asarray(eta).astype(td_errors.dtype)
   # Magnitudes are >= 0, so 0 is the max of none: windows of T = 0 steps
   # ([S, 0]) get priority 0, as windows with no valid step.
