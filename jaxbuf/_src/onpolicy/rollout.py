@@ -49,7 +49,8 @@ from jax.experimental import checkify
 from jax.typing import ArrayLike
 
 from jaxbuf._src.core import validation
-from jaxbuf._src.core.base import BufferState, PyTree, listed_array, with_jit_tools
+from jaxbuf._src.core.base import BufferState, PyTree, with_jit_tools
+from jaxbuf._src.core.host_add import listed_array
 
 
 def valid_mask(step_counts: jax.Array, num_steps: int) -> jax.Array:
