@@ -215,9 +215,10 @@ def load_offline(config: Config) -> tuple[jaxbuf.Buffer, Any, dict[str, Any]]:
     except FileNotFoundError:
       dataset = record(dataset_id, config)
   buffer = jaxbuf.uniform_replay(dataset.total_steps)
-  state = buffer.init(jaxbuf.offline_example(dataset, buffer))
-  # Minari keeps gymnasium's float64 rewards; the buffer holds float32.
-  state = jaxbuf.from_minari(dataset, buffer, state, round_floats=True)
+  # Minari keeps gymnasium's float64 rewards; the buffer holds float32 (in
+  # 64-bit mode too, where the dataset's example would keep float64).
+  example = training.as_float32(jaxbuf.offline_example(dataset, buffer))
+  state = jaxbuf.from_minari(dataset, buffer, buffer.init(example), round_floats=True)
   returns = [episode.rewards.sum() for episode in dataset.iterate_episodes()]
   return (
     buffer,
@@ -265,7 +266,7 @@ def make_trainer(config: Config, offline: jaxbuf.Buffer, offline_state: Any) -> 
 
   def critic_loss(critic_params, nets, batch, key):
     noise = jnp.clip(
-      config.policy_noise * MAX_TORQUE * jax.random.normal(key, batch.action.shape),
+      config.policy_noise * MAX_TORQUE * jax.random.normal(key, batch.action.shape, jnp.float32),
       -config.noise_clip * MAX_TORQUE,
       config.noise_clip * MAX_TORQUE,
     )
@@ -321,14 +322,19 @@ def make_trainer(config: Config, offline: jaxbuf.Buffer, offline_state: Any) -> 
     key, noise_key, random_key, env_key, learn_key = jax.random.split(state.key, 5)
     explore = jnp.clip(
       actor.apply(state.nets.actor, state.obs)
-      + config.exploration_noise * MAX_TORQUE * jax.random.normal(noise_key, (1, 1)),
+      + config.exploration_noise * MAX_TORQUE * jax.random.normal(noise_key, (1, 1), jnp.float32),
       -MAX_TORQUE,
       MAX_TORQUE,
     )
-    uniform = jax.random.uniform(random_key, (1, 1), minval=-MAX_TORQUE, maxval=MAX_TORQUE)
+    uniform = jax.random.uniform(
+      random_key, (1, 1), jnp.float32, minval=-MAX_TORQUE, maxval=MAX_TORQUE
+    )
     action = jnp.where(state.iteration < config.learning_starts, uniform, explore)
+    # gymnax computes in JAX's default float dtype (float64 in 64-bit mode)
+    # and keeps the torque in its state: it gets the torque in that dtype.
+    torque = action[0].astype(state.env_state.last_u.dtype)
     obs, env_state, reward, terminated, truncated, info = env.step(
-      env_key, state.env_state, action[0], env_params
+      env_key, state.env_state, torque, env_params
     )
     reward = training.as_float32(reward)[None]
     terminated, truncated = terminated[None], truncated[None]

@@ -1076,13 +1076,15 @@ def test_a_load_that_fails_part_way_says_the_state_was_consumed(datasets):
   nothing; held_episodes, to_rlds_steps and to_minari of it raised
   `RuntimeError: Array has been deleted`."""
   del datasets  # sets MINARI_DATASETS_PATH
-  episodes = [_episode(2), dict(_episode(2), rewards=np.array([0.1, 0.2]))]
+  # NaN where an integer is due fails in either mode (a float64 reward of
+  # 0.1 would load exactly into the float64 rewards of 64-bit mode).
+  episodes = [_episode(2), _episode(2, actions=np.array([np.nan, 0.0]))]
   dataset = _write("consumed", episodes, _box((3,)), gymnasium.spaces.Discrete(2))
   buffer = jaxbuf.sequence_replay(1, 16, 2)
   state = buffer.init(jaxbuf.offline_example(dataset, buffer))
   with pytest.raises(
     ValueError,
-    match=r"not kept exactly as float32 .* The state "
+    match=r"actions: nan at step 0 of episode 1 .* The state "
     r"passed to from_minari was consumed \(its arrays are "
     r"deleted.*make a new one with buffer.init",
   ):

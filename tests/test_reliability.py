@@ -1215,7 +1215,11 @@ def test_every_bool_setting_refuses_what_is_not_a_bool(setting):
 
 
 GOAL_STEP = {
-  "obs": {"observation": jnp.zeros(1), "achieved_goal": jnp.zeros(1), "desired_goal": jnp.zeros(1)},
+  "obs": {
+    "observation": jnp.zeros(1, jnp.float32),
+    "achieved_goal": jnp.zeros(1, jnp.float32),
+    "desired_goal": jnp.zeros(1, jnp.float32),
+  },
   "action": jnp.int32(0),
   "reward": jnp.float32(0),
   "terminated": jnp.bool_(False),

@@ -70,7 +70,7 @@ hindsight replay takes them too:
 ...   truncated = jnp.full(2, t % 3 == 2)
 ...   next_obs = jax.tree.map(
 ...       lambda x: jnp.where(truncated[:, None], 0 * x, x), final)
-...   return (next_obs, jnp.ones(2), jnp.zeros(2, bool), truncated,
+...   return (next_obs, jnp.ones(2, jnp.float32), jnp.zeros(2, bool), truncated,
 ...           {"final_observation": final})
 >>> reward_fn = lambda achieved, desired: -jnp.any(
 ...     achieved != desired, axis=-1).astype(jnp.float32)
@@ -82,7 +82,8 @@ hindsight replay takes them too:
 ...          jaxbuf.episode_replay(2, 32, 4)]
 >>> no_env = jnp.zeros(2, bool)
 >>> for buffer in kinds:
-...   obs, action = goal_obs(jnp.zeros((2, 1))), jnp.zeros(2, jnp.int32)
+...   obs = goal_obs(jnp.zeros((2, 1), jnp.float32))
+...   action = jnp.zeros(2, jnp.int32)
 ...   state = buffer.init(Step(jax.tree.map(lambda x: x[0], obs), action[0],
 ...                            jnp.float32(0), no_env[0], no_env[0]))
 ...   for t in range(6):
