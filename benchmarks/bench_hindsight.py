@@ -4,10 +4,11 @@
   python benchmarks/bench_hindsight.py --capacity 100000 --repeats 5
   python benchmarks/bench_hindsight.py --before bec42e4  # and that commit's
 
-`--before REV` adds the `hindsight_replay` of `jaxbuf/_src/streams/hindsight.py` as
-it was at git revision REV (the rest of the library as it is now), holding
-the same steps, to the interleaved calls: a change's before and after side
-by side in one process.
+`--before REV` adds the `hindsight_replay` of `jaxbuf/_src/streams/hindsight.py`
+as it was at git revision REV (with its factory from `factories.py` at REV
+once the factories moved there; the rest of the library as it is now),
+holding the same steps, to the interleaved calls: a change's before and
+after side by side in one process.
 
 The transitions are FetchReach-shaped (gymnasium-robotics): observation
 float32 (10,), achieved and desired goal float32 (3,), action float32 (4,),
@@ -38,6 +39,7 @@ goal and rew, so its bytes per env transition are (1 + k) rows.
 import argparse
 import importlib.util
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -72,22 +74,48 @@ def tree_bytes(tree) -> int:
   return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
-def hindsight_at(revision: str):
-  """`jaxbuf/_src/streams/hindsight.py` as it was at git `revision`, as a module."""
+def module_at(revision: str, path: str, **names):
+  """The file `path` as it was at git `revision`, run as a module with
+  `names` set in it first."""
   root = pathlib.Path(__file__).resolve().parent.parent
   source = subprocess.run(
-    ["git", "show", f"{revision}:jaxbuf/_src/streams/hindsight.py"],
+    ["git", "show", f"{revision}:{path}"],
     cwd=root,
     capture_output=True,
     text=True,
     check=True,
   ).stdout
-  path = pathlib.Path(tempfile.mkdtemp()) / f"hindsight_{revision}.py"
-  path.write_text(source)
-  spec = importlib.util.spec_from_file_location(path.stem, path)
+  if names:
+    # `from jaxbuf._src.streams import hindsight` and names imported from
+    # it: the revision's module, not the library's.
+    for name in names:
+      source = source.replace(f"from jaxbuf._src.streams import {name}\n", "")
+      source = re.sub(
+        rf"from jaxbuf\._src\.streams\.{name} import (.+)\n",
+        lambda match, name=name: "".join(
+          f"{imported} = {name}.{imported}\n" for imported in match.group(1).split(", ")
+        ),
+        source,
+      )
+  file = pathlib.Path(tempfile.mkdtemp()) / f"{pathlib.Path(path).stem}_{revision}.py"
+  file.write_text(source)
+  spec = importlib.util.spec_from_file_location(file.stem, file)
   module = importlib.util.module_from_spec(spec)
+  vars(module).update(names)
   spec.loader.exec_module(module)
   return module
+
+
+def hindsight_replay_at(revision: str):
+  """`hindsight_replay` as it was at git `revision`, over that revision's
+  `jaxbuf/_src/streams/hindsight.py` (the rest of the library as it is
+  now). Since issue 31 the factory is in `factories.py`, loaded from the
+  same revision over that hindsight module."""
+  hindsight = module_at(revision, "jaxbuf/_src/streams/hindsight.py")
+  if hasattr(hindsight, "hindsight_replay"):
+    return hindsight.hindsight_replay
+  factories = module_at(revision, "jaxbuf/_src/streams/factories.py", hindsight=hindsight)
+  return factories.hindsight_replay
 
 
 def her_state(capacity: int, make=jaxbuf.hindsight_replay):
@@ -209,7 +237,7 @@ def main() -> None:
     "uniform_replay (items)": lambda: items.sample(items_held, next(keys), args.batch_size),
   }
   if args.before:
-    before, before_held = her_state(capacity, hindsight_at(args.before).hindsight_replay)
+    before, before_held = her_state(capacity, hindsight_replay_at(args.before))
     calls[f"hindsight_replay at {args.before}"] = lambda: before.sample(
       before_held, next(keys), args.batch_size
     )

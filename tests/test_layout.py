@@ -188,6 +188,11 @@ def test_the_graph_is_read_from_every_module():
   # The edges that hold the I/O rooms on top of the rest.
   assert {"checkpoint.files", "checkpoint.layout"} <= graph["checkpoint.saving"]
   assert {"checkpoint.saving", "sharded"} <= graph["jaxbuf"]
+  # The stream kinds' splits over devices read the kinds' functions, and the
+  # factories bind both: the splits above the kinds, the factories on top.
+  assert {"streams.sequence", "streams.hindsight"} <= graph["streams.device_split"]
+  assert {"streams.device_split", "streams.sequence"} <= graph["streams.factories"]
+  assert "streams.window_priorities" in graph["streams.sequence"]
 
 
 def test_jaxbuf_src_imports_have_no_cycle():

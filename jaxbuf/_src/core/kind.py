@@ -36,7 +36,9 @@ split kind also knows how to regroup itself
 `divided`, the inverse), which is how `jaxbuf.load` reshards a checkpoint
 over another number of devices. A new kind provides its `Kind` (and, if it
 splits, overrides `joined` / `divided` where its state adds fields), and
-nothing outside its own module changes.
+none of the code around the kinds changes. (A stream kind's factory and
+split sit in `streams/factories.py` and `streams/device_split.py`, beside
+the other stream kinds', above its own module.)
 """
 
 import inspect

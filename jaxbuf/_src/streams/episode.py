@@ -26,23 +26,25 @@ writes its last step and drops to 0 in the add that overwrites its first.
 A sample gathers S * M steps; padding steps (past a piece's length) are
 zeros, never steps of another episode.
 
+Devices. `jaxbuf.sharded` splits the envs over devices in blocks of N / D,
+each env whole, so a piece never spans devices (`device_split.episode_split`).
+
 The module-level functions take every setting explicitly; `episode_replay`
-binds them into a `Buffer`.
+(`factories.py`) binds them into a `Buffer`.
 """
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from jaxbuf._src.core import kind
 from jaxbuf._src.streams import sequence
 from jaxbuf._src.core import sum_tree
 from jaxbuf._src.core import validation
-from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, bind
+from jaxbuf._src.core.base import PyTree, ReplaySample
 from jaxbuf._src.streams.sequence import SequenceReplayState
 
 
@@ -82,7 +84,7 @@ class EpisodeReplayState(SequenceReplayState):
 
 # Each step is a window of one, so `add_steps` zeroes the leaf of every slot
 # it writes (the pieces starting there are overwritten).
-_STEPS: dict[str, Any] = dict(sequence_length=1, period=1, within=False)
+STEP_WINDOWS: dict[str, Any] = dict(sequence_length=1, period=1, within=False)
 
 
 def check_sizes(num_envs: int, capacity: int, max_episode_length: int) -> None:
@@ -167,14 +169,11 @@ def write_steps(
   max_episode_length: int,
   weight_by_length: bool,
 ) -> EpisodeReplayState:
-  """Writes steps (`[N, ...]` or `[N, T, ...]`, episode ends resolved) and
-  the pieces they complete."""
+  """Writes steps (`[N, ...]` or `[N, T, ...]`, T >= 1, episode ends
+  resolved) and the pieces they complete."""
   steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask, episode_end)
-  if not episode_end.shape[1]:
-    # An empty chunk [N, 0, ...] adds nothing, as in sequence replay.
-    return state
   written = sequence.add_steps(
-    state, steps, mask, episode_end, **_STEPS, new_leaf_value=jnp.float32(0.0)
+    state, steps, mask, episode_end, **STEP_WINDOWS, new_leaf_value=jnp.float32(0.0)
   )
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
   length = episode_end.shape[1]
@@ -307,124 +306,3 @@ def clear(state: EpisodeReplayState) -> EpisodeReplayState:
   """Empties the buffer; the next step added starts a piece."""
   validation.check_state_kind(state, EpisodeReplayState, what="clear", exact=True)
   return sequence.clear(state).replace(piece_positions=jnp.zeros_like(state.piece_positions))
-
-
-def episode_replay(
-  num_envs: int,
-  capacity: int,
-  max_episode_length: int,
-  *,
-  weight_by_length: bool = False,
-  checked: bool = False,
-) -> Buffer[EpisodeReplayState, EpisodeSample]:
-  """A replay buffer of whole episodes, padded to `max_episode_length`.
-
-  Steps follow the stream convention: `help(jaxbuf.streams)`.
-
-  Args:
-    num_envs: N, the number of streams.
-    capacity: C, steps held over all envs; a multiple of N with
-      M <= C // N.
-    max_episode_length: M; longer episodes are split into pieces of M steps
-      (see the module docstring).
-    weight_by_length: draw pieces in proportion to their lengths rather
-      than uniformly.
-    checked: as for `uniform_replay`.
-
-  Returns:
-    A `Buffer`; `add(state, steps, mask=None, episode_end=None,
-    final_steps=None)` (see `jaxbuf.episode.add`), `sample` returns an
-    `EpisodeSample`.
-
-  >>> import jax, jax.numpy as jnp, jaxbuf
-  >>> buffer = jaxbuf.episode_replay(num_envs=1, capacity=16,
-  ...                                max_episode_length=4)
-  >>> state = buffer.init({"reward": jnp.float32(0)})
-  >>> state = buffer.add(state, {"reward": jnp.ones((1, 6), jnp.float32)},
-  ...                    episode_end=jnp.array([[0, 0, 1, 0, 0, 1]], bool))
-  >>> batch = buffer.sample(state, jax.random.key(0), 4)
-  >>> batch.items["reward"].shape, batch.lengths.tolist()
-  ((4, 4), [3, 3, 3, 3])
-  >>> batch.mask[0].tolist()
-  [True, True, True, False]
-  """
-  check_sizes(num_envs, capacity, max_episode_length)
-  validation.check_bool(weight_by_length, "weight_by_length", what="episode_replay")
-  bound_add = functools.partial(
-    add, max_episode_length=max_episode_length, weight_by_length=weight_by_length
-  )
-  bound_sample = functools.partial(sample, max_episode_length=max_episode_length)
-  return bind(
-    init=functools.partial(init, num_envs=num_envs, capacity=capacity),
-    add=bound_add,
-    sample=functools.partial(bound_sample, checked=checked),
-    update_priorities=update_priorities,
-    can_sample=can_sample,
-    clear=clear,
-    kind=kind.Kind(
-      name="episode_replay",
-      state_type=EpisodeReplayState,
-      exact_type=True,
-      settings=kind.settings_of(
-        num_envs=num_envs,
-        capacity=capacity,
-        max_episode_length=max_episode_length,
-        weight_by_length=weight_by_length,
-      ),
-      split=functools.partial(
-        split_over_devices,
-        num_envs=num_envs,
-        capacity=capacity,
-        add=bound_add,
-        sample=bound_sample,
-        max_episode_length=max_episode_length,
-      ),
-    ),
-    checked=checked,
-    jit_update_priorities=False,
-  )
-
-
-def split_over_devices(
-  num_devices: int,
-  *,
-  num_envs: int,
-  capacity: int,
-  add: Callable,
-  sample: Callable,
-  max_episode_length: int,
-) -> kind.Split:
-  """Episode replay split over D devices as sequence replay is: envs in
-  blocks of N / D, whole, so a piece never spans devices; pieces are drawn
-  by the mass of each device's tree (1 or the length per piece)."""
-  split = sequence.split_over_devices(
-    num_devices,
-    num_envs=num_envs,
-    capacity=capacity,
-    init=init,
-    add=add,
-    sample=sample,
-    update_priorities=None,
-    clear=clear,
-    beta=None,
-    stratified=False,
-    **_STEPS,
-  )
-  return split._replace(
-    # Positive exactly when a piece is held (the tree's total: pieces, or
-    # their steps with weight_by_length); only its sign is read.
-    held=lambda state: jnp.ceil(state.window_tree.levels[-1][..., 0]).astype(jnp.int32),
-    masses=lambda local: local.window_tree,
-    rows=lambda local, ids, key: gather_pieces(local, ids, max_episode_length=max_episode_length),
-    # gather_pieces already gives an all-False mask and length 0 when
-    # nothing is held, as the unsharded sample does.
-    as_sample=lambda rows, indices, weights, item_ids, drawn: EpisodeSample(
-      items=rows[0],
-      indices=indices,
-      weights=weights,
-      item_ids=item_ids,
-      mask=rows[1],
-      lengths=rows[2],
-      continues=rows[3],
-    ),
-  )

@@ -4,9 +4,13 @@ Why one module of this size: it holds one rule, which stored frames make up
 a transition's two stacks (its own episode's, padded, never another's). The
 add path keeps each transition's sampleability by that rule (its leaf in the
 sum tree, from `episode_positions`) and the gather reads stacks by it; the
-two halves, the uniform and prioritized variant of each function and the
-two factories stay together so the rule is read and changed in one place.
-The stream underneath is sequence replay's (`sequence.py`), not repeated.
+two halves and the uniform and prioritized variant of each function stay
+together so the rule is read and changed in one place. What does not apply
+the rule is elsewhere: the stream underneath is sequence replay's
+(`sequence.py`), the priority update rules are those every stream kind
+shares (`window_priorities.py`), and the factories and the split over
+devices, which bind and place these functions, are in `factories.py` and
+`device_split.py`.
 
 Shape key: N envs, R = C // N steps held per env, C capacity (steps over all
 envs), T steps per env in one add, K num_stack, n n_step, S sample size.
@@ -59,13 +63,13 @@ and K, not the capacity. Only the leaves named by `stack_keys` are stacked
 and t' alone, unstacked.
 
 The module-level functions take every setting explicitly;
-`frame_stack_replay` and `prioritized_frame_stack_replay` bind them into a
-`Buffer`.
+`frame_stack_replay` and `prioritized_frame_stack_replay` (`factories.py`)
+bind them into a `Buffer`.
 """
 
 import collections.abc
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -73,16 +77,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from jaxbuf._src.core import kind
 from jaxbuf._src.items import prioritized
 from jaxbuf._src.streams import prioritized_sequence
 from jaxbuf._src.core import random
-from jaxbuf._src.core import ring
 from jaxbuf._src.streams import sequence
 from jaxbuf._src.core import sum_tree
 from jaxbuf._src.streams import transitions
 from jaxbuf._src.core import validation
-from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, Schedule, bind
+from jaxbuf._src.streams import window_priorities
+from jaxbuf._src.core.base import PyTree, ReplaySample, Schedule
 from jaxbuf._src.streams.prioritized_sequence import PrioritizedSequenceReplayState
 
 STEP_FIELDS = ("obs", "action", "reward", "terminated")
@@ -327,7 +330,8 @@ def add_steps(
 
   Args:
     state: the buffer.
-    steps: leaves `[N, ...]` or `[N, T, ...]`.
+    steps: leaves `[N, ...]` or `[N, T, ...]`, T >= 1 (`sequence.add_stream`
+      writes an empty chunk as nothing).
     mask: bool `[N]`, the envs that stepped; None for all.
     episode_end: bool `[N]` or `[N, T]` like `steps`; None for no ends.
     num_stack, n_step: the buffer's settings.
@@ -335,9 +339,6 @@ def add_steps(
   """
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
   steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask, episode_end)
-  if not episode_end.shape[1]:
-    # An empty chunk [N, 0, ...] adds nothing, as in sequence replay.
-    return state
   positions, after = episode_positions_of(state.next_positions, episode_end, num_stack=num_stack)
   new_state, chunk = sequence.write_chunk(
     state, steps, mask, episode_end, episode_positions=positions.astype(jnp.uint8)
@@ -673,35 +674,19 @@ def valid_priority_updates(
   n_step: int,
   checked: bool,
 ) -> jax.Array:
-  """Which updates apply: bool `[S]`, as `sequence.valid_priority_updates`
-  with transitions for windows. Reads no storage leaf."""
-  validation.check_priority_update_args(indices, priorities, item_ids)
-  num_ids = sequence.num_envs_of(state) * sequence.steps_per_env(state)
-  indices = jnp.asarray(validation.host_indices(indices))
-  priorities = jnp.asarray(priorities)
-  in_range = ring.indices_in_range(indices, jnp.int32(num_ids))
-  finite = jnp.isfinite(priorities)
-  if checked:
-    checkify.check(
-      jnp.all(in_range),
-      "update_priorities: indices must be "
-      "transition ids, in [0, capacity={capacity}); given "
-      "{indices}",
-      capacity=jnp.int32(num_ids),
-      indices=indices,
-    )
-    checkify.check(
-      jnp.all(finite & (priorities >= 0)),
-      "update_priorities: "
-      "priorities must be finite and non-negative (pass "
-      "|TD error|); given {priorities}",
-      priorities=priorities,
-    )
-  valid = in_range & finite & transition_ids_valid(state, indices.astype(jnp.int32), n_step=n_step)
-  if item_ids is not None:
-    safe = jnp.where(in_range, indices.astype(jnp.int32), 0)
-    valid &= transition_item_ids(state, safe) == item_ids
-  return valid
+  """Which updates apply: bool `[S]`, the rules of every stream kind
+  (`window_priorities.valid_updates`) for transition ids. Reads no storage
+  leaf."""
+  return window_priorities.valid_updates(
+    indices,
+    priorities,
+    item_ids,
+    num_ids=sequence.num_envs_of(state) * sequence.steps_per_env(state),
+    ids_valid=functools.partial(transition_ids_valid, state, n_step=n_step),
+    item_ids_of=functools.partial(transition_item_ids, state),
+    id_name="transition ids",
+    checked=checked,
+  )
 
 
 def update_priorities(
@@ -744,7 +729,7 @@ def prioritized_update_priorities(
   valid = valid_priority_updates(
     state, indices, priorities, item_ids, n_step=n_step, checked=checked
   )
-  return prioritized_sequence.with_window_priorities(
+  return window_priorities.with_window_priorities(
     state, indices, priorities, valid, alpha=alpha, eps=eps
   )
 
@@ -764,266 +749,3 @@ def clear(state: FrameStackReplayState) -> FrameStackReplayState:
   """
   validation.check_state_kind(state, FrameStackReplayState, what="clear", exact=True)
   return prioritized_sequence.clear(state)
-
-
-def _frame_settings(
-  num_envs: int, capacity: int, num_stack: int, n_step: int, **more: Any
-) -> kind.Settings:
-  return kind.settings_of(
-    num_envs=num_envs, capacity=capacity, num_stack=num_stack, n_step=n_step, **more
-  )
-
-
-def _split(
-  num_devices: int,
-  *,
-  num_envs: int,
-  capacity: int,
-  init_fn: Callable,
-  add_fn: Callable,
-  sample_fn: Callable,
-  update_fn: Callable | None,
-  gather: Callable,
-  beta: Any,
-  stratified: bool,
-) -> kind.Split:
-  """Split over devices as sequence replay is (envs in blocks of N / D, a
-  transition never spans devices), drawing by the transition tree."""
-  split = sequence.split_over_devices(
-    num_devices,
-    num_envs=num_envs,
-    capacity=capacity,
-    init=init_fn,
-    add=add_fn,
-    sample=sample_fn,
-    update_priorities=update_fn,
-    clear=clear,
-    beta=beta,
-    stratified=stratified,
-    sequence_length=1,
-    period=1,
-    within=True,
-  )
-
-  def at_rank(local, ranks):
-    # Unused while `masses` is set: the rank-th leaf of the 0/1 tree.
-    return sum_tree.find_prefix_sums(local.window_tree, ranks.astype(jnp.float32) + 0.5)
-
-  return split._replace(
-    at_rank=at_rank,
-    rows=lambda local, ids, key: gather(local, ids),
-    item_ids=transition_item_ids,
-    as_sample=lambda rows, indices, weights, item_ids, drawn: ReplaySample(
-      items=rows, indices=indices, weights=weights, item_ids=item_ids
-    ),
-  )
-
-
-def _factory(
-  name: str,
-  num_envs: int,
-  capacity: int,
-  num_stack: int,
-  *,
-  n_step: int,
-  gamma: Any,
-  stack_keys: Any,
-  stack_axis: int,
-  pad: str,
-  checked: bool,
-  priorities: dict | None,
-) -> Buffer:
-  check_settings(num_envs, capacity, num_stack, n_step, gamma, pad, stack_axis, stack_keys)
-  stack_keys = None if stack_keys is None else tuple(stack_keys)
-  layout = dict(
-    num_stack=num_stack,
-    n_step=n_step,
-    gamma=gamma,
-    pad=pad,
-    stack_keys=stack_keys,
-    stack_axis=stack_axis,
-  )
-  bound_init = functools.partial(init, stack_keys=stack_keys, stack_axis=stack_axis)
-  if priorities is None:
-    bound_add = functools.partial(add, num_stack=num_stack, n_step=n_step)
-    bound_sample = functools.partial(sample, **layout)
-    bound_update = functools.partial(update_priorities, n_step=n_step)
-    split_update, beta, stratified, more = None, None, False, {}
-  else:
-    alpha, eps = priorities["alpha"], priorities["eps"]
-    beta, stratified = priorities["beta"], priorities["stratified"]
-    bound_add = functools.partial(prioritized_add, num_stack=num_stack, n_step=n_step, alpha=alpha)
-    bound_sample = functools.partial(prioritized_sample, **layout, beta=beta, stratified=stratified)
-    bound_update = functools.partial(
-      prioritized_update_priorities, n_step=n_step, alpha=alpha, eps=eps
-    )
-    split_update = bound_update
-    more = dict(alpha=float(alpha), eps=float(eps))
-  gather = functools.partial(gather_transitions, **layout)
-  split = functools.partial(
-    _split,
-    num_envs=num_envs,
-    capacity=capacity,
-    init_fn=bound_init,
-    add_fn=bound_add,
-    sample_fn=bound_sample,
-    update_fn=split_update,
-    gather=gather,
-    beta=beta,
-    stratified=stratified,
-  )
-  return bind(
-    init=functools.partial(bound_init, num_envs=num_envs, capacity=capacity),
-    add=bound_add,
-    sample=functools.partial(bound_sample, checked=checked),
-    update_priorities=functools.partial(bound_update, checked=checked),
-    can_sample=can_sample,
-    clear=clear,
-    kind=kind.Kind(
-      name=name,
-      state_type=FrameStackReplayState,
-      exact_type=True,
-      settings=_frame_settings(num_envs, capacity, num_stack, n_step, **more),
-      split=split,
-    ),
-    checked=checked,
-    jit_update_priorities=priorities is not None,
-  )
-
-
-def frame_stack_replay(
-  num_envs: int,
-  capacity: int,
-  num_stack: int,
-  *,
-  n_step: int = 1,
-  gamma: float = 0.99,
-  stack_keys: tuple[str, ...] | None = None,
-  stack_axis: int = -1,
-  pad: str = "zeros",
-  checked: bool = False,
-) -> Buffer[FrameStackReplayState, ReplaySample]:
-  """A uniform replay buffer of stacked n-step transitions, frames stored once.
-
-  Steps follow the stream convention: `help(jaxbuf.streams)`.
-
-  Args:
-    num_envs: N, the number of streams.
-    capacity: C, steps (frames) held over all envs; a multiple of N, with
-      C // N >= num_stack + n_step.
-    num_stack: K, frames per stacked observation (4 for Atari).
-    n_step: n, steps summed in a transition's reward.
-    gamma: the discount in [0, 1] of the n-step reward and `discount`.
-    stack_keys: the keys (or NamedTuple fields) of a dict obs whose leaves
-      are stacked, e.g. `("pixels",)`; the others are returned unstacked.
-      None stacks every leaf of obs.
-    stack_axis: where K goes in each stacked leaf, an axis of the frame
-      shape with K inserted: -1 gives `[..., K]` (`[84, 84, 4]`), 0 gives
-      `[K, ...]` (channels first).
-    pad: frames before an episode's first step: "zeros", or "first" (that
-      first frame repeated).
-    checked: as for `uniform_replay`.
-
-  Returns:
-    A `Buffer`: `init(example_step)` with a step holding obs (one frame),
-    action, reward (float scalar) and terminated (bool scalar);
-    `add(state, steps, mask=None, episode_end=None, final_steps=None)` as
-    `sequence_replay`'s (see `jaxbuf.frames.add`);
-    `sample` returns a `ReplaySample` whose items are a
-    `FrameStackTransition` `[S, ...]` and whose indices are transition ids.
-
-  >>> import jax, jax.numpy as jnp, jaxbuf
-  >>> buffer = jaxbuf.frame_stack_replay(num_envs=2, capacity=64,
-  ...                                    num_stack=4, n_step=3, gamma=0.9)
-  >>> step = {"obs": jnp.zeros((84, 84), jnp.uint8), "action": jnp.int32(0),
-  ...         "reward": jnp.float32(0), "terminated": jnp.bool_(False)}
-  >>> state = buffer.init(step)
-  >>> for t in range(6):
-  ...   state = buffer.add(state, jax.tree.map(
-  ...       lambda x: jnp.full((2, *x.shape), t + 1, x.dtype), step))
-  >>> batch = buffer.sample(state, jax.random.key(0), 32)
-  >>> batch.items.obs.shape, batch.items.next_obs.shape
-  ((32, 84, 84, 4), (32, 84, 84, 4))
-  >>> batch.items.obs[0, 0, 0].tolist() in ([0, 0, 0, 1], [0, 0, 1, 2],
-  ...                                       [0, 1, 2, 3])   # zero padded
-  True
-  """
-  return _factory(
-    "frame_stack_replay",
-    num_envs,
-    capacity,
-    num_stack,
-    n_step=n_step,
-    gamma=gamma,
-    stack_keys=stack_keys,
-    stack_axis=stack_axis,
-    pad=pad,
-    checked=checked,
-    priorities=None,
-  )
-
-
-def prioritized_frame_stack_replay(
-  num_envs: int,
-  capacity: int,
-  num_stack: int,
-  *,
-  n_step: int = 1,
-  gamma: float = 0.99,
-  stack_keys: tuple[str, ...] | None = None,
-  stack_axis: int = -1,
-  pad: str = "zeros",
-  alpha: float = 0.6,
-  beta: float | Schedule = 0.4,
-  eps: float = 1e-6,
-  stratified: bool = True,
-  checked: bool = False,
-) -> Buffer[FrameStackReplayState, ReplaySample]:
-  """A prioritized replay buffer of stacked n-step transitions.
-
-  Steps follow the stream convention: `help(jaxbuf.streams)`.
-
-  Args:
-    num_envs: as for `frame_stack_replay`, and so are `capacity`,
-      `num_stack`, `n_step`, `gamma`, `stack_keys`, `stack_axis`, `pad` and
-      `checked`.
-    alpha: as for `prioritized_replay`, and so are `beta`, `eps` and
-      `stratified`; N in the importance weights is the number of sampleable
-      transitions.
-
-  Returns:
-    A `Buffer` with `frame_stack_replay`'s functions; pass `sample.indices`
-    and `sample.item_ids` to `update_priorities`.
-
-  >>> import jax, jax.numpy as jnp, jaxbuf
-  >>> buffer = jaxbuf.prioritized_frame_stack_replay(1, 16, 2)
-  >>> step = {"obs": jnp.zeros(3), "action": jnp.int32(0),
-  ...         "reward": jnp.float32(1), "terminated": jnp.bool_(False)}
-  >>> state = buffer.init(step)
-  >>> state = buffer.add(state, jax.tree.map(
-  ...     lambda x: jnp.broadcast_to(x, (1, 5, *x.shape)), step))
-  >>> batch = buffer.sample(state, jax.random.key(0), 4)
-  >>> state = buffer.update_priorities(state, batch.indices,
-  ...                                  jnp.array([0.1, 2.0, 0.5, 1.0]),
-  ...                                  batch.item_ids)
-  >>> batch.items.obs.shape, float(batch.weights.max())
-  ((4, 3, 2), 1.0)
-  """
-  validation.check_bool(stratified, "stratified", what="prioritized_frame_stack_replay")
-  if not callable(beta):
-    validation.check_hyperparameter(beta, "beta")
-  validation.check_hyperparameter(alpha, "alpha")
-  validation.check_hyperparameter(eps, "eps", positive=True)
-  return _factory(
-    "prioritized_frame_stack_replay",
-    num_envs,
-    capacity,
-    num_stack,
-    n_step=n_step,
-    gamma=gamma,
-    stack_keys=stack_keys,
-    stack_axis=stack_axis,
-    pad=pad,
-    checked=checked,
-    priorities=dict(alpha=alpha, beta=beta, eps=eps, stratified=stratified),
-  )

@@ -3,9 +3,11 @@
 Why one module of this size: it holds one rule, where a transition's goal
 may come from (its own env and episode, after it, never an overwritten or
 unwritten step). The episode bookkeeping that add keeps, the goal draw of
-each strategy, the relabelled sample and the split over devices all read
-that bookkeeping, so they stay together; the stream underneath is sequence
-replay's (`sequence.py`), not repeated.
+each strategy and the relabelled sample all read that bookkeeping, so they
+stay together. The split over devices places these functions without a
+rule of its own (`device_split.py`: envs whole on a device, so a goal is
+drawn where its steps are), and the stream underneath is sequence replay's
+(`sequence.py`), not repeated.
 
 Shape key: N envs, R = C // N steps held per env, C capacity (steps over all
 envs), T steps per env in one add, S sample size.
@@ -49,13 +51,13 @@ and S goal achieved goals, at rows computed once from one call to the
 generator (`gather_steps`); nothing it computes has the capacity's size.
 
 Devices. `jaxbuf.sharded` splits the envs over devices in blocks of N / D,
-each env whole with its episode bookkeeping (`split_over_devices`), so every
-step a transition's goal may come from is on the transition's device: that
-device draws the goal, with the key `jaxbuf.sharded` hands to a kind's
-`Split.rows`, and the rewards are recomputed once the rows are joined.
+each env whole with its episode bookkeeping (`device_split.hindsight_split`),
+so every step a transition's goal may come from is on the transition's
+device: that device draws the goal, with the key `jaxbuf.sharded` hands to a
+kind's `Split.rows`, and the rewards are recomputed once the rows are joined.
 
 The module-level functions take every setting explicitly;
-`hindsight_replay` binds them into a `Buffer`.
+`hindsight_replay` (`factories.py`) binds them into a `Buffer`.
 """
 
 import collections.abc
@@ -69,14 +71,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from jaxbuf._src.core import kind
 from jaxbuf._src.items import prioritized
 from jaxbuf._src.streams import prioritized_sequence
 from jaxbuf._src.core import random
 from jaxbuf._src.streams import sequence
 from jaxbuf._src.core import sum_tree
 from jaxbuf._src.core import validation
-from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, Schedule, bind
+from jaxbuf._src.core.base import PyTree, ReplaySample, Schedule
 from jaxbuf._src.streams.prioritized_sequence import PrioritizedSequenceReplayState
 
 STRATEGIES = ("future", "final", "episode")
@@ -84,7 +85,7 @@ GOAL_KEYS = ("observation", "achieved_goal", "desired_goal")
 STEP_FIELDS = ("obs", "action", "reward", "terminated")
 # A transition is the window of its step and the next one, never across an
 # episode end.
-_WINDOW: dict[str, Any] = dict(sequence_length=2, period=1, within=True)
+TRANSITION_WINDOWS: dict[str, Any] = dict(sequence_length=2, period=1, within=True)
 _WINDOW_SIZES: dict[str, Any] = dict(sequence_length=2, period=1, episodes="within")
 # Uniform draws: pairs of steps drawn per row before the tree is needed.
 CANDIDATES = 3
@@ -321,14 +322,11 @@ def write_steps(
   *,
   new_leaf_value: jax.Array,
 ) -> HindsightReplayState:
-  """Writes steps (`[N, ...]` or `[N, T, ...]`, episode ends resolved) as
-  `sequence.add_steps` does, then records their episodes."""
+  """Writes steps (`[N, ...]` or `[N, T, ...]`, T >= 1, episode ends
+  resolved) as `sequence.add_steps` does, then records their episodes."""
   steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask, episode_end)
-  if not episode_end.shape[1]:
-    # An empty chunk [N, 0, ...] adds nothing, as in sequence replay.
-    return state
   written = sequence.add_steps(
-    state, steps, mask, episode_end, **_WINDOW, new_leaf_value=new_leaf_value
+    state, steps, mask, episode_end, **TRANSITION_WINDOWS, new_leaf_value=new_leaf_value
   )
   return record_episodes(state, written, mask, episode_end)
 
@@ -733,10 +731,19 @@ def update_priorities(
   validation.check_state_kind(state, HindsightReplayState, what="update_priorities")
   if alpha is not None:
     return prioritized_sequence.update_priorities(
-      state, indices, priorities, item_ids, **_WINDOW, alpha=alpha, eps=eps, checked=checked
+      state,
+      indices,
+      priorities,
+      item_ids,
+      **TRANSITION_WINDOWS,
+      alpha=alpha,
+      eps=eps,
+      checked=checked,
     )
   if checked:
-    sequence.valid_priority_updates(state, indices, priorities, item_ids, **_WINDOW, checked=True)
+    sequence.valid_priority_updates(
+      state, indices, priorities, item_ids, **TRANSITION_WINDOWS, checked=True
+    )
   else:
     validation.check_priority_update_args(indices, priorities, item_ids)
   return state
@@ -747,196 +754,4 @@ def clear(state: HindsightReplayState) -> HindsightReplayState:
   validation.check_state_kind(state, HindsightReplayState, what="clear")
   return prioritized_sequence.clear(state).replace(
     episode_running=jnp.zeros_like(state.episode_running)
-  )
-
-
-def split_over_devices(
-  num_devices: int,
-  *,
-  num_envs: int,
-  capacity: int,
-  add: Callable,
-  sample: Callable,
-  update_priorities: Callable | None,
-  beta: Any,
-  stratified: bool,
-  reward_fn: Callable,
-  strategy: str,
-  relabel_fraction: float,
-  terminated_fn: Callable | None,
-  gamma: Any,
-) -> kind.Split:
-  """Hindsight replay split over D devices as sequence replay is: envs in
-  blocks of N / D, whole with their episode bookkeeping, so a transition and
-  every step its goal may come from lie on one device.
-
-  Transitions are drawn by the mass of each device's window tree (1 per
-  transition, or its priority); the device holding a transition draws its
-  goal step with the key `jaxbuf.sharded` gives to `rows`, and `as_sample`
-  applies the goals and recomputes the rewards on the joined rows (each
-  device on its own block of a sharded batch).
-  """
-  split = sequence.split_over_devices(
-    num_devices,
-    num_envs=num_envs,
-    capacity=capacity,
-    init=init,
-    add=add,
-    sample=sample,
-    update_priorities=update_priorities,
-    clear=clear,
-    beta=beta,
-    stratified=stratified,
-    **_WINDOW,
-  )
-
-  def rows(local, window_ids, key):
-    words = random.computed_once(
-      lambda: random.random_bits(key, (3, window_ids.shape[0])), window_ids[0]
-    )
-    return gather_steps(
-      local, window_ids, words, strategy=strategy, relabel_fraction=relabel_fraction
-    )
-
-  def as_sample(steps, indices, weights, item_ids, drawn):
-    del drawn  # Nothing drawn: transition 0, weight 0, as unsharded.
-    return HindsightSample(
-      items=relabelled_transitions(
-        steps, reward_fn=reward_fn, terminated_fn=terminated_fn, gamma=gamma
-      ),
-      indices=indices,
-      weights=weights,
-      item_ids=item_ids,
-      relabelled=steps.relabelled,
-    )
-
-  return split._replace(rows=rows, as_sample=as_sample)
-
-
-def hindsight_replay(
-  num_envs: int,
-  capacity: int,
-  reward_fn: Callable,
-  *,
-  strategy: str = "future",
-  relabel_fraction: float = 0.8,
-  terminated_fn: Callable | None = None,
-  gamma: float = 0.99,
-  prioritized: bool = False,
-  alpha: float = 0.6,
-  beta: float | Schedule = 0.4,
-  eps: float = 1e-6,
-  stratified: bool = True,
-  checked: bool = False,
-) -> Buffer[HindsightReplayState, HindsightSample]:
-  """A hindsight experience replay buffer over per-env episode streams.
-
-  Steps follow the stream convention: `help(jaxbuf.streams)`.
-
-  Args:
-    num_envs: N, the number of streams.
-    capacity: C, steps held over all envs; a multiple of N with at least 2
-      steps per env.
-    reward_fn: `reward_fn(achieved_goal, desired_goal) -> reward`, pure and
-      batched over a leading axis: leaves `[S, ...]` in, `[S]` out in the
-      stored reward's dtype (else `ValueError` while tracing `sample`).
-    strategy: where a hindsight goal comes from: "future" (a later step of
-      the same episode, or this one), "final" (its last) or "episode" (any
-      of its steps). See the module docstring.
-    relabel_fraction: the probability, in [0, 1], that a sampled row is
-      relabelled.
-    terminated_fn: optional `terminated_fn(achieved_goal, desired_goal) ->
-      bool [S]` for goal-dependent terminations (relabelled rows' discount);
-      None keeps the stored `terminated`.
-    gamma: the discount in [0, 1]: a sampled transition's `discount` is
-      gamma, or 0 where it terminated, the factor of its bootstrap as in
-      every jaxbuf transition (`target = reward + discount * Q(next_obs)`;
-      do not multiply by gamma again).
-    prioritized: one priority per transition (proportional prioritized
-      replay); then alpha, beta, eps, stratified as for
-      `prioritized_replay`.
-    checked: as for `uniform_replay`.
-
-  Returns:
-    A `Buffer`; `add(state, steps, mask=None, episode_end=None,
-    final_steps=None)` (see `jaxbuf.hindsight.add`), `sample` returns a
-    `HindsightSample` whose items are `HindsightTransition`s.
-    `jaxbuf.sharded` splits it over devices as sequence replay, envs in
-    blocks of N / D (`split_over_devices`).
-
-  >>> import jax, jax.numpy as jnp, jaxbuf
-  >>> reward_fn = lambda achieved, desired: -jnp.any(
-  ...     achieved != desired, axis=-1).astype(jnp.float32)
-  >>> buffer = jaxbuf.hindsight_replay(2, 64, reward_fn, strategy="future")
-  >>> goal = jnp.zeros(3)
-  >>> step = {"obs": {"observation": goal, "achieved_goal": goal,
-  ...                 "desired_goal": goal},
-  ...         "action": jnp.int32(0), "reward": jnp.float32(0),
-  ...         "terminated": jnp.bool_(False)}
-  >>> state = buffer.init(step)
-  >>> chunk = jax.tree.map(lambda x: jnp.zeros((2, 5) + x.shape, x.dtype), step)
-  >>> state = buffer.add(state, chunk,
-  ...                    episode_end=jnp.array([[0, 0, 0, 0, 1]] * 2, bool))
-  >>> batch = buffer.sample(state, jax.random.key(0), 8)
-  >>> batch.items.obs["desired_goal"].shape, batch.relabelled.dtype
-  ((8, 3), dtype('bool'))
-  >>> round(float(batch.items.discount[0]), 6)  # target = r + discount * Q'
-  0.99
-  """
-  check_settings(num_envs, capacity, reward_fn, strategy, relabel_fraction, terminated_fn, gamma)
-  for name, flag in (("prioritized", prioritized), ("stratified", stratified)):
-    validation.check_bool(flag, name, what="hindsight_replay")
-  if prioritized:
-    validation.check_hyperparameter(alpha, "alpha")
-    validation.check_hyperparameter(eps, "eps", positive=True)
-    if not callable(beta):
-      validation.check_hyperparameter(beta, "beta")
-  priority_alpha = alpha if prioritized else None
-  relabelling: dict[str, Any] = dict(
-    reward_fn=reward_fn,
-    strategy=strategy,
-    relabel_fraction=float(relabel_fraction),
-    terminated_fn=terminated_fn,
-    gamma=gamma,
-  )
-  bound_add = functools.partial(add, alpha=priority_alpha)
-  bound_sample = functools.partial(
-    sample, **relabelling, priorities=prioritized, beta=beta, stratified=stratified
-  )
-  split = functools.partial(
-    split_over_devices,
-    num_envs=num_envs,
-    capacity=capacity,
-    add=bound_add,
-    sample=bound_sample,
-    update_priorities=functools.partial(update_priorities, alpha=priority_alpha, eps=eps)
-    if prioritized
-    else None,
-    # Uniform: independent rows, as the unsharded draw gives.
-    beta=beta if prioritized else None,
-    stratified=stratified and prioritized,
-    **relabelling,
-  )
-  return bind(
-    init=functools.partial(init, num_envs=num_envs, capacity=capacity),
-    add=bound_add,
-    sample=functools.partial(bound_sample, checked=checked),
-    update_priorities=functools.partial(
-      update_priorities, alpha=priority_alpha, eps=eps, checked=checked
-    ),
-    can_sample=sequence.can_sample,
-    clear=clear,
-    kind=kind.Kind(
-      name="hindsight_replay",
-      state_type=HindsightReplayState,
-      exact_type=True,
-      settings=kind.settings_of(
-        num_envs=num_envs,
-        capacity=capacity,
-        prioritized=prioritized,
-        **(dict(alpha=float(alpha), eps=float(eps)) if prioritized else {}),
-      ),
-      split=split,
-    ),
-    checked=checked,
   )

@@ -11,28 +11,27 @@ complete (its last step is written), and its leaf drops to 0 in the same add
 that overwrites its first step. Windows that never start on a multiple of
 `period`, or that cross an episode end under `episodes="within"`, keep leaf 0.
 Importance weights and stratification are those of `prioritized.py`, with N
-the number of sampleable windows.
+the number of sampleable windows. Priority updates follow the rules of every
+stream kind (`window_priorities.py`).
 
 The module-level functions take every setting explicitly;
-`prioritized_sequence_replay` binds them into a `Buffer`.
+`prioritized_sequence_replay` (`factories.py`) binds them into a `Buffer`.
 """
 
 import functools
-from typing import Any, Self, TypeVar
+from typing import Self, TypeVar
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxbuf._src.core import kind
 from jaxbuf._src.items import prioritized
 from jaxbuf._src.streams import sequence
 from jaxbuf._src.core import sum_tree
 from jaxbuf._src.core import validation
-from jaxbuf._src.core.base import Buffer, PyTree, Schedule, bind
+from jaxbuf._src.streams import window_priorities
+from jaxbuf._src.core.base import PyTree, Schedule
 from jaxbuf._src.streams.sequence import SequenceReplayState, SequenceSample
-
-_INT32_MAX = jnp.iinfo(jnp.int32).max
 
 
 @flax.struct.dataclass
@@ -212,33 +211,8 @@ def update_priorities(
     within=within,
     checked=checked,
   )
-  return with_window_priorities(state, indices, priorities, valid, alpha=alpha, eps=eps)
-
-
-def with_window_priorities(
-  state: PyTree,
-  indices: jax.Array,
-  priorities: jax.Array,
-  valid: jax.Array,
-  *,
-  alpha: float,
-  eps: float,
-) -> PyTree:
-  """`state` with windows `indices [S]` at `|priorities [S]| + eps` where
-  `valid [S]`: its window tree, running maximum and beta step updated (for
-  every kind whose state holds those three, frame stacks included)."""
-  indices = jnp.asarray(indices).astype(jnp.int32)
-  new_priorities = jnp.where(valid, jnp.abs(jnp.asarray(priorities).astype(jnp.float32)) + eps, 0.0)
-  return state.replace(
-    window_tree=sum_tree.set_leaves(
-      state.window_tree,
-      jnp.where(valid, indices, 0),
-      prioritized.capped_leaf_values(new_priorities, alpha, state.window_tree),
-      valid,
-    ),
-    # `initial`: an empty update leaves the maximum as it is.
-    max_priority=jnp.maximum(state.max_priority, jnp.max(new_priorities, initial=0.0)),
-    beta_step=jnp.minimum(state.beta_step, _INT32_MAX - 1) + 1,
+  return window_priorities.with_window_priorities(
+    state, indices, priorities, valid, alpha=alpha, eps=eps
   )
 
 
@@ -246,95 +220,3 @@ def clear(state: PrioritizedStateT) -> PrioritizedStateT:
   """Empties the buffer; priorities reset, beta_step and step counts kept."""
   validation.check_state_kind(state, PrioritizedSequenceReplayState, what="clear")
   return sequence.clear(state).replace(max_priority=jnp.ones_like(state.max_priority))
-
-
-def prioritized_sequence_replay(
-  num_envs: int,
-  capacity: int,
-  sequence_length: int,
-  *,
-  period: int = 1,
-  alpha: float = 0.6,
-  beta: float | Schedule = 0.4,
-  eps: float = 1e-6,
-  episodes: str = "cross",
-  stratified: bool = True,
-  checked: bool = False,
-) -> Buffer[PrioritizedSequenceReplayState, SequenceSample]:
-  """A prioritized replay buffer of per-env streams, sampled as windows.
-
-  Steps follow the stream convention: `help(jaxbuf.streams)`.
-
-  Args:
-    num_envs, capacity, sequence_length, period, episodes: as for
-      `sequence_replay`, which also describes the stream: the step's `last`
-      leaf marks episode ends (the step holding an episode's final
-      observation, added as `add(..., final_steps=...)`; `terminated` sits
-      on the step whose action ended the episode).
-    alpha, beta, eps, stratified: as for `prioritized_replay`; N in the
-      importance weights is the number of windows that can be sampled.
-    checked: as for `uniform_replay`.
-
-  Returns:
-    A `Buffer` with the same functions as `sequence_replay`'s; pass
-    `sample.indices` and `sample.item_ids` to `update_priorities`.
-
-  >>> import jax, jax.numpy as jnp, jaxbuf
-  >>> buffer = jaxbuf.prioritized_sequence_replay(
-  ...     num_envs=2, capacity=16, sequence_length=3, period=2)
-  >>> state = buffer.init({"obs": jnp.zeros(4)})
-  >>> state = buffer.add(state, {"obs": jnp.ones((2, 6, 4))})  # a chunk of 6
-  >>> batch = buffer.sample(state, jax.random.key(0), 4)
-  >>> state = buffer.update_priorities(state, batch.indices,
-  ...                                  jnp.array([0.1, 2.0, 0.5, 1.0]),
-  ...                                  batch.item_ids)
-  >>> batch.items["obs"].shape, float(batch.weights.max())
-  ((4, 3, 4), 1.0)
-  """
-  sequence.check_sizes(num_envs, capacity, sequence_length, period, episodes)
-  validation.check_bool(stratified, "stratified", what="prioritized_sequence_replay")
-  validation.check_hyperparameter(alpha, "alpha")
-  validation.check_hyperparameter(eps, "eps", positive=True)
-  if not callable(beta):
-    validation.check_hyperparameter(beta, "beta")
-  settings: dict[str, Any] = dict(
-    sequence_length=sequence_length, period=period, within=episodes == "within"
-  )
-  bound_add = functools.partial(add, **settings, alpha=alpha)
-  split = functools.partial(
-    sequence.split_over_devices,
-    num_envs=num_envs,
-    capacity=capacity,
-    init=init,
-    add=bound_add,
-    sample=functools.partial(
-      sample, sequence_length=sequence_length, beta=beta, stratified=stratified
-    ),
-    update_priorities=functools.partial(update_priorities, **settings, alpha=alpha, eps=eps),
-    clear=clear,
-    beta=beta,
-    stratified=stratified,
-    **settings,
-  )
-  return bind(
-    init=functools.partial(init, num_envs=num_envs, capacity=capacity),
-    add=bound_add,
-    sample=functools.partial(
-      sample, sequence_length=sequence_length, beta=beta, stratified=stratified, checked=checked
-    ),
-    update_priorities=functools.partial(
-      update_priorities, **settings, alpha=alpha, eps=eps, checked=checked
-    ),
-    can_sample=sequence.can_sample,
-    clear=clear,
-    kind=kind.Kind(
-      name="prioritized_sequence_replay",
-      state_type=PrioritizedSequenceReplayState,
-      exact_type=True,
-      settings=sequence.window_settings(
-        num_envs, capacity, sequence_length, period, episodes, alpha=float(alpha), eps=float(eps)
-      ),
-      split=split,
-    ),
-    checked=checked,
-  )

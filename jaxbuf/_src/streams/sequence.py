@@ -2,13 +2,18 @@
 
 Why one module of this size: the window bookkeeping (`window_counts`, the
 windows each add starts, completes or breaks) is one invariant. `add` keeps
-it, and sampling, priority updates and the device split read it, all
-through the same window arithmetic (`steps_ago`, `windows_valid`,
-`window_item_ids`), which the kinds built on these streams (prioritized
-sequence, episode, frame-stack and hindsight replay) call as `sequence.*`
-too. Cutting the add path from the reads would put one invariant in two
-rooms. The parts come in reading order: state, window arithmetic, add,
-reads and sample, priority updates, factory, device split.
+it and sampling reads it, both through the same window arithmetic
+(`steps_ago`, `windows_valid`, `window_item_ids`), which the kinds built on
+these streams (prioritized sequence, episode, frame-stack and hindsight
+replay) call as `sequence.*` too. Cutting the add path from the reads would
+put one invariant in two rooms, and the window arithmetic can leave neither:
+it is defined on this module's state and both halves call it. What only
+uses the windows is elsewhere: the priority update rules every stream kind
+shares (`window_priorities.py`; `valid_priority_updates` here applies them
+to window ids), the split over devices (`device_split.py`) and the factory
+(`factories.py`). The parts come in reading order: state, window
+arithmetic, the add path, reads and sample, priority updates, then `add`,
+`can_sample` and `clear`.
 
 Shape key: N envs, R = C // N steps held per env, C capacity (steps over all
 envs), T steps per env in one add, L sequence_length, S sample size.
@@ -48,7 +53,7 @@ N * min(T + L - 1, R) when T >= L - 1), so under
 capacity.
 
 The module-level functions take every setting explicitly;
-`sequence_replay` binds them into a `Buffer`.
+`sequence_replay` (`factories.py`) binds them into a `Buffer`.
 """
 
 import functools
@@ -60,12 +65,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from jaxbuf._src.core import kind
 from jaxbuf._src.core import random
-from jaxbuf._src.core import ring
 from jaxbuf._src.core import sum_tree
 from jaxbuf._src.core import validation
-from jaxbuf._src.core.base import Buffer, BufferState, PyTree, ReplaySample, bind
+from jaxbuf._src.streams import window_priorities
+from jaxbuf._src.core.base import BufferState, PyTree, ReplaySample
 
 EPISODE_MODES = ("cross", "within")
 
@@ -384,6 +388,22 @@ def episode_ends_of(steps: PyTree, episode_end: jax.Array | None) -> Any:
   return jnp.asarray(last)
 
 
+def _write_unless_empty(
+  write: Callable[..., SequenceStateT],
+  state: SequenceStateT,
+  steps: PyTree,
+  mask: jax.Array | None,
+  episode_end: jax.Array | None,
+) -> SequenceStateT:
+  """`write(state, steps, mask, episode_end)`, except for an empty chunk
+  `[N, 0, ...]`: its arguments are checked as a write checks them, and
+  `state` comes back as it was (no step written, no window changed)."""
+  if _chunk_length(state, steps) == 0:
+    chunked_add_args(state, steps, mask, episode_end)
+    return state
+  return write(state, steps, mask, episode_end)
+
+
 def add_stream(
   state: SequenceStateT,
   steps: PyTree,
@@ -413,7 +433,11 @@ def add_stream(
 
   with `ended` that flag; only the second add can be forgotten or
   mis-masked, and here it cannot.
+
+  An empty chunk of steps `[N, 0, ...]` writes nothing
+  (`_write_unless_empty`), so no kind's `write` is given one.
   """
+  write = functools.partial(_write_unless_empty, write)
   if final_steps is None:
     return write(state, steps, mask, episode_ends_of(steps, episode_end))
   num_envs = num_envs_of(state)
@@ -786,20 +810,6 @@ def sample(
   )
 
 
-def check_window_priorities(indices: Any, priorities: Any) -> None:
-  """Raises `ValueError` for per-step priorities `[S, L]`, naming the helper
-  that reduces them to the one priority per window `[S]` a buffer takes."""
-  index_shape, priority_shape = np.shape(indices), np.shape(priorities)
-  if len(index_shape) == 1 and len(priority_shape) == 2 and priority_shape[0] == index_shape[0]:
-    raise ValueError(
-      f"update_priorities: priorities have shape {priority_shape}, one per "
-      f"step of each window; a sequence buffer takes one priority per "
-      f"window, shape {index_shape}. Reduce them first, e.g. "
-      f"jaxbuf.r2d2_priorities(td_errors, sample.mask) (R2D2's "
-      f"eta * max + (1 - eta) * mean of |TD error| over the valid steps)."
-    )
-
-
 def valid_priority_updates(
   state: SequenceReplayState,
   indices: jax.Array,
@@ -811,52 +821,27 @@ def valid_priority_updates(
   within: bool,
   checked: bool,
 ) -> jax.Array:
-  """Which updates apply: bool `[S]`. Validates shapes while tracing.
+  """Which updates of window priorities apply: bool `[S]`. Validates shapes
+  while tracing.
 
   An update applies when its window id is in `[0, C)` and names a window that
   can be sampled now, its priority is finite, and (given `item_ids`) the
-  window still starts at the step that was sampled. A negative priority
-  applies by its magnitude, as in item replay (`ring.valid_priority_updates`).
-  Checked mode raises on ids outside `[0, C)` and on priorities that are not
-  finite or are negative; a window that is no longer held is skipped in both
-  modes (it is what a stale update is).
+  window still starts at the step that was sampled; the rules of every
+  stream kind, `window_priorities.valid_updates`, for window ids.
   """
-  check_window_priorities(indices, priorities)
-  validation.check_priority_update_args(indices, priorities, item_ids)
-  num_windows = num_envs_of(state) * steps_per_env(state)
-  indices = jnp.asarray(validation.host_indices(indices))
-  priorities = jnp.asarray(priorities)
-  in_range = ring.indices_in_range(indices, jnp.int32(num_windows))
-  finite = jnp.isfinite(priorities)
-  if checked:
-    checkify.check(
-      jnp.all(in_range),
-      "update_priorities: indices must be window ids, in [0, capacity={capacity}); given {indices}",
-      capacity=jnp.int32(num_windows),
-      indices=indices,
-    )
-    checkify.check(
-      jnp.all(finite & (priorities >= 0)),
-      "update_priorities: "
-      "priorities must be finite and non-negative (pass "
-      "|TD error|); given {priorities}",
-      priorities=priorities,
-    )
-  valid = (
-    in_range
-    & finite
-    & window_ids_valid(
-      state,
-      indices.astype(jnp.int32),
-      sequence_length=sequence_length,
-      period=period,
-      within=within,
-    )
+  window_priorities.check_window_priorities(indices, priorities)
+  return window_priorities.valid_updates(
+    indices,
+    priorities,
+    item_ids,
+    num_ids=num_envs_of(state) * steps_per_env(state),
+    ids_valid=functools.partial(
+      window_ids_valid, state, sequence_length=sequence_length, period=period, within=within
+    ),
+    item_ids_of=functools.partial(window_item_ids, state),
+    id_name="window ids",
+    checked=checked,
   )
-  if item_ids is not None:
-    safe = jnp.where(in_range, indices.astype(jnp.int32), 0)
-    valid &= window_item_ids(state, safe) == item_ids
-  return valid
 
 
 def update_priorities(
@@ -876,7 +861,7 @@ def update_priorities(
   tracing; values in checked mode), so switching kinds surfaces no new errors.
   """
   validation.check_state_kind(state, SequenceReplayState, what="update_priorities", exact=True)
-  check_window_priorities(indices, priorities)
+  window_priorities.check_window_priorities(indices, priorities)
   if checked:
     valid_priority_updates(
       state,
@@ -991,208 +976,3 @@ def clear(state: SequenceStateT) -> SequenceStateT:
   if state.window_tree is not None:
     cleared = cleared.replace(window_tree=jax.tree.map(jnp.zeros_like, state.window_tree))
   return cleared
-
-
-def sequence_replay(
-  num_envs: int,
-  capacity: int,
-  sequence_length: int,
-  *,
-  period: int = 1,
-  episodes: str = "cross",
-  checked: bool = False,
-) -> Buffer[SequenceReplayState, SequenceSample]:
-  """A uniform replay buffer of per-env streams, sampled as windows.
-
-  Steps follow the stream convention: `help(jaxbuf.streams)`.
-
-  Args:
-    num_envs: N, the number of streams.
-    capacity: C, steps held over all envs; a multiple of N (each env holds
-      R = C // N steps), else `ValueError` naming the nearest valid values.
-    sequence_length: L <= R, the steps in a window.
-    period: window starts fall on step ids (per env, from 0) that are
-      multiples of `period`; 1 allows every start.
-    episodes: "cross" (windows may span episode ends; `sample(...).mask`
-      marks the first episode's steps) or "within" (never sampled across an
-      end). Episode ends come from one flag: the step's own bool `last`
-      leaf when it has one, else `add(..., episode_end=...)`.
-    checked: as for `uniform_replay`.
-
-  The stream for n-step and recurrent agents (`jaxbuf.n_step_transitions`):
-  step i holds `obs[i]`, the action taken there, the reward that followed
-  and `terminated[i]` (that action truly ended the episode); an episode that
-  ended (terminated or truncated) gets one more step holding its final
-  observation, flagged `last`, its other fields padding. Add it in the same
-  call as `final_steps`; each env writes its final step exactly where that
-  step's `last` is True::
-
-      state = buffer.add(state, Step(obs, action, reward, terminated,
-                                     last=no_env),
-                         final_steps=Step(final_obs, action, reward,
-                                          no_env, last=ended))
-
-  Returns:
-    A `Buffer`; `add(state, steps, mask=None, episode_end=None,
-    final_steps=None)` (see `jaxbuf.sequence.add`), `sample` returns a
-    `SequenceSample` (a `ReplaySample` with `mask`, all False when no
-    window was held).
-
-  >>> import jax, jax.numpy as jnp, jaxbuf
-  >>> buffer = jaxbuf.sequence_replay(num_envs=2, capacity=16,
-  ...                                 sequence_length=3)
-  >>> state = buffer.init({"obs": jnp.zeros(4), "step": jnp.int32(0)})
-  >>> for t in range(5):
-  ...   state = buffer.add(state, {"obs": jnp.ones((2, 4)),
-  ...                              "step": jnp.full(2, t, jnp.int32)})
-  >>> batch = buffer.sample(state, jax.random.key(0), 8)
-  >>> batch.items["obs"].shape
-  (8, 3, 4)
-  >>> bool(jnp.all(jnp.diff(batch.items["step"], axis=1) == 1))
-  True
-  """
-  check_sizes(num_envs, capacity, sequence_length, period, episodes)
-  settings: dict[str, Any] = dict(
-    sequence_length=sequence_length, period=period, within=episodes == "within"
-  )
-  bound_init = functools.partial(init, with_tree=episodes == "within")
-  bound_add = functools.partial(add, **settings)
-  split = functools.partial(
-    split_over_devices,
-    num_envs=num_envs,
-    capacity=capacity,
-    init=bound_init,
-    add=bound_add,
-    sample=functools.partial(sample, **settings),
-    update_priorities=None,
-    clear=clear,
-    beta=None,
-    stratified=False,
-    **settings,
-  )
-  return bind(
-    init=functools.partial(bound_init, num_envs=num_envs, capacity=capacity),
-    add=bound_add,
-    sample=functools.partial(sample, **settings, checked=checked),
-    update_priorities=functools.partial(update_priorities, **settings, checked=checked),
-    can_sample=can_sample,
-    clear=clear,
-    kind=kind.Kind(
-      name="sequence_replay",
-      state_type=SequenceReplayState,
-      exact_type=True,
-      settings=window_settings(num_envs, capacity, sequence_length, period, episodes),
-      split=split,
-    ),
-    checked=checked,
-    jit_update_priorities=False,
-  )
-
-
-def window_settings(
-  num_envs: int, capacity: int, sequence_length: int, period: int, episodes: str, **more: Any
-) -> kind.Settings:
-  """The settings a sequence state's window bookkeeping depends on."""
-  return kind.settings_of(
-    num_envs=num_envs,
-    capacity=capacity,
-    sequence_length=sequence_length,
-    period=period,
-    episodes=episodes,
-    **more,
-  )
-
-
-def _check_steps_to_split(
-  state: SequenceReplayState,
-  arguments: tuple,
-  num_devices: int,
-  *,
-  init: Callable,
-  add: Callable,
-  num_envs: int,
-  capacity: int,
-) -> None:
-  """Steps, mask and episode ends checked as the unsharded buffer checks
-  them, with its messages and the global N."""
-  del num_devices  # N divides by D: checked when the buffer was split.
-  step_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[3:], x.dtype), state.storage)
-  unsharded = jax.eval_shape(
-    functools.partial(init, num_envs=num_envs, capacity=capacity), step_shapes
-  )
-  jax.eval_shape(add, unsharded, *jax.tree.map(_unplaced, arguments))
-
-
-def _unplaced(leaf: Any) -> jax.ShapeDtypeStruct:
-  """`leaf`'s shape and dtype with no sharding, to check as on one device."""
-  aval = jax.typeof(jnp.asarray(leaf))
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-
-def split_over_devices(
-  num_devices: int,
-  *,
-  num_envs: int,
-  capacity: int,
-  init: Callable,
-  add: Callable,
-  sample: Callable,
-  update_priorities: Callable | None,
-  clear: Callable,
-  beta: Any,
-  stratified: bool,
-  sequence_length: int,
-  period: int,
-  within: bool,
-) -> kind.Split:
-  """Sequence replay split over D devices: envs in blocks of N / D.
-
-  Device d holds envs `[d N/D, (d+1) N/D)` whole (their rings, episode ends
-  and windows), so a window never spans devices; global window id `g` (the
-  unsharded buffer's `n * R + j`) is local window `g % W` of device
-  `g // W`, W = N / D * R.
-  """
-  if num_envs % num_devices:
-    below = num_envs - num_envs % num_devices
-    nearest = " or ".join(str(n) for n in (below, below + num_devices) if n)
-    raise ValueError(
-      f"sharded: num_envs {num_envs} does not divide by the {num_devices} "
-      f"devices of the mesh axis (each device holds num_envs / "
-      f"{num_devices} whole envs); nearest valid num_envs: {nearest}, "
-      f"with capacity num_envs * {capacity // num_envs} to keep the steps "
-      f"per env."
-    )
-  with_tree = update_priorities is not None or within
-  return kind.Split(
-    init=functools.partial(
-      init, num_envs=num_envs // num_devices, capacity=capacity // num_devices
-    ),
-    add=add,
-    add_arguments=kind.add_arguments_of(add),
-    check_add=functools.partial(
-      _check_steps_to_split, init=init, add=add, num_envs=num_envs, capacity=capacity
-    ),
-    sample=sample,
-    update_priorities=update_priorities,
-    clear=clear,
-    local_counter=lambda state: state.write_heads,
-    counter_shape=(num_envs // num_devices,),
-    ids_per_device=lambda state: state.episode_ends.shape[-2] * state.episode_ends.shape[-1],
-    held=lambda state: jnp.sum(state.window_counts, axis=-1, dtype=jnp.int32),
-    # Sampling is with replacement: one window serves any batch size.
-    enough=lambda held, batch_size: held > 0,
-    masses=(lambda local: local.window_tree) if with_tree else None,
-    at_rank=functools.partial(window_ids_at_ranks, sequence_length=sequence_length, period=period),
-    rows=lambda local, window_ids, key: gather_windows(
-      local, window_ids, sequence_length=sequence_length
-    ),
-    item_ids=window_item_ids,
-    # Nothing drawn: mask all False, as the unsharded buffers give.
-    as_sample=lambda rows, indices, weights, item_ids, drawn: SequenceSample(
-      items=rows[0], indices=indices, weights=weights, item_ids=item_ids, mask=rows[1] & drawn
-    ),
-    check_update=check_window_priorities,
-    beta=beta,
-    stratified=stratified,
-    uniform_when_massless=False,
-  )
