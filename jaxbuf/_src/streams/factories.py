@@ -21,14 +21,14 @@ stream convention, `help(jaxbuf.streams)`.
 import functools
 from typing import Any, Callable
 
+from jaxbuf._src.core import kind
+from jaxbuf._src.core import validation
 from jaxbuf._src.streams import device_split
 from jaxbuf._src.streams import episode
 from jaxbuf._src.streams import frames
 from jaxbuf._src.streams import hindsight
-from jaxbuf._src.core import kind
 from jaxbuf._src.streams import prioritized_sequence
 from jaxbuf._src.streams import sequence
-from jaxbuf._src.core import validation
 from jaxbuf._src.core.base import Buffer, ReplaySample, Schedule, bind
 from jaxbuf._src.streams.episode import EpisodeReplayState, EpisodeSample
 from jaxbuf._src.streams.frames import FrameStackReplayState

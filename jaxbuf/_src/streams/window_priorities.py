@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from jaxbuf._src.items import prioritized
 from jaxbuf._src.core import ring
 from jaxbuf._src.core import sum_tree
 from jaxbuf._src.core import validation
+from jaxbuf._src.items import prioritized
 from jaxbuf._src.core.base import PyTree
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
