@@ -633,6 +633,17 @@ def test_an_orbax_read_error_is_one_line_naming_the_leaf_and_the_file():
     "Error reading leaf_1 from /proc/self/fd/7/state/d/4f2a9c (checksum "
     "mismatch)"
   )
+  # orbax's wrapper of a failed read: the reason is TensorStore's own error.
+  try:
+    try:
+      raise error
+    except OSError as cause:
+      raise Exception(
+        "Encountered error while reading array index: (slice(0, 8, None),). "
+        "See full TensorStore details: <bound method spec of TensorStore({...})>."
+      ) from cause
+  except Exception as wrapped:  # pylint: disable=broad-except
+    assert str(checkpoint_arrays._unreadable("load: P", entries, wrapped)) == message
   unnamed = checkpoint_arrays._unreadable("load: P", entries, ValueError("bad"), "orbax's index")
   assert str(unnamed) == (
     "load: P: the stored arrays cannot be read (orbax's index), "

@@ -154,9 +154,16 @@ def test_two_processes_save_and_load_one_sharded_state(workers_output):
       error,
     ), error
   assert "process 1 failed (ValueError), so every process stops" in str(seen[0]["corrupted_error"])
+  # Where the flipped bit lands depends on how the shard's file was laid out
+  # (written concurrently): in array bytes, jaxbuf's checksum names the piece;
+  # elsewhere in the file, TensorStore's own read fails, and its reason is
+  # given, never orbax's wrapper text.
+  found_by_process_1 = str(seen[1]["corrupted_error"])
   assert re.search(
-    r"piece \[[23]:[34], 0:8, 0:64\] \(restored on device", str(seen[1]["corrupted_error"])
-  )
+    r"piece \[[23]:[34], 0:8, 0:64\] \(restored on device|cannot be read .*corrupted or edited: ",
+    found_by_process_1,
+  ), found_by_process_1
+  assert "bound method" not in found_by_process_1, found_by_process_1
 
 
 def held(state):

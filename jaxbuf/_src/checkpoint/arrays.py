@@ -208,8 +208,16 @@ def _unreadable(
   where: str, entries: list[tuple[str, Any]], error: Exception, suspected_files: str = ""
 ) -> ValueError:
   """orbax's error reading the arrays in one line, naming the leaves it
-  names by their keys and the file it names last (else `suspected_files`)."""
-  text = str(error)
+  names by their keys and the file it names last (else `suspected_files`).
+
+  orbax wraps a failed read in `Exception("Encountered error while reading
+  array index: ... See full TensorStore details: <bound method ...>")`, raised
+  from TensorStore's own error: the innermost cause is the reason given."""
+  causes: list[BaseException] = [error]
+  while causes[-1].__cause__ is not None and len(causes) < 8:
+    causes.append(causes[-1].__cause__)
+  reason_error = causes[-1]
+  text = "\n".join(str(cause) for cause in reversed(causes))
   keys = sorted({int(i) for i in re.findall(r"\bleaf_(\d+)\b", text) if int(i) < len(entries)})
   named = f" of leaf {', '.join(entries[i][0] for i in keys)}" if keys else ""
   named_files = re.findall(r"/state/([^\s\"'\\]+)", text)
@@ -221,13 +229,13 @@ def _unreadable(
     else ""
   )
   # orbax appends the whole tensorstore spec, kilobytes of it.
-  reason = re.split(r"\s*\[tensorstore_spec=", text)[0].splitlines()
-  reason = reason[0] if reason else type(error).__name__
+  reason = re.split(r"\s*\[tensorstore_spec=", str(reason_error))[0].splitlines()
+  reason = reason[0] if reason else type(reason_error).__name__
   if len(reason) > 300:
     reason = reason[:300] + " ..."
   return ValueError(
     f"{where}: the stored arrays{named} cannot be read"
-    f"{in_file}, corrupted or edited: {type(error).__name__}: "
+    f"{in_file}, corrupted or edited: {type(reason_error).__name__}: "
     f"{reason}"
   )
 
