@@ -1,11 +1,26 @@
 """Doctest and test session settings: four fake CPU devices, strict rank promotion."""
 
 import os
+import shutil
+import tempfile
 
 # Must be set before JAX initialises its backends.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 )
+
+# One on-disk cache of compiled programs for this run of the suite (JAX's
+# persistent compilation cache), shared by the xdist workers and the
+# processes tests start (they inherit the environment): a program one of
+# them compiled is loaded by the others instead of compiled again. A fresh
+# directory each run, removed at its end (`pytest_unconfigure`); tracing is
+# unchanged, so the tests that count traces and compilations within a
+# process see what they would without it. A cache the caller set is kept.
+_OWN_COMPILATION_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_COMPILATION_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxbuf-tests-compiled-")
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import hypothesis  # noqa: E402
 import pytest  # noqa: E402
@@ -67,3 +82,9 @@ def _minari_doctests_write_to_a_scratch_directory(request):
   if _MINARI_DOCTESTS in request.node.nodeid:
     monkeypatch = request.getfixturevalue("monkeypatch")
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(request.getfixturevalue("tmp_path")))
+
+
+def pytest_unconfigure(config):
+  # The controller (not an xdist worker) made the cache; it removes it.
+  if _OWN_COMPILATION_CACHE and not hasattr(config, "workerinput"):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
