@@ -3,10 +3,10 @@ on the CPU, so that the code a rare GPU run depends on cannot rot between
 GPU runs: every part runs its script to the end and reports figures."""
 
 import json
-import os
 import pathlib
 import sys
 
+import jax
 import pytest
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
@@ -15,10 +15,11 @@ import device_suite  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def test_smoke_run_finishes_every_part_with_figures(tmp_path, monkeypatch):
-  # Tiny sizes: each part's process is mostly compiling, which LLVM's
-  # expensive passes would slow (see conftest.py).
-  if "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ:
-    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+  # Tiny sizes: each part's process is mostly compiling, so it compiles as
+  # this process does (conftest.py sets LLVM's expensive passes off).
+  monkeypatch.setenv(
+    "JAX_DISABLE_MOST_OPTIMIZATIONS", str(int(jax.config.read("jax_disable_most_optimizations")))
+  )
   status = device_suite.main(["--smoke", "--out", str(tmp_path)])
   report = json.loads((tmp_path / "device_suite.json").read_text())
   table = (tmp_path / "device_suite.md").read_text()

@@ -561,6 +561,19 @@ def transition_item_ids(state: FrameStackReplayState, ids: jax.Array) -> jax.Arr
   return sequence.window_item_ids(state, ids)
 
 
+def _transitions_sample(
+  state: FrameStackReplayState, ids: jax.Array, weights: jax.Array, **gather_settings: Any
+) -> ReplaySample:
+  """The sample of transitions `ids [S]` with `weights [S]`, uniform or
+  prioritized: their stacked transitions, ids and item ids."""
+  return ReplaySample(
+    items=gather_transitions(state, ids, **gather_settings),
+    indices=ids,
+    weights=weights,
+    item_ids=transition_item_ids(state, ids),
+  )
+
+
 def _check_sample(
   state: FrameStackReplayState, key: jax.Array, batch_size: int, *, checked: bool
 ) -> jax.Array:
@@ -604,20 +617,17 @@ def sample(
   total = _check_sample(state, key, batch_size, checked=checked)
   found, _ = sum_tree.sample_leaves(state.window_tree, key, batch_size, stratified=False)
   ids = jnp.where(total > 0, found, 0)
-  return ReplaySample(
-    items=gather_transitions(
-      state,
-      ids,
-      num_stack=num_stack,
-      n_step=n_step,
-      gamma=gamma,
-      pad=pad,
-      stack_keys=stack_keys,
-      stack_axis=stack_axis,
-    ),
-    indices=ids,
-    weights=jnp.full((batch_size,), total > 0, jnp.float32),
-    item_ids=transition_item_ids(state, ids),
+  weights = jnp.full((batch_size,), total > 0, jnp.float32)
+  return _transitions_sample(
+    state,
+    ids,
+    weights,
+    num_stack=num_stack,
+    n_step=n_step,
+    gamma=gamma,
+    pad=pad,
+    stack_keys=stack_keys,
+    stack_axis=stack_axis,
   )
 
 
@@ -648,20 +658,16 @@ def prioritized_sample(
   ids, weights, _ = prioritized_sequence.draw_by_priority(
     state, key, batch_size, num_held, beta=beta, stratified=stratified
   )
-  return ReplaySample(
-    items=gather_transitions(
-      state,
-      ids,
-      num_stack=num_stack,
-      n_step=n_step,
-      gamma=gamma,
-      pad=pad,
-      stack_keys=stack_keys,
-      stack_axis=stack_axis,
-    ),
-    indices=ids,
-    weights=weights,
-    item_ids=transition_item_ids(state, ids),
+  return _transitions_sample(
+    state,
+    ids,
+    weights,
+    num_stack=num_stack,
+    n_step=n_step,
+    gamma=gamma,
+    pad=pad,
+    stack_keys=stack_keys,
+    stack_axis=stack_axis,
   )
 
 
