@@ -90,7 +90,7 @@ import jaxbuf
 from examples import q_learning  # noqa: E402
 from examples import training  # noqa: E402
 
-# examples/gymnasium_dqn.py and benchmarks/bench_loops.py use `dqn.QNetwork`;
+# examples/gymnasium_dqn.py and benchmarks/features/bench_loops.py use `dqn.QNetwork`;
 # the quickstart notebook plots with `dqn.learning_curve`.
 from examples.q_learning import QNetwork  # noqa: E402, F401
 from examples.training import learning_curve  # noqa: E402, F401

@@ -1,4 +1,4 @@
-"""The device benchmark suite (`benchmarks/device_suite.py`) at smoke sizes
+"""The device benchmark suite (`benchmarks/device/device_suite.py`) at smoke sizes
 on the CPU, so that the code a rare GPU run depends on cannot rot between
 GPU runs: every part runs its script to the end and reports figures."""
 
@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "device"
 sys.path.insert(0, str(BENCHMARKS))
 import device_suite  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -41,7 +41,7 @@ def test_smoke_run_finishes_every_part_with_figures(tmp_path, monkeypatch):
 def test_a_missing_script_or_module_is_skipped_with_its_reason():
   missing_script = device_suite.Part("absent", "no_such_bench.py", (), (), 5)
   missing_module = device_suite.Part(
-    "peer", "bench_host_calls.py", (), (), 5, needs=("no_such_module_here",)
+    "peer", "features/bench_host_calls.py", (), (), 5, needs=("no_such_module_here",)
   )
   assert device_suite.run_part(missing_script, smoke=True) == dict(
     name="absent", script="no_such_bench.py", status="skipped", reason="no_such_bench.py not found"

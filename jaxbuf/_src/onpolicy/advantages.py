@@ -256,7 +256,7 @@ def compute_gae(
     associative: use a parallel `lax.associative_scan` (O(log T) depth) in
       place of the sequential reverse scan; equal to float32 precision. Meant
       for long horizons on accelerators; on CPU the sequential scan is
-      faster (benchmarks/bench_gae.py), and the associative program takes a
+      faster (benchmarks/peers/bench_gae.py), and the associative program takes a
       few seconds longer to compile.
 
   Returns:
@@ -316,7 +316,7 @@ def _gae_scan(rollout, gamma, gae_lambda, gamma_steps, lambda_steps):
   Reading the inputs step by step, with no precomputed `[T, ...]`
   intermediates (next values, deltas, decays), keeps the memory traffic at
   its floor; on CPU this beat both a precomputed-delta scan and any unrolling
-  (benchmarks/bench_gae.py). Jitted so that eager calls reuse one compiled
+  (benchmarks/peers/bench_gae.py). Jitted so that eager calls reuse one compiled
   program; inside a user's jit it compiles into the same program. A scalar
   hyperparameter comes as `gamma` / `gae_lambda` (its `_steps` None), a
   per-step one as `gamma_steps` / `lambda_steps`, scanned with the rollout.

@@ -5,17 +5,20 @@ The analysis behind "The floor of a prioritized sample" in RESULTS.md
 runs K = 200 times in one jitted scan over a 1M-leaf tree or a full 1M-item
 buffer (obs [84] float32, add 128, sample 256); microseconds per iteration,
 the minimum of 25 repeats. Pin it to one core to take XLA:CPU's thread
-hand-offs out: `taskset -c 0 python benchmarks/probe_prioritized_floor.py`.
+hand-offs out: `taskset -c 0 python benchmarks/floors/probe_prioritized_floor.py`.
 """
 
 import functools
+import pathlib
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
 import jaxbuf
 from jaxbuf._src.core import random, sum_tree
 

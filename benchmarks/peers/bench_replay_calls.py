@@ -22,20 +22,23 @@ GPU the per-call `add` and prioritized `sample` at the largest capacity are
 judged against a 0.1 ms target.
 
 Usage:
-  .venv/bin/python benchmarks/bench_replay_calls.py           # several minutes
-  .venv/bin/python benchmarks/bench_replay_calls.py --quick   # seconds
+  .venv/bin/python benchmarks/peers/bench_replay_calls.py           # several minutes
+  .venv/bin/python benchmarks/peers/bench_replay_calls.py --quick   # seconds
 """
 
 import argparse
 import dataclasses
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
 import jaxbuf
-import replay_adapters as replay
+from benchmarks.common import replay_adapters as replay
 
 OPERATIONS = ("add", "sample", "update", "add+sample+update")
 ADD_SCALING = 1.5

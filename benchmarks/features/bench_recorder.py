@@ -19,17 +19,20 @@ shared 2-core machine the medians of two runs differed by 2x, the least by
 a few percent).
 
 Usage:
-  python benchmarks/bench_recorder.py [--calls 2000] [--repeats 7] [--best]
+  python benchmarks/features/bench_recorder.py [--calls 2000] [--repeats 7] [--best]
 """
 
 import argparse
 import itertools
+import pathlib
+import sys
 
 import gymnasium as gym
 import jax
 import numpy as np
 
-import harness
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
 import jaxbuf
 
 NUM_ENVS = 4

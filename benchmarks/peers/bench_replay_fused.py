@@ -16,21 +16,24 @@ from Python) and `bench_replay_memory.py` (peak memory of this loop):
 
 Nothing here is device specific: run it where JAX sees a GPU and the JAX
 libraries run there (cpprb stays on the host). On a small shared CPU machine
-`taskset -c 0 .venv/bin/python benchmarks/bench_replay_fused.py` runs every
+`taskset -c 0 .venv/bin/python benchmarks/peers/bench_replay_fused.py` runs every
 library on one core, which shows the work without the thread-pool hand-offs.
 
 Usage:
-  .venv/bin/python benchmarks/bench_replay_fused.py           # several minutes
-  .venv/bin/python benchmarks/bench_replay_fused.py --quick   # seconds
+  .venv/bin/python benchmarks/peers/bench_replay_fused.py           # several minutes
+  .venv/bin/python benchmarks/peers/bench_replay_fused.py --quick   # seconds
 """
 
+import pathlib
+import sys
 import argparse
 import dataclasses
 
 import jax
 
-import harness
-import replay_adapters as replay
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
+from benchmarks.common import replay_adapters as replay
 
 PRIORITIZED_VS_FLASHBAX = 10.0
 PRIORITIZED_VS_CPPRB = 3.0

@@ -9,9 +9,9 @@ each sampled batch (DQN) or rollout (PPO) back to the device: the pattern of
 a PyTorch-style loop ported to JAX. The difference is the cost of the host
 round trips and of the Python loop around them.
 
-  .venv/bin/python benchmarks/bench_loops.py            # about a minute on 2 cores
-  .venv/bin/python benchmarks/bench_loops.py --quick    # fewer timed iterations
-  .venv/bin/python benchmarks/bench_loops.py --num-envs 1024 4096   # wide (GPU)
+  .venv/bin/python benchmarks/features/bench_loops.py            # about a minute on 2 cores
+  .venv/bin/python benchmarks/features/bench_loops.py --quick    # fewer timed iterations
+  .venv/bin/python benchmarks/features/bench_loops.py --num-envs 1024 4096   # wide (GPU)
 
 Each loop runs with the examples' default CartPole-v1 settings (DQN: 10 envs,
 one update of batch 128 per vectorized step; PPO: 4 envs x 128 steps, 4
@@ -31,12 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
 from examples import dqn  # noqa: E402
 from examples import ppo  # noqa: E402
 from examples import training  # noqa: E402
 
-import harness  # noqa: E402
+from benchmarks.common import harness
 import jaxbuf  # noqa: E402
 
 

@@ -22,9 +22,9 @@ Env steps per second count the whole training loop, compilation included
 that ended in the last 10% of env steps.
 
 Usage:
-  python benchmarks/bench_host_dqn.py            # 5e5 env steps each, minutes
-  python benchmarks/bench_host_dqn.py --quick    # 2e4 env steps each
-  python benchmarks/bench_host_dqn.py --seeds 4  # seeds 0-3: final returns
+  python benchmarks/peers/bench_host_dqn.py            # 5e5 env steps each, minutes
+  python benchmarks/peers/bench_host_dqn.py --quick    # 2e4 env steps each
+  python benchmarks/peers/bench_host_dqn.py --seeds 4  # seeds 0-3: final returns
                                                  # compared over seeds
 """
 
@@ -36,9 +36,9 @@ import time
 
 import numpy as np
 
-import harness
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from examples import gymnasium_dqn  # noqa: E402
 
 CONTENDERS = ("sb3", "recipe", "natural", "cpprb")

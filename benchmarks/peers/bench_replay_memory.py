@@ -12,18 +12,21 @@ accelerator, the device allocator's counters (`harness.PeakMemory`).
 `--quick` uses C = 100k, too small to judge: fixed overheads dominate.
 
 Usage:
-  .venv/bin/python benchmarks/bench_replay_memory.py           # about a minute
-  .venv/bin/python benchmarks/bench_replay_memory.py --quick
+  .venv/bin/python benchmarks/peers/bench_replay_memory.py           # about a minute
+  .venv/bin/python benchmarks/peers/bench_replay_memory.py --quick
 """
 
 import argparse
 import json
 import math
+import pathlib
+import sys
 
 import jax
 
-import harness
-import replay_adapters as replay
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
+from benchmarks.common import replay_adapters as replay
 
 MEMORY_RATIO = 1.2
 

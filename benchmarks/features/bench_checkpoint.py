@@ -20,7 +20,7 @@ takes the rest of jaxbuf from the current tree, so it must hold the whole of
 rooms (bec42e4 and earlier) does; for a later version, run this script once
 per tree (`PYTHONPATH=<tree>`) instead.
 
-Run: .venv/bin/python benchmarks/bench_checkpoint.py [--capacity N] [--repeats R]
+Run: .venv/bin/python benchmarks/features/bench_checkpoint.py [--capacity N] [--repeats R]
        [--baseline FILE]
 """
 
@@ -29,6 +29,7 @@ import importlib.util
 import pathlib
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -36,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
 import jaxbuf
 
 

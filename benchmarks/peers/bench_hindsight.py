@@ -1,8 +1,8 @@
 """Hindsight replay: sample cost and bytes per transition, side by side.
 
-  python benchmarks/bench_hindsight.py                 # capacity 1M
-  python benchmarks/bench_hindsight.py --capacity 100000 --repeats 5
-  python benchmarks/bench_hindsight.py --before bec42e4  # and that commit's
+  python benchmarks/peers/bench_hindsight.py                 # capacity 1M
+  python benchmarks/peers/bench_hindsight.py --capacity 100000 --repeats 5
+  python benchmarks/peers/bench_hindsight.py --before bec42e4  # and that commit's
 
 `--before REV` adds the `hindsight_replay` of `jaxbuf/_src/streams/hindsight.py`
 as it was at git revision REV (with its factory from `factories.py` at REV
@@ -48,10 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
 import jaxbuf  # noqa: E402
-from benchmarks import harness  # noqa: E402
+from benchmarks.common import harness
 
 OBS, GOAL, ACTION, EPISODE = 10, 3, 4, 50
 NUM_ENVS = 16
@@ -77,7 +76,7 @@ def tree_bytes(tree) -> int:
 def module_at(revision: str, path: str, **names):
   """The file `path` as it was at git `revision`, run as a module with
   `names` set in it first."""
-  root = pathlib.Path(__file__).resolve().parent.parent
+  root = pathlib.Path(__file__).resolve().parents[2]
   source = subprocess.run(
     ["git", "show", f"{revision}:{path}"],
     cwd=root,

@@ -31,12 +31,13 @@ device)` against the plain buffer, a fused loop of K = 100 iterations (add
 256 items, sample 256, update their priorities) in one donated jit, median
 of interleaved repeats; the goal is at most 1.1x.
 
-Run: python benchmarks/bench_sharded.py [--devices 2 4 8]
+Run: python benchmarks/features/bench_sharded.py [--devices 2 4 8]
                                          [--cases items sequences overhead]
 """
 
 import argparse
 import os
+import pathlib
 import re
 import sys
 
@@ -49,9 +50,9 @@ if "jax" not in sys.modules:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
 import jaxbuf  # noqa: E402
-from benchmarks import harness  # noqa: E402
+from benchmarks.common import harness
 
 BATCH = 256
 OBS = 84

@@ -1,8 +1,9 @@
 """Draws docs/_static/gpu_h100.png from the device suite's JSON output.
 
-    python docs/make_gpu_chart.py [benchmarks/results/device_suite_h100_2026-11-26.json]
+    python benchmarks/device/make_gpu_chart.py \
+      [benchmarks/results/device_suite_h100_2026-11-26.json]
 
-The figures are read from the JSON that `benchmarks/device_suite.py --out`
+The figures are read from the JSON that `benchmarks/device/device_suite.py --out`
 wrote (its parts' verdict lines), never typed in: rerun the suite, then this
 script, and commit the PNG. The title states the machine and versions.
 """
@@ -17,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "benchmarks" / "results" / "device_suite_h100_2026-11-26.json"
 OUT = ROOT / "docs" / "_static" / "gpu_h100.png"
 
@@ -146,7 +147,7 @@ def main(path: pathlib.Path) -> None:
 
   figure.suptitle(
     f"{device['gpu']}, jax {device['jax']}, CUDA {device['cuda']}; "
-    f"benchmarks/device_suite.py ({path.name})",
+    f"benchmarks/device/device_suite.py ({path.name})",
     fontsize=10,
   )
   figure.tight_layout()

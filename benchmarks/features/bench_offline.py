@@ -18,12 +18,13 @@ nothing, but h5py's caches grow while a file stays open; a third child
 measures that alone (reading every episode as from_minari does, no buffer),
 and the verdict subtracts it. Times include the compilation of the adds.
 
-Run: python benchmarks/bench_offline.py [--episodes 1000] [--length 1000]
+Run: python benchmarks/features/bench_offline.py [--episodes 1000] [--length 1000]
 """
 
 import argparse
 import json
 import os
+import pathlib
 import sys
 import tempfile
 import time
@@ -31,7 +32,8 @@ import warnings
 
 import numpy as np
 
-import harness
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
 
 OBS_SIZE, ACTION_SIZE = 17, 6
 

@@ -12,15 +12,19 @@ benchmark; this only explains its floor):
   two floors: rows written by index, and one `dynamic_update_slice`) and
   jaxbuf's sequence replays, at 10k, 100k and 1M steps held.
 
-Usage: .venv/bin/python benchmarks/probe_sequence_floor.py
+Usage: .venv/bin/python benchmarks/floors/probe_sequence_floor.py
 """
+
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
-import sequence_adapters as sequence
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
+from benchmarks.common import sequence_adapters as sequence
 from jaxbuf._src.core import random
 
 # bench_sequence's shapes: the probes explain its floor.

@@ -10,16 +10,19 @@ result is, so queued work is counted. Microseconds per call, the median of
 interleaved repeats of `--calls` calls each.
 
 Usage:
-  python benchmarks/bench_host_calls.py [--calls 2000] [--repeats 7]
+  python benchmarks/features/bench_host_calls.py [--calls 2000] [--repeats 7]
 """
 
 import argparse
 import inspect
+import pathlib
+import sys
 
 import jax
 import numpy as np
 
-import harness
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
 import jaxbuf
 
 

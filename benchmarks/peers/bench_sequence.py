@@ -37,10 +37,10 @@ The same env step and adapters as `probe_sequence_floor.py`:
 `sequence_adapters.py`.
 
 Usage:
-  .venv/bin/python benchmarks/bench_sequence.py           # several minutes
-  .venv/bin/python benchmarks/bench_sequence.py --quick   # smoke run
+  .venv/bin/python benchmarks/peers/bench_sequence.py           # several minutes
+  .venv/bin/python benchmarks/peers/bench_sequence.py --quick   # smoke run
   # on a loaded shared machine: short loops, many repeats, their minimum
-  taskset -c 0 .venv/bin/python benchmarks/bench_sequence.py --periods 20 \
+  taskset -c 0 .venv/bin/python benchmarks/peers/bench_sequence.py --periods 20 \
       --no-memory --iterations 10 --repeats 100 --statistic min
 """
 
@@ -48,15 +48,18 @@ import argparse
 import dataclasses
 import json
 import math
+import pathlib
 import statistics
+import sys
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-import harness
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
 import jaxbuf
-import sequence_adapters as sequence
+from benchmarks.common import sequence_adapters as sequence
 
 # Targets against the contiguous-slice floor (issue 36): the floor does no
 # priority work, so prioritized replay is allowed the sum tree's descent and

@@ -21,19 +21,22 @@ dead code, interleaved, microseconds per sample, median of the repeats.
   episode reads M rows. Floor: one slice of M rows per episode, vmapped
   (`floor_slices` of bench_sequence with L = M).
 
-Usage: python benchmarks/probe_stream_floors.py [--kinds frames hindsight
+Usage: python benchmarks/floors/probe_stream_floors.py [--kinds frames hindsight
 episode] [--repeats 15]
 """
 
 import argparse
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
 import jaxbuf
-import sequence_adapters
+from benchmarks.common import sequence_adapters
 
 DRAWS = 50
 

@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
+from benchmarks.common import harness
 import jaxbuf
-from harness import microseconds
-from harness import ratio
-from harness import ratio_text
+from benchmarks.common.harness import microseconds
+from benchmarks.common.harness import ratio
+from benchmarks.common.harness import ratio_text
 
 OBS_SIZE = 84
 ADD_BATCH = 128

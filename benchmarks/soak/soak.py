@@ -23,19 +23,22 @@ iterations per kind: hours on a shared CPU); `--quick` runs 3 * 10^4 host
 calls and 10^6 iterations per kind, enough to see a leak of a few bytes per
 call (10^6 iterations x 8 bytes = 8 MB against a ~400 MB process).
 
-Run: python benchmarks/soak.py [--quick] [--kinds uniform sequence ...]
+Run: python benchmarks/soak/soak.py [--quick] [--kinds uniform sequence ...]
      [--json results.json]
 """
 
 import argparse
 import gc
+import pathlib
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
 import jaxbuf
 
 NUM_ENVS = 4

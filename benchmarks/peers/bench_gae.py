@@ -32,19 +32,22 @@ time the collection alone: the cost of writing into the buffer against
 stacking scan outputs.
 
 Usage:
-  .venv/bin/python benchmarks/bench_gae.py           # full table, minutes
-  .venv/bin/python benchmarks/bench_gae.py --quick   # smoke run, seconds
+  .venv/bin/python benchmarks/peers/bench_gae.py           # full table, minutes
+  .venv/bin/python benchmarks/peers/bench_gae.py --quick   # smoke run, seconds
 """
 
 import argparse
 import functools
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import rlax
 
-import harness
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
 import jaxbuf
 
 GAMMA, GAE_LAMBDA = 0.99, 0.95

@@ -24,17 +24,20 @@ The item is a continuous-control transition of HalfCheetah's sizes
 (obs and next_obs float32 [17], action [6], reward, discount): 168 bytes.
 
 Usage:
-  taskset -c 0 .venv/bin/python benchmarks/bench_mixture.py          # ~1 min CPU
-  .venv/bin/python benchmarks/bench_mixture.py --quick               # seconds
+  taskset -c 0 .venv/bin/python benchmarks/features/bench_mixture.py          # ~1 min CPU
+  .venv/bin/python benchmarks/features/bench_mixture.py --quick               # seconds
 """
 
 import argparse
 import dataclasses
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 
-import harness
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
 import jaxbuf
 
 MIXTURE_OVER_PARTS = 1.1  # mixture time / the sum of its parts', at most

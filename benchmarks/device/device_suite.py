@@ -14,7 +14,7 @@ sizes, a smoke test for the CPU that `tests/test_device_suite.py` runs):
 * replay_fused: fused add 128 + sample 256 (+ priority update) at C = 1M and
   10M, uniform and prioritized, jaxbuf against flashbax.
 * sequence: sequence replay, windows of 40 over 128 envs of 7840 steps,
-  jaxbuf against flashbax and the floors of `sequence_adapters.py`.
+  jaxbuf against flashbax and the floors of `common/sequence_adapters.py`.
 * loops: the demo DQN (prioritized and uniform) and PPO, whole fused training
   loops on gymnax CartPole at 1024 and 4096 vmapped envs, env steps/s.
 * frames: a real fill of 1M 84x84 uint8 frames (peak device memory, one
@@ -22,15 +22,15 @@ sizes, a smoke test for the CPU that `tests/test_device_suite.py` runs):
   flashbax's flat buffer of stacked observations at C = 200k.
 * hindsight: HER sample of 256 at C = 1M against item replay's.
 * mixture: `jaxbuf.mixture` in a fused loop against its parts' own samples
-  (`bench_mixture.py`).
+  (`features/bench_mixture.py`).
 * dispatch: per-call cost of `add` from NumPy and `sample` from Python.
 * sharded: the sharded buffer's fused loop over the visible devices against
   the plain buffer.
 
 Run (on the device machine, from the repository root):
-  python benchmarks/device_suite.py --out DIR          # about 5 minutes on a GPU
-  python benchmarks/device_suite.py --smoke --out DIR  # the CPU smoke run
-  python benchmarks/device_suite.py --parts loops frames
+  python benchmarks/device/device_suite.py --out DIR          # about 5 minutes on a GPU
+  python benchmarks/device/device_suite.py --smoke --out DIR  # the CPU smoke run
+  python benchmarks/device/device_suite.py --parts loops frames
 """
 
 import argparse
@@ -45,13 +45,13 @@ import sys
 import time
 from typing import Any
 
-HERE = pathlib.Path(__file__).resolve().parent
+HERE = pathlib.Path(__file__).resolve().parents[1]  # benchmarks/
 
 
 @dataclasses.dataclass(frozen=True)
 class Part:
   name: str
-  script: str  # in benchmarks/
+  script: str  # relative to benchmarks/
   arguments: tuple[str, ...]  # full sizes
   smoke_arguments: tuple[str, ...]
   budget_seconds: float  # full sizes; the smoke run has SMOKE_BUDGET
@@ -61,7 +61,7 @@ class Part:
 PARTS = (
   Part(
     "replay_fused",
-    "bench_replay_fused.py",
+    "peers/bench_replay_fused.py",
     ("--capacities", "1000000", "10000000", "--libraries", "jaxbuf", "flashbax"),
     ("--quick", "--capacities", "1000", "--libraries", "jaxbuf", "flashbax"),
     100,
@@ -69,7 +69,7 @@ PARTS = (
   ),
   Part(
     "sequence",
-    "bench_sequence.py",
+    "peers/bench_sequence.py",
     ("--periods", "20", "--no-memory"),
     ("--quick",),
     75,
@@ -77,7 +77,7 @@ PARTS = (
   ),
   Part(
     "loops",
-    "bench_loops.py",
+    "features/bench_loops.py",
     ("--num-envs", "1024", "4096"),
     ("--quick", "--num-envs", "2"),
     75,
@@ -85,7 +85,7 @@ PARTS = (
   ),
   Part(
     "frames",
-    "bench_frames.py",
+    "peers/bench_frames.py",
     (
       "--cases",
       "fill",
@@ -113,21 +113,25 @@ PARTS = (
   ),
   Part(
     "hindsight",
-    "bench_hindsight.py",
+    "peers/bench_hindsight.py",
     ("--no-sb3", "--capacity", "1000000", "--repeats", "10"),
     ("--no-sb3", "--capacity", "2000", "--repeats", "1"),
     45,
   ),
-  Part("mixture", "bench_mixture.py", (), ("--quick",), 30),
+  Part("mixture", "features/bench_mixture.py", (), ("--quick",), 30),
   Part(
     "dispatch",
-    "bench_host_calls.py",
+    "features/bench_host_calls.py",
     ("--calls", "500", "--repeats", "5"),
     ("--calls", "3", "--repeats", "1"),
     30,
   ),
   Part(
-    "sharded", "bench_sharded.py", ("--cases", "overhead"), ("--cases", "overhead", "--quick"), 30
+    "sharded",
+    "features/bench_sharded.py",
+    ("--cases", "overhead"),
+    ("--cases", "overhead", "--quick"),
+    30,
   ),
 )
 SMOKE_BUDGET = 300.0

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
+from benchmarks.common import harness
 import jaxbuf
 
 NUM_ENVS = 128

@@ -20,21 +20,23 @@ stacks of 4.
   stacked observations, interleaved, at the largest capacity both fit here.
 
 Usage:
-  python benchmarks/bench_frames.py                  # bytes, fill, speed
-  python benchmarks/bench_frames.py --cases speed --parts   # + add, sample alone
+  python benchmarks/peers/bench_frames.py                  # bytes, fill, speed
+  python benchmarks/peers/bench_frames.py --cases speed --parts   # + add, sample alone
 """
 
 import argparse
 import functools
 import json
 import math
+import pathlib
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness
 import jaxbuf
 
 FRAME = (84, 84)

@@ -1,8 +1,8 @@
 """FetchReach: a jitted SAC learner on `hindsight_replay` against SB3's SAC +
 `HerReplayBuffer`, side by side (success rate and env steps per second).
 
-  python benchmarks/bench_fetch_reach.py                   # 20k steps, 2 seeds
-  python benchmarks/bench_fetch_reach.py --steps 5000 --seeds 0
+  python benchmarks/peers/bench_fetch_reach.py                   # 20k steps, 2 seeds
+  python benchmarks/peers/bench_fetch_reach.py --steps 5000 --seeds 0
 
 Needs gymnasium-robotics and MuJoCo from PyPI (`pip install
 gymnasium-robotics "mujoco==3.3.7"`; gymnasium-robotics 1.4.2 fails to reset
@@ -38,10 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-if __package__ in (None, ""):
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
 import jaxbuf  # noqa: E402
-from benchmarks import harness  # noqa: E402
+from benchmarks.common import harness
 
 ENV_ID = "FetchReach-v4"
 EPISODE = 50
