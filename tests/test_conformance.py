@@ -14,6 +14,7 @@ kind's own file.
 """
 
 import functools
+import re
 from typing import Any, NamedTuple
 
 import chex
@@ -277,3 +278,38 @@ def test_a_bad_add_raises_naming_the_leaf_and_leaves_the_state_intact(name):
     learn(name, add(name, state, 2), jax.random.key(5)),
     learn(name, add(name, filled(name), 2), jax.random.key(5)),
   )
+
+
+@every_kind
+def test_can_sample_means_one_held_unit_whatever_the_batch_size(name):
+  """One meaning on every kind: `sample(state, key, batch_size)` draws only
+  held data, true once one unit (item, window, piece, transition) is held,
+  whatever the batch size, since every kind samples with replacement. A
+  warm-up is a test of its own on the state: `state.size` (item kinds) or
+  `state.steps_held.sum()` (stream kinds) counts what was added."""
+  buffer = KINDS[name].buffer
+  empty = buffer.init(STEP)
+  for batch_size in (1, 64):
+    assert not bool(buffer.can_sample(empty, batch_size))
+  state = filled(name, adds=1)
+  for batch_size in (1, 64):
+    ready = buffer.can_sample(state, batch_size)
+    assert ready.shape == () and ready.dtype == jnp.bool_ and bool(ready)
+  held = state.steps_held.sum() if KINDS[name].streams else state.size
+  assert int(held) == (NUM_ENVS * CHUNK if KINDS[name].streams else BATCH)
+  with pytest.raises(ValueError, match="can_sample: batch_size must be positive, given 0"):
+    buffer.can_sample(state, 0)
+
+
+@pytest.mark.parametrize("name", ["prioritized", "episode"])  # one path, checked by every kind
+def test_jitting_sample_without_a_static_batch_size_names_the_fix(name):
+  buffer = KINDS[name].buffer
+  state, key = filled(name, adds=1), jax.random.key(0)
+  fix = 'jax.jit(buffer.sample, static_argnames="batch_size")'
+  with pytest.raises(TypeError, match=re.escape(fix)):
+    jax.jit(buffer.sample)(state, key, SAMPLE)
+  with pytest.raises(TypeError, match=re.escape(fix.replace("sample", "can_sample", 1))):
+    jax.jit(buffer.can_sample)(state, SAMPLE)
+  # The fix works, positionally too, and draws what the buffer's own call draws.
+  jitted = jax.jit(buffer.sample, static_argnames="batch_size")
+  chex.assert_trees_all_equal(jitted(state, key, SAMPLE), buffer.sample(state, key, SAMPLE))

@@ -471,9 +471,10 @@ def test_vmap_over_seeds_of_states_and_keys():
     one = jax.tree.map(lambda x, seed=seed: x[seed], states)
     direct = mix.sample(one, keys[seed], 8)
     np.testing.assert_array_equal(direct.items["obs"], batch.items["obs"][seed])
-  # 6 rows from a part of 2 items: with replacement, but not "ready".
-  assert not np.asarray(jax.vmap(lambda s: mix.can_sample(s, 8))(states)).any()
-  assert np.asarray(jax.vmap(lambda s: mix.can_sample(s, 2))(states)).all()
+  # 6 rows from a part of 2 items: drawn with replacement, so it can sample.
+  assert np.asarray(jax.vmap(lambda s: mix.can_sample(s, 8))(states)).all()
+  empty = jax.vmap(lambda s: [s[0], online.clear(s[1])])(states)
+  assert not np.asarray(jax.vmap(lambda s: mix.can_sample(s, 8))(empty)).any()
 
 
 @pytest.mark.usefixtures("x64_mode")

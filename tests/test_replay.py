@@ -127,11 +127,16 @@ def test_clear_empties_without_reallocating(kind):
   assert set(np.asarray(batch.items.action)) <= {100, 101}
 
 
-def test_can_sample_counts_items_held(kind):
+def test_can_sample_is_true_once_one_item_is_held(kind):
+  # Sampling is with replacement: one item serves any batch size. A warm-up
+  # is `state.size >= min_size`, not can_sample.
   buffer, state = fresh(kind)
-  state = buffer.add(state, make_items(0, 3))
-  assert bool(buffer.can_sample(state, 3)) and not bool(buffer.can_sample(state, 4))
+  assert not bool(buffer.can_sample(state, 1))
+  state = buffer.add(state, make_items(0, 1))
+  assert bool(buffer.can_sample(state, 1)) and bool(buffer.can_sample(state, 64))
   assert buffer.can_sample(state, 3).dtype == jnp.bool_
+  batch = buffer.sample(state, jax.random.key(0), 64)
+  assert set(np.asarray(batch.items.action)) == {0}
 
 
 # --- Sampling -------------------------------------------------------------------

@@ -282,7 +282,9 @@ def test_local_sampling_draws_each_block_from_its_own_device(kind):
   indices = np.asarray(samples.indices)  # [200, 32]
   owner = indices // LOCAL
   np.testing.assert_array_equal(owner, np.repeat(np.arange(D), 8)[None, :] + 0 * owner)
-  assert buffer.can_sample(state, 8) and not buffer.can_sample(state, 12)
+  # Every device holds an item: any batch can be drawn (with replacement).
+  assert buffer.can_sample(state, 8) and buffer.can_sample(state, 12)
+  assert not buffer.can_sample(uneven_state(kind, fills=(5, 0, 8, 3)), 8)
   probabilities = expected_probabilities(kind, state).reshape(D, LOCAL)
   for d in range(D):  # within a device: its own distribution
     counts = np.bincount(indices[:, 8 * d : 8 * d + 8].reshape(-1) - d * LOCAL, minlength=LOCAL)

@@ -500,11 +500,13 @@ def update_priorities(
 def can_sample(
   state: Any, batch_size: int, *, kind: Split, sampling: str, num_devices: int
 ) -> jax.Array:
-  """Whether a sample of `batch_size` is backed by data: bool `()`.
-
-  Global: all devices together pass the wrapped kind's test (item replay:
-  at least `batch_size` items; sequence replay: a complete window). Local:
-  every device passes it for `batch_size / D`.
+  """Whether `sample(state, key, batch_size)` draws only held data: bool
+  `()`, the wrapped kind's `can_sample` (one unit held: an item, a
+  complete window, a piece, a transition; sampling is with replacement).
+  Global: all devices together hold one. Local: every device holds one,
+  since each draws `batch_size / D` rows from its own part. Not a warm-up:
+  wait for data with `state.size.sum() >= min_size` (item kinds) or
+  `state.steps_held.sum() >= min_steps` (stream kinds).
   """
   validation.check_batch_size(batch_size, what="can_sample")
   validation.check_divides(batch_size, num_devices, "batch_size", "can_sample")

@@ -127,8 +127,9 @@ class UpdatePrioritiesFn(Protocol[StateT]):
 
 
 class CanSampleFn(Protocol[_StateT_contra]):
-  """`buffer.can_sample(state, batch_size)`: bool scalar array, whether a
-  sample of `batch_size` (a Python int) can be drawn."""
+  """`buffer.can_sample(state, batch_size)`: bool scalar array, whether
+  `sample(state, key, batch_size)` draws only held data (`batch_size` a
+  Python int). Not a warm-up: `Buffer` says how to spell one."""
 
   def __call__(self, state: _StateT_contra, batch_size: int) -> jax.Array: ...
 
@@ -161,8 +162,21 @@ class Buffer(NamedTuple, Generic[StateT, SampleT]):
     None) -> state`: `sample(...).indices` and `.item_ids`; the identity
     for uniform kinds (arguments still validated).
   * `can_sample(state, batch_size: int) -> jax.Array`, bool `()`: whether
-    `sample(state, key, batch_size)` draws from held items.
+    `sample(state, key, batch_size)` draws only held data. Every kind
+    samples with replacement, so it is true once one unit is held (an item;
+    a complete window, piece, or transition with its stack), whatever
+    `batch_size`; `batch_size` is checked, and decides which parts must
+    hold one in `jaxbuf.mixture` and in `jaxbuf.sharded` with local
+    sampling.
   * `clear(state) -> state`: empty, storage kept.
+
+  `can_sample` is not a warm-up. A warm-up ("learn once 1,000 items are
+  held", flashbax's `min_length`, SB3's `learning_starts` counted in
+  items) is its own test on the state: `state.size >= min_size` for the
+  item kinds (items held), `state.steps_held.sum() >= min_steps` for the
+  stream kinds (steps held over all envs); a loop that learns when both
+  hold writes `buffer.can_sample(state, batch_size) & (state.size >=
+  min_size)`.
 
   `sample(state, key, batch_size, step=None)` also takes `step=`, an integer
   scalar (a Python int, say the loop counter): it draws with
@@ -199,7 +213,9 @@ _FIELD_DOCS = {
   "item_ids [S], from sample(...).",
   "can_sample": "can_sample(state, batch_size: int) -> bool jax.Array of "
   "shape (): whether sample(state, key, batch_size) draws "
-  "from held items.",
+  "only held data (true once one unit is held: sampling is with "
+  "replacement). Not a warm-up: state.size >= min_size (item kinds), "
+  "state.steps_held.sum() >= min_steps (stream kinds).",
   "clear": "clear(state) -> state: empty, the storage kept.",
   "kind": "The kind's description for jaxbuf.sharded and checkpoints (jaxbuf._src.core.kind.Kind).",
 }

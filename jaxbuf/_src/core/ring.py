@@ -263,9 +263,12 @@ def valid_priority_updates(
 
 
 def can_sample(state: ReplayState, batch_size: int) -> jax.Array:
-  """Whether the buffer holds at least `batch_size` items: bool `()`."""
+  """Whether `sample(state, key, batch_size)` draws only held items: bool
+  `()`, true once one item is held (sampling is with replacement, so one
+  item serves any `batch_size`; `batch_size` is checked all the same). Not
+  a warm-up: wait for data with `state.size >= min_size`."""
   validation.check_batch_size(batch_size, what="can_sample")
-  return state.size >= batch_size
+  return state.size > 0
 
 
 def _check_items_to_split(state: ReplayState, arguments: tuple, num_devices: int) -> None:
@@ -308,7 +311,8 @@ def split_over_devices(
     counter_shape=(),
     ids_per_device=lambda state: jax.tree_util.tree_leaves(state.storage)[0].shape[1],
     held=lambda state: state.size,
-    enough=lambda held, batch_size: held >= batch_size,
+    # Sampling is with replacement: one item serves any batch size.
+    enough=lambda held, batch_size: held > 0,
     masses=masses,
     at_rank=lambda local, ranks: ranks,
     rows=lambda local, slots, key: gather(local.storage, slots),

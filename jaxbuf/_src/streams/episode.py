@@ -297,7 +297,11 @@ def update_priorities(
 
 
 def can_sample(state: EpisodeReplayState, batch_size: int) -> jax.Array:
-  """Whether a complete piece is held: bool `()`."""
+  """Whether `sample(state, key, batch_size)` draws only held pieces: bool
+  `()`, true once one complete piece is held (sampling is with
+  replacement, so one piece serves any `batch_size`; `batch_size` is
+  checked all the same). Not a warm-up: wait for data with
+  `state.steps_held.sum() >= min_steps`."""
   validation.check_batch_size(batch_size, what="can_sample")
   return sum_tree.total(state.window_tree) > 0
 

@@ -741,7 +741,11 @@ def prioritized_update_priorities(
 
 
 def can_sample(state: FrameStackReplayState, batch_size: int) -> jax.Array:
-  """Whether a transition can be sampled: bool `()` (with replacement)."""
+  """Whether `sample(state, key, batch_size)` draws only held transitions:
+  bool `()`, true once one transition with its whole stack is held
+  (sampling is with replacement, so one serves any `batch_size`;
+  `batch_size` is checked all the same). Not a warm-up: wait for data with
+  `state.steps_held.sum() >= min_steps`."""
   validation.check_batch_size(batch_size, what="can_sample")
   return jnp.sum(state.window_counts) > 0
 

@@ -957,8 +957,12 @@ def add(
 
 
 def can_sample(state: SequenceReplayState, batch_size: int) -> jax.Array:
-  """Whether a complete window is held: bool `()` (sampling is with
-  replacement, so one window serves any `batch_size`)."""
+  """Whether `sample(state, key, batch_size)` draws only held windows: bool
+  `()`, true once one complete window is held (hindsight replay: one
+  transition with its next step; sampling is with
+  replacement, so one window serves any `batch_size`; `batch_size` is
+  checked all the same). Not a warm-up: wait for data with
+  `state.steps_held.sum() >= min_steps`."""
   validation.check_batch_size(batch_size, what="can_sample")
   return jnp.sum(state.window_counts) > 0
 
