@@ -8,9 +8,13 @@ Build from the repository root (what `.ci/run` runs):
 warnings errors, so a renamed function or a broken reference fails the build.
 """
 
+import ast
+import inspect
 import os
 import pathlib
+import re
 import sys
+import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -169,5 +173,78 @@ def _resolve_private_paths(app, env, node, contnode):
   )
 
 
+def field_comments(cls: type) -> list[tuple[str, str, str]]:
+  """`(name, annotation, comment)` of each field of a jaxbuf record class
+  (a flax dataclass or a NamedTuple), base classes' fields first: jaxbuf
+  documents a field by the comment after it in the class body (and the
+  comment lines under it), which autodoc does not read."""
+  fields: dict[str, tuple[str, str, str]] = {}
+  for klass in reversed(cls.__mro__):
+    if not klass.__module__.startswith("jaxbuf"):
+      continue
+    try:
+      lines, _ = inspect.getsourcelines(klass)
+    except (OSError, TypeError):
+      continue
+    source = textwrap.dedent("".join(lines))
+    source_lines = source.splitlines()
+    (node,) = ast.parse(source).body
+    for statement in node.body:
+      if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
+        continue
+      line = source_lines[statement.lineno - 1]
+      comment = [line.split("#", 1)[1].strip()] if "#" in line else []
+      for following in source_lines[statement.end_lineno :]:
+        if not following.strip().startswith("#"):
+          break
+        comment.append(following.strip()[1:].strip())
+      annotation = ast.get_source_segment(source, statement.annotation) or ""
+      fields[statement.target.id] = (statement.target.id, annotation, " ".join(comment))
+  return list(fields.values())
+
+
+def _escaped(text: str) -> str:
+  """A comment as reStructuredText prose: `*` and `|` are literal there."""
+  return text.replace("\\", "\\\\").replace("*", "\\*").replace("|", "\\|")
+
+
+def _resolved(path: str) -> object | None:
+  """The object at a dotted path under `jaxbuf`, or None."""
+  obj: object = jaxbuf
+  for part in path.split(".")[1:]:
+    obj = getattr(obj, part, None)
+    if obj is None:
+      return None
+  return obj
+
+
+def _list_fields(app, what, name, obj, options, lines):
+  """Lists the fields of jaxbuf's state and record classes, with their
+  comments, at the end of the class's page (the page shows no fields else)."""
+  del app, options
+  if what in ("attribute", "property") and re.fullmatch(
+    r"Alias for field number \d+", " ".join(lines).strip()
+  ):
+    # A NamedTuple's field: its comment instead of Python's placeholder.
+    owner_path, field = name.rsplit(".", 1)
+    owner = _resolved(owner_path)
+    comments = {found: comment for found, _, comment in field_comments(owner)} if owner else {}
+    if comments.get(field):
+      lines[:] = [_escaped(comments[field])]
+    return
+  if what != "class" or not getattr(obj, "__module__", "").startswith("jaxbuf"):
+    return
+  if not hasattr(obj, "__dataclass_fields__"):  # NamedTuples: their fields are members
+    return
+  fields = [field for field in field_comments(obj) if field[2]]
+  if not fields:
+    return
+  lines += ["", ".. rubric:: Fields", ""]
+  for field, annotation, comment in fields:
+    lines.append(f"* ``{field}`` (``{annotation}``): {_escaped(comment)}")
+  lines.append("")
+
+
 def setup(app):
   app.connect("missing-reference", _resolve_private_paths)
+  app.connect("autodoc-process-docstring", _list_fields)

@@ -380,7 +380,7 @@ def mixture(buffers: Sequence[Buffer], proportions: Sequence[float]) -> Mixture:
   """One sample from several buffers in fixed proportions.
 
   Args:
-    buffers: K `jaxbuf.Buffer`s of any kinds whose sampled items agree in
+    buffers: K buffers (`jaxbuf.Buffer`) of any kinds whose sampled items agree in
       structure, row shapes and dtypes (uniform with prioritized item
       replay; sequence kinds of one window length; `jaxbuf.sharded` buffers,
       whose row counts must then divide by their devices). A part whose

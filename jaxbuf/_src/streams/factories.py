@@ -593,7 +593,7 @@ def hindsight_replay(
   Returns:
     A `Buffer`; `add(state, steps, mask=None, episode_end=None,
     final_steps=None)` (see `jaxbuf.hindsight.add`), `sample` returns a
-    `HindsightSample` whose items are `HindsightTransition`s.
+    `HindsightSample` whose items are `HindsightTransition` records.
     `jaxbuf.sharded` splits it over devices as sequence replay, envs in
     blocks of N / D (`split_over_devices`).
 
