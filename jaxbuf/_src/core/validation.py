@@ -335,16 +335,11 @@ def check_positive_int(value: Any, name: str, *, prefix: str = "", reason: str =
 
 
 def check_batch_size(batch_size: Any, *, what: str) -> None:
-  if isinstance(batch_size, jax.core.Tracer):
-    # Most often `jax.jit(buffer.sample)`: a jit of the user's own traces
-    # every argument, batch_size too. Name the fix, not only the cause.
-    function = what.rsplit(".", 1)[-1]
+  if isinstance(batch_size, jax.core.Tracer):  # most often `jax.jit(buffer.sample)`: name the fix
     raise TypeError(
       f"{what}: batch_size must be a Python int (it sets the output shape), given "
       f"{describe(batch_size)}. If you jitted the function yourself, mark it static: "
-      f'`jax.jit(buffer.{function}, static_argnames="batch_size")`, or pass it through a '
-      f"static argument of your own jitted function (the buffer's functions are jitted "
-      f"already and need no jax.jit of their own)."
+      f'`jax.jit(buffer.{what.rsplit(".", 1)[-1]}, static_argnames="batch_size")`.'
     )
   check_positive_int(
     batch_size, "batch_size", prefix=f"{what}: ", reason=" (it sets the output shape)"
