@@ -9,6 +9,12 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 )
 
+# The notebooks of notebooks/ (run by nbmake, their kernels inheriting this
+# environment) read JAXBUF_NOTEBOOK_SMALL in their first cell: the suite runs
+# them at small sizes (about ten seconds each); unset, they run at the sizes
+# whose outputs the documentation shows. The quickstart has no small mode.
+os.environ.setdefault("JAXBUF_NOTEBOOK_SMALL", "1")
+
 # One on-disk cache of compiled programs for this run of the suite (JAX's
 # persistent compilation cache), shared by the xdist workers and the
 # processes tests start (they inherit the environment): a program one of
