@@ -83,6 +83,15 @@ from jaxbuf._src.items.uniform import epoch_batches
 from jaxbuf._src.items.uniform import uniform_replay
 from jaxbuf._src.host.vector_envs import RecordedStep
 from jaxbuf._src.host.vector_envs import VectorEnvRecorder
+from jaxbuf._src.service.closed import ServiceClosed
+from jaxbuf._src.service.limiters import MinSize
+from jaxbuf._src.service.limiters import Queue
+from jaxbuf._src.service.limiters import RateCounts
+from jaxbuf._src.service.limiters import RateLimiter
+from jaxbuf._src.service.limiters import SampleToInsertRatio
+from jaxbuf._src.service.replay_service import ReplayService
+from jaxbuf._src.service.replay_service import ServiceSample
+from jaxbuf._src.service.writer import Writer
 
 __version__ = "0.1.0"
 
@@ -98,6 +107,7 @@ __all__ = (
   "HindsightReplayState",
   "HindsightSample",
   "HindsightTransition",
+  "MinSize",
   "Mixture",
   "MixtureSample",
   "NStepTargets",
@@ -105,17 +115,25 @@ __all__ = (
   "PrioritizedReplayState",
   "PrioritizedSequenceReplayState",
   "PyTree",
+  "Queue",
+  "RateCounts",
+  "RateLimiter",
   "RecordedStep",
   "ReplaySample",
+  "ReplayService",
   "ReplayState",
   "RolloutBuffer",
   "RolloutState",
+  "SampleToInsertRatio",
   "Schedule",
   "SequenceMinibatches",
   "SequenceReplayState",
   "SequenceSample",
+  "ServiceClosed",
+  "ServiceSample",
   "Transition",
   "VectorEnvRecorder",
+  "Writer",
   "burn_in_split",
   "compute_gae",
   "cond_update",

@@ -1,0 +1,583 @@
+"""`ReplayService`: one buffer state owned on the host, for actor threads
+that add and learner threads that sample. Host code: threads and locks
+around the buffer's own pure functions, which it calls unchanged.
+
+Locks. `_state_lock` guards the state and is held across a device call
+(the only thing done while holding it; donation happens under it).
+`_counts_lock` guards the limiter's counts, the pending adds and `closed`,
+and is only ever held briefly; its two conditions are the two reasons to
+wait (`_insertable`, `_sampleable`), every wait with the caller's timeout,
+and `close` wakes both. The order is `_state_lock` then `_counts_lock`;
+no thread waits for `_state_lock` while holding `_counts_lock`.
+
+Coalescing (flat combining). An add reserves its units with the limiter
+and appends itself to the pending list under `_counts_lock`, then takes
+`_state_lock`. Whichever thread holds `_state_lock` first drains every
+pending add (its own and those that arrived meanwhile) into as few device
+calls as it can: item adds concatenated into one `buffer.add`; stream adds
+of writers owning disjoint envs scattered into one `[N, ...]` add with a
+mask. A thread that finds its add already drained by another returns at
+once. So under contention many small adds become one dispatch, and with
+one actor nothing waits for a second.
+
+Samples drain the pending adds first too, so a sample sees every add the
+limiter counted.
+"""
+
+import json
+import math
+import os
+import pathlib
+import threading
+from typing import Any, Callable, Generic, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from jaxbuf._src.checkpoint import saving
+from jaxbuf._src.core.base import Buffer, PyTree, SampleT, StateT
+from jaxbuf._src.core.ring import ReplayState
+from jaxbuf._src.items import uniform
+from jaxbuf._src.items.prioritized import PrioritizedReplayState
+from jaxbuf._src.service.closed import ServiceClosed
+from jaxbuf._src.service.limiters import MinSize, RateCounts, RateLimiter
+from jaxbuf._src.service.versions import UnitVersions
+from jaxbuf._src.service.writer import Writer
+from jaxbuf._src.streams.sequence import SequenceReplayState
+
+
+class ServiceSample(NamedTuple, Generic[SampleT]):
+  """What `ReplayService.sample` returns."""
+
+  batch: SampleT  # the buffer's own sample (ReplaySample, SequenceSample, ...)
+  version_lag: jax.Array  # int32 [S]: newest version added minus each row's
+  # (-1 for kinds whose units are not tracked: jaxbuf._src.service.versions)
+
+
+class _PendingAdd:
+  """One accepted add, waiting to be drained into a device call."""
+
+  def __init__(self, writer, units, items, version, mask, episode_end, final_steps, steps):
+    self.writer = writer
+    self.units = units  # limiter units: rows (items) or env steps (streams)
+    self.items = items
+    self.version = version
+    self.mask = mask  # bool [n] (streams)
+    self.episode_end = episode_end
+    self.final_steps = final_steps
+    self.steps = steps  # T per env (streams): 1 for [n, ...] steps
+    self.done = False
+    self.error: BaseException | None = None
+
+  def form(self) -> tuple:
+    """Adds of one form may share a device call (streams)."""
+    return (self.final_steps is not None, self.episode_end is not None, self.steps)
+
+
+def _check_timeout(timeout: float | None, what: str) -> float | None:
+  if timeout is None:
+    return None
+  if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+    raise TypeError(f"{what}: timeout must be a number of seconds or None; given {timeout!r}.")
+  if math.isnan(timeout) or timeout < 0:
+    raise ValueError(f"{what}: timeout must be >= 0 seconds or None; given {timeout}.")
+  return None if math.isinf(timeout) else float(timeout)
+
+
+def _check_version(version: Any, what: str) -> int:
+  if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+    raise TypeError(f"{what}: policy_version must be an int; given {version!r}.")
+  if not 0 <= int(version) < 2**31:
+    raise ValueError(f"{what}: policy_version must be in [0, 2**31); given {version}.")
+  return int(version)
+
+
+def _signature(tree: PyTree) -> tuple:
+  leaves, treedef = jax.tree.flatten(tree)
+  return (treedef, tuple((np.shape(leaf), np.result_type(leaf)) for leaf in leaves))
+
+
+def _abstract(tree: PyTree) -> PyTree:
+  return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), np.result_type(leaf)), tree)
+
+
+class ReplayService(Generic[StateT, SampleT]):
+  """A host-side service that owns one buffer state: actor threads add
+  through writers, learner threads sample, under a rate limiter.
+
+  Args:
+    buffer: any `Buffer` (uniform, prioritized, the stream kinds, a
+      `jaxbuf.mixture`, a `jaxbuf.sharded` buffer).
+    state: its state; the service owns it from now on (adds donate it).
+    rate_limiter: `jaxbuf.MinSize`, `jaxbuf.SampleToInsertRatio` or
+      `jaxbuf.Queue` (default `MinSize(1)`). A limiter's units are items
+      (item kinds) or env steps, final steps not counted (stream kinds); its
+      rows are sampled rows.
+
+  >>> import jax, numpy as np, jaxbuf
+  >>> buffer = jaxbuf.uniform_replay(64)
+  >>> service = jaxbuf.ReplayService(buffer, buffer.init(np.float32(0)),
+  ...                                rate_limiter=jaxbuf.MinSize(4))
+  >>> writer = service.writer()
+  >>> writer.add(np.arange(8, dtype=np.float32), policy_version=3)
+  >>> sample = service.sample(jax.random.key(0), 2, timeout=1.0)
+  >>> sample.batch.items.shape, sample.version_lag.tolist()
+  ((2,), [0, 0])
+  >>> service.close()
+  """
+
+  def __init__(self, buffer: Buffer[StateT, SampleT], state: StateT, rate_limiter=None):
+    if rate_limiter is None:
+      rate_limiter = MinSize(1)
+    if not isinstance(rate_limiter, RateLimiter):
+      raise TypeError(
+        "ReplayService: rate_limiter must be jaxbuf.MinSize, SampleToInsertRatio or Queue; "
+        f"given {type(rate_limiter).__name__}."
+      )
+    if rate_limiter.fifo:
+      raise NotImplementedError(
+        "ReplayService: jaxbuf.Queue draws the oldest unread items first, which needs the "
+        "core's FIFO selection (jaxbuf.queue.oldest_unread, issue 42), not merged on this "
+        "branch yet; use SampleToInsertRatio(1.0, ...) for a bounded lag meanwhile."
+      )
+    self.buffer = buffer
+    self.rate_limiter = rate_limiter
+    self._state = state
+    self._streams = isinstance(state, SequenceReplayState)
+    self._num_envs = int(np.size(state.write_heads)) if self._streams else 0
+    self._versions = UnitVersions(state)
+    # The state's arrays are the service's own, so its adds donate them (in
+    # place on the device); `state` hands out copies.
+    self._donating_add = jax.jit(buffer.add, donate_argnums=0)
+    self._state_lock = threading.Lock()
+    self._counts_lock = threading.Lock()
+    self._insertable = threading.Condition(self._counts_lock)
+    self._sampleable = threading.Condition(self._counts_lock)
+    self._counts = RateCounts(0, 0)
+    self._largest_insert = 0
+    self._largest_sample = 0
+    self._pending: list[_PendingAdd] = []
+    self._owned_envs: set[int] = set()
+    self._checked: set = set()  # add signatures the buffer accepted
+    self.closed = False
+    self._cause: BaseException | None = None
+    self.device_adds = 0  # device add calls made (coalescing: fewer than adds)
+    self.adds = 0  # writer adds taken
+
+  # Writers and adds ---------------------------------------------------------
+
+  def writer(self, envs: Sequence[int] | None = None) -> Writer:
+    """A writer for one actor thread.
+
+    Args:
+      envs: stream kinds: the env rows this writer owns (each env owned by
+        one writer at a time); None: every env. Item kinds: None.
+
+    Raises:
+      ValueError: envs out of range, repeated, or owned by another writer;
+        envs given for an item kind.
+      ServiceClosed: the service is closed.
+    """
+    self._raise_if_closed("writer")
+    if not self._streams:
+      if envs is not None:
+        raise ValueError("writer: envs= is for the stream kinds; this buffer holds items.")
+      return Writer(self, None)
+    rows = np.arange(self._num_envs) if envs is None else np.asarray(envs, np.int64).reshape(-1)
+    if rows.size == 0 or rows.min() < 0 or rows.max() >= self._num_envs:
+      raise ValueError(f"writer: envs must be in [0, {self._num_envs}); given {list(rows)}.")
+    if len(set(rows.tolist())) != rows.size:
+      raise ValueError(f"writer: envs repeat; given {list(rows)}.")
+    with self._counts_lock:
+      taken = sorted(self._owned_envs & set(rows.tolist()))
+      if taken:
+        raise ValueError(
+          f"writer: envs {taken} belong to another writer (Writer.close frees them)."
+        )
+      self._owned_envs |= set(rows.tolist())
+    return Writer(self, rows)
+
+  def _release(self, writer: Writer) -> None:
+    if writer.envs is not None:
+      with self._counts_lock:
+        self._owned_envs -= set(writer.envs.tolist())
+
+  def _add(self, writer, items, version, timeout, *, mask, episode_end, final_steps) -> None:
+    """`Writer.add`: validate, wait for the limiter, then drain (module docstring)."""
+    what = "Writer.add"
+    timeout = _check_timeout(timeout, what)
+    version = _check_version(version, what)
+    self._raise_if_closed(what)
+    entry = self._entry(writer, items, version, mask, episode_end, final_steps)
+    if entry.units == 0 and not self._streams:
+      return
+    with self._counts_lock:
+      self._largest_insert = max(self._largest_insert, entry.units)
+      self.rate_limiter.check_sizes(self._largest_insert, max(self._largest_sample, 1))
+      self._wait(
+        self._insertable, lambda: self.rate_limiter.can_insert(self._counts, entry.units), timeout
+      )
+      self._counts = self._counts._replace(inserts=self._counts.inserts + entry.units)
+      self._pending.append(entry)
+      self.adds += 1
+      self._sampleable.notify_all()
+    with self._state_lock:
+      self._drain()
+    if entry.error is not None:
+      raise entry.error
+
+  def _entry(self, writer, items, version, mask, episode_end, final_steps) -> _PendingAdd:
+    """The add, checked against the buffer (once per shape signature)."""
+    if not self._streams:
+      if mask is not None or episode_end is not None or final_steps is not None:
+        raise TypeError("Writer.add: mask, episode_end and final_steps are for the stream kinds.")
+      self._check_signature(items, None, None, None)
+      return _PendingAdd(writer, _rows_of(items), items, version, None, None, None, 1)
+    n = len(writer.envs)
+    steps_leaf = jax.tree.leaves(items)
+    if not steps_leaf:
+      raise ValueError("Writer.add: steps hold no arrays.")
+    storage_rank = jax.tree.leaves(self._state.storage)[0].ndim - 1  # [N, *step]
+    steps = int(np.shape(steps_leaf[0])[1]) if np.ndim(steps_leaf[0]) > storage_rank else 1
+    mask = np.ones(n, np.bool_) if mask is None else np.asarray(mask, np.bool_)
+    if mask.shape != (n,):
+      raise ValueError(
+        f"Writer.add: mask must be bool [{n}] (this writer's envs); given {mask.shape}."
+      )
+    if episode_end is not None:
+      episode_end = np.asarray(episode_end, np.bool_)
+    scattered = self._scattered(writer.envs, items, mask, episode_end, final_steps)
+    self._check_signature(*scattered)
+    return _PendingAdd(
+      writer, int(mask.sum()) * steps, items, version, mask, episode_end, final_steps, steps
+    )
+
+  def _check_signature(self, items, mask, episode_end, final_steps) -> None:
+    """Refuses an add the buffer would refuse, before anything is queued."""
+    key = (_signature(items), mask is None, _signature(episode_end), _signature(final_steps))
+    if key in self._checked:
+      return
+    kwargs = {}
+    if self._streams:
+      kwargs = dict(mask=mask, episode_end=episode_end, final_steps=final_steps)
+    jax.eval_shape(
+      lambda state, items, kwargs: self.buffer.add(state, items, **kwargs),
+      _abstract(self._state),
+      _abstract(items),
+      _abstract(kwargs),
+    )
+    self._checked.add(key)
+
+  def _scattered(self, envs, items, mask, episode_end, final_steps) -> tuple:
+    """A writer's `[n, ...]` add as the buffer's `[N, ...]` one (others masked)."""
+    n_all = self._num_envs
+
+    def full(leaf, fill=0):
+      leaf = np.asarray(leaf)
+      out = np.full((n_all, *leaf.shape[1:]), fill, leaf.dtype)
+      out[envs] = leaf
+      return out
+
+    return (
+      jax.tree.map(full, items),
+      full(mask, False),
+      None if episode_end is None else full(episode_end, False),
+      None if final_steps is None else jax.tree.map(full, final_steps),
+    )
+
+  def _drain(self) -> None:
+    """Adds every pending add to the state, in as few device calls as the
+    forms allow. Holds `_state_lock`."""
+    with self._counts_lock:
+      pending, self._pending = self._pending, []
+    if not pending:
+      return
+    groups = self._groups(pending)
+    for group in groups:
+      try:
+        if self._streams:
+          self._add_steps(group)
+        else:
+          self._add_items(group)
+        self.device_adds += 1
+      except Exception as error:  # pylint: disable=broad-exception-caught
+        # The buffer refused it before running (adds were checked), so the
+        # state is the one before: hand the error to each writer of the group.
+        for entry in group:
+          entry.error = error
+    failed = sum(entry.units for entry in pending if entry.error is not None)
+    with self._counts_lock:
+      self._counts = self._counts._replace(inserts=self._counts.inserts - failed)
+      for entry in pending:
+        entry.done = True
+      self._sampleable.notify_all()
+      self._insertable.notify_all()
+
+  def _groups(self, pending: list[_PendingAdd]) -> list[list[_PendingAdd]]:
+    """Pending adds in order, grouped into device calls: items all in one;
+    streams, each add in the first group after the last one holding an add
+    of the same writer or another form."""
+    if not self._streams:
+      return [pending]
+    groups: list[list[_PendingAdd]] = []
+    for entry in pending:
+      earliest = 0
+      for index, group in enumerate(groups):
+        if any(other.writer is entry.writer or other.form() != entry.form() for other in group):
+          earliest = index + 1
+      if earliest == len(groups):
+        groups.append([])
+      groups[earliest].append(entry)
+    return groups
+
+  def _add_items(self, group: list[_PendingAdd]) -> None:
+    if len(group) == 1:
+      items = group[0].items
+    else:
+      items = jax.tree.map(
+        lambda *leaves: np.concatenate([np.asarray(x) for x in leaves]), *[e.items for e in group]
+      )
+    versions = np.concatenate([np.full(entry.units, entry.version, np.int64) for entry in group])
+    self._state = self._donating_add(self._state, items)
+    self._versions.added_items(versions)
+
+  def _add_steps(self, group: list[_PendingAdd]) -> None:
+    n_all = self._num_envs
+    steps_per_env = np.zeros(n_all, np.int64)
+    versions = np.zeros(n_all, np.int64)
+    parts = []
+    for entry in group:
+      scattered = self._scattered(
+        entry.writer.envs, entry.items, entry.mask, entry.episode_end, entry.final_steps
+      )
+      parts.append((entry.writer.envs, scattered))
+      ended = _ended(entry)
+      steps_per_env[entry.writer.envs] = entry.mask * entry.steps + (ended & entry.mask)
+      versions[entry.writer.envs] = entry.version
+    items, mask, episode_end, final_steps = parts[0][1]
+    for envs, (more_items, more_mask, more_end, more_final) in parts[1:]:
+      for whole, part in zip(jax.tree.leaves(items), jax.tree.leaves(more_items)):
+        whole[envs] = part[envs]
+      mask[envs] = more_mask[envs]
+      if episode_end is not None:
+        episode_end[envs] = more_end[envs]
+      if final_steps is not None:
+        for whole, part in zip(jax.tree.leaves(final_steps), jax.tree.leaves(more_final)):
+          whole[envs] = part[envs]
+    self._state = self._donating_add(
+      self._state, items, mask=mask, episode_end=episode_end, final_steps=final_steps
+    )
+    self._versions.added_steps(steps_per_env, versions)
+
+  # Sampling ----------------------------------------------------------------
+
+  def sample(
+    self,
+    key: jax.Array,
+    batch_size: int,
+    timeout: float | None = None,
+    max_version_lag: int | None = None,
+  ) -> ServiceSample[SampleT]:
+    """Draws `batch_size` rows once the rate limiter allows it.
+
+    Args:
+      key: a PRNG key.
+      batch_size: S, a Python int.
+      timeout: seconds to wait for the limiter (None: no limit).
+      max_version_lag: draw only rows whose policy version is at most this
+        far behind the newest version added (uniform item replay). With no
+        such row held the rows come back with weight 0, as from an empty
+        buffer; it does not wait.
+
+    Returns:
+      A `ServiceSample`: `.batch`, the buffer's own sample; `.version_lag`,
+      int32 `[S]`.
+
+    Raises:
+      ServiceClosed, TimeoutError, ValueError (sizes that could deadlock
+      with the adds seen: `RateLimiter.check_sizes`).
+    """
+    what = "ReplayService.sample"
+    if max_version_lag is not None:
+      if (
+        not isinstance(self._state, ReplayState)
+        or isinstance(self._state, PrioritizedReplayState)
+        or self._versions.layout is None
+      ):
+        raise ValueError(
+          f"{what}: max_version_lag is drawn by uniform item replay only (unsharded); "
+          f"this buffer's state is a {type(self._state).__name__}."
+        )
+      if (
+        isinstance(max_version_lag, bool)
+        or not isinstance(max_version_lag, int)
+        or max_version_lag < 0
+      ):
+        raise ValueError(f"{what}: max_version_lag must be an int >= 0; given {max_version_lag!r}.")
+
+    def draw(state):
+      if max_version_lag is None:
+        return state, self.buffer.sample(state, key, batch_size)
+      eligible = self._versions.eligible(max_version_lag)
+      return state, uniform.sample_eligible(state, key, batch_size, eligible)
+
+    batch = self._sampled(what, batch_size, timeout, draw)
+    return ServiceSample(batch, self._versions.lags(batch.indices))
+
+  def learn(self, step: Callable, batch_size: int, *args: Any, timeout: float | None = None) -> Any:
+    """Runs the learner's own step on the state once the limiter allows a
+    sample of `batch_size` rows: the batch is taken inside `step` (e.g. a
+    jitted train step that samples, learns and updates priorities).
+
+    Args:
+      step: `step(state, *args) -> (state, result)`.
+      batch_size: the rows `step` samples, counted by the limiter.
+      *args: passed to `step`.
+      timeout: seconds to wait for the limiter (None: no limit).
+
+    Returns:
+      `step`'s result. If `step` raises, the state stays as it was (a step
+      must not donate the state it may fail on) and the error propagates.
+    """
+    return self._sampled("ReplayService.learn", batch_size, timeout, lambda s: step(s, *args))
+
+  def _sampled(self, what: str, batch_size: int, timeout, call: Callable) -> Any:
+    timeout = _check_timeout(timeout, what)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+      raise ValueError(f"{what}: batch_size must be an int >= 1; given {batch_size!r}.")
+    with self._counts_lock:
+      self._largest_sample = max(self._largest_sample, batch_size)
+      self.rate_limiter.check_sizes(max(self._largest_insert, 1), self._largest_sample)
+      self._wait(
+        self._sampleable, lambda: self.rate_limiter.can_sample(self._counts, batch_size), timeout
+      )
+      self._counts = self._counts._replace(samples=self._counts.samples + batch_size)
+      self._insertable.notify_all()
+    try:
+      with self._state_lock:
+        self._drain()
+        state, result = call(self._state)
+        self._state = state
+      return result
+    except BaseException:
+      with self._counts_lock:
+        self._counts = self._counts._replace(samples=self._counts.samples - batch_size)
+        self._sampleable.notify_all()
+      raise
+
+  def update_priorities(self, sample: ServiceSample, priorities: Any) -> None:
+    """`buffer.update_priorities` for the rows of `sample` (`.batch.indices`,
+    `.batch.item_ids`)."""
+    self._raise_if_closed("ReplayService.update_priorities")
+    with self._state_lock:
+      self._state = self.buffer.update_priorities(
+        self._state, sample.batch.indices, priorities, sample.batch.item_ids
+      )
+
+  # State, checkpoints, closing ---------------------------------------------
+
+  @property
+  def state(self) -> StateT:
+    """The state after every add taken so far: a copy, valid while writers
+    go on adding (the service's own arrays are donated by the next add)."""
+    with self._state_lock:
+      self._drain()
+      return jax.tree.map(
+        lambda leaf: leaf.copy() if isinstance(leaf, jax.Array) else leaf, self._state
+      )
+
+  @property
+  def counts(self) -> RateCounts:
+    """The limiter's counts: units inserted, rows sampled."""
+    with self._counts_lock:
+      return self._counts
+
+  def checkpoint(self, path: str | os.PathLike) -> None:
+    """Saves the state (`jaxbuf.save` under `path/state`) and the limiter's
+    counts and the units' versions (`path/service.json`, `path/versions.npy`)."""
+    path = pathlib.Path(path)
+    with self._state_lock:
+      self._drain()
+      saving.save(path / "state", self._state)
+      with self._counts_lock:
+        counts = self._counts
+      path.mkdir(parents=True, exist_ok=True)
+      np.save(path / "versions.npy", np.asarray(self._versions.versions))
+      record = {
+        "inserts": counts.inserts,
+        "samples": counts.samples,
+        "newest": self._versions.newest,
+      }
+      temporary = path / "service.json.tmp"
+      temporary.write_text(json.dumps(record))
+      os.replace(temporary, path / "service.json")
+
+  @classmethod
+  def restore(
+    cls, path: str | os.PathLike, buffer: Buffer, like: Any, rate_limiter=None
+  ) -> "ReplayService":
+    """A service from `checkpoint(path)`: the state (`jaxbuf.load(..., like=)`),
+    the counts and versions. The counts go through `rate_limiter.restored`:
+    kept unless they would block both inserts and samples, when the sample
+    count is lowered so that inserts may go on (never a deadlock)."""
+    path = pathlib.Path(path)
+    state = saving.load(path / "state", like=like)
+    record = json.loads((path / "service.json").read_text())
+    service = cls(buffer, state, rate_limiter=rate_limiter)
+    service._versions.restore(np.load(path / "versions.npy"), record["newest"])
+    service._counts = service.rate_limiter.restored(
+      RateCounts(int(record["inserts"]), int(record["samples"]))
+    )
+    return service
+
+  def close(self, cause: BaseException | None = None) -> None:
+    """Closes the service: every blocked call and every later call raises
+    `ServiceClosed` (from `cause`, when given). Idempotent; adds already
+    taken are still written."""
+    with self._counts_lock:
+      if not self.closed:
+        self.closed, self._cause = True, cause
+      self._insertable.notify_all()
+      self._sampleable.notify_all()
+
+  def __enter__(self) -> "ReplayService":
+    return self
+
+  def __exit__(self, kind, error, traceback) -> None:
+    """Closes the service; an exception leaving the block is the cause the
+    blocked actors and learners see."""
+    self.close(cause=error)
+
+  def _raise_if_closed(self, what: str) -> None:
+    if self.closed:
+      raise ServiceClosed(f"{what}: the replay service is closed.") from self._cause
+
+  def _wait(self, condition: threading.Condition, allowed: Callable[[], bool], timeout) -> None:
+    """Waits on `condition` (its lock held) until `allowed()` or closed."""
+    if not condition.wait_for(lambda: self.closed or allowed(), timeout):
+      raise TimeoutError(
+        f"the rate limiter did not allow it within {timeout} s: {self.rate_limiter!r}, "
+        f"counts {self._counts}."
+      )
+    if self.closed:
+      raise ServiceClosed("the replay service was closed while waiting.") from self._cause
+
+
+def _rows_of(items: PyTree) -> int:
+  leaves = jax.tree.leaves(items)
+  if not leaves or np.ndim(leaves[0]) == 0:
+    raise ValueError("Writer.add: items must be arrays with a leading batch axis [B, ...].")
+  return int(np.shape(leaves[0])[0])
+
+
+def _ended(entry: _PendingAdd) -> np.ndarray:
+  """bool [n]: the writer's envs whose add writes a final step."""
+  n = len(entry.mask)
+  if entry.final_steps is None:
+    return np.zeros(n, np.bool_)
+  if entry.episode_end is not None:
+    return np.asarray(entry.episode_end, np.bool_).reshape(n, -1)[:, -1]
+  last = getattr(entry.final_steps, "last", None)
+  if last is None and isinstance(entry.final_steps, dict):
+    last = entry.final_steps.get("last")
+  return np.zeros(n, np.bool_) if last is None else np.asarray(last, np.bool_)
