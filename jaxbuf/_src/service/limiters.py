@@ -115,14 +115,15 @@ class RateLimiter:
 
     The rule (Reverb#103 restored a limiter that blocked both sides): the
     counts are kept when one unit may be inserted or one row sampled;
-    otherwise the sample count is lowered until one unit may be inserted.
+    otherwise the sample count is raised until one unit may be inserted
+    (as if the learner had sampled that much more; actors go on first).
     Counts saved by a service never need it; a checkpoint restored under
     another limiter may.
     """
     if self.can_insert(counts, 1) or self.can_sample(counts, 1):
       return counts
-    samples = math.floor((counts.inserts + 1) * self.samples_per_insert - self.max_diff)
-    return RateCounts(counts.inserts, max(0, samples))
+    samples = math.ceil((counts.inserts + 1) * self.samples_per_insert - self.max_diff)
+    return RateCounts(counts.inserts, max(counts.samples, samples))
 
 
 def MinSize(min_size: int) -> RateLimiter:  # noqa: N802 (Reverb's name; a limiter class)

@@ -144,8 +144,11 @@ class ReplayService(Generic[StateT, SampleT]):
     self.rate_limiter = rate_limiter
     self._state = state
     self._streams = isinstance(state, SequenceReplayState)
-    self._num_envs = int(np.size(state.write_heads)) if self._streams else 0
+    self._num_envs = (
+      int(np.size(state.write_heads)) if isinstance(state, SequenceReplayState) else 0
+    )
     self._versions = UnitVersions(state)
+    self._abstract_state = _abstract(state)  # read without the lock: never donated
     # The state's arrays are the service's own, so its adds donate them (in
     # place on the device); `state` hands out copies.
     self._donating_add = jax.jit(buffer.add, donate_argnums=0)
@@ -237,7 +240,7 @@ class ReplayService(Generic[StateT, SampleT]):
     steps_leaf = jax.tree.leaves(items)
     if not steps_leaf:
       raise ValueError("Writer.add: steps hold no arrays.")
-    storage_rank = jax.tree.leaves(self._state.storage)[0].ndim - 1  # [N, *step]
+    storage_rank = jax.tree.leaves(self._abstract_state.storage)[0].ndim - 1  # [N, *step]
     steps = int(np.shape(steps_leaf[0])[1]) if np.ndim(steps_leaf[0]) > storage_rank else 1
     mask = np.ones(n, np.bool_) if mask is None else np.asarray(mask, np.bool_)
     if mask.shape != (n,):
@@ -262,7 +265,7 @@ class ReplayService(Generic[StateT, SampleT]):
       kwargs = dict(mask=mask, episode_end=episode_end, final_steps=final_steps)
     jax.eval_shape(
       lambda state, items, kwargs: self.buffer.add(state, items, **kwargs),
-      _abstract(self._state),
+      self._abstract_state,
       _abstract(items),
       _abstract(kwargs),
     )
@@ -300,9 +303,10 @@ class ReplayService(Generic[StateT, SampleT]):
         else:
           self._add_items(group)
         self.device_adds += 1
-      except Exception as error:  # pylint: disable=broad-exception-caught
-        # The buffer refused it before running (adds were checked), so the
-        # state is the one before: hand the error to each writer of the group.
+      except BaseException as error:  # pylint: disable=broad-exception-caught
+        # The call failed before running (adds were checked; an interrupt),
+        # so the state is the one before: each writer of the group gets the
+        # error, and their units are handed back to the limiter.
         for entry in group:
           entry.error = error
     failed = sum(entry.units for entry in pending if entry.error is not None)
@@ -415,14 +419,15 @@ class ReplayService(Generic[StateT, SampleT]):
       ):
         raise ValueError(f"{what}: max_version_lag must be an int >= 0; given {max_version_lag!r}.")
 
-    def draw(state):
+    def draw(state):  # under the state lock, which also guards the versions
       if max_version_lag is None:
-        return state, self.buffer.sample(state, key, batch_size)
-      eligible = self._versions.eligible(max_version_lag)
-      return state, uniform.sample_eligible(state, key, batch_size, eligible)
+        batch = self.buffer.sample(state, key, batch_size)
+      else:
+        eligible = self._versions.eligible(max_version_lag)
+        batch = uniform.sample_eligible(state, key, batch_size, eligible)
+      return state, ServiceSample(batch, self._versions.lags(batch.indices))
 
-    batch = self._sampled(what, batch_size, timeout, draw)
-    return ServiceSample(batch, self._versions.lags(batch.indices))
+    return self._sampled(what, batch_size, timeout, draw)
 
   def learn(self, step: Callable, batch_size: int, *args: Any, timeout: float | None = None) -> Any:
     """Runs the learner's own step on the state once the limiter allows a
@@ -496,12 +501,12 @@ class ReplayService(Generic[StateT, SampleT]):
     """Saves the state (`jaxbuf.save` under `path/state`) and the limiter's
     counts and the units' versions (`path/service.json`, `path/versions.npy`)."""
     path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     with self._state_lock:
       self._drain()
       saving.save(path / "state", self._state)
       with self._counts_lock:
         counts = self._counts
-      path.mkdir(parents=True, exist_ok=True)
       np.save(path / "versions.npy", np.asarray(self._versions.versions))
       record = {
         "inserts": counts.inserts,
@@ -519,7 +524,7 @@ class ReplayService(Generic[StateT, SampleT]):
     """A service from `checkpoint(path)`: the state (`jaxbuf.load(..., like=)`),
     the counts and versions. The counts go through `rate_limiter.restored`:
     kept unless they would block both inserts and samples, when the sample
-    count is lowered so that inserts may go on (never a deadlock)."""
+    count is raised so that inserts may go on (never a deadlock)."""
     path = pathlib.Path(path)
     state = saving.load(path / "state", like=like)
     record = json.loads((path / "service.json").read_text())

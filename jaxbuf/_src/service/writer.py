@@ -75,7 +75,8 @@ class Writer:
     if self._closed:
       raise RuntimeError("Writer.add: this writer was closed.")
     if isinstance(items, RecordedStep):
-      items, mask, final_steps = items.items, items.mask, items.final_steps
+      recorded = items
+      items, mask, final_steps = recorded.items, recorded.mask, recorded.final_steps
       if items is None:  # a vector step with no row to add
         return
     self._service._add(  # pylint: disable=protected-access
