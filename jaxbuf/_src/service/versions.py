@@ -10,7 +10,9 @@ learner's sample path never waits for a device-to-host copy. Which slots an
 add writes is known on the host without reading the state: the write
 positions (an item ring's `insert_position`, a stream's `write_heads`) are
 read once when the service starts and then advanced here as every add
-would advance them.
+would advance them. The adds' writes are kept on the host and sent in one
+scatter when a sample next reads the versions (an add costs no device
+call of its own).
 
 Tracked kinds: the item replay states (`ReplayState` and its subclasses)
 and the stream states (`SequenceReplayState` and its subclasses), not
@@ -32,8 +34,9 @@ UNTRACKED = -1  # the lag reported for a kind whose units are not tracked
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _written(versions: jax.Array, units: jax.Array, values: jax.Array) -> jax.Array:
-  return versions.at[units].set(values)
+def _written(versions: jax.Array, units: np.ndarray, values: np.ndarray) -> jax.Array:
+  # Padding units are out of range, dropped; units are distinct (`_flush`).
+  return versions.at[units].set(values, mode="drop", unique_indices=True)
 
 
 @jax.jit
@@ -63,15 +66,38 @@ class UnitVersions:
       units = self._num_envs * self._rows
     else:
       units = 0
-    self.versions = jnp.zeros(units, jnp.int32)
+    self._versions = jnp.zeros(units, jnp.int32)
+    self._pending_units: list[np.ndarray] = []  # writes not yet on the device, oldest first
+    self._pending_values: list[np.ndarray] = []
+    self._pending_count = 0
+
+  @property
+  def versions(self) -> jax.Array:
+    """int32 `[C]` on the device, every add's writes included."""
+    if self._pending_units:
+      self._flush()
+    return self._versions
+
+  def _flush(self) -> None:
+    units = np.concatenate(self._pending_units)[::-1]
+    values = np.concatenate(self._pending_values)[::-1]
+    self._pending_units, self._pending_values, self._pending_count = [], [], 0
+    units, first = np.unique(units, return_index=True)  # the newest write of each unit
+    values = values[first]
+    size = 1 << max(int(units.size - 1).bit_length(), 4)  # few distinct sizes to compile
+    padded_units = np.full(size, self._versions.shape[0], np.int32)
+    padded_values = np.zeros(size, np.int32)
+    padded_units[: units.size], padded_values[: units.size] = units, values
+    self._versions = _written(self._versions, padded_units, padded_values)
 
   def restore(self, versions: np.ndarray, newest: int) -> None:
     """Takes a checkpoint's versions (`versions` as saved)."""
-    if versions.shape != self.versions.shape:
+    if versions.shape != self._versions.shape:
       raise ValueError(
-        f"checkpoint: versions of shape {versions.shape}; the state has {self.versions.shape}."
+        f"checkpoint: versions of shape {versions.shape}; the state has {self._versions.shape}."
       )
-    self.versions = jnp.asarray(versions, jnp.int32)
+    self._pending_units, self._pending_values, self._pending_count = [], [], 0
+    self._versions = jnp.asarray(versions, jnp.int32)
     self.newest = int(newest)
 
   def added_items(self, versions: np.ndarray) -> None:
@@ -105,9 +131,11 @@ class UnitVersions:
       self._write(np.concatenate(units), np.concatenate(values))
 
   def _write(self, units: np.ndarray, values: np.ndarray) -> None:
-    self.versions = _written(
-      self.versions, jnp.asarray(units, jnp.int32), jnp.asarray(values, jnp.int32)
-    )
+    self._pending_units.append(units)
+    self._pending_values.append(values)
+    self._pending_count += units.size
+    if self._pending_count > self._versions.shape[0]:  # held on the host: at most ~2 C
+      self._flush()
 
   def lags(self, indices: jax.Array) -> jax.Array:
     """int32 `[S]`: the newest version minus each unit's (-1 untracked)."""
