@@ -27,14 +27,16 @@ SRC = PACKAGE / "_src"
 # buffer shares; the buffers of items and on-policy rollouts; the stream
 # buffers (which build on prioritized items); sharding, checkpoints,
 # offline datasets and mixtures of any buffers above them; host loops (which
-# write the offline forms) and the replay service (threads around one
-# buffer state) on top. The package `jaxbuf` is above them all.
+# write the offline forms) on top of those, and the replay service (threads
+# around one buffer state, which takes the recorder's steps) above. The
+# package `jaxbuf` is above them all.
 LAYERS = (
   ("core",),
   ("items", "onpolicy"),
   ("streams",),
   ("sharded", "checkpoint", "offline", "mixture"),
-  ("host", "service"),
+  ("host",),
+  ("service",),
 )
 
 

@@ -462,3 +462,71 @@ def test_stress_short():
 @pytest.mark.parametrize("seed", range(5))
 def test_stress_long(seed):
   stress(seed=seed, actors=6, learners=3, adds=200)
+
+
+# Other kinds and the example ---------------------------------------------------
+
+
+def test_a_mixture_service_adds_to_one_part_and_samples_both():
+  offline, online = jaxbuf.uniform_replay(32), jaxbuf.prioritized_replay(32)
+  mixture = jaxbuf.mixture([offline, online], [0.5, 0.5])
+  states = [offline.add(offline.init(np.float32(0)), np.full(8, -1.0, np.float32))]
+  states.append(online.init(np.float32(0)))
+  service = jaxbuf.ReplayService(mixture, states)
+  with pytest.raises(ValueError, match="part="):
+    service.writer()
+  writer = service.writer(part=1)
+  writer.add(np.arange(4, dtype=np.float32), policy_version=2)
+  sample = service.sample(jax.random.key(0), 8, timeout=1.0)
+  np.testing.assert_array_equal(np.asarray(sample.batch.source), [0] * 4 + [1] * 4)
+  assert np.all(np.asarray(sample.batch.items)[:4] == -1)
+  assert np.all(np.asarray(sample.batch.items)[4:] >= 0)
+  np.testing.assert_array_equal(np.asarray(sample.version_lag), -1)  # untracked
+  service.update_priorities(sample, np.ones(8, np.float32))
+  assert int(service.state[1].size) == 4
+  service.close()
+
+
+def test_a_sharded_buffer_behind_the_service():
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices (the suite's fake CPU devices)")
+  mesh = jax.make_mesh((4,), ("data",))
+  buffer = jaxbuf.sharded(jaxbuf.uniform_replay(64), mesh)
+  service = jaxbuf.ReplayService(buffer, buffer.init(np.float32(0)))
+
+  def actor(index):
+    writer = service.writer()
+    for add in range(5):
+      writer.add(np.arange(4, dtype=np.float32) + 100 * index + 4 * add, timeout=JOIN)
+
+  assert not run_threads([lambda i=i: actor(i) for i in range(2)])
+  sample = service.sample(jax.random.key(0), 8, timeout=1.0)
+  assert sample.batch.items.shape == (8,)
+  assert int(np.sum(np.asarray(service.state.size))) == 40
+  service.close()
+
+
+def test_the_sebulba_example_runs():
+  sebulba_dqn = pytest.importorskip("examples.sebulba_dqn")
+  config = sebulba_dqn.Config(
+    total_steps=200,
+    num_envs=4,
+    num_actors=2,
+    buffer_size=64,
+    batch_size=8,
+    learning_starts=16,
+    hidden_size=16,
+    target_update_interval=8,
+    error_buffer=64.0,
+  )
+  result = sebulba_dqn.train(config)
+  assert result["env_steps"] >= 200
+  assert abs(result["samples_per_insert"] - result["target_samples_per_insert"]) < 0.5
+
+
+@pytest.mark.slow
+def test_the_sebulba_example_reaches_the_demos_return():
+  from examples import sebulba_dqn  # pylint: disable=import-outside-toplevel
+
+  result = sebulba_dqn.train(sebulba_dqn.Config())
+  assert result["final_mean_return"] >= 475, result["final_mean_return"]

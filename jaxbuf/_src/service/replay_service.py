@@ -39,6 +39,8 @@ from jaxbuf._src.core.base import Buffer, PyTree, SampleT, StateT
 from jaxbuf._src.core.ring import ReplayState
 from jaxbuf._src.items import uniform
 from jaxbuf._src.items.prioritized import PrioritizedReplayState
+from jaxbuf._src.mixture import Mixture
+from jaxbuf._src.service import coalescing
 from jaxbuf._src.service.closed import ServiceClosed
 from jaxbuf._src.service.limiters import MinSize, RateCounts, RateLimiter
 from jaxbuf._src.service.versions import UnitVersions
@@ -52,26 +54,6 @@ class ServiceSample(NamedTuple, Generic[SampleT]):
   batch: SampleT  # the buffer's own sample (ReplaySample, SequenceSample, ...)
   version_lag: jax.Array  # int32 [S]: newest version added minus each row's
   # (-1 for kinds whose units are not tracked: jaxbuf._src.service.versions)
-
-
-class _PendingAdd:
-  """One accepted add, waiting to be drained into a device call."""
-
-  def __init__(self, writer, units, items, version, mask, episode_end, final_steps, steps):
-    self.writer = writer
-    self.units = units  # limiter units: rows (items) or env steps (streams)
-    self.items = items
-    self.version = version
-    self.mask = mask  # bool [n] (streams)
-    self.episode_end = episode_end
-    self.final_steps = final_steps
-    self.steps = steps  # T per env (streams): 1 for [n, ...] steps
-    self.done = False
-    self.error: BaseException | None = None
-
-  def form(self) -> tuple:
-    """Adds of one form may share a device call (streams)."""
-    return (self.final_steps is not None, self.episode_end is not None, self.steps)
 
 
 def _check_timeout(timeout: float | None, what: str) -> float | None:
@@ -126,7 +108,7 @@ class ReplayService(Generic[StateT, SampleT]):
   >>> service.close()
   """
 
-  def __init__(self, buffer: Buffer[StateT, SampleT], state: StateT, rate_limiter=None):
+  def __init__(self, buffer: Buffer[StateT, SampleT] | Mixture, state: StateT, rate_limiter=None):
     if rate_limiter is None:
       rate_limiter = MinSize(1)
     if not isinstance(rate_limiter, RateLimiter):
@@ -140,9 +122,11 @@ class ReplayService(Generic[StateT, SampleT]):
         "core's FIFO selection (jaxbuf.queue.oldest_unread, issue 42), not merged on this "
         "branch yet; use SampleToInsertRatio(1.0, ...) for a bounded lag meanwhile."
       )
-    self.buffer = buffer
+    self.buffer: Any = buffer  # a Buffer, or a Mixture
     self.rate_limiter = rate_limiter
-    self._state = state
+    self._state: Any = state  # a mixture's: the list of its parts' states
+    # A mixture's writers add to one part each (`writer(part=k)`), an item kind.
+    self._mixture = isinstance(buffer, Mixture)
     self._streams = isinstance(state, SequenceReplayState)
     self._num_envs = (
       int(np.size(state.write_heads)) if isinstance(state, SequenceReplayState) else 0
@@ -151,7 +135,10 @@ class ReplayService(Generic[StateT, SampleT]):
     self._abstract_state = _abstract(state)  # read without the lock: never donated
     # The state's arrays are the service's own, so its adds donate them (in
     # place on the device); `state` hands out copies.
-    self._donating_add = jax.jit(buffer.add, donate_argnums=0)
+    self._parts = buffer.buffers if isinstance(buffer, Mixture) else ()
+    self._part_adds: list[Callable] = [jax.jit(part.add, donate_argnums=0) for part in self._parts]
+    if not isinstance(buffer, Mixture):
+      self._donating_add = jax.jit(buffer.add, donate_argnums=0)
     self._state_lock = threading.Lock()
     self._counts_lock = threading.Lock()
     self._insertable = threading.Condition(self._counts_lock)
@@ -159,7 +146,7 @@ class ReplayService(Generic[StateT, SampleT]):
     self._counts = RateCounts(0, 0)
     self._largest_insert = 0
     self._largest_sample = 0
-    self._pending: list[_PendingAdd] = []
+    self._pending: list[coalescing.PendingAdd] = []
     self._owned_envs: set[int] = set()
     self._checked: set = set()  # add signatures the buffer accepted
     self.closed = False
@@ -169,12 +156,14 @@ class ReplayService(Generic[StateT, SampleT]):
 
   # Writers and adds ---------------------------------------------------------
 
-  def writer(self, envs: Sequence[int] | None = None) -> Writer:
+  def writer(self, envs: Sequence[int] | None = None, *, part: int | None = None) -> Writer:
     """A writer for one actor thread.
 
     Args:
       envs: stream kinds: the env rows this writer owns (each env owned by
         one writer at a time); None: every env. Item kinds: None.
+      part: a `jaxbuf.mixture`'s service: the part this writer adds to (an
+        item replay part); None otherwise.
 
     Raises:
       ValueError: envs out of range, repeated, or owned by another writer;
@@ -182,6 +171,15 @@ class ReplayService(Generic[StateT, SampleT]):
       ServiceClosed: the service is closed.
     """
     self._raise_if_closed("writer")
+    if self._mixture:
+      parts = len(self._state)
+      if not isinstance(part, int) or not 0 <= part < parts:
+        raise ValueError(f"writer: a mixture's writer needs part= in [0, {parts}); given {part!r}.")
+      if isinstance(self._state[part], SequenceReplayState) or envs is not None:
+        raise ValueError("writer: a mixture's writers add to item replay parts (no envs=).")
+      return Writer(self, None, part)
+    if part is not None:
+      raise ValueError("writer: part= is for a jaxbuf.mixture's service.")
     if not self._streams:
       if envs is not None:
         raise ValueError("writer: envs= is for the stream kinds; this buffer holds items.")
@@ -229,13 +227,15 @@ class ReplayService(Generic[StateT, SampleT]):
     if entry.error is not None:
       raise entry.error
 
-  def _entry(self, writer, items, version, mask, episode_end, final_steps) -> _PendingAdd:
+  def _entry(self, writer, items, version, mask, episode_end, final_steps) -> coalescing.PendingAdd:
     """The add, checked against the buffer (once per shape signature)."""
     if not self._streams:
       if mask is not None or episode_end is not None or final_steps is not None:
         raise TypeError("Writer.add: mask, episode_end and final_steps are for the stream kinds.")
-      self._check_signature(items, None, None, None)
-      return _PendingAdd(writer, _rows_of(items), items, version, None, None, None, 1)
+      self._check_signature(items, None, None, None, writer.part)
+      return coalescing.PendingAdd(
+        writer, coalescing.rows_of(items), items, version, None, None, None, 1
+      )
     n = len(writer.envs)
     steps_leaf = jax.tree.leaves(items)
     if not steps_leaf:
@@ -249,44 +249,33 @@ class ReplayService(Generic[StateT, SampleT]):
       )
     if episode_end is not None:
       episode_end = np.asarray(episode_end, np.bool_)
-    scattered = self._scattered(writer.envs, items, mask, episode_end, final_steps)
+    scattered = coalescing.scattered(
+      writer.envs, self._num_envs, items, mask, episode_end, final_steps
+    )
     self._check_signature(*scattered)
-    return _PendingAdd(
+    return coalescing.PendingAdd(
       writer, int(mask.sum()) * steps, items, version, mask, episode_end, final_steps, steps
     )
 
-  def _check_signature(self, items, mask, episode_end, final_steps) -> None:
+  def _check_signature(self, items, mask, episode_end, final_steps, part=None) -> None:
     """Refuses an add the buffer would refuse, before anything is queued."""
-    key = (_signature(items), mask is None, _signature(episode_end), _signature(final_steps))
+    key = (_signature(items), mask is None, _signature(episode_end), _signature(final_steps), part)
     if key in self._checked:
       return
     kwargs = {}
     if self._streams:
       kwargs = dict(mask=mask, episode_end=episode_end, final_steps=final_steps)
-    jax.eval_shape(
-      lambda state, items, kwargs: self.buffer.add(state, items, **kwargs),
+    add, state = (
+      self.buffer.add if part is None else self._parts[part].add,
       self._abstract_state,
+    )
+    jax.eval_shape(
+      lambda state, items, kwargs: add(state, items, **kwargs),
+      state if part is None else state[part],
       _abstract(items),
       _abstract(kwargs),
     )
     self._checked.add(key)
-
-  def _scattered(self, envs, items, mask, episode_end, final_steps) -> tuple:
-    """A writer's `[n, ...]` add as the buffer's `[N, ...]` one (others masked)."""
-    n_all = self._num_envs
-
-    def full(leaf, fill=0):
-      leaf = np.asarray(leaf)
-      out = np.full((n_all, *leaf.shape[1:]), fill, leaf.dtype)
-      out[envs] = leaf
-      return out
-
-    return (
-      jax.tree.map(full, items),
-      full(mask, False),
-      None if episode_end is None else full(episode_end, False),
-      None if final_steps is None else jax.tree.map(full, final_steps),
-    )
 
   def _drain(self) -> None:
     """Adds every pending add to the state, in as few device calls as the
@@ -295,8 +284,7 @@ class ReplayService(Generic[StateT, SampleT]):
       pending, self._pending = self._pending, []
     if not pending:
       return
-    groups = self._groups(pending)
-    for group in groups:
+    for group in coalescing.groups(pending, streams=self._streams, by_part=self._mixture):
       try:
         if self._streams:
           self._add_steps(group)
@@ -312,62 +300,24 @@ class ReplayService(Generic[StateT, SampleT]):
     failed = sum(entry.units for entry in pending if entry.error is not None)
     with self._counts_lock:
       self._counts = self._counts._replace(inserts=self._counts.inserts - failed)
-      for entry in pending:
-        entry.done = True
       self._sampleable.notify_all()
       self._insertable.notify_all()
 
-  def _groups(self, pending: list[_PendingAdd]) -> list[list[_PendingAdd]]:
-    """Pending adds in order, grouped into device calls: items all in one;
-    streams, each add in the first group after the last one holding an add
-    of the same writer or another form."""
-    if not self._streams:
-      return [pending]
-    groups: list[list[_PendingAdd]] = []
-    for entry in pending:
-      earliest = 0
-      for index, group in enumerate(groups):
-        if any(other.writer is entry.writer or other.form() != entry.form() for other in group):
-          earliest = index + 1
-      if earliest == len(groups):
-        groups.append([])
-      groups[earliest].append(entry)
-    return groups
-
-  def _add_items(self, group: list[_PendingAdd]) -> None:
-    if len(group) == 1:
-      items = group[0].items
+  def _add_items(self, group: list[coalescing.PendingAdd]) -> None:
+    items, versions = coalescing.merged_items(group)
+    if self._mixture:
+      part = group[0].writer.part
+      states = list(self._state)
+      states[part] = self._part_adds[part](states[part], items)
+      self._state = type(self._state)(states)
     else:
-      items = jax.tree.map(
-        lambda *leaves: np.concatenate([np.asarray(x) for x in leaves]), *[e.items for e in group]
-      )
-    versions = np.concatenate([np.full(entry.units, entry.version, np.int64) for entry in group])
-    self._state = self._donating_add(self._state, items)
+      self._state = self._donating_add(self._state, items)
     self._versions.added_items(versions)
 
-  def _add_steps(self, group: list[_PendingAdd]) -> None:
-    n_all = self._num_envs
-    steps_per_env = np.zeros(n_all, np.int64)
-    versions = np.zeros(n_all, np.int64)
-    parts = []
-    for entry in group:
-      scattered = self._scattered(
-        entry.writer.envs, entry.items, entry.mask, entry.episode_end, entry.final_steps
-      )
-      parts.append((entry.writer.envs, scattered))
-      ended = _ended(entry)
-      steps_per_env[entry.writer.envs] = entry.mask * entry.steps + (ended & entry.mask)
-      versions[entry.writer.envs] = entry.version
-    items, mask, episode_end, final_steps = parts[0][1]
-    for envs, (more_items, more_mask, more_end, more_final) in parts[1:]:
-      for whole, part in zip(jax.tree.leaves(items), jax.tree.leaves(more_items)):
-        whole[envs] = part[envs]
-      mask[envs] = more_mask[envs]
-      if episode_end is not None:
-        episode_end[envs] = more_end[envs]
-      if final_steps is not None:
-        for whole, part in zip(jax.tree.leaves(final_steps), jax.tree.leaves(more_final)):
-          whole[envs] = part[envs]
+  def _add_steps(self, group: list[coalescing.PendingAdd]) -> None:
+    (items, mask, episode_end, final_steps), steps_per_env, versions = coalescing.merged_steps(
+      group, self._num_envs
+    )
     self._state = self._donating_add(
       self._state, items, mask=mask, episode_end=episode_end, final_steps=final_steps
     )
@@ -398,8 +348,10 @@ class ReplayService(Generic[StateT, SampleT]):
       int32 `[S]`.
 
     Raises:
-      ServiceClosed, TimeoutError, ValueError (sizes that could deadlock
-      with the adds seen: `RateLimiter.check_sizes`).
+      ServiceClosed: the service is closed, or was closed while waiting.
+      TimeoutError: the limiter did not allow the sample within `timeout`.
+      ValueError: a size that could deadlock with the adds seen
+        (`RateLimiter.check_sizes`), or a bad argument.
     """
     what = "ReplayService.sample"
     if max_version_lag is not None:
@@ -425,7 +377,8 @@ class ReplayService(Generic[StateT, SampleT]):
       else:
         eligible = self._versions.eligible(max_version_lag)
         batch = uniform.sample_eligible(state, key, batch_size, eligible)
-      return state, ServiceSample(batch, self._versions.lags(batch.indices))
+      rows = batch.weights if self._mixture else batch.indices  # a mixture: untracked
+      return state, ServiceSample(batch, self._versions.lags(rows))
 
     return self._sampled(what, batch_size, timeout, draw)
 
@@ -475,16 +428,22 @@ class ReplayService(Generic[StateT, SampleT]):
     `.batch.item_ids`)."""
     self._raise_if_closed("ReplayService.update_priorities")
     with self._state_lock:
-      self._state = self.buffer.update_priorities(
-        self._state, sample.batch.indices, priorities, sample.batch.item_ids
-      )
+      if self._mixture:
+        self._state = self.buffer.update_priorities(self._state, sample.batch, priorities)
+      else:
+        self._state = self.buffer.update_priorities(
+          self._state, sample.batch.indices, priorities, sample.batch.item_ids
+        )
 
   # State, checkpoints, closing ---------------------------------------------
 
   @property
   def state(self) -> StateT:
-    """The state after every add taken so far: a copy, valid while writers
-    go on adding (the service's own arrays are donated by the next add)."""
+    """The state after every add taken so far.
+
+    A copy, valid while writers go on adding (the service's own arrays are
+    donated by the next add).
+    """
     with self._state_lock:
       self._drain()
       return jax.tree.map(
@@ -493,7 +452,7 @@ class ReplayService(Generic[StateT, SampleT]):
 
   @property
   def counts(self) -> RateCounts:
-    """The limiter's counts: units inserted, rows sampled."""
+    """The limiter's counts (units inserted, rows sampled so far)."""
     with self._counts_lock:
       return self._counts
 
@@ -566,23 +525,3 @@ class ReplayService(Generic[StateT, SampleT]):
       )
     if self.closed:
       raise ServiceClosed("the replay service was closed while waiting.") from self._cause
-
-
-def _rows_of(items: PyTree) -> int:
-  leaves = jax.tree.leaves(items)
-  if not leaves or np.ndim(leaves[0]) == 0:
-    raise ValueError("Writer.add: items must be arrays with a leading batch axis [B, ...].")
-  return int(np.shape(leaves[0])[0])
-
-
-def _ended(entry: _PendingAdd) -> np.ndarray:
-  """bool [n]: the writer's envs whose add writes a final step."""
-  n = len(entry.mask)
-  if entry.final_steps is None:
-    return np.zeros(n, np.bool_)
-  if entry.episode_end is not None:
-    return np.asarray(entry.episode_end, np.bool_).reshape(n, -1)[:, -1]
-  last = getattr(entry.final_steps, "last", None)
-  if last is None and isinstance(entry.final_steps, dict):
-    last = entry.final_steps.get("last")
-  return np.zeros(n, np.bool_) if last is None else np.asarray(last, np.bool_)

@@ -9,15 +9,12 @@ one device call.
 """
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from jaxbuf._src.core.pytypes import PyTree
 from jaxbuf._src.host.vector_envs import RecordedStep
-
-if TYPE_CHECKING:
-  from jaxbuf._src.service.replay_service import ReplayService
 
 
 class Writer:
@@ -30,9 +27,10 @@ class Writer:
   `RecordedStep` as it is.
   """
 
-  def __init__(self, service: "ReplayService", envs: np.ndarray | None):
+  def __init__(self, service: Any, envs: np.ndarray | None, part: int | None = None):
     self._service = service
     self.envs = envs  # int64 [n]: the env rows this writer owns (streams), else None
+    self.part = part  # the part of a mixture this writer adds to, else None
     self._thread: int | None = None
     self._closed = False
 
@@ -79,7 +77,7 @@ class Writer:
       items, mask, final_steps = recorded.items, recorded.mask, recorded.final_steps
       if items is None:  # a vector step with no row to add
         return
-    self._service._add(  # pylint: disable=protected-access
+    self._service._add(  # pylint: disable=protected-access  (the ReplayService)
       self,
       items,
       policy_version,
