@@ -257,9 +257,43 @@ def test_checkpoint_restores_state_counts_and_versions(tmp_path):
   restored.close()
 
 
-def test_queue_waits_for_the_core_fifo_selection():
-  with pytest.raises(NotImplementedError, match="oldest_unread"):
-    items_service(limiter=jaxbuf.Queue(8))
+def test_queue_hands_out_every_item_once_in_order():
+  service = items_service(capacity=16, limiter=jaxbuf.Queue(8))
+  adds, batch = 40, 4
+
+  def actor():
+    writer = service.writer()
+    for add in range(adds):
+      writer.add(items([add], 0), policy_version=add, timeout=JOIN)
+
+  taken: list = []
+
+  def learner():
+    for step in range(adds // batch):
+      sample = service.sample(jax.random.key(step), batch, timeout=JOIN)
+      assert np.all(np.asarray(sample.batch.mask))
+      taken.extend(np.asarray(sample.batch.items["x"]).astype(int).tolist())
+      unread = service.counts.inserts - service.counts.samples
+      assert 0 <= unread <= 8  # inserts wait while 8 are unread
+
+  assert not run_threads([actor, learner])
+  assert taken == list(range(adds))  # FIFO, each exactly once
+  with pytest.raises(TimeoutError):
+    service.sample(jax.random.key(0), 1, timeout=0.05)  # nothing unread
+  service.close()
+  with pytest.raises(ValueError, match="overwrite unread items"):
+    items_service(capacity=4, limiter=jaxbuf.Queue(8))
+
+
+def test_a_consuming_buffer_retires_what_the_service_hands_out():
+  buffer = jaxbuf.queue_replay(16)
+  service = jaxbuf.ReplayService(buffer, buffer.init(np.float32(0)))
+  service.writer().add(np.arange(6, dtype=np.float32))
+  first = service.sample(jax.random.key(0), 4, timeout=1.0).batch
+  second = service.sample(jax.random.key(1), 4, timeout=1.0).batch
+  np.testing.assert_array_equal(np.asarray(first.items), [0, 1, 2, 3])
+  np.testing.assert_array_equal(np.asarray(second.items)[: int(second.count)], [4, 5])
+  service.close()
 
 
 # Faults ----------------------------------------------------------------------

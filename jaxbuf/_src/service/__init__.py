@@ -6,6 +6,7 @@ the recorder's `RecordedStep`).
 * `limiters`: Reverb's rate limiters, a few counts and two predicates;
 * `closed`: `ServiceClosed`, what a call on a closed service raises;
 * `coalescing`: accepted adds and how many become one device call;
+* `fifo_reads`: the read cursor a `Queue` service keeps;
 * `versions`: the policy version of each stored unit, for `version_lag`;
 * `writer`: an actor's handle for adding (`ReplayService.writer`);
 * `replay_service`: the service, which owns the state, coalesces adds into

@@ -21,7 +21,9 @@ once. So under contention many small adds become one dispatch, and with
 one actor nothing waits for a second.
 
 Samples drain the pending adds first too, so a sample sees every add the
-limiter counted.
+limiter counted. They draw with `buffer.take` (consuming kinds retire what
+they hand out), under `Queue` with the core's FIFO rule (`fifo_reads`), and
+with `max_version_lag` with `uniform.sample_eligible`.
 """
 
 import json
@@ -32,6 +34,7 @@ import threading
 from typing import Any, Callable, Generic, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxbuf._src.checkpoint import saving
@@ -42,6 +45,7 @@ from jaxbuf._src.items.prioritized import PrioritizedReplayState
 from jaxbuf._src.mixture import Mixture
 from jaxbuf._src.service import coalescing
 from jaxbuf._src.service.closed import ServiceClosed
+from jaxbuf._src.service.fifo_reads import FifoReads
 from jaxbuf._src.service.limiters import MinSize, RateCounts, RateLimiter
 from jaxbuf._src.service.versions import UnitVersions
 from jaxbuf._src.service.writer import Writer
@@ -116,12 +120,6 @@ class ReplayService(Generic[StateT, SampleT]):
         "ReplayService: rate_limiter must be jaxbuf.MinSize, SampleToInsertRatio or Queue; "
         f"given {type(rate_limiter).__name__}."
       )
-    if rate_limiter.fifo:
-      raise NotImplementedError(
-        "ReplayService: jaxbuf.Queue draws the oldest unread items first, which needs the "
-        "core's FIFO selection (jaxbuf.queue.oldest_unread, issue 42), not merged on this "
-        "branch yet; use SampleToInsertRatio(1.0, ...) for a bounded lag meanwhile."
-      )
     self.buffer: Any = buffer  # a Buffer, or a Mixture
     self.rate_limiter = rate_limiter
     self._state: Any = state  # a mixture's: the list of its parts' states
@@ -132,6 +130,7 @@ class ReplayService(Generic[StateT, SampleT]):
       int(np.size(state.write_heads)) if isinstance(state, SequenceReplayState) else 0
     )
     self._versions = UnitVersions(state)
+    self._fifo = FifoReads(state, int(rate_limiter.max_diff)) if rate_limiter.fifo else None
     self._abstract_state = _abstract(state)  # read without the lock: never donated
     # The state's arrays are the service's own, so its adds donate them (in
     # place on the device); `state` hands out copies.
@@ -359,9 +358,11 @@ class ReplayService(Generic[StateT, SampleT]):
         not isinstance(self._state, ReplayState)
         or isinstance(self._state, PrioritizedReplayState)
         or self._versions.layout is None
+        or self._fifo is not None
       ):
         raise ValueError(
-          f"{what}: max_version_lag is drawn by uniform item replay only (unsharded); "
+          f"{what}: max_version_lag is drawn by uniform item replay only (unsharded, not "
+          f"under a Queue); "
           f"this buffer's state is a {type(self._state).__name__}."
         )
       if (
@@ -372,8 +373,10 @@ class ReplayService(Generic[StateT, SampleT]):
         raise ValueError(f"{what}: max_version_lag must be an int >= 0; given {max_version_lag!r}.")
 
     def draw(state):  # under the state lock, which also guards the versions
-      if max_version_lag is None:
-        batch = self.buffer.sample(state, key, batch_size)
+      if self._fifo is not None:
+        batch = self._fifo.take(state, batch_size)
+      elif max_version_lag is None:
+        state, batch = self.buffer.take(state, key, batch_size)  # consuming kinds retire rows
       else:
         eligible = self._versions.eligible(max_version_lag)
         batch = uniform.sample_eligible(state, key, batch_size, eligible)
@@ -471,6 +474,7 @@ class ReplayService(Generic[StateT, SampleT]):
         "inserts": counts.inserts,
         "samples": counts.samples,
         "newest": self._versions.newest,
+        "read_count": None if self._fifo is None else int(self._fifo.read_count),
       }
       temporary = path / "service.json.tmp"
       temporary.write_text(json.dumps(record))
@@ -489,6 +493,8 @@ class ReplayService(Generic[StateT, SampleT]):
     record = json.loads((path / "service.json").read_text())
     service = cls(buffer, state, rate_limiter=rate_limiter)
     service._versions.restore(np.load(path / "versions.npy"), record["newest"])
+    if service._fifo is not None and record.get("read_count") is not None:
+      service._fifo.read_count = jnp.uint32(record["read_count"])
     service._counts = service.rate_limiter.restored(
       RateCounts(int(record["inserts"]), int(record["samples"]))
     )
