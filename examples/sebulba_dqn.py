@@ -187,7 +187,9 @@ def train(config: Config) -> dict[str, Any]:
           break  # the actors stopped (the total reached while waiting)
         continue
       update += 1
-      published.latest = (learner.params, update)
+      # Published once computed: an actor acting on parameters still being
+      # computed would wait for the learner's step, and not overlap it.
+      published.latest = (jax.block_until_ready(learner.params), update)
   for thread in threads:
     thread.join(JOIN)
   seconds = time.perf_counter() - start
