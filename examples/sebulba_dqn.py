@@ -126,9 +126,8 @@ def make_train_step(config: Config, agent: gymnasium_dqn.Agent):
   loss))`, jitted: one sample and update, the target copied every
   `target_period` updates' worth of env steps."""
   learn = q_learning.td_learner(agent.buffer, agent.optimizer, agent.td_loss, config.batch_size)
-  target_updates = max(config.target_update_interval * config.batch_size, 1) / (
-    samples_per_insert(config) * config.batch_size
-  )
+  # An update per batch_size / samples_per_insert env steps (8 by default).
+  target_updates = config.target_update_interval * samples_per_insert(config) / config.batch_size
 
   @jax.jit
   def train_step(buffer_state, learner: q_learning.LearnerState, key):
