@@ -215,6 +215,40 @@ def test_a_vector_env_recorder_feeds_a_writer():
   service.close()
 
 
+def test_recorders_feed_stream_writers_of_their_own_envs():
+  gym = pytest.importorskip("gymnasium")
+  buffer = jaxbuf.sequence_replay(4, 256, 2)
+
+  def make_envs():
+    return gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1", max_episode_steps=5)] * 2)
+
+  recorders = [jaxbuf.VectorEnvRecorder(make_envs(), buffer) for _ in range(2)]
+  service = jaxbuf.ReplayService(buffer, buffer.init(recorders[0].example))
+
+  def actor(index):
+    envs = make_envs()
+    recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
+    writer = service.writer(envs=[2 * index, 2 * index + 1])
+    obs, _ = envs.reset(seed=index)
+    recorder.reset(obs)
+    for _ in range(12):
+      actions = envs.action_space.sample()
+      writer.add(recorder.record(actions, *envs.step(actions)), policy_version=index, timeout=JOIN)
+    envs.close()
+
+  assert not run_threads([lambda i=i: actor(i) for i in range(2)])
+  state = service.state
+  # Episodes of 5 steps (12 vector steps: 2 episodes, 2 reset steps not
+  # stored): each env's stream holds 5 steps, then the final observation
+  # flagged last, twice.
+  last = np.asarray(state.storage.last)
+  for env in range(4):
+    held = int(state.steps_held[env])
+    assert int(state.steps_held[env]) == 12  # 2 x (5 steps + the final one)
+    np.testing.assert_array_equal(np.flatnonzero(last[env, :12]), [5, 11])
+  service.close()
+
+
 def test_prioritized_updates_and_a_jitted_learner_step():
   buffer = jaxbuf.prioritized_replay(64)
   service = jaxbuf.ReplayService(buffer, buffer.init(np.float32(0)))
