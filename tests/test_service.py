@@ -222,8 +222,8 @@ def test_recorders_feed_stream_writers_of_their_own_envs():
   def make_envs():
     return gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1", max_episode_steps=5)] * 2)
 
-  recorders = [jaxbuf.VectorEnvRecorder(make_envs(), buffer) for _ in range(2)]
-  service = jaxbuf.ReplayService(buffer, buffer.init(recorders[0].example))
+  example = jaxbuf.VectorEnvRecorder(make_envs(), buffer).example
+  service = jaxbuf.ReplayService(buffer, buffer.init(example))
 
   def actor(index):
     envs = make_envs()
@@ -243,7 +243,6 @@ def test_recorders_feed_stream_writers_of_their_own_envs():
   # flagged last, twice.
   last = np.asarray(state.storage.last)
   for env in range(4):
-    held = int(state.steps_held[env])
     assert int(state.steps_held[env]) == 12  # 2 x (5 steps + the final one)
     np.testing.assert_array_equal(np.flatnonzero(last[env, :12]), [5, 11])
   service.close()
