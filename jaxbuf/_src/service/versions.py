@@ -141,7 +141,7 @@ class UnitVersions:
     """int32 `[S]`: the newest version minus each unit's (-1 untracked)."""
     if self.layout is None:
       return jnp.full(jnp.shape(indices), UNTRACKED, jnp.int32)
-    return _lags(self.versions, jnp.int32(self.newest), indices)
+    return _lags(self.versions, np.int32(self.newest), indices)
 
   def eligible(self, max_version_lag: int) -> jax.Array:
     """bool `[C]`: the units whose lag is at most `max_version_lag`."""
