@@ -10,6 +10,8 @@ import math
 import pathlib
 import threading
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,6 +88,40 @@ def test_limiters_have_reverbs_meaning():
 def test_limiters_refuse_bad_and_unsatisfiable_settings(make, message):
   with pytest.raises(ValueError, match=message):
     make()
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+  ratio=st.sampled_from([0.25, 1.0, 2.0, 3.0, 16.0]),
+  min_size=st.integers(1, 20),
+  error_buffer=st.floats(1.0, 200.0),
+  insert_units=st.integers(1, 8),
+  sample_rows=st.integers(1, 64),
+  choices=st.lists(st.booleans(), min_size=1, max_size=300),
+)
+def test_sizes_the_limiter_accepts_never_block_both_sides(
+  ratio, min_size, error_buffer, insert_units, sample_rows, choices
+):
+  """Any interleaving of inserts of `insert_units` and samples of
+  `sample_rows` that `check_sizes` accepts always leaves a move: the side
+  chosen runs if allowed, else the other must be (never both blocked)."""
+  try:
+    limiter = jaxbuf.SampleToInsertRatio(ratio, min_size, max(error_buffer, ratio))
+    limiter.check_sizes(insert_units, sample_rows)
+  except ValueError:
+    return
+  counts = jaxbuf.RateCounts(0, 0)
+  for insert_first in choices:
+    can_insert = limiter.can_insert(counts, insert_units)
+    can_sample = limiter.can_sample(counts, sample_rows)
+    assert can_insert or can_sample, (limiter, counts)
+    if can_insert and (insert_first or not can_sample):
+      counts = counts._replace(inserts=counts.inserts + insert_units)
+    else:
+      counts = counts._replace(samples=counts.samples + sample_rows)
+    if counts.inserts >= min_size:  # the diff stays inside the window
+      diff = counts.inserts * ratio - counts.samples
+      assert limiter.min_diff <= diff <= limiter.max_diff + insert_units * ratio
 
 
 def test_sizes_that_could_deadlock_are_refused_before_waiting():
