@@ -7,6 +7,9 @@ the Sebulba example against the single-thread host loop.
   median of interleaved repeats (harness.time_interleaved).
 * Coalescing: K threads each adding `--adds` batches of 4 as fast as they
   can; adds taken, device calls made, adds per second.
+* A slow env: an env step of `--delay` seconds outside the GIL (a
+  simulator in C), one thread doing everything against actor threads and a
+  learner, the same service and learner step (`slow_env`).
 * The example: examples/sebulba_dqn.py (K actor threads, the learner in
   the main thread, SampleToInsertRatio at 16 samples per insert) against
   examples/gymnasium_dqn.py's single-thread recipe at the same replay ratio
@@ -113,6 +116,76 @@ def coalescing(threads: int, adds: int) -> dict:
   return result
 
 
+def slow_env(steps: int, delay: float, actors: int) -> dict:
+  """A host env whose step takes `delay` seconds outside the GIL (a
+  simulator in C), 4 envs, a learner of 3 dense layers on batches of 128 at
+  16 samples per insert: env steps per second of one thread doing it all
+  (step, add, learn when the limiter allows) against `actors` actor threads
+  and the learner in the main thread. The same service calls in both."""
+  rng = np.random.default_rng(0)
+  items = transitions(rng)
+  buffer = jaxbuf.uniform_replay(100_000)
+  weights = [jax.numpy.ones((4, 256)), jax.numpy.ones((256, 256)), jax.numpy.ones((256, 2))]
+
+  @jax.jit
+  def train_step(state, weights, key):
+    batch = buffer.sample(state, key, 128)
+
+    def loss(weights):
+      hidden = batch.items["obs"]
+      for layer in weights:
+        hidden = jax.numpy.tanh(hidden @ layer)
+      return jax.numpy.mean(hidden**2)
+
+    grads = jax.grad(loss)(weights)
+    return state, [w - 1e-3 * g for w, g in zip(weights, grads)]
+
+  def run(threaded: bool) -> float:
+    example = jax.tree.map(lambda leaf: leaf[0], items)
+    limiter = jaxbuf.SampleToInsertRatio(16.0, min_size=512, error_buffer=1024.0)
+    service = jaxbuf.ReplayService(buffer, buffer.init(example), rate_limiter=limiter)
+    holder = {"weights": weights, "updates": 0}
+
+    def learn_once(timeout):
+      holder["weights"] = service.learn(
+        train_step, 128, holder["weights"], jax.random.key(holder["updates"]), timeout=timeout
+      )
+      jax.block_until_ready(holder["weights"])
+      holder["updates"] += 1
+
+    def act(count):
+      writer = service.writer()
+      for _ in range(count):
+        time.sleep(delay)  # the env's step, the GIL released
+        writer.add(items, timeout=60)
+
+    start = time.perf_counter()
+    if threaded:
+      workers = [threading.Thread(target=act, args=(steps // actors,)) for _ in range(actors)]
+      for worker in workers:
+        worker.start()
+      while any(worker.is_alive() for worker in workers):
+        try:
+          learn_once(0.05)
+        except TimeoutError:
+          pass
+      for worker in workers:
+        worker.join()
+    else:
+      writer = service.writer()
+      for _ in range(steps):
+        time.sleep(delay)
+        writer.add(items, timeout=60)
+        while limiter.can_sample(service.counts, 128):
+          learn_once(None)
+    seconds = time.perf_counter() - start
+    service.close()
+    return 4 * steps / seconds
+
+  run(False)  # compiles
+  return dict(single=run(False), threaded=run(True))
+
+
 def example(total_steps: int, num_actors: int) -> dict:
   common = dict(total_steps=total_steps, learning_starts=min(10_000, total_steps // 5))
   single = gymnasium_dqn.train(gymnasium_dqn.Config(progress=False, **common))
@@ -127,7 +200,9 @@ def main() -> None:
   parser.add_argument("--adds", type=int, default=2000)
   parser.add_argument("--total-steps", type=int, default=30_000)
   parser.add_argument("--actors", type=int, default=2)
-  parser.add_argument("--parts", nargs="+", default=["calls", "coalescing", "example"])
+  parser.add_argument("--delay", type=float, default=0.002)
+  parser.add_argument("--slow-steps", type=int, default=1000)
+  parser.add_argument("--parts", nargs="+", default=["calls", "coalescing", "slow_env", "example"])
   args = parser.parse_args()
   harness.print_machine()
   if "calls" in args.parts:
@@ -144,6 +219,13 @@ def main() -> None:
         f"{result['device_adds']} device calls ({result['adds'] / result['device_adds']:.2f} "
         f"adds per call), {result['adds'] / result['seconds']:,.0f} adds/s"
       )
+  if "slow_env" in args.parts:
+    result = slow_env(args.slow_steps, args.delay, args.actors)
+    print(
+      f"info  env step of {1e3 * args.delay:.1f} ms outside the GIL, {args.slow_steps} vector "
+      f"steps of 4: one thread {result['single']:,.0f} env steps/s; {args.actors} actor threads "
+      f"+ learner {result['threaded']:,.0f}: {result['threaded'] / result['single']:.2f}x"
+    )
   if "example" in args.parts:
     result = example(args.total_steps, args.actors)
     single, threaded = result["single"], result["threaded"]
