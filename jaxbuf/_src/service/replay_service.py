@@ -340,7 +340,8 @@ class ReplayService(Generic[StateT, SampleT]):
       max_version_lag: draw only rows whose policy version is at most this
         far behind the newest version added (uniform item replay). With no
         such row held the rows come back with weight 0, as from an empty
-        buffer; it does not wait.
+        buffer; it does not wait. Drawn with `jaxbuf.uniform.sample_eligible`,
+        which retires nothing (not a `take`).
 
     Returns:
       A `ServiceSample`: `.batch`, the buffer's own sample; `.version_lag`,
