@@ -5,7 +5,7 @@ and may change. The module-level functions of each buffer kind, with every
 setting explicit, are public too, for users who bind them differently:
 `jaxbuf.uniform`, `jaxbuf.prioritized`, `jaxbuf.rollout`, `jaxbuf.sequence`,
 `jaxbuf.prioritized_sequence`, `jaxbuf.hindsight`, `jaxbuf.episode`,
-`jaxbuf.frames`.
+`jaxbuf.frames`, `jaxbuf.queue`.
 `help(jaxbuf.streams)` is the stream convention every stream kind follows;
 `help(jaxbuf.offline)` maps Minari's and RLDS's episodes onto jaxbuf's items
 and streams.
@@ -21,6 +21,10 @@ from jaxbuf._src.onpolicy import rollout
 from jaxbuf._src.streams import sequence
 from jaxbuf._src.streams import convention as streams
 from jaxbuf._src.items import uniform
+from jaxbuf._src.selection import queue
+from jaxbuf._src.selection.queue import QueueSample
+from jaxbuf._src.selection.queue import QueueState
+from jaxbuf._src.selection.queue import queue_replay
 from jaxbuf._src.onpolicy.advantages import compute_gae
 from jaxbuf._src.onpolicy.advantages import lambda_returns
 from jaxbuf._src.onpolicy.advantages import n_step_returns
@@ -83,6 +87,15 @@ from jaxbuf._src.items.uniform import epoch_batches
 from jaxbuf._src.items.uniform import uniform_replay
 from jaxbuf._src.host.vector_envs import RecordedStep
 from jaxbuf._src.host.vector_envs import VectorEnvRecorder
+from jaxbuf._src.service.closed import ServiceClosed
+from jaxbuf._src.service.limiters import MinSize
+from jaxbuf._src.service.limiters import Queue
+from jaxbuf._src.service.limiters import RateCounts
+from jaxbuf._src.service.limiters import RateLimiter
+from jaxbuf._src.service.limiters import SampleToInsertRatio
+from jaxbuf._src.service.replay_service import ReplayService
+from jaxbuf._src.service.replay_service import ServiceSample
+from jaxbuf._src.service.writer import Writer
 
 __version__ = "0.1.0"
 
@@ -98,6 +111,7 @@ __all__ = (
   "HindsightReplayState",
   "HindsightSample",
   "HindsightTransition",
+  "MinSize",
   "Mixture",
   "MixtureSample",
   "NStepTargets",
@@ -105,17 +119,27 @@ __all__ = (
   "PrioritizedReplayState",
   "PrioritizedSequenceReplayState",
   "PyTree",
+  "Queue",
+  "QueueSample",
+  "QueueState",
+  "RateCounts",
+  "RateLimiter",
   "RecordedStep",
   "ReplaySample",
+  "ReplayService",
   "ReplayState",
   "RolloutBuffer",
   "RolloutState",
+  "SampleToInsertRatio",
   "Schedule",
   "SequenceMinibatches",
   "SequenceReplayState",
   "SequenceSample",
+  "ServiceClosed",
+  "ServiceSample",
   "Transition",
   "VectorEnvRecorder",
+  "Writer",
   "burn_in_split",
   "compute_gae",
   "cond_update",
@@ -145,6 +169,8 @@ __all__ = (
   "prioritized_replay",
   "prioritized_sequence",
   "prioritized_sequence_replay",
+  "queue",
+  "queue_replay",
   "r2d2_priorities",
   "rollout",
   "rollout_buffer",

@@ -256,7 +256,45 @@ def sample(
     `[S]`, weights float32 `[S]`, parts (each buffer's own sample of its
     `rows_per_part(S, proportions)[k]` rows).
   """
-  what = "mixture.sample"
+  return _drawn(
+    states, key, batch_size, buffers=buffers, proportions=proportions, what="mixture.sample"
+  )[1]
+
+
+def take(
+  states: Sequence[Any],
+  key: jax.Array,
+  batch_size: int,
+  *,
+  buffers: Sequence[Buffer],
+  proportions: Sequence[float],
+) -> tuple[list | tuple, MixtureSample]:
+  """The draw `sample` makes, through each part's own `take`: each part's
+  state after its draw (its rows counted as sampled, a queue's handed out).
+
+  Args:
+    states, key, batch_size, buffers, proportions: as for `sample`.
+
+  Returns:
+    `(states, batch)`: the states, each part's after its own `take` (a part
+    with no rows as given), a list or a tuple as `states` was; and the
+    `MixtureSample` that `sample` would draw from the same states and key.
+  """
+  return _drawn(
+    states, key, batch_size, buffers=buffers, proportions=proportions, what="mixture.take"
+  )
+
+
+def _drawn(
+  states: Sequence[Any],
+  key: jax.Array,
+  batch_size: int,
+  *,
+  buffers: Sequence[Buffer],
+  proportions: Sequence[float],
+  what: str,
+) -> tuple[list | tuple, MixtureSample]:
+  """`sample` (the parts' `sample`) or `take` (their `take`), named by `what`."""
   _check_states(states, buffers, what=what)
   validation.check_key(key, what=what)
   validation.check_batch_size(batch_size, what=what)
@@ -265,17 +303,27 @@ def sample(
   keys = _part_keys(key, len(buffers))
   abstract = _abstract_parts(states, keys, rows, buffers)
   _check_items_agree(abstract, buffers, what=what)
-  parts = tuple(
-    buffer.sample(state, part_key, count) if count else _empty_like(shapes)
+  consume = what == "mixture.take"
+  drawn = [
+    (buffer.take if consume else _peeked(buffer.sample))(state, part_key, count)
+    if count
+    else (state, _empty_like(shapes))
     for buffer, state, part_key, count, shapes in zip(buffers, states, keys, rows, abstract)
-  )
+  ]
+  parts = tuple(part for _, part in drawn)
+  after = [state for state, _ in drawn]
   source = np.repeat(np.arange(len(buffers), dtype=np.int32), rows)
-  return MixtureSample(
+  return (tuple(after) if isinstance(states, tuple) else after), MixtureSample(
     items=_concatenated([part.items for part in parts]),
     source=jnp.asarray(source),
     weights=jnp.concatenate([part.weights for part in parts]),
     parts=parts,
   )
+
+
+def _peeked(sample_function: Callable) -> Callable:
+  """`sample_function` as a `take` that leaves the state as given."""
+  return lambda state, key, count: (state, sample_function(state, key, count))
 
 
 def update_priorities(
@@ -360,7 +408,9 @@ def can_sample(
 class Mixture(NamedTuple):
   """A mixture's functions, its buffers and proportions bound.
 
-  `sample(states, key, batch_size, step=None)`,
+  `sample(states, key, batch_size, step=None)` (a read-only peek),
+  `take(states, key, batch_size, step=None) -> (states, batch)` (the same
+  draw through each part's `take`: `jaxbuf.Buffer`),
   `update_priorities(states, batch, priorities)` and
   `can_sample(states, batch_size)` take the list of each buffer's state;
   `rows(batch_size)` gives each part's row count. `buffers` are the parts'
@@ -374,6 +424,7 @@ class Mixture(NamedTuple):
   rows: Callable[[int], tuple[int, ...]]
   buffers: tuple[Buffer, ...]
   proportions: tuple[float, ...]
+  take: Callable[..., tuple[Any, MixtureSample]]
 
 
 def mixture(buffers: Sequence[Buffer], proportions: Sequence[float]) -> Mixture:
@@ -454,6 +505,7 @@ def mixture(buffers: Sequence[Buffer], proportions: Sequence[float]) -> Mixture:
   mixed_sample = base.documented(functools.partial(sample, **bound))
   mixed_update = base.documented(functools.partial(update_priorities, **bound))
   mixed_can_sample = base.documented(functools.partial(can_sample, **bound))
+  mixed_take = base.documented(functools.partial(take, **bound))
   if not any(buffer.kind is not None and buffer.kind.checked for buffer in buffers):
     # The buffers' own wrappers: JAX's errors for a donated state or an
     # array batch size become jaxbuf's.
@@ -462,6 +514,11 @@ def mixture(buffers: Sequence[Buffer], proportions: Sequence[float]) -> Mixture:
     )
     mixed_update = base._explained(  # pylint: disable=protected-access
       "mixture.update_priorities", jax.jit(mixed_update, donate_argnums=0)
+    )
+    mixed_take = base._explained(  # pylint: disable=protected-access
+      "mixture.take",
+      jax.jit(mixed_take, static_argnames="batch_size", donate_argnums=0),
+      batch_size_position=2,
     )
     mixed_can_sample = base._explained(  # pylint: disable=protected-access
       "mixture.can_sample",
@@ -476,4 +533,5 @@ def mixture(buffers: Sequence[Buffer], proportions: Sequence[float]) -> Mixture:
     rows=base.documented(functools.partial(rows_per_part, proportions=proportions)),
     buffers=buffers,
     proportions=tuple(p / total for p in proportions),
+    take=base._sampled_at_step(mixed_take, "mixture.take"),  # pylint: disable=protected-access
   )

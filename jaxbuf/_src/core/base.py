@@ -134,6 +134,22 @@ class CanSampleFn(Protocol[_StateT_contra]):
   def __call__(self, state: _StateT_contra, batch_size: int) -> jax.Array: ...
 
 
+class TakeFn(Protocol[StateT, _SampleT_co]):
+  """`buffer.take(state, key, batch_size, step=None) -> (state, sample)`:
+  draws as `sample` does and returns the state after the draw (the draw
+  counted, the rows handed out retired); the state as given for kinds that
+  consume nothing."""
+
+  def __call__(
+    self,
+    state: StateT,
+    key: jax.Array,
+    batch_size: int,
+    *,
+    step: int | jax.Array | None = None,
+  ) -> tuple[StateT, _SampleT_co]: ...
+
+
 class ClearFn(Protocol[StateT]):
   """`buffer.clear(state)`: the state emptied, its storage kept."""
 
@@ -157,7 +173,14 @@ class Buffer(NamedTuple, Generic[StateT, SampleT]):
     `add(state, steps, mask=None, episode_end=None, final_steps=None) ->
     state` (stream kinds, `help(jaxbuf.streams)`).
   * `sample(state, key, batch_size: int, *, step=None) -> ReplaySample` (or
-    the kind's subclass of it); `batch_size` a Python int, static.
+    the kind's subclass of it); `batch_size` a Python int, static. A
+    read-only peek: it counts nothing and retires nothing, so the same state
+    and key give the same rows again.
+  * `take(state, key, batch_size: int, *, step=None) -> (state, sample)`:
+    the same draw as `sample` (the same rows under the same key and state),
+    and the state after it: the rows counted as sampled (`max_times_sampled`)
+    or handed out (queues). The state as given, for kinds that consume
+    nothing. Jitted with the state donated where it consumes.
   * `update_priorities(state, indices [S], priorities [S], item_ids [S] =
     None) -> state`: `sample(...).indices` and `.item_ids`; the identity
     for uniform kinds (arguments still validated).
@@ -198,6 +221,10 @@ class Buffer(NamedTuple, Generic[StateT, SampleT]):
   can_sample: CanSampleFn[StateT]
   clear: ClearFn[StateT]
   kind: kind_protocol.Kind | None = None
+  # Last, with a default, so that a Buffer built from the six functions (and
+  # the kind) positionally still builds; `bind` always sets it, and only a
+  # Buffer built by hand holds None.
+  take: TakeFn[StateT, SampleT] = None  # type: ignore[assignment]
 
 
 # What `help(jaxbuf.Buffer)` shows for each field: the signature a call has.
@@ -207,7 +234,7 @@ _FIELD_DOCS = {
   "mask=None, episode_end=None, final_steps=None) -> state (stream "
   "kinds).",
   "sample": "sample(state, key, batch_size: int, *, step=None) -> "
-  "ReplaySample (or the kind's subclass).",
+  "ReplaySample (or the kind's subclass); a read-only peek that counts nothing.",
   "update_priorities": "update_priorities(state, indices, priorities, "
   "item_ids=None) -> state; indices, priorities and "
   "item_ids [S], from sample(...).",
@@ -217,6 +244,9 @@ _FIELD_DOCS = {
   "replacement). Not a warm-up: state.size >= min_size (item kinds), "
   "state.steps_held.sum() >= min_steps (stream kinds).",
   "clear": "clear(state) -> state: empty, the storage kept.",
+  "take": "take(state, key, batch_size: int, *, step=None) -> (state, sample): "
+  "the draw sample makes, and the state after it (rows counted as sampled, "
+  "queue rows handed out); the state as given for kinds that consume nothing.",
   "kind": "The kind's description for jaxbuf.sharded and checkpoints (jaxbuf._src.core.kind.Kind).",
 }
 for _name, _doc in _FIELD_DOCS.items():
@@ -377,8 +407,9 @@ def _checking_settings(function: Callable, kind: kind_protocol.Kind, what: str) 
   return checking
 
 
-def _sampled_at_step(sample: Callable) -> Callable:
-  """`sample` that also takes `step=`: draws with `fold_in(key, step)`.
+def _sampled_at_step(sample: Callable, what: str = "sample") -> Callable:
+  """`sample` (or `take`, named by `what`) that also takes `step=`: draws
+  with `fold_in(key, step)`.
 
   A Python loop then passes one key and its loop counter to every call, and
   never calls `jax.random.split` from Python (20-80 us a call): the fold
@@ -387,8 +418,8 @@ def _sampled_at_step(sample: Callable) -> Callable:
 
   def sample_at_step(state, key, batch_size, *args, step=None, **kwargs):
     if step is not None:
-      validation.check_key(key, what="sample")
-      validation.check_step(step, what="sample")
+      validation.check_key(key, what=what)
+      validation.check_step(step, what=what)
       key = random.fold_in(key, step)
     return sample(state, key, batch_size, *args, **kwargs)
 
@@ -405,6 +436,22 @@ def _sampled_at_step(sample: Callable) -> Callable:
   return sample_at_step
 
 
+def _peek_take(sample: Callable) -> Callable:
+  """The `take` of a kind that consumes nothing: `sample`'s draw, and the
+  state as it was given (not copied, not donated)."""
+
+  def take(state, key, batch_size, *, step=None):
+    return state, sample(state, key, batch_size, step=step)
+
+  functools.update_wrapper(take, sample)
+  take.__name__ = take.__qualname__ = "take"
+  take.__doc__ = (
+    "The draw `sample` makes, and the state as given: this kind counts no "
+    "draw (`jaxbuf.Buffer`).\n\n" + (sample.__doc__ or "")
+  )
+  return take
+
+
 def bind(
   init: Callable,
   add: Callable,
@@ -415,6 +462,7 @@ def bind(
   *,
   kind: kind_protocol.Kind,
   checked: bool,
+  take: Callable | None = None,
   jit_update_priorities: bool = True,
   init_shardings: Any = None,
   pack_host_items: bool = True,
@@ -438,7 +486,11 @@ def bind(
   in is consumed and its arrays are reused for the result. Inside a user's own
   jit the wrappers inline and the user's donation decides.
 
-  Every `sample` also takes `step=` (`_sampled_at_step`).
+  Every `sample` also takes `step=` (`_sampled_at_step`), and so does
+  `take`. `take`: the kind's own `take(state, key, batch_size) -> (state,
+  sample)` for a kind whose draws change its state (jitted with the state
+  donated, as `add`); None (the default) for one whose draws change
+  nothing: the bound `take` is then `sample`'s draw and the state as given.
 
   Checked mode keeps the functions unjitted: called eagerly, a failed check
   raises at once; staged inside a jit, it needs `checkify.checkify`.
@@ -462,8 +514,19 @@ def bind(
     )
   )
   sample = _sampled_at_step(sample)
+  if take is not None:
+    take = _sampled_at_step(_checking_settings(documented(take), kind, "take"), "take")
   if checked:
-    return Buffer(init, add, sample, update_priorities, can_sample, clear, kind)
+    return Buffer(
+      init,
+      add,
+      sample,
+      update_priorities,
+      can_sample,
+      clear,
+      kind,
+      _peek_take(sample) if take is None else take,
+    )
   jitted_add = jax.jit(add, donate_argnums=0)
   jitted_update = (
     jax.jit(update_priorities, donate_argnums=0) if jit_update_priorities else update_priorities
@@ -503,11 +566,19 @@ def bind(
       **{name: host_add.listed_array(value) for name, value in kwargs.items()},
     )
 
+  sample = _explained(
+    "sample", jax.jit(sample, static_argnames="batch_size"), batch_size_position=2
+  )
   return Buffer(
     init=init,
     add=_explained("add", add_from_host),
-    sample=_explained(
-      "sample", jax.jit(sample, static_argnames="batch_size"), batch_size_position=2
+    sample=sample,
+    take=_peek_take(sample)
+    if take is None
+    else _explained(
+      "take",
+      jax.jit(take, static_argnames="batch_size", donate_argnums=0),
+      batch_size_position=2,
     ),
     update_priorities=_explained("update_priorities", update_priorities_from_host),
     can_sample=_explained(

@@ -69,6 +69,55 @@ def sample(
   )
 
 
+def sample_eligible(
+  state: ReplayState, key: jax.Array, batch_size: int, eligible: jax.Array
+) -> ReplaySample:
+  """Draws `batch_size` items uniformly, with replacement, from those held
+  that are `eligible`.
+
+  The replay service's `max_version_lag` draws with it (eligible: the slots
+  whose policy version is recent enough). Exact in integers: a uniform
+  count in `[0, E)` located by a search of the eligible counts' running sum,
+  so an ineligible slot is never drawn; O(C) per call. With no eligible
+  item held, slot 0 comes back with weight 0, as from an empty buffer.
+
+  Args:
+    state: an item replay state.
+    key: a PRNG key.
+    batch_size: S, a Python int.
+    eligible: bool `[C]`, the slots that may be drawn.
+
+  Returns:
+    A `ReplaySample` as `sample` returns it.
+
+  >>> import jax, jax.numpy as jnp, jaxbuf
+  >>> buffer = jaxbuf.uniform_replay(4)
+  >>> state = buffer.add(buffer.init(jnp.float32(0)), jnp.arange(4.0))
+  >>> eligible = jnp.array([False, False, True, True])
+  >>> batch = jaxbuf.uniform.sample_eligible(state, jax.random.key(0), 8, eligible)
+  >>> bool(jnp.all(batch.items >= 2))
+  True
+  """
+  validation.check_sample_args(state.size, key, batch_size, checked=False)
+  capacity = ring.capacity_of(state.storage)
+  if jnp.shape(eligible) != (capacity,):
+    raise ValueError(
+      f"sample_eligible: eligible must be bool [{capacity}]; given {jnp.shape(eligible)}."
+    )
+  held = jnp.arange(capacity) < state.size
+  counts = jnp.cumsum((held & eligible).astype(jnp.int32))
+  total = counts[-1]
+  draws = jax.random.randint(key, (batch_size,), 0, jnp.maximum(total, 1))
+  indices = jnp.minimum(jnp.searchsorted(counts, draws, side="right"), capacity - 1)
+  indices = jnp.where(total > 0, indices, 0).astype(jnp.int32)
+  return ReplaySample(
+    items=ring.gather(state.storage, indices),
+    indices=indices,
+    weights=jnp.full((batch_size,), total > 0, jnp.float32),
+    item_ids=ring.current_item_ids(state, indices),
+  )
+
+
 def epoch_batches(state: ReplayState, key: jax.Array, batch_size: int) -> ReplaySample:
   """Every item held exactly once, in a random order: batches `[M, S, ...]`.
 

@@ -1,0 +1,233 @@
+"""DQN with actor threads and a learner, through `jaxbuf.ReplayService`.
+
+Shape key: N envs (all actors together), S sample size.
+
+The Sebulba / Ape-X layout for environments stepped on the host:
+
+    actor thread 0: envs 0..N/K-1 --writer.add--+
+    actor thread 1: envs ...      --writer.add--+--> ReplayService --learn--> learner (main thread)
+    ...                                         |    (buffer state,           jitted train step:
+    actor thread K-1              --writer.add--+     rate limiter)           sample, TD loss, optax
+          ^                                                                       |
+          +------------------- params, policy version ----------------------------+
+
+Each actor owns a gymnasium vector env of N / K CartPole envs, acts with the
+latest parameters the learner published (jitted epsilon-greedy), and adds
+each step through its own writer, tagged with the policy version that acted
+(`jaxbuf.VectorEnvRecorder` turns the step into the add). The learner takes
+its batch inside its own jitted step (`service.learn`), and a
+`jaxbuf.SampleToInsertRatio` holds the replay ratio at the single-thread
+loop's (examples/gymnasium_dqn.py: a batch of 128 every 8 env steps, 16
+samples per insert), so the two train on the same data budget; here the env
+stepping of the actors overlaps the learner's device work.
+
+  python examples/sebulba_dqn.py                      # 2 actors, 5e5 env steps
+  python examples/sebulba_dqn.py --num_actors 1 --total_steps 50000
+  python examples/sebulba_dqn.py --plot sebulba.png   # returns curve
+
+Network, loss and hyperparameters are examples/gymnasium_dqn.py's.
+"""
+
+import dataclasses
+import pathlib
+import sys
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+if __package__ in (None, ""):
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import jaxbuf  # noqa: E402  pylint: disable=wrong-import-position
+from examples import gymnasium_dqn  # noqa: E402
+from examples import q_learning  # noqa: E402
+from examples import training  # noqa: E402
+
+JOIN = 120.0  # seconds to wait for an actor to stop
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(gymnasium_dqn.Config):
+  """gymnasium_dqn's flags, and the actors'."""
+
+  num_actors: int = 2  # K actor threads, N / K envs each
+  error_buffer: float = 512.0  # the limiter's slack, in sampled rows
+  switch_interval: float = 2e-4  # seconds: sys.setswitchinterval while training
+  progress: bool = False
+
+
+class Published:
+  """The learner's latest parameters and their version, for the actors.
+
+  One attribute holding a tuple: replaced whole by the learner, read whole
+  by the actors (a reference swap is atomic in CPython), so no lock.
+  """
+
+  def __init__(self, params: Any):
+    self.latest = (params, 0)
+
+
+def samples_per_insert(config: Config) -> float:
+  """The single-thread loop's replay ratio: S rows every train period."""
+  train_period = max(config.train_frequency // config.num_envs, 1) * config.num_envs
+  return config.batch_size / train_period
+
+
+def make_service(config: Config, agent: gymnasium_dqn.Agent) -> jaxbuf.ReplayService:
+  limiter = jaxbuf.SampleToInsertRatio(
+    samples_per_insert(config), min_size=config.learning_starts, error_buffer=config.error_buffer
+  )
+  return jaxbuf.ReplayService(agent.buffer, agent.buffer.init(agent.example), rate_limiter=limiter)
+
+
+def actor(
+  index: int,
+  config: Config,
+  agent: gymnasium_dqn.Agent,
+  service: jaxbuf.ReplayService,
+  published: Published,
+  returns: training.EpisodeReturns,
+) -> None:
+  """Steps N / K envs until the service has `total_steps` or is closed."""
+  per_actor = config.num_envs // config.num_actors
+  envs = gymnasium_dqn.make_envs(dataclasses.replace(config, num_envs=per_actor))
+  recorder = jaxbuf.VectorEnvRecorder(envs, agent.buffer)
+  writer = service.writer()
+  act = jax.jit(agent.act)
+  key = jax.random.key(config.seed + 1000 + index)
+  obs, _ = envs.reset(seed=config.seed + index)
+  recorder.reset(obs)
+  dtype = envs.single_action_space.dtype
+  step = 0
+  try:
+    while (inserts := service.counts.inserts) < config.total_steps:
+      params, version = published.latest
+      iteration = inserts // config.num_envs  # epsilon follows all actors' steps
+      actions = np.asarray(act(params, obs, jax.random.fold_in(key, step), iteration)).astype(dtype)
+      obs, rewards, terminated, truncated, info = envs.step(actions)
+      returns.record(inserts, rewards, terminated | truncated)
+      writer.add(
+        recorder.record(actions, obs, rewards, terminated, truncated, info),
+        policy_version=version,
+        timeout=JOIN,
+      )
+      step += 1
+  except jaxbuf.ServiceClosed:
+    pass  # the learner finished (or failed: it raises that itself)
+  finally:
+    envs.close()
+
+
+def make_train_step(config: Config, agent: gymnasium_dqn.Agent):
+  """`train_step(buffer_state, learner, key) -> (buffer_state, (learner,
+  loss))`, jitted: one sample and update, the target copied every
+  `target_period` updates' worth of env steps."""
+  learn = q_learning.td_learner(agent.buffer, agent.optimizer, agent.td_loss, config.batch_size)
+  # An update per batch_size / samples_per_insert env steps (8 by default).
+  target_updates = config.target_update_interval * samples_per_insert(config) / config.batch_size
+
+  @jax.jit
+  def train_step(buffer_state, learner: q_learning.LearnerState, key):
+    learner = learner.replace(buffer_state=buffer_state)
+    params, opt_state, buffer_state, loss = learn(learner, key)
+    learner = learner.replace(
+      params=params,
+      opt_state=opt_state,
+      buffer_state=jnp.zeros(()),
+      iteration=learner.iteration + 1,
+      target_params=optax.periodic_update(
+        params, learner.target_params, learner.iteration + 1, max(int(target_updates), 1)
+      ),
+    )
+    return buffer_state, (learner, loss)
+
+  return train_step
+
+
+def train(config: Config) -> dict[str, Any]:
+  """Trains one agent; returns what gymnasium_dqn.train returns, and
+  "samples_per_insert" (achieved), "target_samples_per_insert",
+  "device_adds" and "adds"."""
+  if config.num_envs % config.num_actors:
+    raise ValueError(f"num_envs {config.num_envs} must divide by num_actors {config.num_actors}.")
+  envs = gymnasium_dqn.make_envs(config)
+  agent = gymnasium_dqn.make_agent(config, envs)
+  obs, _ = envs.reset(seed=config.seed)
+  envs.close()
+  service = make_service(config, agent)
+  key, network_key = jax.random.split(jax.random.key(config.seed))
+  params = agent.network.init(network_key, obs[0])
+  learner = q_learning.LearnerState.start(key, params, agent.optimizer, jnp.zeros(()))
+  published = Published(params)
+  returns = training.EpisodeReturns(config.num_envs // config.num_actors)
+  all_returns = [
+    training.EpisodeReturns(config.num_envs // config.num_actors) for _ in range(config.num_actors)
+  ]
+  train_step = make_train_step(config, agent)
+  threads = [
+    threading.Thread(target=actor, args=(i, config, agent, service, published, all_returns[i]))
+    for i in range(config.num_actors)
+  ]
+  # The learner thread needs the GIL for a moment per update, and the
+  # actors hold it for most of their steps: at CPython's default switch
+  # interval (5 ms) a waiting learner may wait that long per hand-over. A
+  # shorter one hands it over sooner (1,958 -> 2,063 env steps/s over 3e4
+  # steps on the shared 2-core machine: within its noise).
+  switch_interval = sys.getswitchinterval()
+  sys.setswitchinterval(config.switch_interval)
+  start = time.perf_counter()
+  with service:  # an exception here closes it, and the actors stop
+    for thread in threads:
+      thread.start()
+    update = 0
+    while service.counts.inserts < config.total_steps:
+      try:
+        learner, _ = service.learn(
+          train_step, config.batch_size, learner, jax.random.fold_in(key, update), timeout=1.0
+        )
+      except TimeoutError:
+        if not any(thread.is_alive() for thread in threads):
+          break  # the actors stopped (the total reached while waiting)
+        continue
+      update += 1
+      # Published once computed: an actor acting on parameters still being
+      # computed would wait for the learner's step, and not overlap it.
+      published.latest = (jax.block_until_ready(learner.params), update)
+  for thread in threads:
+    thread.join(JOIN)
+  seconds = time.perf_counter() - start
+  sys.setswitchinterval(switch_interval)
+  counts = service.counts
+  returns.ended = sorted(sum((r.ended for r in all_returns), []))
+  return dict(
+    final_mean_return=returns.mean_since(int(counts.inserts * 0.9)),
+    steps_per_second=counts.inserts / seconds,
+    env_steps=counts.inserts,
+    episode_returns=returns,
+    samples_per_insert=counts.samples / max(counts.inserts - config.learning_starts, 1),
+    target_samples_per_insert=samples_per_insert(config),
+    device_adds=service.device_adds,
+    adds=service.adds,
+  )
+
+
+def main(argv: list[str] | None = None) -> None:
+  config, plot = training.parse_config(Config, __doc__.split("\n")[0], argv)
+  result = train(config)
+  if plot:
+    result["episode_returns"].plot(plot, f"Sebulba DQN on gymnasium {config.env_id}")
+  print(
+    f"env steps per second: {result['steps_per_second']:,.0f} ({config.num_actors} actors, "
+    f"{config.num_envs} envs, {result['env_steps']:,} env steps); samples per insert "
+    f"{result['samples_per_insert']:.2f} (target {result['target_samples_per_insert']:.2f}); "
+    f"{result['adds']:,} adds in {result['device_adds']:,} device calls; "
+    f"final mean return: {result['final_mean_return']:.1f}"
+  )
+
+
+if __name__ == "__main__":
+  main()

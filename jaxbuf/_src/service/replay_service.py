@@ -1,0 +1,534 @@
+"""`ReplayService`: one buffer state owned on the host, for actor threads
+that add and learner threads that sample. Host code: threads and locks
+around the buffer's own pure functions, which it calls unchanged.
+
+Locks. `_state_lock` guards the state and is held across a device call
+(the only thing done while holding it; donation happens under it).
+`_counts_lock` guards the limiter's counts, the pending adds and `closed`,
+and is only ever held briefly; its two conditions are the two reasons to
+wait (`_insertable`, `_sampleable`), every wait with the caller's timeout,
+and `close` wakes both. The order is `_state_lock` then `_counts_lock`;
+no thread waits for `_state_lock` while holding `_counts_lock`.
+
+Coalescing (flat combining). An add reserves its units with the limiter
+and appends itself to the pending list under `_counts_lock`, then takes
+`_state_lock`. Whichever thread holds `_state_lock` first drains every
+pending add (its own and those that arrived meanwhile) into as few device
+calls as it can: item adds concatenated into one `buffer.add`; stream adds
+of writers owning disjoint envs scattered into one `[N, ...]` add with a
+mask. A thread that finds its add already drained by another returns at
+once. So under contention many small adds become one dispatch, and with
+one actor nothing waits for a second.
+
+Samples drain the pending adds first too, so a sample sees every add the
+limiter counted. They draw with `buffer.take` (consuming kinds retire what
+they hand out), under `Queue` with the core's FIFO rule (`fifo_reads`), and
+with `max_version_lag` with `uniform.sample_eligible`.
+"""
+
+import json
+import math
+import os
+import pathlib
+import threading
+from typing import Any, Callable, Generic, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbuf._src.checkpoint import saving
+from jaxbuf._src.core.base import Buffer, PyTree, SampleT, StateT
+from jaxbuf._src.core.ring import ReplayState
+from jaxbuf._src.items import uniform
+from jaxbuf._src.items.prioritized import PrioritizedReplayState
+from jaxbuf._src.mixture import Mixture
+from jaxbuf._src.service import coalescing
+from jaxbuf._src.service.closed import ServiceClosed
+from jaxbuf._src.service.fifo_reads import FifoReads
+from jaxbuf._src.service.limiters import MinSize, RateCounts, RateLimiter
+from jaxbuf._src.service.versions import UnitVersions
+from jaxbuf._src.service.writer import Writer
+from jaxbuf._src.streams.sequence import SequenceReplayState
+
+
+class ServiceSample(NamedTuple, Generic[SampleT]):
+  """What `ReplayService.sample` returns."""
+
+  batch: SampleT  # the buffer's own sample (ReplaySample, SequenceSample, ...)
+  version_lag: jax.Array  # int32 [S]: newest version added minus each row's
+  # (-1 for kinds whose units are not tracked: jaxbuf._src.service.versions)
+
+
+def _check_timeout(timeout: float | None, what: str) -> float | None:
+  if timeout is None:
+    return None
+  if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+    raise TypeError(f"{what}: timeout must be a number of seconds or None; given {timeout!r}.")
+  if math.isnan(timeout) or timeout < 0:
+    raise ValueError(f"{what}: timeout must be >= 0 seconds or None; given {timeout}.")
+  return None if math.isinf(timeout) else float(timeout)
+
+
+def _check_version(version: Any, what: str) -> int:
+  if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+    raise TypeError(f"{what}: policy_version must be an int; given {version!r}.")
+  if not 0 <= int(version) < 2**31:
+    raise ValueError(f"{what}: policy_version must be in [0, 2**31); given {version}.")
+  return int(version)
+
+
+def _signature(tree: PyTree) -> tuple:
+  leaves, treedef = jax.tree.flatten(tree)
+  return (treedef, tuple((np.shape(leaf), np.result_type(leaf)) for leaf in leaves))
+
+
+def _abstract(tree: PyTree) -> PyTree:
+  return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), np.result_type(leaf)), tree)
+
+
+class ReplayService(Generic[StateT, SampleT]):
+  """A host-side service that owns one buffer state: actor threads add
+  through writers, learner threads sample, under a rate limiter.
+
+  Args:
+    buffer: any `Buffer` (uniform, prioritized, the stream kinds, a
+      `jaxbuf.mixture`, a `jaxbuf.sharded` buffer).
+    state: its state; the service owns it from now on (adds donate it).
+    rate_limiter: `jaxbuf.MinSize`, `jaxbuf.SampleToInsertRatio` or
+      `jaxbuf.Queue` (default `MinSize(1)`). A limiter's units are items
+      (item kinds) or env steps, final steps not counted (stream kinds); its
+      rows are sampled rows.
+
+  >>> import jax, numpy as np, jaxbuf
+  >>> buffer = jaxbuf.uniform_replay(64)
+  >>> service = jaxbuf.ReplayService(buffer, buffer.init(np.float32(0)),
+  ...                                rate_limiter=jaxbuf.MinSize(4))
+  >>> writer = service.writer()
+  >>> writer.add(np.arange(8, dtype=np.float32), policy_version=3)
+  >>> sample = service.sample(jax.random.key(0), 2, timeout=1.0)
+  >>> sample.batch.items.shape, sample.version_lag.tolist()
+  ((2,), [0, 0])
+  >>> service.close()
+  """
+
+  def __init__(self, buffer: Buffer[StateT, SampleT] | Mixture, state: StateT, rate_limiter=None):
+    if rate_limiter is None:
+      rate_limiter = MinSize(1)
+    if not isinstance(rate_limiter, RateLimiter):
+      raise TypeError(
+        "ReplayService: rate_limiter must be jaxbuf.MinSize, SampleToInsertRatio or Queue; "
+        f"given {type(rate_limiter).__name__}."
+      )
+    self.buffer: Any = buffer  # a Buffer, or a Mixture
+    self.rate_limiter = rate_limiter
+    self._state: Any = state  # a mixture's: the list of its parts' states
+    # A mixture's writers add to one part each (`writer(part=k)`), an item kind.
+    self._mixture = isinstance(buffer, Mixture)
+    self._streams = isinstance(state, SequenceReplayState)
+    self._num_envs = (
+      int(np.size(state.write_heads)) if isinstance(state, SequenceReplayState) else 0
+    )
+    self._versions = UnitVersions(state)
+    self._fifo = FifoReads(state, int(rate_limiter.max_diff)) if rate_limiter.fifo else None
+    self._abstract_state = _abstract(state)  # read without the lock: never donated
+    # The state's arrays are the service's own, so its adds donate them (in
+    # place on the device); `state` hands out copies.
+    self._parts = buffer.buffers if isinstance(buffer, Mixture) else ()
+    self._part_adds: list[Callable] = [jax.jit(part.add, donate_argnums=0) for part in self._parts]
+    if not isinstance(buffer, Mixture):
+      self._donating_add = jax.jit(buffer.add, donate_argnums=0)
+    self._state_lock = threading.Lock()
+    self._counts_lock = threading.Lock()
+    self._insertable = threading.Condition(self._counts_lock)
+    self._sampleable = threading.Condition(self._counts_lock)
+    self._counts = RateCounts(0, 0)
+    self._largest_insert = 0
+    self._largest_sample = 0
+    self._pending: list[coalescing.PendingAdd] = []
+    self._owned_envs: set[int] = set()
+    self._checked: set = set()  # add signatures the buffer accepted
+    self.closed = False
+    self._cause: BaseException | None = None
+    self.device_adds = 0  # device add calls made (coalescing: fewer than adds)
+    self.adds = 0  # writer adds taken
+
+  # Writers and adds ---------------------------------------------------------
+
+  def writer(self, envs: Sequence[int] | None = None, *, part: int | None = None) -> Writer:
+    """A writer for one actor thread.
+
+    Args:
+      envs: stream kinds: the env rows this writer owns (each env owned by
+        one writer at a time); None: every env. Item kinds: None.
+      part: a `jaxbuf.mixture`'s service: the part this writer adds to (an
+        item replay part); None otherwise.
+
+    Raises:
+      ValueError: envs out of range, repeated, or owned by another writer;
+        envs given for an item kind.
+      ServiceClosed: the service is closed.
+    """
+    self._raise_if_closed("writer")
+    if self._mixture:
+      parts = len(self._state)
+      if not isinstance(part, int) or not 0 <= part < parts:
+        raise ValueError(f"writer: a mixture's writer needs part= in [0, {parts}); given {part!r}.")
+      if isinstance(self._state[part], SequenceReplayState) or envs is not None:
+        raise ValueError("writer: a mixture's writers add to item replay parts (no envs=).")
+      return Writer(self, None, part)
+    if part is not None:
+      raise ValueError("writer: part= is for a jaxbuf.mixture's service.")
+    if not self._streams:
+      if envs is not None:
+        raise ValueError("writer: envs= is for the stream kinds; this buffer holds items.")
+      return Writer(self, None)
+    rows = np.arange(self._num_envs) if envs is None else np.asarray(envs, np.int64).reshape(-1)
+    if rows.size == 0 or rows.min() < 0 or rows.max() >= self._num_envs:
+      raise ValueError(f"writer: envs must be in [0, {self._num_envs}); given {list(rows)}.")
+    if len(set(rows.tolist())) != rows.size:
+      raise ValueError(f"writer: envs repeat; given {list(rows)}.")
+    with self._counts_lock:
+      taken = sorted(self._owned_envs & set(rows.tolist()))
+      if taken:
+        raise ValueError(
+          f"writer: envs {taken} belong to another writer (Writer.close frees them)."
+        )
+      self._owned_envs |= set(rows.tolist())
+    return Writer(self, rows)
+
+  def _release(self, writer: Writer) -> None:
+    if writer.envs is not None:
+      with self._counts_lock:
+        self._owned_envs -= set(writer.envs.tolist())
+
+  def _add(self, writer, items, version, timeout, *, mask, episode_end, final_steps) -> None:
+    """`Writer.add`: validate, wait for the limiter, then drain (module docstring)."""
+    what = "Writer.add"
+    timeout = _check_timeout(timeout, what)
+    version = _check_version(version, what)
+    self._raise_if_closed(what)
+    entry = self._entry(writer, items, version, mask, episode_end, final_steps)
+    if entry.units == 0 and not self._streams:
+      return
+    with self._counts_lock:
+      self._largest_insert = max(self._largest_insert, entry.units)
+      self.rate_limiter.check_sizes(self._largest_insert, max(self._largest_sample, 1))
+      self._wait(
+        self._insertable, lambda: self.rate_limiter.can_insert(self._counts, entry.units), timeout
+      )
+      self._counts = self._counts._replace(inserts=self._counts.inserts + entry.units)
+      self._pending.append(entry)
+      self.adds += 1
+      self._sampleable.notify_all()
+    with self._state_lock:
+      self._drain()
+    if entry.error is not None:
+      raise entry.error
+
+  def _entry(self, writer, items, version, mask, episode_end, final_steps) -> coalescing.PendingAdd:
+    """The add, checked against the buffer (once per shape signature)."""
+    if not self._streams:
+      if mask is not None or episode_end is not None or final_steps is not None:
+        raise TypeError("Writer.add: mask, episode_end and final_steps are for the stream kinds.")
+      self._check_signature(items, None, None, None, writer.part)
+      return coalescing.PendingAdd(
+        writer, coalescing.rows_of(items), items, version, None, None, None, 1
+      )
+    n = len(writer.envs)
+    steps_leaf = jax.tree.leaves(items)
+    if not steps_leaf:
+      raise ValueError("Writer.add: steps hold no arrays.")
+    storage_rank = jax.tree.leaves(self._abstract_state.storage)[0].ndim - 1  # [N, *step]
+    steps = int(np.shape(steps_leaf[0])[1]) if np.ndim(steps_leaf[0]) > storage_rank else 1
+    mask = np.ones(n, np.bool_) if mask is None else np.asarray(mask, np.bool_)
+    if mask.shape != (n,):
+      raise ValueError(
+        f"Writer.add: mask must be bool [{n}] (this writer's envs); given {mask.shape}."
+      )
+    if episode_end is not None:
+      episode_end = np.asarray(episode_end, np.bool_)
+    scattered = coalescing.scattered(
+      writer.envs, self._num_envs, items, mask, episode_end, final_steps
+    )
+    self._check_signature(*scattered)
+    return coalescing.PendingAdd(
+      writer, int(mask.sum()) * steps, items, version, mask, episode_end, final_steps, steps
+    )
+
+  def _check_signature(self, items, mask, episode_end, final_steps, part=None) -> None:
+    """Refuses an add the buffer would refuse, before anything is queued."""
+    key = (_signature(items), mask is None, _signature(episode_end), _signature(final_steps), part)
+    if key in self._checked:
+      return
+    kwargs = {}
+    if self._streams:
+      kwargs = dict(mask=mask, episode_end=episode_end, final_steps=final_steps)
+    add, state = (
+      self.buffer.add if part is None else self._parts[part].add,
+      self._abstract_state,
+    )
+    jax.eval_shape(
+      lambda state, items, kwargs: add(state, items, **kwargs),
+      state if part is None else state[part],
+      _abstract(items),
+      _abstract(kwargs),
+    )
+    self._checked.add(key)
+
+  def _drain(self) -> None:
+    """Adds every pending add to the state, in as few device calls as the
+    forms allow. Holds `_state_lock`."""
+    with self._counts_lock:
+      pending, self._pending = self._pending, []
+    if not pending:
+      return
+    for group in coalescing.groups(pending, streams=self._streams, by_part=self._mixture):
+      try:
+        if self._streams:
+          self._add_steps(group)
+        else:
+          self._add_items(group)
+        self.device_adds += 1
+      except BaseException as error:  # pylint: disable=broad-exception-caught
+        # The call failed before running (adds were checked; an interrupt),
+        # so the state is the one before: each writer of the group gets the
+        # error, and their units are handed back to the limiter.
+        for entry in group:
+          entry.error = error
+    failed = sum(entry.units for entry in pending if entry.error is not None)
+    with self._counts_lock:
+      self._counts = self._counts._replace(inserts=self._counts.inserts - failed)
+      self._sampleable.notify_all()
+      self._insertable.notify_all()
+
+  def _add_items(self, group: list[coalescing.PendingAdd]) -> None:
+    items, versions = coalescing.merged_items(group)
+    if self._mixture:
+      part = group[0].writer.part
+      states = list(self._state)
+      states[part] = self._part_adds[part](states[part], items)
+      self._state = type(self._state)(states)
+    else:
+      self._state = self._donating_add(self._state, items)
+    self._versions.added_items(versions)
+
+  def _add_steps(self, group: list[coalescing.PendingAdd]) -> None:
+    (items, mask, episode_end, final_steps), steps_per_env, versions = coalescing.merged_steps(
+      group, self._num_envs
+    )
+    self._state = self._donating_add(
+      self._state, items, mask=mask, episode_end=episode_end, final_steps=final_steps
+    )
+    self._versions.added_steps(steps_per_env, versions)
+
+  # Sampling ----------------------------------------------------------------
+
+  def sample(
+    self,
+    key: jax.Array,
+    batch_size: int,
+    timeout: float | None = None,
+    max_version_lag: int | None = None,
+  ) -> ServiceSample[SampleT]:
+    """Draws `batch_size` rows once the rate limiter allows it.
+
+    Args:
+      key: a PRNG key.
+      batch_size: S, a Python int.
+      timeout: seconds to wait for the limiter (None: no limit).
+      max_version_lag: draw only rows whose policy version is at most this
+        far behind the newest version added (uniform item replay). With no
+        such row held the rows come back with weight 0, as from an empty
+        buffer; it does not wait. Drawn with `jaxbuf.uniform.sample_eligible`,
+        which retires nothing (not a `take`).
+
+    Returns:
+      A `ServiceSample`: `.batch`, the buffer's own sample; `.version_lag`,
+      int32 `[S]`.
+
+    Raises:
+      ServiceClosed: the service is closed, or was closed while waiting.
+      TimeoutError: the limiter did not allow the sample within `timeout`.
+      ValueError: a size that could deadlock with the adds seen
+        (`RateLimiter.check_sizes`), or a bad argument.
+    """
+    what = "ReplayService.sample"
+    if max_version_lag is not None:
+      if (
+        not isinstance(self._state, ReplayState)
+        or isinstance(self._state, PrioritizedReplayState)
+        or self._versions.layout is None
+        or self._fifo is not None
+      ):
+        raise ValueError(
+          f"{what}: max_version_lag is drawn by uniform item replay only (unsharded, not "
+          f"under a Queue); "
+          f"this buffer's state is a {type(self._state).__name__}."
+        )
+      if (
+        isinstance(max_version_lag, bool)
+        or not isinstance(max_version_lag, int)
+        or max_version_lag < 0
+      ):
+        raise ValueError(f"{what}: max_version_lag must be an int >= 0; given {max_version_lag!r}.")
+
+    def draw(state):  # under the state lock, which also guards the versions
+      if self._fifo is not None:
+        batch = self._fifo.take(state, batch_size)
+      elif max_version_lag is None:
+        state, batch = self.buffer.take(state, key, batch_size)  # consuming kinds retire rows
+      else:
+        eligible = self._versions.eligible(max_version_lag)
+        batch = uniform.sample_eligible(state, key, batch_size, eligible)
+      rows = batch.weights if self._mixture else batch.indices  # a mixture: untracked
+      return state, ServiceSample(batch, self._versions.lags(rows))
+
+    return self._sampled(what, batch_size, timeout, draw)
+
+  def learn(self, step: Callable, batch_size: int, *args: Any, timeout: float | None = None) -> Any:
+    """Runs the learner's own step on the state once the limiter allows a
+    sample of `batch_size` rows: the batch is taken inside `step` (e.g. a
+    jitted train step that samples, learns and updates priorities).
+
+    Args:
+      step: `step(state, *args) -> (state, result)`.
+      batch_size: the rows `step` samples, counted by the limiter.
+      *args: passed to `step`.
+      timeout: seconds to wait for the limiter (None: no limit).
+
+    Returns:
+      `step`'s result. If `step` raises, the state stays as it was (a step
+      must not donate the state it may fail on) and the error propagates.
+    """
+    return self._sampled("ReplayService.learn", batch_size, timeout, lambda s: step(s, *args))
+
+  def _sampled(self, what: str, batch_size: int, timeout, call: Callable) -> Any:
+    timeout = _check_timeout(timeout, what)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+      raise ValueError(f"{what}: batch_size must be an int >= 1; given {batch_size!r}.")
+    with self._counts_lock:
+      self._largest_sample = max(self._largest_sample, batch_size)
+      self.rate_limiter.check_sizes(max(self._largest_insert, 1), self._largest_sample)
+      self._wait(
+        self._sampleable, lambda: self.rate_limiter.can_sample(self._counts, batch_size), timeout
+      )
+      self._counts = self._counts._replace(samples=self._counts.samples + batch_size)
+      self._insertable.notify_all()
+    try:
+      with self._state_lock:
+        self._drain()
+        state, result = call(self._state)
+        self._state = state
+      return result
+    except BaseException:
+      with self._counts_lock:
+        self._counts = self._counts._replace(samples=self._counts.samples - batch_size)
+        self._sampleable.notify_all()
+      raise
+
+  def update_priorities(self, sample: ServiceSample, priorities: Any) -> None:
+    """`buffer.update_priorities` for the rows of `sample` (`.batch.indices`,
+    `.batch.item_ids`)."""
+    self._raise_if_closed("ReplayService.update_priorities")
+    with self._state_lock:
+      if self._mixture:
+        self._state = self.buffer.update_priorities(self._state, sample.batch, priorities)
+      else:
+        self._state = self.buffer.update_priorities(
+          self._state, sample.batch.indices, priorities, sample.batch.item_ids
+        )
+
+  # State, checkpoints, closing ---------------------------------------------
+
+  @property
+  def state(self) -> StateT:
+    """The state after every add taken so far.
+
+    A copy, valid while writers go on adding (the service's own arrays are
+    donated by the next add).
+    """
+    with self._state_lock:
+      self._drain()
+      return jax.tree.map(
+        lambda leaf: leaf.copy() if isinstance(leaf, jax.Array) else leaf, self._state
+      )
+
+  @property
+  def counts(self) -> RateCounts:
+    """The limiter's counts (units inserted, rows sampled so far)."""
+    with self._counts_lock:
+      return self._counts
+
+  def checkpoint(self, path: str | os.PathLike) -> None:
+    """Saves the state (`jaxbuf.save` under `path/state`) and the limiter's
+    counts and the units' versions (`path/service.json`, `path/versions.npy`)."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with self._state_lock:
+      self._drain()
+      saving.save(path / "state", self._state)
+      with self._counts_lock:
+        counts = self._counts
+      np.save(path / "versions.npy", np.asarray(self._versions.versions))
+      record = {
+        "inserts": counts.inserts,
+        "samples": counts.samples,
+        "newest": self._versions.newest,
+        "read_count": None if self._fifo is None else int(self._fifo.read_count),
+      }
+      temporary = path / "service.json.tmp"
+      temporary.write_text(json.dumps(record))
+      os.replace(temporary, path / "service.json")
+
+  @classmethod
+  def restore(
+    cls, path: str | os.PathLike, buffer: Buffer, like: Any, rate_limiter=None
+  ) -> "ReplayService":
+    """A service from `checkpoint(path)`: the state (`jaxbuf.load(..., like=)`),
+    the counts and versions. The counts go through `rate_limiter.restored`:
+    kept unless they would block both inserts and samples, when the sample
+    count is raised so that inserts may go on (never a deadlock)."""
+    path = pathlib.Path(path)
+    state = saving.load(path / "state", like=like)
+    record = json.loads((path / "service.json").read_text())
+    service = cls(buffer, state, rate_limiter=rate_limiter)
+    service._versions.restore(np.load(path / "versions.npy"), record["newest"])
+    if service._fifo is not None and record.get("read_count") is not None:
+      service._fifo.read_count = jnp.uint32(record["read_count"])
+    service._counts = service.rate_limiter.restored(
+      RateCounts(int(record["inserts"]), int(record["samples"]))
+    )
+    return service
+
+  def close(self, cause: BaseException | None = None) -> None:
+    """Closes the service: every blocked call and every later call raises
+    `ServiceClosed` (from `cause`, when given). Idempotent; adds already
+    taken are still written."""
+    with self._counts_lock:
+      if not self.closed:
+        self.closed, self._cause = True, cause
+      self._insertable.notify_all()
+      self._sampleable.notify_all()
+
+  def __enter__(self) -> "ReplayService":
+    return self
+
+  def __exit__(self, kind, error, traceback) -> None:
+    """Closes the service; an exception leaving the block is the cause the
+    blocked actors and learners see."""
+    self.close(cause=error)
+
+  def _raise_if_closed(self, what: str) -> None:
+    if self.closed:
+      raise ServiceClosed(f"{what}: the replay service is closed.") from self._cause
+
+  def _wait(self, condition: threading.Condition, allowed: Callable[[], bool], timeout) -> None:
+    """Waits on `condition` (its lock held) until `allowed()` or closed."""
+    if not condition.wait_for(lambda: self.closed or allowed(), timeout):
+      raise TimeoutError(
+        f"the rate limiter did not allow it within {timeout} s: {self.rate_limiter!r}, "
+        f"counts {self._counts}."
+      )
+    if self.closed:
+      raise ServiceClosed("the replay service was closed while waiting.") from self._cause
