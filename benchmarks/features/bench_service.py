@@ -30,8 +30,8 @@ import time
 import jax
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-import harness  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.common import harness  # noqa: E402
 import jaxbuf  # noqa: E402
 from examples import gymnasium_dqn  # noqa: E402
 from examples import sebulba_dqn  # noqa: E402
