@@ -89,8 +89,9 @@ is deleted: no partly loaded state is ever returned.
 Writing back (`held_episodes`, `to_minari`, `to_rlds_steps`). Streams hold
 episodes in order: each env's held steps are cut at its episode ends. The
 first run of an env is written only if its start is held: none of its
-steps was overwritten, or (frame-stack and hindsight replay, which record
-where episodes start: `oldest_held_starts_an_episode`) the ring wrapped
+steps was overwritten, or (frame-stack, episode and hindsight replay,
+which record where episodes start: `oldest_held_starts_an_episode`) the
+ring wrapped
 exactly at its first step. The run after the last end (a running episode)
 is not written. With one env the episodes come out in the order
 they were added; with N envs, env by env. Item replay holds transitions in

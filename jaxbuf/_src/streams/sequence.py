@@ -590,6 +590,7 @@ def add_steps(
   period: int,
   within: bool,
   new_leaf_value: jax.Array | None,
+  **columns: jax.Array,
 ) -> SequenceStateT:
   """Writes steps and updates the windows they complete or break.
 
@@ -601,11 +602,12 @@ def add_steps(
     sequence_length, period, within: the buffer's settings.
     new_leaf_value: the tree leaf of a window that becomes sampleable
       (ignored without a tree).
+    **columns: more per-step fields to write (`write_chunk`).
   """
   num_envs, per_env = num_envs_of(state), steps_per_env(state)
   steps, mask, episode_end = chunked_add_args(state, steps, mask, episode_end)
   length = episode_end.shape[1]
-  new_state, chunk = write_chunk(state, steps, mask, episode_end)
+  new_state, chunk = write_chunk(state, steps, mask, episode_end, **columns)
   kept = chunk.kept
   new_state = new_state.replace(
     period_phases=jnp.where(
