@@ -512,8 +512,10 @@ def check_one_final_step(
   last = np.asarray(last)
   if last.ndim == 2 and last.shape[1] == 0:
     return
-  newest = last if last.ndim == 1 else last[:, -1]
-  both = newest & np.asarray(final_last)
+  newest, final_last = (last if last.ndim == 1 else last[:, -1]), np.asarray(final_last)
+  if newest.shape != final_last.shape or np.shape(mask) not in ((), newest.shape):
+    return  # misshapen: the add's own checks name it
+  both = newest & final_last
   if mask is not None:
     both &= np.asarray(mask)
   if both.any():
