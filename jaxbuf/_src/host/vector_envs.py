@@ -19,7 +19,7 @@ import numpy as np
 from jaxbuf._src.core.base import Buffer, PyTree
 from jaxbuf._src.core.ring import ReplayState
 from jaxbuf._src.core.spaces import example_from_space
-from jaxbuf._src.offline.mapping import EpisodeStep, Transition
+from jaxbuf._src.core.records import EpisodeStep, Transition
 from jaxbuf._src.streams.sequence import SequenceReplayState
 
 
