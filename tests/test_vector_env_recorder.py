@@ -96,6 +96,15 @@ def logs(envs) -> list[list[tuple]]:
   return [env.unwrapped.log for env in envs.unwrapped.envs]
 
 
+def started(envs, buffer, seed: int = 0) -> tuple:
+  """A recorder of `envs` into `buffer`, reset, and the buffer's empty state."""
+  recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
+  state = buffer.init(recorder.example)
+  obs, _ = envs.reset(seed=seed)
+  recorder.reset(obs)
+  return recorder, state
+
+
 def run(envs, recorder, state, steps: int, seed: int = 0):
   """Random actions for `steps` vector steps; returns the state and the
   number of episode ends seen."""
@@ -122,6 +131,25 @@ def as_tuples(obs, action, reward, next_obs, terminated, truncated):
       bool(tr),
     )
     for o, a, r, n, te, tr in zip(obs, action, reward, next_obs, terminated, truncated, strict=True)
+  ]
+
+
+def stored_transitions(buffer, state) -> list[tuple]:
+  """Every transition a buffer holds: item rows, or the whole episodes of a
+  stream kind (`held_episodes`) as one-step transitions."""
+  if buffer.kind.name in ("uniform_replay", "prioritized_replay"):
+    return as_tuples(*(leaf[: int(state.size)] for leaf in jax.device_get(state.storage)))
+  return [
+    t
+    for episode in jaxbuf.held_episodes(buffer, state)
+    for t in as_tuples(
+      episode.observations[:-1],
+      episode.actions,
+      episode.rewards,
+      episode.observations[1:],
+      episode.terminations,
+      episode.truncations,
+    )
   ]
 
 
@@ -218,18 +246,7 @@ def test_streams_hold_exactly_the_envs_episodes(mode, kind):
   recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
   state, _ = run(envs, recorder, buffer.init(recorder.example), 60)
   held = jaxbuf.held_episodes(buffer, state)
-  got = [
-    t
-    for episode in held
-    for t in as_tuples(
-      episode.observations[:-1],
-      episode.actions,
-      episode.rewards,
-      episode.observations[1:],
-      episode.terminations,
-      episode.truncations,
-    )
-  ]
+  got = stored_transitions(buffer, state)
   # Every episode that ended, whole, in order, env by env; the running
   # ones are not written back.
   made = []
@@ -606,25 +623,6 @@ def test_the_ported_cleanrl_loop_runs():
 # --- Reliability round 5 (issue 45): refused steps, mid-episode resets -------
 
 
-def stored_transitions(buffer, state) -> list[tuple]:
-  """Every transition a buffer holds: item rows, or the whole episodes of a
-  stream kind (`held_episodes`) as one-step transitions."""
-  if buffer.kind.name in ("uniform_replay", "prioritized_replay"):
-    return as_tuples(*(leaf[: int(state.size)] for leaf in jax.device_get(state.storage)))
-  return [
-    t
-    for episode in jaxbuf.held_episodes(buffer, state)
-    for t in as_tuples(
-      episode.observations[:-1],
-      episode.actions,
-      episode.rewards,
-      episode.observations[1:],
-      episode.terminations,
-      episode.truncations,
-    )
-  ]
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ["uniform", "sequence"])
 def test_a_refused_step_leaves_the_recorder_as_it_was(mode, kind):
@@ -634,10 +632,7 @@ def test_a_refused_step_leaves_the_recorder_as_it_was(mode, kind):
   observation)."""
   envs = where_envs(MODES[mode])
   buffer = jaxbuf.uniform_replay(256) if kind == "uniform" else STREAM_KINDS[kind]()
-  recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
-  state = buffer.init(recorder.example)
-  obs, _ = envs.reset(seed=0)
-  recorder.reset(obs)
+  recorder, state = started(envs, buffer)
   rng = np.random.default_rng(0)
   refused = 0
   for step in range(30):
@@ -720,10 +715,7 @@ def test_a_mid_episode_reset_ends_the_abandoned_episode(mode, partial):
       if name == "hindsight"
       else where_envs(MODES[mode], time_limit=time_limit)
     )
-    recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
-    state = buffer.init(recorder.example)
-    obs, _ = envs.reset(seed=0)
-    recorder.reset(obs)
+    recorder, state = started(envs, buffer)
     actions = np.zeros(NUM_ENVS, np.int64)
     for step in range(24):
       if step in (5, 13):
@@ -770,10 +762,7 @@ def test_info_none_and_malformed_final_observations_are_named():
   leaves into the wrong ones)."""
   envs = where_envs(AutoresetMode.NEXT_STEP)
   buffer = jaxbuf.uniform_replay(64)
-  recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
-  state = buffer.init(recorder.example)
-  obs, _ = envs.reset(seed=0)
-  recorder.reset(obs)
+  recorder, state = started(envs, buffer)
   actions = np.zeros(NUM_ENVS, np.int64)
   next_obs, rewards, terminated, truncated, _ = envs.step(actions)
   state = recorder.add(state, actions, next_obs, rewards, terminated, truncated, None)
@@ -784,10 +773,7 @@ def test_info_none_and_malformed_final_observations_are_named():
 
   envs = goal_where_envs(AutoresetMode.SAME_STEP)
   buffer = jaxbuf.hindsight_replay(NUM_ENVS, NUM_ENVS * 64, goal_reward)
-  recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
-  state = buffer.init(recorder.example)
-  obs, _ = envs.reset(seed=0)
-  recorder.reset(obs)
+  recorder, state = started(envs, buffer)
   next_obs, rewards, terminated, _, _ = envs.step(actions)
   ended = np.ones(NUM_ENVS, np.bool_)
   final = {key: np.array(value[0]) for key, value in next_obs.items()}
@@ -811,10 +797,7 @@ def test_a_skipped_reset_step_is_refused_where_its_reward_shows_it():
   the reset step was never recorded, and is refused rather than dropped."""
   envs = where_envs(AutoresetMode.NEXT_STEP)
   buffer = jaxbuf.uniform_replay(64)
-  recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
-  state = buffer.init(recorder.example)
-  obs, _ = envs.reset(seed=0)
-  recorder.reset(obs)
+  recorder, state = started(envs, buffer)
   actions = np.ones(NUM_ENVS, np.int64)
   state = recorder.add(state, actions, *envs.step(actions))  # env 0 ends
   envs.step(actions)  # the reset step, not recorded

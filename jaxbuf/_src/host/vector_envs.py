@@ -382,20 +382,14 @@ class VectorEnvRecorder:
         shaped as the observations (SAME_STEP); `info` that only a SAME_STEP
         env gives, an end or a reward on a reset step (NEXT_STEP).
     """
-    recorded, self._position = self._record(actions, next_obs, rewards, terminated, truncated, info)
+    step = (actions, next_obs, rewards, terminated, truncated, info)
+    recorded, self._position = self._record(step)
     return recorded
 
-  def _record(
-    self,
-    actions: PyTree,
-    next_obs: PyTree,
-    rewards: Any,
-    terminated: Any,
-    truncated: Any,
-    info: dict | None,
-  ) -> tuple[RecordedStep, _Position]:
-    """`record`'s step and the recorder's position after it, which the
-    caller keeps once the step is accepted."""
+  def _record(self, step: tuple) -> tuple[RecordedStep, _Position]:
+    """`record`'s add of `step` (its arguments, in order) and the recorder's
+    position after it, which the caller keeps once the step is accepted."""
+    actions, next_obs, rewards, terminated, truncated, info = step
     if self._position is None:
       raise RuntimeError(
         "VectorEnvRecorder: call reset(obs) with the "
@@ -476,7 +470,7 @@ class VectorEnvRecorder:
     the buffer (float actions for a `Discrete` space) leaves it as it was,
     to be passed again, corrected.
     """
-    recorded, after = self._record(actions, next_obs, rewards, terminated, truncated, info)
+    recorded, after = self._record((actions, next_obs, rewards, terminated, truncated, info))
     state = recorded.add_to(self.buffer, state)
     self._position = after
     return state
