@@ -51,8 +51,8 @@ from jaxbuf._src.onpolicy.minibatch import env_minibatches
 from jaxbuf._src.onpolicy.minibatch import sequence_chunks
 from jaxbuf._src.onpolicy.minibatch import shuffled_minibatches
 from jaxbuf._src.offline.mapping import Episode
-from jaxbuf._src.offline.mapping import EpisodeStep
-from jaxbuf._src.offline.mapping import Transition
+from jaxbuf._src.core.records import EpisodeStep
+from jaxbuf._src.core.records import Transition
 from jaxbuf._src.offline.held_episodes import held_episodes
 from jaxbuf._src.offline.minari_datasets import from_minari
 from jaxbuf._src.offline.minari_datasets import offline_example

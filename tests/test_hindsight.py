@@ -628,3 +628,36 @@ def test_gamma_out_of_range_is_refused_when_the_buffer_is_made():
   for gamma in (1.5, float("nan"), -0.1):
     with pytest.raises(ValueError, match="gamma"):
       jaxbuf.hindsight_replay(2, 8, reward_fn, gamma=gamma)
+
+
+def test_a_compute_reward_of_three_arguments_names_the_expected_signature():
+  """Row `her-compute-reward-signature`: a gymnasium-robotics style
+  `compute_reward(achieved, desired, info)` as reward_fn got Python's raw
+  missing-argument TypeError at the first sample; the factory names the
+  signature it calls (HER's goals carry no info). Functions of two goals,
+  with a defaulted third argument or *args, are taken."""
+
+  def compute_reward(achieved_goal, desired_goal, info):
+    return -jnp.linalg.norm(achieved_goal - desired_goal, axis=-1)
+
+  for name in ("reward_fn", "terminated_fn"):
+    arguments = (
+      {"reward_fn": compute_reward}
+      if name == "reward_fn"
+      else {"reward_fn": lambda a, d: a[..., 0], "terminated_fn": compute_reward}
+    )
+    with pytest.raises(
+      TypeError,
+      match=rf"{name} is called as {name}\(achieved_goal, desired_goal\).*"
+      r"given a function of \(achieved_goal, desired_goal, info\).*compute_reward",
+    ):
+      jaxbuf.hindsight_replay(2, 16, **arguments)
+  with pytest.raises(TypeError, match=r"given a function of \(goal\)"):
+    jaxbuf.hindsight_replay(2, 16, lambda goal: goal)
+  for fine in (
+    lambda achieved, desired, info=None: achieved[..., 0],
+    lambda *goals: goals[0][..., 0],
+    functools.partial(compute_reward, info=None),
+    jnp.subtract,
+  ):
+    jaxbuf.hindsight_replay(2, 16, fine)

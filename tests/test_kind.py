@@ -108,12 +108,51 @@ def test_the_same_settings_from_another_buffer_are_accepted():
   assert again.sample(state, jax.random.key(0), 4).items["obs"].shape == (4, 3, 3)
 
 
-def test_a_state_made_by_a_module_init_records_none_and_is_accepted():
+def test_a_state_made_by_a_module_init_is_refused_by_every_bound_kind():
+  """Row `module-init-state-refused`: a state from a module's `init` records
+  no settings (a module init does not take them all), and a bound buffer
+  cannot check it: every kind's bound functions refuse it, naming the
+  settings (a stack-of-3 buffer added to `jaxbuf.frames.init`'s state and a
+  stack-of-2 one sampled it, with no error); the module functions take it."""
   state = jaxbuf.prioritized.init(example_step(), capacity=CAPACITY)
   assert state.settings == ()
   buffer = jaxbuf.prioritized_replay(CAPACITY, alpha=0.9)
-  state = buffer.add(state, filled(buffer)[1])
+  with pytest.raises(ValueError, match=r"add: this state records no settings .*\(alpha 0.9"):
+    buffer.add(state, filled(buffer)[1])
+  state = jaxbuf.prioritized.add(state, filled(buffer)[1], alpha=0.9)
   assert int(state.size) == 12
+  step = {
+    "obs": jnp.zeros((), jnp.float32),
+    "action": jnp.int32(0),
+    "reward": jnp.float32(0),
+    "terminated": jnp.bool_(False),
+  }
+  made = {
+    "uniform_replay": jaxbuf.uniform.init(step, capacity=8),
+    "prioritized_replay": jaxbuf.prioritized.init(step, capacity=8),
+    "sequence_replay": jaxbuf.sequence.init(step, num_envs=1, capacity=8, with_tree=False),
+    "prioritized_sequence_replay": jaxbuf.prioritized_sequence.init(step, num_envs=1, capacity=8),
+    "episode_replay": jaxbuf.episode.init(step, num_envs=1, capacity=8),
+    "frame_stack_replay": jaxbuf.frames.init(step, num_envs=1, capacity=8),
+  }
+  buffers = {
+    "uniform_replay": jaxbuf.uniform_replay(8),
+    "prioritized_replay": jaxbuf.prioritized_replay(8),
+    "sequence_replay": jaxbuf.sequence_replay(1, 8, 2),
+    "prioritized_sequence_replay": jaxbuf.prioritized_sequence_replay(1, 8, 2),
+    "episode_replay": jaxbuf.episode_replay(1, 8, 4),
+    "frame_stack_replay": jaxbuf.frame_stack_replay(1, 8, 3),
+  }
+  for name, bare in made.items():
+    buffer = buffers[name]
+    for call in (
+      lambda: buffer.sample(bare, jax.random.key(0), 2),
+      lambda: buffer.can_sample(bare, 2),
+      lambda: buffer.clear(bare),
+      lambda: jax.jit(buffer.sample, static_argnums=2)(bare, jax.random.key(0), 2),
+    ):
+      with pytest.raises(ValueError, match=f"records no settings .* this {name} buffer"):
+        call()
 
 
 def test_settings_are_static_and_survive_jit_vmap_scan_and_cond():

@@ -583,3 +583,100 @@ def test_sharded_parts_sample_and_update_like_their_own_buffers(batch_layout):
     mix.sample(states, key, 6)
   with pytest.raises(ValueError, match="part 1"):
     mix.can_sample(states, 6)
+
+
+# --- Reliability round 5 (issue 45) ----------------------------------------------------
+
+
+@devices.needs(4)
+@pytest.mark.parametrize("count", [2, 4])
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_a_sharded_part_keeps_working_after_priority_updates(count, axis_type):
+  """Row `mixture-sharded-part-update`: on a mesh made as the sharding guide
+  makes it, the first update returned the unsharded part's state replicated
+  over the mesh, and the next sample raised JAX's ShardingTypeError. Each
+  part's state stays where its own buffer keeps it, over several rounds."""
+  types = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
+  mesh = devices.mesh(count, axis_types=(types[axis_type],))
+  online = jaxbuf.sharded(jaxbuf.prioritized_replay(8 * count, alpha=1.0), mesh)
+  offline = jaxbuf.prioritized_replay(16)
+  mix = jaxbuf.mixture([offline, online], [1, 1])
+  states = [
+    offline.add(offline.init(ITEM), items(0, 10, 0)),
+    online.add(online.init(ITEM), items(0, 4 * count, 1)),
+  ]
+  before = [jax.tree.map(lambda leaf: leaf.sharding, state) for state in states]
+  batch = mix.sample(states, jax.random.key(0), 4 * count)
+  states = mix.update_priorities(states, batch, np.arange(1.0, 4 * count + 1, dtype=np.float32))
+  assert [jax.tree.map(lambda leaf: leaf.sharding, state) for state in states] == before
+  mix.sample(states, jax.random.key(1), 4 * count)
+
+
+def test_priorities_as_a_python_list_are_taken():
+  """Row `mixture-priorities-list`: a raw TracerArrayConversionError; the
+  buffer's own update_priorities takes a list, and so does the mixture's."""
+  mix, states = two_parts()
+  batch = mix.sample(states, jax.random.key(0), 6)
+  from_list = mix.update_priorities(
+    jax.tree.map(jnp.copy, states), batch, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+  )
+  from_array = mix.update_priorities(states, batch, jnp.arange(1.0, 7.0))
+  chex.assert_trees_all_equal(snapshot(from_list), snapshot(from_array))
+
+
+def test_one_state_given_for_two_parts_is_updated_by_both():
+  """Row `mixture-same-state-twice`: `[s, s]` made XLA donate one buffer
+  twice ("Attempt to donate the same buffer twice"). Drawing one dataset
+  twice is allowed: the state is updated by each part in turn, and the
+  state returned for both parts is the one result."""
+  buffer = jaxbuf.prioritized_replay(16, alpha=1.0)
+  state = buffer.add(buffer.init(ITEM), items(0, 10))
+  mix = jaxbuf.mixture([buffer, buffer], [1, 1])
+  batch = mix.sample([state, state], jax.random.key(0), 4)
+  priorities = np.arange(1.0, 5.0, dtype=np.float32)
+  expected = buffer.update_priorities(
+    jax.tree.map(jnp.copy, state), batch.parts[0].indices, priorities[:2], batch.parts[0].item_ids
+  )
+  expected = buffer.update_priorities(
+    expected, batch.parts[1].indices, priorities[2:], batch.parts[1].item_ids
+  )
+  updated = mix.update_priorities([state, state], batch, priorities)
+  assert updated[0] is updated[1]
+  chex.assert_trees_all_equal(snapshot(updated[0]), snapshot(expected))
+  mix.sample(updated, jax.random.key(1), 4)
+
+
+def test_proportions_are_normalised_exactly_and_strings_refused():
+  """Row `mixture-proportions-overflow`: [1e308, 1e308] normalised to
+  (0.0, 0.0) (the float sum overflowed) while rows() was right; strings such
+  as "0.5" were read as numbers."""
+  halves = jaxbuf.mixture([jaxbuf.uniform_replay(8)] * 2, [1e308, 1e308])
+  assert halves.proportions == (0.5, 0.5)
+  assert halves.rows(4) == (2, 2)
+  with pytest.raises(TypeError, match=r"proportions\[0\] must be a real number, given str '0.5'"):
+    jaxbuf.mixture([jaxbuf.uniform_replay(8)] * 2, ["0.5", "0.5"])
+
+
+def test_a_mixed_batch_of_windows_has_their_mask_and_lengths():
+  """Row `mixture-mask-lengths`: a mixed batch of sequence or episode parts
+  had only `parts[k].mask`; its `mask` and `lengths` are the parts' own,
+  concatenated in row order (True on every step, and L, for a part that
+  has none), so a loss written from the batch's fields reads no padding."""
+  step = {"obs": jnp.float32(0), "last": jnp.bool_(False)}
+  windows = jaxbuf.sequence_replay(1, 16, 4, episodes="within")
+  episodes = jaxbuf.episode_replay(1, 16, 4)
+  ends = np.array([[False, True, False, False, False, True]])
+  chunk = {"obs": jnp.arange(6, dtype=jnp.float32)[None], "last": jnp.asarray(ends)}
+  states = [windows.add(windows.init(step), chunk), episodes.add(episodes.init(step), chunk)]
+  mix = jaxbuf.mixture([windows, episodes], [1, 1])
+  batch = mix.sample(states, jax.random.key(0), 8)
+  np.testing.assert_array_equal(
+    batch.mask, np.concatenate([batch.parts[0].mask, batch.parts[1].mask])
+  )
+  np.testing.assert_array_equal(batch.lengths[4:], batch.parts[1].lengths)
+  np.testing.assert_array_equal(batch.lengths[:4], 4)
+  assert not batch.mask[4:].all()  # episodes of 2 and 4 steps, padded to 4
+  # Item parts have neither.
+  mix, states = two_parts()
+  batch = mix.sample(states, jax.random.key(0), 6)
+  assert batch.mask is None and batch.lengths is None

@@ -1025,8 +1025,8 @@ def test_writing_values_outside_the_spaces_is_refused(datasets):
 def test_a_ring_that_wrapped_at_an_episode_start_writes_that_episode_back(kind):
   """8 steps per env, episodes of 3 steps + final step: the third overwrote
   the first exactly, so the second is held whole. Kinds that record where
-  episodes start (frame-stack, hindsight) write it back; the others cannot
-  tell it from a cut one, and keep only what follows."""
+  episodes start (frame-stack, hindsight, episode replay) write it back;
+  the others cannot tell it from a cut one, and keep only what follows."""
   buffer = HELD_DATA_KINDS[kind](8)
   state = buffer.init(jaxbuf.offline_example(DATASET, buffer))
   for first in (0, 10, 20):
@@ -1035,7 +1035,7 @@ def test_a_ring_that_wrapped_at_an_episode_start_writes_that_episode_back(kind):
     episode.observations["observation"][:, 0].tolist()
     for episode in jaxbuf.held_episodes(buffer, state)
   ]
-  records_starts = kind in ("frame_stack", "hindsight")
+  records_starts = kind in ("frame_stack", "hindsight", "episode")
   assert written == [[10, 11, 12, 13]] * records_starts + [[20, 21, 22, 23]]
   # One step more and the second episode is cut: never written.
   state = _user_steps(buffer, state, [30], last=False)
@@ -1044,6 +1044,28 @@ def test_a_ring_that_wrapped_at_an_episode_start_writes_that_episode_back(kind):
     for episode in jaxbuf.held_episodes(buffer, state)
   ]
   assert written == [[20, 21, 22, 23]]
+
+
+def test_episode_replay_writes_back_every_whole_episode_it_samples():
+  """Row `episode-replay-held-after-wrap`: an episode_replay(1, 10, 5) given
+  three 5-step episodes (four transitions and a final step each) holds the
+  second and third whole and samples both; held_episodes returned only the
+  third. Episode replay now records where episodes start, as frame-stack
+  replay does (`streams/episode_starts.py`)."""
+  buffer = jaxbuf.episode_replay(1, 10, 5)
+  flags = np.zeros((1, 5), bool)
+  state = buffer.init(
+    jaxbuf.EpisodeStep(*(np.zeros((), dtype) for dtype in [np.float32] * 3 + [bool] * 3))
+  )
+  for first in (0, 10, 20):
+    obs = np.arange(first, first + 5, dtype=np.float32)[None]
+    last = np.array([[False] * 4 + [True]])
+    zeros = np.zeros((1, 5), np.float32)
+    state = buffer.add(state, jaxbuf.EpisodeStep(obs, zeros, zeros, flags, flags, last))
+  sampled = np.asarray(buffer.sample(state, jax.random.key(0), 64).items.obs[:, 0])
+  assert set(sampled.tolist()) == {10.0, 20.0}
+  written = [episode.observations.tolist() for episode in jaxbuf.held_episodes(buffer, state)]
+  assert written == [[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]]
 
 
 @pytest.mark.parametrize("field", ["reward", "is_last"])

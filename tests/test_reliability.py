@@ -1361,3 +1361,36 @@ def test_flags_of_numbers_other_than_0_and_1_are_refused():
     jaxbuf.n_step_targets(rewards, ones, flags, n=2, gamma=0.9).discounts
     == jaxbuf.n_step_targets(rewards, ones.astype(bool), flags, n=2, gamma=0.9).discounts
   ).all()
+
+
+# One per factory that binds a stream add (the prioritized frame-stack and
+# hindsight kinds share their factory with the plain ones).
+@pytest.mark.parametrize(
+  "kind", ["sequence", "prioritized_sequence", "episode", "frame_stack", "hindsight"]
+)
+def test_a_final_step_after_a_step_flagged_last_is_refused(kind):
+  """Row `stream-two-final-steps`: steps flagged `last` themselves, passed
+  with `final_steps=` flagged `last` for the same env, were two final steps
+  in a row, accepted. Flags that can be read (host arrays; the add's checks
+  before its jit) are refused, state intact; traced ones are not written
+  twice (the second final step is dropped), eagerly under the user's jit."""
+  buffer = STREAM_KINDS[kind]()
+  example = {**GOAL_STEP, "last": jnp.bool_(False)}
+  state = buffer.init(example)
+  steps = jax.tree.map(lambda x: np.zeros((2,) + x.shape, x.dtype), example)
+  steps["last"] = np.array([True, False])
+  final_steps = jax.tree.map(np.copy, steps)
+  final_steps["last"] = np.array([True, True])
+  before = snapshot(state)
+  with pytest.raises(ValueError, match=r"add: env 0's last step .* two final steps in a row"):
+    buffer.add(state, steps, final_steps=final_steps)
+  assert_same(state, before)
+  # One end per env is taken: env 0's end in the steps, env 1's in final_steps.
+  final_steps["last"] = np.array([False, True])
+  state = buffer.add(state, steps, final_steps=final_steps)
+  np.testing.assert_array_equal(state.steps_held, [1, 2])
+  # Under the user's jit the flags are traced: env 0's second final step is
+  # not written.
+  final_steps["last"] = np.array([True, True])
+  traced = jax.jit(buffer.add)(buffer.init(example), steps, final_steps=final_steps)
+  np.testing.assert_array_equal(traced.steps_held, [1, 2])

@@ -103,7 +103,10 @@ def uneven_state(kind, fills=(5, 0, 8, 3), seed=0):
           state, jnp.arange(fill), jnp.asarray(rng.gamma(0.5, 2.0, fill), jnp.float32)
         )
     states.append(state)
-  return stacked(states)
+  # The sharded buffers of `kind` record these settings (stratified, which
+  # only shapes a sample, is not among them).
+  settings = jaxbuf.sharded(base(kind), MESH).kind.settings
+  return stacked(states).replace(settings=settings)
 
 
 def expected_probabilities(kind, state):

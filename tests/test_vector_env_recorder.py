@@ -96,6 +96,15 @@ def logs(envs) -> list[list[tuple]]:
   return [env.unwrapped.log for env in envs.unwrapped.envs]
 
 
+def started(envs, buffer, seed: int = 0) -> tuple:
+  """A recorder of `envs` into `buffer`, reset, and the buffer's empty state."""
+  recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
+  state = buffer.init(recorder.example)
+  obs, _ = envs.reset(seed=seed)
+  recorder.reset(obs)
+  return recorder, state
+
+
 def run(envs, recorder, state, steps: int, seed: int = 0):
   """Random actions for `steps` vector steps; returns the state and the
   number of episode ends seen."""
@@ -122,6 +131,25 @@ def as_tuples(obs, action, reward, next_obs, terminated, truncated):
       bool(tr),
     )
     for o, a, r, n, te, tr in zip(obs, action, reward, next_obs, terminated, truncated, strict=True)
+  ]
+
+
+def stored_transitions(buffer, state) -> list[tuple]:
+  """Every transition a buffer holds: item rows, or the whole episodes of a
+  stream kind (`held_episodes`) as one-step transitions."""
+  if buffer.kind.name in ("uniform_replay", "prioritized_replay"):
+    return as_tuples(*(leaf[: int(state.size)] for leaf in jax.device_get(state.storage)))
+  return [
+    t
+    for episode in jaxbuf.held_episodes(buffer, state)
+    for t in as_tuples(
+      episode.observations[:-1],
+      episode.actions,
+      episode.rewards,
+      episode.observations[1:],
+      episode.terminations,
+      episode.truncations,
+    )
   ]
 
 
@@ -218,18 +246,7 @@ def test_streams_hold_exactly_the_envs_episodes(mode, kind):
   recorder = jaxbuf.VectorEnvRecorder(envs, buffer)
   state, _ = run(envs, recorder, buffer.init(recorder.example), 60)
   held = jaxbuf.held_episodes(buffer, state)
-  got = [
-    t
-    for episode in held
-    for t in as_tuples(
-      episode.observations[:-1],
-      episode.actions,
-      episode.rewards,
-      episode.observations[1:],
-      episode.terminations,
-      episode.truncations,
-    )
-  ]
+  got = stored_transitions(buffer, state)
   # Every episode that ended, whole, in order, env by env; the running
   # ones are not written back.
   made = []
@@ -601,3 +618,189 @@ def test_the_ported_cleanrl_loop_runs():
   envs.close()
   assert 0 < int(state.size) <= 4 * total_steps
   assert np.isfinite(jax.tree.leaves(params)[0]).all()
+
+
+# --- Reliability round 5 (issue 45): refused steps, mid-episode resets -------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["uniform", "sequence"])
+def test_a_refused_step_leaves_the_recorder_as_it_was(mode, kind):
+  """Row `recorder-refused-step`: float actions for a Discrete space make
+  the buffer's add raise; the same step passed again, corrected, is stored
+  as the env made it (every env's obs used to become that step's next
+  observation)."""
+  envs = where_envs(MODES[mode])
+  buffer = jaxbuf.uniform_replay(256) if kind == "uniform" else STREAM_KINDS[kind]()
+  recorder, state = started(envs, buffer)
+  rng = np.random.default_rng(0)
+  refused = 0
+  for step in range(30):
+    actions = rng.integers(0, 3, NUM_ENVS)
+    result = envs.step(actions)
+    if step % 4 == 1:
+      try:
+        # A NEXT_STEP step of only resets adds nothing, so nothing refuses it.
+        state = recorder.add(state, actions.astype(np.float32), *result)
+        continue
+      except TypeError:
+        refused += 1
+    state = recorder.add(state, actions, *result)
+  assert refused
+  made = [t for log in logs(envs) for t in log]
+  got = stored_transitions(buffer, state)
+  assert got and set(got) <= set(made)
+  if kind == "uniform":
+    assert sorted(got) == sorted(made)
+  envs.close()
+
+
+class GoalWhereEnv(gym.ObservationWrapper):
+  """WhereEnv's observation as a GoalEnv dict: the achieved goal is
+  `[env, episode, t]`, the desired one `[env, episode, -1]`, so a relabelled
+  goal names the episode it was taken from."""
+
+  def __init__(self, env):
+    super().__init__(env)
+    goal = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
+    self.observation_space = gym.spaces.Dict(
+      {"observation": env.observation_space, "achieved_goal": goal, "desired_goal": goal}
+    )
+
+  def observation(self, observation):
+    desired = np.array([observation[0], observation[1], -1], np.float32)
+    return {"observation": observation, "achieved_goal": observation[:3], "desired_goal": desired}
+
+
+def goal_where_envs(mode: AutoresetMode) -> gym.vector.SyncVectorEnv:
+  return gym.vector.SyncVectorEnv(
+    [
+      lambda i=i: GoalWhereEnv(gym.wrappers.TimeLimit(WhereEnv(i, 50), 50)) for i in range(NUM_ENVS)
+    ],
+    autoreset_mode=mode,
+  )
+
+
+def goal_reward(achieved, desired):
+  return -jax.numpy.any(achieved != desired, axis=-1).astype(jax.numpy.float32)
+
+
+def assert_one_episode_until_its_end(obs, last):
+  """Windows `[S, L, 4]` of WhereEnv observations: consecutive steps belong
+  to one (env, episode) unless the first of them is flagged `last`."""
+  where = obs[..., :2]
+  same = np.all(where[:, 1:] == where[:, :-1], axis=-1)
+  crossing = ~same & ~last[:, :-1]
+  assert not crossing.any(), f"{crossing.any(axis=1).sum()} windows join two episodes"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("partial", [True, False], ids=["reset_mask", "full_reset"])
+def test_a_mid_episode_reset_ends_the_abandoned_episode(mode, partial):
+  """Row `recorder-mid-episode-reset`: an env reset mid-episode (gymnasium's
+  reset_mask, or a full reset) ends its abandoned episode in the stream at
+  the observation it reached, as a truncation: sampled windows, n-step
+  transitions, frame stacks and hindsight goals never join it to the next
+  (39 of 512 windows did for one env reset, 127 for a full reset)."""
+  time_limit = 50  # long episodes, so that the reset abandons them
+  reset_mask = np.array([False, True, False]) if partial else None
+  buffers = {
+    "sequence": jaxbuf.sequence_replay(NUM_ENVS, NUM_ENVS * 64, 4),
+    "frames": jaxbuf.frame_stack_replay(NUM_ENVS, NUM_ENVS * 64, 3),
+    "hindsight": jaxbuf.hindsight_replay(NUM_ENVS, NUM_ENVS * 64, goal_reward),
+  }
+  for name, buffer in buffers.items():
+    envs = (
+      goal_where_envs(MODES[mode])
+      if name == "hindsight"
+      else where_envs(MODES[mode], time_limit=time_limit)
+    )
+    recorder, state = started(envs, buffer)
+    actions = np.zeros(NUM_ENVS, np.int64)
+    for step in range(24):
+      if step in (5, 13):
+        options = None if reset_mask is None else {"reset_mask": reset_mask}
+        obs, _ = envs.reset(options=options)
+        recorder.reset(obs, reset_mask=reset_mask)
+      state = recorder.add(state, actions, *envs.step(actions))
+    sample = jax.device_get(buffer.sample(state, jax.random.key(1), 512))
+    items = sample.items
+    if name == "sequence":
+      assert_one_episode_until_its_end(items.obs, items.last)
+      transitions = jaxbuf.n_step_transitions(
+        items.obs, items.action, items.reward, items.terminated, items.last, n=3, gamma=0.9
+      )
+      valid = np.asarray(transitions.valid)
+      np.testing.assert_array_equal(
+        np.asarray(transitions.next_obs)[valid, :2], items.obs[valid, 0, :2]
+      )
+      # The abandoned episodes end as truncations: the final step holds
+      # the observation the env reached, and the step before bootstraps.
+      ended = items.last[:, 1:] & ~items.terminated[:, :-1]
+      assert ended.any()
+    elif name == "frames":
+      for stack in (items.obs, items.next_obs):
+        frames = np.moveaxis(stack, -1, 1)  # [S, K, 4], oldest first
+        newest = frames[:, -1, :2]
+        real = frames[..., 2] >= 0
+        real &= np.any(frames != 0, axis=-1)
+        for k in range(frames.shape[1]):
+          np.testing.assert_array_equal(frames[real[:, k], k, :2], newest[real[:, k]])
+      np.testing.assert_array_equal(items.next_obs[:, :2, -1], items.obs[:, :2, -1])
+    else:
+      goals = items.obs["desired_goal"]
+      np.testing.assert_array_equal(goals[:, :2], items.obs["observation"][:, :2])
+      np.testing.assert_array_equal(items.next_obs["observation"][:, :2], goals[:, :2])
+      assert sample.relabelled.any()
+    envs.close()
+
+
+def test_info_none_and_malformed_final_observations_are_named():
+  """Row `recorder-bad-info`: info None (read as {}); under SAME_STEP a Dict
+  final observation lacking a key or with a leaf of another shape names the
+  env and the leaf, and writes nothing (a missing key used to shift the
+  leaves into the wrong ones)."""
+  envs = where_envs(AutoresetMode.NEXT_STEP)
+  buffer = jaxbuf.uniform_replay(64)
+  recorder, state = started(envs, buffer)
+  actions = np.zeros(NUM_ENVS, np.int64)
+  next_obs, rewards, terminated, truncated, _ = envs.step(actions)
+  state = recorder.add(state, actions, next_obs, rewards, terminated, truncated, None)
+  assert int(state.size) == NUM_ENVS
+  with pytest.raises(TypeError, match="info must be the dict"):
+    recorder.add(state, actions, next_obs, rewards, terminated, truncated, [])
+  envs.close()
+
+  envs = goal_where_envs(AutoresetMode.SAME_STEP)
+  buffer = jaxbuf.hindsight_replay(NUM_ENVS, NUM_ENVS * 64, goal_reward)
+  recorder, state = started(envs, buffer)
+  next_obs, rewards, terminated, _, _ = envs.step(actions)
+  ended = np.ones(NUM_ENVS, np.bool_)
+  final = {key: np.array(value[0]) for key, value in next_obs.items()}
+  lacking = dict(final)
+  del lacking["achieved_goal"]
+  reshaped = dict(final, desired_goal=np.zeros(2, np.float32))
+  for bad, words in ((lacking, "has the leaves"), (reshaped, "['desired_goal']")):
+    bad_info = {
+      "final_obs": np.array([bad] * NUM_ENVS, dtype=object),
+      "_final_obs": ended,
+    }
+    with pytest.raises(ValueError, match="env 0") as raised:
+      recorder.add(state, actions, next_obs, rewards, terminated, ended, bad_info)
+    assert words in str(raised.value)
+  envs.close()
+
+
+def test_a_skipped_reset_step_is_refused_where_its_reward_shows_it():
+  """Row `recorder-skipped-step`: under NEXT_STEP the step after an episode
+  end is the reset (reward 0); a real step there (its reward not 0) means
+  the reset step was never recorded, and is refused rather than dropped."""
+  envs = where_envs(AutoresetMode.NEXT_STEP)
+  buffer = jaxbuf.uniform_replay(64)
+  recorder, state = started(envs, buffer)
+  actions = np.ones(NUM_ENVS, np.int64)
+  state = recorder.add(state, actions, *envs.step(actions))  # env 0 ends
+  envs.step(actions)  # the reset step, not recorded
+  with pytest.raises(ValueError, match="env 0 got reward .* was every step recorded"):
+    recorder.add(state, actions, *envs.step(actions))
+  envs.close()

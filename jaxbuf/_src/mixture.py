@@ -41,6 +41,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from jaxbuf._src.core import base
+from jaxbuf._src.core import host_add
 from jaxbuf._src.core import random
 from jaxbuf._src.core import validation
 from jaxbuf._src.core.base import Buffer, PyTree
@@ -55,6 +56,12 @@ class MixtureSample:
   weights: jax.Array  # float32 [S]: each part's own weights, in row order
   parts: tuple  # each buffer's own sample of its S_k rows
   # (ReplaySample, SequenceSample, ...)
+  mask: jax.Array | None = None  # bool [S, L]: each part's own `mask`
+  # (sequence, episode replay), concatenated; True on every step of a part
+  # without one; None when no part has one
+  lengths: jax.Array | None = None  # int32 [S]: each part's own `lengths`
+  # (episode replay), concatenated; L (every step) for a part without one;
+  # None when no part has one
 
 
 def rows_per_part(batch_size: int, proportions: Sequence[float]) -> tuple[int, ...]:
@@ -231,6 +238,33 @@ def _concatenated(trees: Sequence[PyTree]) -> PyTree:
   return jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *trees)
 
 
+def _joined_masks(parts: Sequence[Any]) -> tuple[jax.Array | None, jax.Array | None]:
+  """The parts' `mask` `[S_k, L]` and `lengths` `[S_k]` concatenated in row
+  order, or None where no part has the field. A part without a mask reads as
+  all steps data (True), without lengths as L: its rows are whole windows."""
+  masks = [getattr(part, "mask", None) for part in parts]
+  if all(mask is None for mask in masks):
+    return None, None
+  steps = next(mask for mask in masks if mask is not None).shape[1:]
+  rows = [part.weights.shape[0] for part in parts]
+  mask = jnp.concatenate(
+    [
+      jnp.ones((count, *steps), bool) if part_mask is None else part_mask
+      for part_mask, count in zip(masks, rows)
+    ]
+  )
+  lengths = [getattr(part, "lengths", None) for part in parts]
+  if all(length is None for length in lengths):
+    return mask, None
+  full = steps[0] if steps else 1
+  return mask, jnp.concatenate(
+    [
+      jnp.full((count,), full, jnp.int32) if length is None else length.astype(jnp.int32)
+      for length, count in zip(lengths, rows)
+    ]
+  )
+
+
 def sample(
   states: Sequence[Any],
   key: jax.Array,
@@ -313,11 +347,14 @@ def _drawn(
   parts = tuple(part for _, part in drawn)
   after = [state for state, _ in drawn]
   source = np.repeat(np.arange(len(buffers), dtype=np.int32), rows)
+  mask, lengths = _joined_masks(parts)
   return (tuple(after) if isinstance(states, tuple) else after), MixtureSample(
     items=_concatenated([part.items for part in parts]),
     source=jnp.asarray(source),
     weights=jnp.concatenate([part.weights for part in parts]),
     parts=parts,
+    mask=mask,
+    lengths=lengths,
   )
 
 
@@ -377,16 +414,57 @@ def update_priorities(
     "priorities", priorities, (batch_size,), what=what, like="batch.source (one per row)"
   )
   validation.check_floating("priorities", priorities, what=what)
-  priorities = jnp.asarray(priorities)
-  updated, start = [], 0
-  for buffer, state, part, count in zip(buffers, states, batch.parts, rows):
+  if not isinstance(priorities, np.ndarray):  # NumPy: sliced on the host
+    priorities = jnp.asarray(priorities)
+  # One state given for several parts (one dataset drawn twice) is updated
+  # by each of them in turn, and returned for each.
+  owners = _owners(states)
+  current, start = list(states), 0
+  for k, (buffer, part, count) in enumerate(zip(buffers, batch.parts, rows)):
     if count:
-      state = buffer.update_priorities(
-        state, part.indices, priorities[start : start + count], part.item_ids
+      current[owners[k]] = buffer.update_priorities(
+        current[owners[k]], part.indices, priorities[start : start + count], part.item_ids
       )
-    updated.append(state)
     start += count
+  updated = [current[owner] for owner in owners]
   return tuple(updated) if isinstance(states, tuple) else updated
+
+
+def _owners(states: Sequence[Any]) -> list[int]:
+  """For each part, the first part given the same state (the same arrays)."""
+  firsts: dict[int, int] = {}
+  owners = []
+  for k, state in enumerate(states):
+    leaves = jax.tree.leaves(state)
+    owners.append(firsts.setdefault(id(leaves[0]), k) if leaves else k)
+  return owners
+
+
+def _on_the_host(
+  batch: MixtureSample, priorities: Any, buffers: Sequence[Buffer]
+) -> tuple[MixtureSample, np.ndarray]:
+  """The batch's unsharded parts and the priorities as NumPy, for an update
+  part by part: the mixture's jitted sample laid every part's rows out over
+  a sharded part's mesh, and each buffer takes host arrays onto its own
+  devices."""
+  parts = tuple(
+    part if "devices" in dict(buffer.kind.settings if buffer.kind else ()) else jax.device_get(part)
+    for part, buffer in zip(batch.parts, buffers)
+  )
+  return batch.replace(parts=parts), np.asarray(priorities)  # type: ignore[attr-defined]
+
+
+def _updated_part_by_part(buffers: Sequence[Buffer]) -> Callable[[Sequence[Any]], bool]:
+  """Whether an update must call each part's own (jitted) update in turn
+  rather than one jit over all parts: with a sharded part (one jit would
+  return the other parts' states laid out over its mesh), or one state
+  given for several parts (one jit would donate its arrays twice)."""
+  sharded = any("devices" in dict(buffer.kind.settings) for buffer in buffers if buffer.kind)
+
+  def part_by_part(states: Sequence[Any]) -> bool:
+    return sharded or len(set(_owners(states))) < len(states)
+
+  return part_by_part
 
 
 def can_sample(
@@ -512,7 +590,7 @@ def mixture(buffers: Sequence[Buffer], proportions: Sequence[float]) -> Mixture:
     mixed_sample = base._explained(  # pylint: disable=protected-access
       "mixture.sample", jax.jit(mixed_sample, static_argnames="batch_size"), batch_size_position=2
     )
-    mixed_update = base._explained(  # pylint: disable=protected-access
+    jitted_update = base._explained(  # pylint: disable=protected-access
       "mixture.update_priorities", jax.jit(mixed_update, donate_argnums=0)
     )
     mixed_take = base._explained(  # pylint: disable=protected-access
@@ -520,18 +598,32 @@ def mixture(buffers: Sequence[Buffer], proportions: Sequence[float]) -> Mixture:
       jax.jit(mixed_take, static_argnames="batch_size", donate_argnums=0),
       batch_size_position=2,
     )
+    part_by_part = _updated_part_by_part(buffers)
+    each_part_update = mixed_update
+
+    @functools.wraps(mixed_update)
+    def mixed_update(states, batch, priorities):
+      # A list of priorities is the array it stands for (a jit would see
+      # one leaf per entry), as for a buffer's own update.
+      priorities = host_add.listed_array(priorities)
+      if part_by_part(states):
+        return each_part_update(states, *_on_the_host(batch, priorities, buffers))
+      return jitted_update(states, batch, priorities)
+
+    mixed_update = base.with_jit_tools(mixed_update, jitted_update)
     mixed_can_sample = base._explained(  # pylint: disable=protected-access
       "mixture.can_sample",
       jax.jit(mixed_can_sample, static_argnames="batch_size"),
       batch_size_position=1,
     )
-  total = sum(proportions)
+  # Exact: a float sum of [1e308, 1e308] overflows to inf.
+  exact = [fractions.Fraction(p) for p in proportions]
   return Mixture(
     sample=base._sampled_at_step(mixed_sample),  # pylint: disable=protected-access
     update_priorities=mixed_update,
     can_sample=mixed_can_sample,
     rows=base.documented(functools.partial(rows_per_part, proportions=proportions)),
     buffers=buffers,
-    proportions=tuple(p / total for p in proportions),
+    proportions=tuple(float(p / sum(exact)) for p in exact),
     take=base._sampled_at_step(mixed_take, "mixture.take"),  # pylint: disable=protected-access
   )

@@ -466,6 +466,7 @@ def bind(
   jit_update_priorities: bool = True,
   init_shardings: Any = None,
   pack_host_items: bool = True,
+  check_host_add: Callable | None = None,
 ) -> Buffer:
   """Makes a `Buffer` whose default functions are jitted with donated state.
 
@@ -479,7 +480,10 @@ def bind(
   `jax.eval_shape(buffer.init, example)` carries them too.
   `pack_host_items=False` sends NumPy items to `add` leaf by leaf rather
   than as one byte array (`_packed_add_from_host`), for an add that places
-  them itself (a sharded buffer's, over its devices).
+  them itself (a sharded buffer's, over its devices). `check_host_add`,
+  given `add`'s arguments after the state, checks on the host what only
+  values show, before the jit (a stream add with `final_steps`: two final
+  steps in a row); it is called when the add has more than two of them.
 
   Donation is what lets a notebook user call `buffer.add` in a plain Python
   loop without paying a copy of the whole storage per call: the state passed
@@ -547,6 +551,8 @@ def bind(
 
   @functools.wraps(add)
   def add_from_host(state, items, *args, **kwargs):
+    if check_host_add is not None and (len(args) > 2 or kwargs.get("final_steps") is not None):
+      check_host_add(items, *args, **kwargs)
     return add_items(
       state,
       items,

@@ -21,9 +21,14 @@ a buffer made with other settings is a `ValueError` naming each setting that
 differs and both values, before anything runs. Checkpoints store them and
 `load` compares them the same way. Settings that only shape a sample (beta,
 stratification, checked mode) are not recorded: a state may be sampled with
-any of them. A state made by a module's `init` directly records none, and is
-accepted by any buffer of its type (the module functions take every setting
-explicitly, so their caller answers for them).
+any of them. A state made by a module's `init` directly (`jaxbuf.frames.init`)
+records none: a module `init` does not take every setting (frame-stack
+replay's `num_stack`, the priorities' alpha and eps), so it cannot record
+them. Such a state is for the module functions, which take every setting
+explicitly, so their caller answers for them; a bound buffer whose kind has
+settings refuses it (`ValueError`), since it cannot check the settings the
+state's bookkeeping was kept with (a stack-of-2 buffer used to sample a
+state a stack-of-3 buffer had filled). Make states with `buffer.init`.
 
 Splitting over devices. `Kind.split(num_devices)` returns a `Split`: the
 kind's functions for one device's part (capacity or envs divided by D) and
@@ -187,10 +192,11 @@ def settings_difference(
 
 
 def check_settings(state: Any, kind: Kind, *, what: str) -> None:
-  """Raises `ValueError` if `state` was made by a buffer with other settings.
+  """Raises `ValueError` if `state` was made by a buffer with other settings,
+  or records none (made by a module's `init`) where the kind has some.
 
-  A state that records none (made by a module's `init`) passes, and so does
-  a state of another type: the function's own type check names both types.
+  A state of another type passes: the function's own type check names both
+  types.
   """
   recorded = getattr(state, "settings", NO_SETTINGS)
   if kind.exact_type and type(state) is not kind.state_type and isinstance(state, kind.state_type):
@@ -204,8 +210,18 @@ def check_settings(state: Any, kind: Kind, *, what: str) -> None:
   of_the_kind = (
     type(state) is kind.state_type if kind.exact_type else isinstance(state, kind.state_type)
   )
-  if recorded in (NO_SETTINGS, kind.settings) or not of_the_kind:
+  if recorded == kind.settings or not of_the_kind:
     return
+  if recorded == NO_SETTINGS:
+    raise ValueError(
+      f"{what}: this state records no settings (it was made by a module-level "
+      "init such as jaxbuf.frames.init, or loaded with such a `like`), so "
+      f"this {kind.name} buffer cannot check "
+      f"that it was made with this buffer's settings "
+      f"({', '.join(f'{name} {value!r}' for name, value in kind.settings)}), "
+      "which its bookkeeping depends on. Make the state with buffer.init, or "
+      "call the module functions, which take every setting explicitly."
+    )
   state_devices = dict(recorded).get("devices")
   buffer_devices = dict(kind.settings).get("devices")
   if buffer_devices is None and state_devices is not None:

@@ -479,6 +479,9 @@ def check_state_kind(
 
 def check_hyperparameter(value: Any, name: str, *, positive: bool = False) -> None:
   """Raises `ValueError` unless `value` is a finite real, >= 0 (or > 0)."""
+  if isinstance(value, (str, bytes)):
+    # float("0.5") would read it.
+    raise TypeError(f"{name} must be a real number, given str {value!r}.")
   try:
     number = float(value)
   except (TypeError, ValueError):

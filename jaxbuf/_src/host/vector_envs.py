@@ -19,7 +19,7 @@ import numpy as np
 from jaxbuf._src.core.base import Buffer, PyTree
 from jaxbuf._src.core.ring import ReplayState
 from jaxbuf._src.core.spaces import example_from_space
-from jaxbuf._src.offline.mapping import EpisodeStep, Transition
+from jaxbuf._src.core.records import EpisodeStep, Transition
 from jaxbuf._src.streams.sequence import SequenceReplayState
 
 
@@ -35,15 +35,33 @@ class RecordedStep(NamedTuple):
   mask: np.ndarray | None  # bool [N], streams: the envs whose step is stored
   final_steps: PyTree | None  # EpisodeStep [N], streams: the final
   # observations, `last` where an episode ended
+  abandoned: PyTree | None = None  # EpisodeStep [N], streams: the final
+  # steps of the episodes a mid-episode `reset` abandoned (`last` there),
+  # added before `items`; None when no episode was abandoned
 
   def add_to(self, buffer: Buffer, state: Any) -> Any:
     """`buffer.add(state, ...)` with these arguments; the state unchanged
     when there is nothing to add. Works inside a jit too."""
+    if self.abandoned is not None:
+      state = buffer.add(state, self.abandoned, mask=self.abandoned.last)
     if self.items is None:
       return state
     if self.final_steps is None:
       return buffer.add(state, self.items)
     return buffer.add(state, self.items, mask=self.mask, final_steps=self.final_steps)
+
+
+class _Position(NamedTuple):
+  """The recorder's host bookkeeping between two steps; replaced whole, and
+  only once a step's add went through."""
+
+  obs: PyTree  # leaves [N, ...]: each env's current observation
+  resetting: np.ndarray  # bool [N], NEXT_STEP: the env's next step is the
+  # reset step (its episode ended on the previous step)
+  running: np.ndarray  # bool [N]: the env's episode has a stored step and
+  # no end yet
+  abandoned: PyTree | None  # EpisodeStep [N] or None, streams: final steps
+  # of episodes abandoned by `reset`, not yet added
 
 
 def _autoreset_mode(envs: Any, autoreset_mode: Any) -> Any:
@@ -121,6 +139,34 @@ def _rows(tree: PyTree, rows: np.ndarray) -> PyTree:
   return jax.tree.map(lambda leaf: np.asarray(leaf)[rows], tree)
 
 
+def _leaf_name(path: tuple) -> str:
+  return "obs" + jax.tree_util.keystr(path)
+
+
+def _check_final_obs(final: PyTree, like: PyTree, env: int) -> None:
+  """SAME_STEP: env `env`'s `info["final_obs"]` has the observation's
+  structure and leaf shapes (`like`: leaves `[N, ...]`)."""
+  want = [_leaf_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(like)]
+  given = [_leaf_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(final)]
+  if want != given:
+    raise ValueError(
+      f"VectorEnvRecorder: info['final_obs'][{env}], env {env}'s final "
+      f"observation, has the leaves {given}, but the observations have "
+      f"{want}; pass the info envs.step returned, unchanged."
+    )
+  for (path, leaf), final_leaf in zip(
+    jax.tree_util.tree_leaves_with_path(like), jax.tree.leaves(final), strict=True
+  ):
+    shape = np.shape(final_leaf)
+    if shape != leaf.shape[1:]:
+      raise ValueError(
+        f"VectorEnvRecorder: info['final_obs'][{env}], env {env}'s final "
+        f"observation, has shape {shape} at {_leaf_name(path)}, where the "
+        f"observations have {leaf.shape[1:]}; pass the info envs.step "
+        "returned, unchanged."
+      )
+
+
 def _flags(name: str, value: Any, num_envs: int) -> np.ndarray:
   flags = np.asarray(value)
   if flags.shape != (num_envs,) or flags.dtype != np.bool_:
@@ -176,7 +222,16 @@ class VectorEnvRecorder:
   `autoreset_mode=`), a SAME_STEP step whose `info` lacks the final
   observation of an env that ended, a NEXT_STEP step whose `info` holds
   `final_obs` (a SAME_STEP env mislabelled), and an env that ends an episode
-  on what should be its reset step (a step not recorded, or the wrong mode).
+  on what should be its reset step, or gets a reward there (a step not
+  recorded, or the wrong mode). Steps out of order, twice or skipped show
+  nowhere else in gymnasium's outputs (no step counter), so they are stored
+  as the rows they make: pass every step once, in order. A step refused by
+  the recorder or the buffer's add leaves the recorder as it was.
+
+  An env reset mid-episode (`reset(obs, reset_mask=...)`, or a full reset)
+  ends its abandoned episode as a truncation at the observation it reached:
+  stream kinds get that observation as a final step flagged `last`, added
+  before the next step (`docs/guides/host_loops.md`).
 
   Call `reset(obs)` with what `envs.reset()` returned, then `add` (or
   `record`) once after every `envs.step`, in order.
@@ -243,24 +298,58 @@ class VectorEnvRecorder:
     # A final step's action, reward and flags: padding, never read.
     self._padding = jax.tree.map(batched, (action, reward, flag))
     self._all_envs = np.ones(self.num_envs, np.bool_)
-    self._obs: PyTree | None = None
-    # NEXT_STEP: the envs whose episode ended on the previous step, so whose
-    # next step is gymnasium's reset step.
-    self._resetting = np.zeros(self.num_envs, np.bool_)
+    self._position: _Position | None = None
 
   def reset(self, obs: PyTree, reset_mask: np.ndarray | None = None) -> None:
     """Records the observations `envs.reset()` returned.
+
+    An env reset while its episode runs (a stored step, no end yet) abandons
+    that episode, and the episode ends in the buffer as a truncation: with
+    stream kinds, its final step (the observation the env reached before
+    the reset, flagged `last`) is added before the next step's rows, so no
+    window, n-step target, frame stack or hindsight goal joins it to the new
+    episode. Item kinds hold whole transitions, which never join episodes.
 
     Args:
       obs: leaves `[N, ...]`, the env's observations after the reset.
       reset_mask: bool `[N]`, the envs reset (gymnasium's
         `options={"reset_mask": ...}`); None for all.
     """
-    if reset_mask is None:
-      self._resetting = np.zeros(self.num_envs, np.bool_)
-    else:
-      self._resetting = self._resetting & ~_flags("reset_mask", reset_mask, self.num_envs)
-    self._obs = _copied(obs)
+    reset = (
+      self._all_envs if reset_mask is None else _flags("reset_mask", reset_mask, self.num_envs)
+    )
+    held = _copied(obs)
+    position = self._position
+    if position is None:
+      self._position = _Position(
+        held, np.zeros(self.num_envs, np.bool_), np.zeros(self.num_envs, np.bool_), None
+      )
+      return
+    abandoned = position.abandoned
+    ends = position.running & reset
+    if self._layout == "streams" and ends.any():
+      abandoned = self._abandoned_ends(position, ends)
+    self._position = _Position(
+      held, position.resetting & ~reset, position.running & ~reset, abandoned
+    )
+
+  def _abandoned_ends(self, position: _Position, ends: np.ndarray) -> PyTree:
+    """Final steps `[N]` of the episodes `ends` abandons: each env's current
+    observation flagged `last`, with those abandoned before and not yet added."""
+    obs = _copied(position.obs)
+    last = ends.copy()
+    if position.abandoned is not None:
+      earlier = position.abandoned.last & ~ends
+      obs = jax.tree.map(
+        lambda now, before: np.where(earlier.reshape((-1,) + (1,) * (now.ndim - 1)), before, now),
+        obs,
+        position.abandoned.obs,
+      )
+      last |= earlier
+    action, reward, flag = self._padding
+    return EpisodeStep(
+      obs=obs, action=action, reward=reward, terminated=flag, truncated=flag, last=last
+    )
 
   def record(
     self,
@@ -269,13 +358,19 @@ class VectorEnvRecorder:
     rewards: Any,
     terminated: Any,
     truncated: Any,
-    info: dict,
+    info: dict | None,
   ) -> RecordedStep:
     """The add of one `envs.step(actions)`, and the step recorded.
 
+    The recorder moves on to the step's observations when `record` returns;
+    a step it refuses leaves it as it was. `add` moves it on only once the
+    buffer's add went through, so a step refused by either can be passed
+    again, corrected.
+
     Args:
       actions: leaves `[N, ...]`, the actions passed to `envs.step`.
-      next_obs, rewards, terminated, truncated, info: what it returned.
+      next_obs, rewards, terminated, truncated, info: what it returned
+        (`info` None reads as `{}`).
 
     Returns:
       A `RecordedStep`; `recorded.add_to(buffer, state)` adds it (`add` does
@@ -283,27 +378,45 @@ class VectorEnvRecorder:
 
     Raises:
       RuntimeError: before `reset`.
-      ValueError: flags not bool `[N]`; a final observation missing
-        (SAME_STEP) or `info` that only a SAME_STEP env gives (NEXT_STEP).
+      ValueError: flags not bool `[N]`; a final observation missing or not
+        shaped as the observations (SAME_STEP); `info` that only a SAME_STEP
+        env gives, an end or a reward on a reset step (NEXT_STEP).
     """
-    if self._obs is None:
+    step = (actions, next_obs, rewards, terminated, truncated, info)
+    recorded, self._position = self._record(step)
+    return recorded
+
+  def _record(self, step: tuple) -> tuple[RecordedStep, _Position]:
+    """`record`'s add of `step` (its arguments, in order) and the recorder's
+    position after it, which the caller keeps once the step is accepted."""
+    actions, next_obs, rewards, terminated, truncated, info = step
+    if self._position is None:
       raise RuntimeError(
         "VectorEnvRecorder: call reset(obs) with the "
         "observations of envs.reset() before recording steps."
       )
+    if info is None:
+      info = {}
+    if not isinstance(info, dict):
+      raise TypeError(
+        f"VectorEnvRecorder: info must be the dict envs.step returned, given {type(info).__name__}."
+      )
+    position = self._position
     terminated = _flags("terminated", terminated, self.num_envs)
     truncated = _flags("truncated", truncated, self.num_envs)
     rewards = np.asarray(rewards).astype(np.float32)
     ended = terminated | truncated
     held = _copied(next_obs)
     if self._next_step:
-      stepped = self._check_next_step(ended, info)
+      stepped = self._check_next_step(position.resetting, ended, rewards, info)
       final_obs = held
-      self._resetting = ended
+      resetting = ended
     else:
       stepped = self._all_envs
       final_obs = self._final_observations(held, ended, info)
-    obs, self._obs = self._obs, held
+      resetting = position.resetting
+    after = _Position(held, resetting, (position.running | stepped) & ~ended, None)
+    obs = position.obs
     if self._layout == "items":
       transitions = Transition(
         obs=obs,
@@ -316,9 +429,9 @@ class VectorEnvRecorder:
       if stepped is not self._all_envs:
         rows = np.flatnonzero(stepped)
         if not rows.size:
-          return RecordedStep(None, None, None)
+          return RecordedStep(None, None, None), after
         transitions = Transition(*(_rows(field, rows) for field in transitions))
-      return RecordedStep(transitions, None, None)
+      return RecordedStep(transitions, None, None), after
     no_flag = self._padding[2]
     steps = EpisodeStep(
       obs=obs,
@@ -337,7 +450,7 @@ class VectorEnvRecorder:
       truncated=no_flag,
       last=ended & stepped,
     )
-    return RecordedStep(steps, stepped, final_steps)
+    return RecordedStep(steps, stepped, final_steps, position.abandoned), after
 
   def add(
     self,
@@ -347,18 +460,24 @@ class VectorEnvRecorder:
     rewards: Any,
     terminated: Any,
     truncated: Any,
-    info: dict,
+    info: dict | None,
   ) -> Any:
     """`record`, then its add: the state after one `envs.step(actions)`.
 
     The arguments after `actions` are `envs.step`'s five results in order.
-    The state passed in is consumed, as by `buffer.add`.
+    The state passed in is consumed, as by `buffer.add`. The recorder moves
+    on only once the add went through: a step refused by the recorder or by
+    the buffer (float actions for a `Discrete` space) leaves it as it was,
+    to be passed again, corrected.
     """
-    return self.record(actions, next_obs, rewards, terminated, truncated, info).add_to(
-      self.buffer, state
-    )
+    recorded, after = self._record((actions, next_obs, rewards, terminated, truncated, info))
+    state = recorded.add_to(self.buffer, state)
+    self._position = after
+    return state
 
-  def _check_next_step(self, ended: np.ndarray, info: dict) -> np.ndarray:
+  def _check_next_step(
+    self, resetting: np.ndarray, ended: np.ndarray, rewards: np.ndarray, info: dict
+  ) -> np.ndarray:
     """The envs whose step is a transition (not a reset); refuses a step
     that no NEXT_STEP env gives."""
     if "final_obs" in info:
@@ -367,8 +486,8 @@ class VectorEnvRecorder:
         "AutoresetMode.SAME_STEP gives, but the env's metadata says "
         "NEXT_STEP; make the recorder with the mode the env steps in."
       )
-    if self._resetting.any():
-      both = np.flatnonzero(self._resetting & ended)
+    if resetting.any():
+      both = np.flatnonzero(resetting & ended)
       if both.size:
         raise ValueError(
           f"VectorEnvRecorder: env {int(both[0])} ended its episode on the "
@@ -376,7 +495,17 @@ class VectorEnvRecorder:
           "reset (neither terminated nor truncated); is it in NEXT_STEP "
           "mode, and was every step recorded?"
         )
-      return ~self._resetting
+      # gymnasium's reset step gives reward 0: another reward is a real
+      # step, so the step after the end (the reset) was never recorded.
+      rewarded = np.flatnonzero(resetting & (rewards != 0))
+      if rewarded.size:
+        env = int(rewarded[0])
+        raise ValueError(
+          f"VectorEnvRecorder: env {env} got reward {rewards[env]} on the "
+          "step after an episode end, which a NEXT_STEP env spends on the "
+          "reset (reward 0); was every step recorded, in order?"
+        )
+      return ~resetting
     return self._all_envs
 
   def _final_observations(self, held: PyTree, ended: np.ndarray, info: dict) -> PyTree:
@@ -385,19 +514,24 @@ class VectorEnvRecorder:
     if not ended.any():
       return held
     has_final = np.asarray(info.get("_final_obs", np.zeros(self.num_envs, np.bool_)))
-    missing = np.flatnonzero(ended & ~has_final)
-    if missing.size:
+    missing = np.flatnonzero(ended & ~has_final) if has_final.shape == ended.shape else [0]
+    if len(missing) or "final_obs" not in info:
+      env = int(missing[0]) if len(missing) else int(np.flatnonzero(ended)[0])
       raise ValueError(
-        f"VectorEnvRecorder: env {int(missing[0])} ended its episode, but "
+        f"VectorEnvRecorder: env {env} ended its episode, but "
         "info has no final_obs for it (info['_final_obs'] is not True "
         "there), which an env in AutoresetMode.SAME_STEP always gives; "
         "the true final observation is lost. Pass the info envs.step "
         "returned, unchanged."
       )
+    envs = [int(env) for env in np.flatnonzero(ended)]
+    # Every final observation checked before any is written.
+    for env in envs:
+      _check_final_obs(info["final_obs"][env], held, env)
     # A second copy: `held` is the next step's `obs`, the reset observations.
     final_obs = _copied(held)
     leaves = jax.tree.leaves(final_obs)
-    for env in np.flatnonzero(ended):
+    for env in envs:
       # One env's observation: the same structure, so its leaves in order.
       for leaf, final in zip(leaves, jax.tree.leaves(info["final_obs"][env]), strict=True):
         leaf[env] = final

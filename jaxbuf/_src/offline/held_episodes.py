@@ -9,7 +9,8 @@ import numpy as np
 
 from jaxbuf._src.core import validation
 from jaxbuf._src.core.base import Buffer, PyTree
-from jaxbuf._src.offline.mapping import Episode, Transition, checked_layout, devices_of
+from jaxbuf._src.core.records import Transition
+from jaxbuf._src.offline.mapping import Episode, checked_layout, devices_of
 
 _CHECK_BLOCK = 1 << 16
 

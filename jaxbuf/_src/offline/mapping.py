@@ -89,8 +89,9 @@ is deleted: no partly loaded state is ever returned.
 Writing back (`held_episodes`, `to_minari`, `to_rlds_steps`). Streams hold
 episodes in order: each env's held steps are cut at its episode ends. The
 first run of an env is written only if its start is held: none of its
-steps was overwritten, or (frame-stack and hindsight replay, which record
-where episodes start: `oldest_held_starts_an_episode`) the ring wrapped
+steps was overwritten, or (frame-stack, episode and hindsight replay,
+which record where episodes start: `oldest_held_starts_an_episode`) the
+ring wrapped
 exactly at its first step. The run after the last end (a running episode)
 is not written. With one env the episodes come out in the order
 they were added; with N envs, env by env. Item replay holds transitions in
@@ -102,7 +103,9 @@ if the ring never wrapped. Items added from several envs at once interleave
 and are refused with a `ValueError` naming the slot. Infos, seeds and
 episode metadata are not kept.
 
-Where it lives. This module holds the three forms and the checks and
+Where it lives. This module holds the episode form (`Transition` and
+`EpisodeStep`, the item and stream forms, are the core's records,
+`core/records.py`, imported here) and the checks and
 conversions every reader shares; `loading.py` adds episodes to a
 buffer in chunks (the one writer behind both readers), `held_episodes.py`
 reads them back from a state, `minari_datasets.py` (`from_minari`,
@@ -116,32 +119,11 @@ import jax
 import numpy as np
 
 from jaxbuf._src.core.base import Buffer, PyTree
+from jaxbuf._src.core.records import EpisodeStep, Transition
 from jaxbuf._src.core.ring import ReplayState
 from jaxbuf._src.streams.sequence import SequenceReplayState
 
 _EPISODE_FIELDS = ("actions", "rewards", "terminations", "truncations")
-
-
-class Transition(NamedTuple):
-  """An item of item replay loaded from a dataset (unbatched leaves)."""
-
-  obs: PyTree  # the observation space's structure
-  action: PyTree  # the action space's structure
-  reward: Any  # shape=(), the dataset's reward dtype
-  next_obs: PyTree  # like obs: the observation after the action
-  terminated: Any  # shape=(), bool: the action ended the episode
-  truncated: Any  # shape=(), bool: the episode was cut after it
-
-
-class EpisodeStep(NamedTuple):
-  """A step of a sequence replay stream (the stream convention)."""
-
-  obs: PyTree  # the observation space's structure
-  action: PyTree  # zeros on a `last` step
-  reward: Any  # shape=(); 0 on a `last` step
-  terminated: Any  # shape=(), bool: this step's action ended it
-  truncated: Any  # shape=(), bool: cut after this step's action
-  last: Any  # shape=(), bool: holds an episode's final obs
 
 
 class Episode(NamedTuple):

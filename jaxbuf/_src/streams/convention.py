@@ -20,6 +20,14 @@ from the stream, k steps later:
   action, reward and `terminated` are padding and are never read. The step
   after it is the first step of the next episode.
 
+An episode abandoned by a reset before it ended (gymnasium's
+`reset(options={"reset_mask": ...})`, or a full reset mid-run) ends as a
+truncation: its final step holds the last observation the env reached
+before the reset, flagged `last`, after the episode's last stored step.
+That step is the episode's honest last step (its action really led to
+that observation), and a truncation is what an episode cut short for a
+reason outside the MDP is; `jaxbuf.VectorEnvRecorder` writes it so.
+
 So a truncation bootstraps from the TRUE final observation (SB3's
 `optimize_memory_usage` bootstraps from the reset one, SB3 #934), and a
 termination stops the return whether or not its final step was added.

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+from jaxbuf._src.streams import episode_starts
 from jaxbuf._src.streams import sequence
 from jaxbuf._src.core import sum_tree
 from jaxbuf._src.core import validation
@@ -77,9 +78,25 @@ class EpisodeReplayState(SequenceReplayState):
   # slot, its length
   piece_positions: jax.Array  # int32 [N]: where each env's next step falls
   # in its piece, < M
+  episode_positions: jax.Array  # uint8 [N, R]: each step's index in its
+  # episode, saturated at 1 (0: the step starts its episode)
+  next_positions: jax.Array  # int32 [N]: the index the next step of each
+  # env will have, saturated at 1
 
   def per_env_fields(self) -> tuple[str, ...]:
-    return super().per_env_fields() + ("piece_lengths", "piece_positions")
+    return super().per_env_fields() + (
+      "piece_lengths",
+      "piece_positions",
+      "episode_positions",
+      "next_positions",
+    )
+
+  def oldest_held_starts_an_episode(self) -> jax.Array:
+    """Also where the ring wrapped at an episode's start: the oldest held
+    step's position in its episode is 0 (as in frame-stack replay)."""
+    return super().oldest_held_starts_an_episode() | episode_starts.oldest_held_is_first(
+      self, self.episode_positions
+    )
 
 
 # Each step is a window of one, so `add_steps` zeroes the leaf of every slot
@@ -109,6 +126,8 @@ def init(example_step: PyTree, *, num_envs: int, capacity: int) -> EpisodeReplay
     **{name: getattr(base, name) for name in base.__dataclass_fields__},
     piece_lengths=jnp.zeros((num_envs, capacity // num_envs), jnp.int32),
     piece_positions=jnp.zeros((num_envs,), jnp.int32),
+    episode_positions=jnp.zeros((num_envs, capacity // num_envs), jnp.uint8),
+    next_positions=jnp.zeros((num_envs,), jnp.int32),
   )
 
 
@@ -172,8 +191,17 @@ def write_steps(
   """Writes steps (`[N, ...]` or `[N, T, ...]`, T >= 1, episode ends
   resolved) and the pieces they complete."""
   steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask, episode_end)
+  starts, after = episode_starts.episode_positions_of(
+    state.next_positions, episode_end, saturate_at=1
+  )
   written = sequence.add_steps(
-    state, steps, mask, episode_end, **STEP_WINDOWS, new_leaf_value=jnp.float32(0.0)
+    state,
+    steps,
+    mask,
+    episode_end,
+    **STEP_WINDOWS,
+    new_leaf_value=jnp.float32(0.0),
+    episode_positions=starts.astype(jnp.uint8),
   )
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
   length = episode_end.shape[1]
@@ -214,6 +242,7 @@ def write_steps(
       jnp.where(episode_end[:, -1], 0, (positions[:, -1] + 1) % max_episode_length),
       state.piece_positions,
     ),
+    next_positions=jnp.where(mask, after, state.next_positions),
   )
 
 
@@ -309,4 +338,7 @@ def can_sample(state: EpisodeReplayState, batch_size: int) -> jax.Array:
 def clear(state: EpisodeReplayState) -> EpisodeReplayState:
   """Empties the buffer; the next step added starts a piece."""
   validation.check_state_kind(state, EpisodeReplayState, what="clear", exact=True)
-  return sequence.clear(state).replace(piece_positions=jnp.zeros_like(state.piece_positions))
+  return sequence.clear(state).replace(
+    piece_positions=jnp.zeros_like(state.piece_positions),
+    next_positions=jnp.zeros_like(state.next_positions),
+  )

@@ -144,6 +144,7 @@ def sequence_replay(
     ),
     checked=checked,
     jit_update_priorities=False,
+    check_host_add=sequence.check_one_final_step,
   )
 
 
@@ -242,6 +243,7 @@ def prioritized_sequence_replay(
       split=split,
     ),
     checked=checked,
+    check_host_add=sequence.check_one_final_step,
   )
 
 
@@ -318,6 +320,7 @@ def episode_replay(
     ),
     checked=checked,
     jit_update_priorities=False,
+    check_host_add=sequence.check_one_final_step,
   )
 
 
@@ -405,6 +408,7 @@ def _frame_stack_factory(
     ),
     checked=checked,
     jit_update_priorities=priorities is not None,
+    check_host_add=sequence.check_one_final_step,
   )
 
 
@@ -674,4 +678,5 @@ def hindsight_replay(
       split=split,
     ),
     checked=checked,
+    check_host_add=sequence.check_one_final_step,
   )

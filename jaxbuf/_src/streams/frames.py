@@ -78,6 +78,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from jaxbuf._src.items import prioritized
+from jaxbuf._src.streams import episode_starts
 from jaxbuf._src.streams import prioritized_sequence
 from jaxbuf._src.core import random
 from jaxbuf._src.streams import sequence
@@ -132,8 +133,9 @@ class FrameStackReplayState(PrioritizedSequenceReplayState):
   def oldest_held_starts_an_episode(self) -> jax.Array:
     """Also where the ring wrapped at an episode's start: the oldest held
     step's position in its episode is 0."""
-    oldest = jnp.take_along_axis(self.episode_positions, self.oldest_held_slots()[:, None], axis=1)
-    return super().oldest_held_starts_an_episode() | (oldest[:, 0] == 0)
+    return super().oldest_held_starts_an_episode() | episode_starts.oldest_held_is_first(
+      self, self.episode_positions
+    )
 
 
 def _field(tree: Any, name: str) -> Any:
@@ -292,30 +294,6 @@ def transition_ids_valid(state: FrameStackReplayState, ids: jax.Array, *, n_step
   return in_range & transitions_valid(state, safe // per_env, safe % per_env, n_step=n_step)
 
 
-def episode_positions_of(
-  next_positions: jax.Array, episode_end: jax.Array, *, num_stack: int
-) -> tuple[jax.Array, jax.Array]:
-  """Each chunk step's position in its episode, saturated at K - 1.
-
-  Args:
-    next_positions: int32 `[N]`, the position the chunk's first step has.
-    episode_end: bool `[N, T]`.
-
-  Returns:
-    int32 `[N, T]` positions and int32 `[N]` the position of the step after
-    the chunk.
-  """
-  length = episode_end.shape[1]
-  index = jnp.arange(length, dtype=jnp.int32)[None, :]
-  # Step i starts an episode when step i - 1 ended one.
-  starts = jnp.concatenate([jnp.zeros_like(episode_end[:, :1]), episode_end[:, :-1]], axis=1)
-  last_start = jax.lax.cummax(jnp.where(starts, index, -1), axis=1)
-  positions = jnp.where(last_start >= 0, index - last_start, next_positions[:, None] + index)
-  positions = jnp.minimum(positions, num_stack - 1)
-  after = jnp.where(episode_end[:, -1], 0, jnp.minimum(positions[:, -1] + 1, num_stack - 1))
-  return positions, after
-
-
 def add_steps(
   state: FrameStackReplayState,
   steps: PyTree,
@@ -339,7 +317,9 @@ def add_steps(
   """
   num_envs, per_env = sequence.num_envs_of(state), sequence.steps_per_env(state)
   steps, mask, episode_end = sequence.chunked_add_args(state, steps, mask, episode_end)
-  positions, after = episode_positions_of(state.next_positions, episode_end, num_stack=num_stack)
+  positions, after = episode_starts.episode_positions_of(
+    state.next_positions, episode_end, saturate_at=num_stack - 1
+  )
   new_state, chunk = sequence.write_chunk(
     state, steps, mask, episode_end, episode_positions=positions.astype(jnp.uint8)
   )

@@ -61,6 +61,7 @@ The module-level functions take every setting explicitly;
 """
 
 import collections.abc
+import inspect
 import functools
 import math
 from typing import Any, Callable, NamedTuple
@@ -200,6 +201,38 @@ def check_step(example_step: PyTree) -> None:
   )
 
 
+def _check_two_goal_arguments(name: str, function: Callable) -> None:
+  """Raises `TypeError` unless `function` can be called with two positional
+  arguments, `(achieved_goal, desired_goal)`; a function whose signature
+  cannot be read passes."""
+  try:
+    parameters = list(inspect.signature(function).parameters.values())
+  except (TypeError, ValueError):
+    return
+  positional = [
+    parameter
+    for parameter in parameters
+    if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+  ]
+  required = [parameter.name for parameter in positional if parameter.default is parameter.empty]
+  required += [
+    parameter.name
+    for parameter in parameters
+    if parameter.kind is parameter.KEYWORD_ONLY and parameter.default is parameter.empty
+  ]
+  takes_more = any(parameter.kind is parameter.VAR_POSITIONAL for parameter in parameters)
+  if len(required) > 2 or (len(positional) < 2 and not takes_more):
+    raise TypeError(
+      f"{name} is called as {name}(achieved_goal, desired_goal), on goal "
+      f"leaves [S, ...] under jit, and returns one value per row; given a "
+      f"function of ({', '.join(parameter.name for parameter in parameters)}). "
+      "A gymnasium-robotics compute_reward(achieved_goal, desired_goal, info) "
+      "is not called with an info (HER's goals have none): pass a function of "
+      "the two goals written with jax.numpy, e.g. lambda achieved, desired: "
+      "-(jnp.linalg.norm(achieved - desired, axis=-1) > 0.05).astype(jnp.float32)."
+    )
+
+
 def check_settings(
   num_envs: Any,
   capacity: Any,
@@ -231,6 +264,9 @@ def check_settings(
     raise TypeError(
       f"terminated_fn must be callable or None, given {type(terminated_fn).__name__}."
     )
+  _check_two_goal_arguments("reward_fn", reward_fn)
+  if terminated_fn is not None:
+    _check_two_goal_arguments("terminated_fn", terminated_fn)
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy must be one of {STRATEGIES}, given {strategy!r}.")
   try:

@@ -478,8 +478,56 @@ def add_stream(
   if mask is not None:
     _check_flags("mask", mask, (num_envs,))
     ended &= jnp.asarray(mask)
+  check_one_final_step(steps, mask, None, final_steps)
+  if steps_end is not None and np.shape(steps_end)[-1:] != (0,):
+    # A final step after a step flagged `last` (a final step already) would
+    # be a second final step in a row: not written. Concrete flags were
+    # refused above; traced ones cannot be read while tracing.
+    newest_end = steps_end if np.ndim(steps_end) == 1 else steps_end[:, -1]
+    ended &= ~jnp.asarray(newest_end)
   state = write(state, steps, mask, steps_end)
   return write(state, final_steps, ended, ended)
+
+
+def check_one_final_step(
+  steps: PyTree,
+  mask: Any = None,
+  episode_end: Any = None,
+  final_steps: PyTree | None = None,
+  *_: Any,
+) -> None:
+  """Refuses, where the flags can be read (NumPy or concrete arrays, before
+  a jit), a final step given for an env whose last step in `steps` is
+  flagged `last` already: two final steps in a row. `add`'s arguments after
+  the state, in order (a bound add calls it on the host)."""
+  del episode_end  # steps with a `last` leaf take none
+  if final_steps is None:
+    return
+  last, final_last = last_flags(steps), last_flags(final_steps)
+  flags = [last, final_last] + ([] if mask is None else [mask])
+  if last is None or final_last is None:
+    return
+  if any(isinstance(flag, jax.core.Tracer) for flag in flags):
+    return
+  last = np.asarray(last)
+  if last.ndim == 2 and last.shape[1] == 0:
+    return
+  newest, final_last = (last if last.ndim == 1 else last[:, -1]), np.asarray(final_last)
+  if newest.shape != final_last.shape or np.shape(mask) not in ((), newest.shape):
+    return  # misshapen: the add's own checks name it
+  both = newest & final_last
+  if mask is not None:
+    both &= np.asarray(mask)
+  if both.any():
+    env = int(np.flatnonzero(both)[0])
+    raise ValueError(
+      f"add: env {env}'s last step in `steps` is flagged `last` (it holds "
+      "an episode's final observation already), and final_steps gives it "
+      "another final step (`last` True there too): two final steps in a "
+      "row. Flag each episode's end once: either the step holding the final "
+      "observation in `steps`, or (the stream convention) that observation "
+      "in final_steps, with `last` False in `steps`."
+    )
 
 
 def chunked_add_args(
@@ -590,6 +638,7 @@ def add_steps(
   period: int,
   within: bool,
   new_leaf_value: jax.Array | None,
+  **columns: jax.Array,
 ) -> SequenceStateT:
   """Writes steps and updates the windows they complete or break.
 
@@ -601,11 +650,12 @@ def add_steps(
     sequence_length, period, within: the buffer's settings.
     new_leaf_value: the tree leaf of a window that becomes sampleable
       (ignored without a tree).
+    **columns: more per-step fields to write (`write_chunk`).
   """
   num_envs, per_env = num_envs_of(state), steps_per_env(state)
   steps, mask, episode_end = chunked_add_args(state, steps, mask, episode_end)
   length = episode_end.shape[1]
-  new_state, chunk = write_chunk(state, steps, mask, episode_end)
+  new_state, chunk = write_chunk(state, steps, mask, episode_end, **columns)
   kept = chunk.kept
   new_state = new_state.replace(
     period_phases=jnp.where(
