@@ -1,0 +1,348 @@
+"""A sample budget per item: `max_times_sampled=N` on item replay.
+
+Shape key: B add batch, S sample size, C capacity.
+
+An item taken N times is retired: its leaf of the sum tree is set to 0, so
+no later draw can reach it, and `live` (not `size`, which counts the slots
+held, retired or not) counts the items that can still be drawn;
+`can_sample(state, S)` is `live >= S`. Uniform replay with a budget keeps
+the same tree with leaves 1 (live) and 0 (retired); prioritized replay
+keeps its priorities there. Retirement is counted by `take`; `sample` is the
+same draw as a read-only peek.
+
+Draws. A take draws its S rows one after another, each from the items live
+at that moment (a leaf set to 0 as its item's budget runs out, within the
+call too): with N = 1, no item appears twice in one take, and over calls
+every item is drawn at most once (sampling without replacement). Row t is
+item i with probability `leaf_i / total` of the tree as it is at row t
+(uniform over the live items; prioritized: successive sampling in
+proportion to priority ** alpha, not stratified). When no live item is left
+the remaining rows are padding: slot 0, weight 0, as an empty buffer gives
+(checked mode raises on a buffer with no live item). Prioritized weights are
+`(leaf_i / total_t) ** -beta` over the largest in the sample (1 for uniform).
+Cost O(S log C): S descents and S single-leaf writes of the tree, run in
+sequence.
+
+Priority updates of a retired item are skipped (it stays retired). The
+budget is a count over the whole buffer, so `jaxbuf.sharded` refuses these
+buffers (an unbudgeted item replay buffer splits).
+"""
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from jaxbuf._src.core import kind
+from jaxbuf._src.core import random
+from jaxbuf._src.core import ring
+from jaxbuf._src.core import sum_tree
+from jaxbuf._src.core import validation
+from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, Schedule, bind
+from jaxbuf._src.items import prioritized
+from jaxbuf._src.items import uniform
+
+
+@flax.struct.dataclass
+class BudgetedReplayState(prioritized.PrioritizedReplayState):
+  """A `PrioritizedReplayState` whose items each have a sample budget.
+
+  The fields below add to the prioritized ones; `size` still counts the
+  slots held (live or retired), `live` the items that can be drawn.
+  Uniform replay with a budget holds leaves 1 and 0 in the tree.
+  """
+
+  times_sampled: jax.Array  # int32 [C]: takes of each slot's item so far
+  live: jax.Array  # shape=(), int32: items held and not retired
+
+  def joined(self):
+    raise ValueError(_NOT_SPLIT)
+
+  def divided(self, num_devices: int):
+    raise ValueError(_NOT_SPLIT)
+
+
+_NOT_SPLIT = (
+  "a buffer with max_times_sampled counts each item's draws over the whole "
+  "buffer and is not split over devices; uniform_replay and prioritized_replay "
+  "without max_times_sampled are."
+)
+
+
+def check_max_times_sampled(value: Any) -> None:
+  """Raises unless `value` is a Python int >= 1."""
+  validation.check_positive_int(
+    value, "max_times_sampled", reason=" (draws of an item before it is retired)"
+  )
+
+
+def init(example_item: PyTree, *, capacity: int) -> BudgetedReplayState:
+  """An empty buffer with a sample budget per item."""
+  base = prioritized.init(example_item, capacity=capacity)
+  return BudgetedReplayState(
+    **{name: getattr(base, name) for name in base.__dataclass_fields__ if name != "settings"},
+    times_sampled=jnp.zeros((capacity,), jnp.int32),
+    live=jnp.zeros((), jnp.int32),
+  )
+
+
+def add(
+  state: BudgetedReplayState, items: PyTree, *, alpha: float, max_times_sampled: int
+) -> BudgetedReplayState:
+  """Adds `items [B, ...]` in ring order, each live with a full budget (at
+  the running maximum priority; leaf 1 for uniform, alpha 0)."""
+  validation.check_state_kind(state, BudgetedReplayState, what="add", exact=True)
+  added, slots = ring.add_to_ring(state, items)
+  was_live = (slots < state.size) & (state.times_sampled[slots] < max_times_sampled)
+  leaf = prioritized.capped_leaf_values(state.max_priority, alpha, state.sum_tree)
+  return added.replace(
+    sum_tree=sum_tree.set_leaves(
+      state.sum_tree, slots, jnp.full(slots.shape, leaf, jnp.float32), unique_indices=True
+    ),
+    times_sampled=state.times_sampled.at[slots].set(0, unique_indices=True),
+    live=state.live + slots.shape[0] - jnp.sum(was_live, dtype=jnp.int32),
+  )
+
+
+def take(
+  state: BudgetedReplayState,
+  key: jax.Array,
+  batch_size: int,
+  *,
+  max_times_sampled: int,
+  beta: float | Schedule | None,
+  checked: bool = False,
+) -> tuple[BudgetedReplayState, ReplaySample]:
+  """Draws `batch_size` rows one by one from the live items, counting each
+  draw and retiring an item at its `max_times_sampled`-th (module notes).
+
+  Args:
+    state: a `BudgetedReplayState`.
+    key: a PRNG key.
+    batch_size: S, a Python int.
+    max_times_sampled: N >= 1.
+    beta: the importance-weight exponent or schedule; None for uniform
+      replay (weights 1 on drawn rows).
+    checked: if True, a buffer with no live item raises.
+
+  Returns:
+    `(state, sample)`: the state with the draws counted, and a
+    `ReplaySample` (rows past the live items: slot 0, weight 0, id 0).
+  """
+  validation.check_state_kind(state, BudgetedReplayState, what="take", exact=True)
+  validation.check_key(key, what="take")
+  validation.check_batch_size(batch_size, what="take")
+  if checked:
+    checkify.check(
+      state.live > 0,
+      "take: no live item (every item held was retired by max_times_sampled, or "
+      "none was added); add items first (guard with can_sample).",
+    )
+  redraws = sum_tree.num_redraws(state.sum_tree)
+  uniforms = random.uniform_from_bits(random.random_bits(key, (batch_size, 1 + redraws)))
+
+  def draw(carry, row_uniforms):
+    tree, times_sampled, live = carry
+    mass = sum_tree.total(tree)
+    found, value = sum_tree.find_prefix_sums_and_leaves(
+      tree, row_uniforms[:1] * mass, row_uniforms[1:, None]
+    )
+    drawn = (mass > 0) & (value[0] > 0)
+    slot = jnp.where(drawn, found[0], 0)
+    count = times_sampled[slot] + drawn.astype(jnp.int32)
+    retired = drawn & (count >= max_times_sampled)
+    tree = sum_tree.set_leaves(tree, slot[None], jnp.zeros(1, jnp.float32), retired[None])
+    times_sampled = times_sampled.at[slot].set(count)
+    share = jnp.where(drawn, value[0] / jnp.where(mass > 0, mass, 1.0), 1.0)
+    return (tree, times_sampled, live - retired.astype(jnp.int32)), (slot, drawn, share)
+
+  (tree, times_sampled, live), (slots, drawn, shares) = jax.lax.scan(
+    draw, (state.sum_tree, state.times_sampled, state.live), uniforms
+  )
+  if beta is None:
+    weights = drawn.astype(jnp.float32)
+  else:
+    log_weights = -prioritized.beta_at(beta, state.beta_step, checked=checked) * jnp.log(shares)
+    largest = jnp.max(jnp.where(drawn, log_weights, -jnp.inf))
+    weights = jnp.where(drawn, jnp.exp(log_weights - largest), 0.0)
+  batch = ReplaySample(
+    items=ring.gather(state.storage, slots),
+    indices=slots,
+    weights=weights,
+    item_ids=jnp.where(drawn, ring.current_item_ids(state, slots), jnp.uint32(0)),
+  )
+  return state.replace(sum_tree=tree, times_sampled=times_sampled, live=live), batch
+
+
+def sample(
+  state: BudgetedReplayState,
+  key: jax.Array,
+  batch_size: int,
+  *,
+  max_times_sampled: int,
+  beta: float | Schedule | None,
+  checked: bool = False,
+) -> ReplaySample:
+  """The rows `take` draws, as a read-only peek: nothing is counted.
+
+  Args and returns as for `take`'s sample.
+  """
+  validation.check_state_kind(state, BudgetedReplayState, what="sample", exact=True)
+  return take(
+    state, key, batch_size, max_times_sampled=max_times_sampled, beta=beta, checked=checked
+  )[1]
+
+
+def update_priorities(
+  state: BudgetedReplayState,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None = None,
+  *,
+  alpha: float | None,
+  eps: float,
+  checked: bool = False,
+) -> BudgetedReplayState:
+  """`prioritized.update_priorities`, skipping retired items (which stay
+  retired); for uniform replay (`alpha` None) the identity, arguments
+  validated."""
+  validation.check_state_kind(state, BudgetedReplayState, what="update_priorities", exact=True)
+  if alpha is None:
+    validation.check_priority_update_args(indices, priorities, item_ids)
+    return state
+  indices = jnp.asarray(validation.host_indices(indices))
+  updated: BudgetedReplayState = prioritized.update_priorities(  # type: ignore[assignment]
+    state, indices, priorities, item_ids, alpha=alpha, eps=eps, checked=checked
+  )
+  slots = jnp.clip(indices.astype(jnp.int32), 0, ring.capacity_of(state.storage) - 1)
+  retired = sum_tree.leaves(state.sum_tree)[slots] == 0
+  return updated.replace(
+    sum_tree=sum_tree.set_leaves(
+      updated.sum_tree, slots, jnp.zeros(slots.shape, jnp.float32), retired
+    )
+  )
+
+
+def can_sample(state: BudgetedReplayState, batch_size: int) -> jax.Array:
+  """Whether at least `batch_size` live items are held: bool `()`."""
+  validation.check_batch_size(batch_size, what="can_sample")
+  return state.live >= batch_size
+
+
+def clear(state: BudgetedReplayState) -> BudgetedReplayState:
+  """Empties the buffer without reallocating; budgets reset."""
+  validation.check_state_kind(state, BudgetedReplayState, what="clear", exact=True)
+  emptied: BudgetedReplayState = prioritized.clear(state)  # type: ignore[assignment]
+  return emptied.replace(
+    times_sampled=jnp.zeros_like(state.times_sampled), live=jnp.zeros_like(state.live)
+  )
+
+
+def budgeted_replay(
+  capacity: int,
+  *,
+  max_times_sampled: int,
+  alpha: float | None = None,
+  beta: float | Schedule = 0.4,
+  eps: float = 1e-6,
+  checked: bool = False,
+  name: str = "uniform_replay",
+) -> Buffer[BudgetedReplayState, ReplaySample]:
+  """Item replay whose items are retired after `max_times_sampled` takes:
+  uniform (`alpha` None) or prioritized. Module notes."""
+  validation.check_capacity(capacity)
+  check_max_times_sampled(max_times_sampled)
+  if alpha is not None:
+    validation.check_hyperparameter(alpha, "alpha")
+    validation.check_hyperparameter(eps, "eps", positive=True)
+    if not callable(beta):
+      validation.check_hyperparameter(beta, "beta (or a schedule)")
+  drawing: dict[str, Any] = dict(
+    max_times_sampled=max_times_sampled, beta=None if alpha is None else beta, checked=checked
+  )
+  recorded: dict[str, Any] = dict(capacity=capacity, max_times_sampled=max_times_sampled)
+  if alpha is not None:
+    recorded.update(alpha=float(alpha), eps=float(eps))
+  return bind(
+    init=functools.partial(init, capacity=capacity),
+    add=functools.partial(
+      add, alpha=0.0 if alpha is None else alpha, max_times_sampled=max_times_sampled
+    ),
+    sample=functools.partial(sample, **drawing),
+    update_priorities=functools.partial(update_priorities, alpha=alpha, eps=eps, checked=checked),
+    can_sample=can_sample,
+    clear=clear,
+    take=functools.partial(take, **drawing),
+    kind=kind.Kind(
+      name=f"{name} with max_times_sampled",
+      state_type=BudgetedReplayState,
+      exact_type=True,
+      settings=kind.settings_of(**recorded),
+      split=None,
+    ),
+    checked=checked,
+    jit_update_priorities=alpha is not None,
+  )
+
+
+_BUDGET_DOC = """    max_times_sampled: None (the default: items are drawn however often),
+      or N >= 1: an item taken N times (`buffer.take`) is retired, never
+      drawn again, and not counted by `can_sample` (`state.live` counts the
+      items that can be drawn, `state.size` the slots held). N = 1 is
+      sampling without replacement, across calls and within one. The state
+      is then a `BudgetedReplayState` and the buffer is not split by
+      `jaxbuf.sharded` (`help(jaxbuf.budget)`).
+"""
+
+
+def with_max_times_sampled(factory: Callable, options: tuple[str, ...]) -> Callable:
+  """`factory` (an item replay factory) that also takes `max_times_sampled=`:
+  None makes the factory's own buffer; N a `budgeted_replay` buffer, which
+  takes only `options` of the factory's other keywords (refusing the rest,
+  naming them)."""
+
+  @functools.wraps(factory)
+  def make(capacity, *args, max_times_sampled=None, **keywords):
+    if max_times_sampled is None:
+      return factory(capacity, *args, **keywords)
+    check_max_times_sampled(max_times_sampled)
+    refused = sorted(set(keywords) - set(options))
+    if args or refused:
+      raise TypeError(
+        f"{factory.__name__}: max_times_sampled cannot be combined with "
+        f"{', '.join(refused) or 'positional settings'}; with it the "
+        f"{factory.__name__} takes {', '.join(options)} (keywords)."
+      )
+    keywords.pop("stratified", None)  # budgeted draws are sequential
+    return budgeted_replay(
+      capacity,
+      max_times_sampled=max_times_sampled,
+      name=factory.__name__,
+      **({"alpha": keywords.pop("alpha", 0.6)} if "alpha" in options else {}),
+      **keywords,
+    )
+
+  signature = inspect.signature(factory)
+  parameters = list(signature.parameters.values())
+  make.__signature__ = signature.replace(  # type: ignore[attr-defined]
+    parameters=parameters[:-1]
+    + [
+      inspect.Parameter(
+        "max_times_sampled", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None
+      ),
+      parameters[-1],
+    ]
+  )
+  doc = factory.__doc__ or ""
+  make.__doc__ = doc.replace("    checked:", _BUDGET_DOC + "    checked:", 1)
+  return make
+
+
+uniform_replay = with_max_times_sampled(uniform.uniform_replay, ("checked",))
+prioritized_replay = with_max_times_sampled(
+  prioritized.prioritized_replay, ("alpha", "beta", "eps", "stratified", "checked")
+)
