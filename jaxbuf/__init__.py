@@ -5,7 +5,8 @@ and may change. The module-level functions of each buffer kind, with every
 setting explicit, are public too, for users who bind them differently:
 `jaxbuf.uniform`, `jaxbuf.prioritized`, `jaxbuf.rollout`, `jaxbuf.sequence`,
 `jaxbuf.prioritized_sequence`, `jaxbuf.hindsight`, `jaxbuf.episode`,
-`jaxbuf.frames`, `jaxbuf.queue`, `jaxbuf.budget`.
+`jaxbuf.frames`, `jaxbuf.queue`, `jaxbuf.budget`, `jaxbuf.heap`,
+`jaxbuf.keep_best`.
 `help(jaxbuf.streams)` is the stream convention every stream kind follows;
 `help(jaxbuf.offline)` maps Minari's and RLDS's episodes onto jaxbuf's items
 and streams.
@@ -22,7 +23,13 @@ from jaxbuf._src.streams import sequence
 from jaxbuf._src.streams import convention as streams
 from jaxbuf._src.items import uniform
 from jaxbuf._src.selection import budget
+from jaxbuf._src.selection import heap
+from jaxbuf._src.selection import keep_best
 from jaxbuf._src.selection import queue
+from jaxbuf._src.selection.heap import HeapReplayState
+from jaxbuf._src.selection.heap import heap_replay
+from jaxbuf._src.selection.keep_best import KeepBestState
+from jaxbuf._src.selection.keep_best import keep_best_replay
 from jaxbuf._src.selection.budget import BudgetedReplayState
 from jaxbuf._src.selection.queue import QueueSample
 from jaxbuf._src.selection.queue import QueueState
@@ -102,9 +109,11 @@ __all__ = (
   "EpisodeStep",
   "FrameStackReplayState",
   "FrameStackTransition",
+  "HeapReplayState",
   "HindsightReplayState",
   "HindsightSample",
   "HindsightTransition",
+  "KeepBestState",
   "Mixture",
   "MixtureSample",
   "NStepTargets",
@@ -138,9 +147,13 @@ __all__ = (
   "frames",
   "from_minari",
   "from_rlds_steps",
+  "heap",
+  "heap_replay",
   "held_episodes",
   "hindsight",
   "hindsight_replay",
+  "keep_best",
+  "keep_best_replay",
   "lambda_returns",
   "load",
   "mixture",

@@ -17,8 +17,10 @@ every item is drawn at most once (sampling without replacement). Row t is
 item i with probability `leaf_i / total` of the tree as it is at row t
 (uniform over the live items; prioritized: successive sampling in
 proportion to priority ** alpha, not stratified). When no live item is left
-the remaining rows are padding: slot 0, weight 0, as an empty buffer gives
-(checked mode raises on a buffer with no live item). Prioritized weights are
+the remaining rows are padding: slot 0's item with weight 0, as an empty
+buffer gives, item id 0 and index C (outside the items held, so
+`update_priorities` skips it, as for `epoch_batches` padding); checked mode
+raises on a buffer with no live item. Prioritized weights are
 `(leaf_i / total_t) ** -beta` over the largest in the sample (1 for uniform).
 Cost O(S log C): S descents and S single-leaf writes of the tree, run in
 sequence.
@@ -131,7 +133,8 @@ def take(
 
   Returns:
     `(state, sample)`: the state with the draws counted, and a
-    `ReplaySample` (rows past the live items: slot 0, weight 0, id 0).
+    `ReplaySample` (rows past the live items: slot 0's item, weight 0,
+    index C, id 0).
   """
   validation.check_state_kind(state, BudgetedReplayState, what="take", exact=True)
   validation.check_key(key, what="take")
@@ -171,7 +174,7 @@ def take(
     weights = jnp.where(drawn, jnp.exp(log_weights - largest), 0.0)
   batch = ReplaySample(
     items=ring.gather(state.storage, slots),
-    indices=slots,
+    indices=jnp.where(drawn, slots, ring.capacity_of(state.storage)),
     weights=weights,
     item_ids=jnp.where(drawn, ring.current_item_ids(state, slots), jnp.uint32(0)),
   )
