@@ -11,8 +11,8 @@ checked and unused. Asking for more than held gives padding rows past the
 items held (slot 0's item, weight 0, item id 0, index C: outside the items
 held, so `update_priorities` skips it, as for `epoch_batches` padding);
 checked mode raises instead. Cost
-O(S^2 K log C) elementwise, O(S K log C) reads (`extreme_tree.top`), never a
-sort of the buffer.
+O(S K log(S K) log_K C): a beam of S nodes down the levels of the tree
+(`extreme_tree.top`), never a sort of the buffer.
 
 Items enter at the priorities given to `add`, or, without them, at the
 largest priority given so far (1 at first), as prioritized replay's do.
