@@ -81,22 +81,39 @@ def test_a_heap_asked_for_too_much_pads_or_raises_when_checked():
 
 
 class ReferenceKeepBest:
+  """Slots of (value, item); a batch competes with the items held at once."""
+
   def __init__(self, capacity: int):
-    self.capacity, self.held, self.dropped, self.offered = capacity, [], 0, 0
+    self.capacity, self.slots, self.dropped, self.offered = capacity, [], 0, 0
+
+  @property
+  def held(self) -> list:
+    return list(self.slots)
 
   def add(self, values: list) -> None:
-    for value in values:
-      item = self.offered
-      self.offered += 1
-      if not np.isfinite(value):
-        self.dropped += 1
-      elif len(self.held) < self.capacity:
-        self.held.append((value, item))
+    first = self.offered
+    self.offered += len(values)
+    new = [(value, first + k, k) for k, value in enumerate(values) if np.isfinite(value)]
+    self.dropped += len(values) - len(new)
+    # Worst first: value; batch items before held; later batch items
+    # before earlier; lower slots before higher.
+    ranked = sorted(
+      [(value, 0, -k, ("new", (value, item))) for value, item, k in new]
+      + [(value, 1, slot, ("held", slot)) for slot, (value, _) in enumerate(self.slots)]
+    )
+    surplus = max(0, len(self.slots) + len(new) - self.capacity)
+    losers = [entry[3] for entry in ranked[:surplus]]
+    self.dropped += surplus
+    evicted = [where for kind, where in losers if kind == "held"]
+    free = list(range(len(self.slots), self.capacity)) + evicted
+    for value, item, _ in new:
+      if ("new", (value, item)) in losers:
+        continue
+      slot = free.pop(0)
+      if slot < len(self.slots):
+        self.slots[slot] = (value, item)
       else:
-        lowest = min(self.held, key=lambda entry: entry[0])
-        self.dropped += 1
-        if value > lowest[0]:
-          self.held[self.held.index(lowest)] = (value, item)
+        self.slots.append((value, item))
 
 
 @SETTINGS

@@ -3,18 +3,19 @@
 Shape key: B add batch, S sample size, C capacity.
 
 `add(state, items, values)` gives each item a value (a return, a reward, a
-score). Until the buffer is full every item is kept; then an item is kept
-only if its value is above the lowest value held, which it replaces (the
-lowest-valued item is evicted; among equal lowest values, the one in the
-lowest slot). An item whose value is not above the lowest is not kept. A
-batch is added as if its items came one after another, in order. Items not
-kept and items evicted are counted in `dropped` (uint32, modulo 2**32). A
-value that is NaN or infinite is refused in checked mode; otherwise its item
-is not kept (and counted in `dropped`).
+score). After the add the buffer holds the C highest-valued of the items it
+held and the batch (all of them while they fit). Among equal values, items
+held stay before batch items, earlier batch items before later ones, and of
+held items the one in the lower slot is evicted first. Items not kept and
+items evicted are counted in `dropped` (uint32, modulo 2**32). A value that
+is NaN or infinite is refused in checked mode; otherwise its item is not
+kept (and counted in `dropped`).
 
 The values of the items held sit in a max tree of negated values
-(`extreme_tree`), so each add finds the lowest in O(K log C): an add costs
-O(B K log C), B small steps in sequence. Items held fill slots `[0, size)`;
+(`extreme_tree`): an add reads the B lowest held (`extreme_tree.top`, a beam
+of B nodes down the levels), ranks them with the batch (a sort of 2B) and
+writes the batch items kept into the empty slots, then the evicted ones:
+O(B K log(B K) log_K C), never a pass over the buffer. Items held fill slots `[0, size)`;
 `sample` draws uniformly from them, as uniform replay does (pair with
 `jaxbuf.mixture` for other proportions); `take` is `sample`. `item_ids`
 count the items offered to `add` (mod 2**32), each slot keeping the id of
@@ -74,8 +75,9 @@ def init(example_item: PyTree, *, capacity: int) -> KeepBestState:
 def add(
   state: KeepBestState, items: PyTree, values: jax.Array, *, checked: bool = False
 ) -> KeepBestState:
-  """Adds `items [B, ...]` with `values` float `[B]`, evicting the lowest
-  valued (module notes). Cost O(B K log C)."""
+  """Adds `items [B, ...]` with `values` float `[B]`, keeping the C highest
+  valued of the items held and the batch (module notes). Cost
+  O(B K log(B K) log_K C) for the B lowest held, and a sort of 2B."""
   validation.check_state_kind(state, KeepBestState, what="add", exact=True)
   (batch_size,) = validation.check_batched_leaves(ring.item_spec(state.storage), items, what="add")
   validation.check_host_integers(items, what="add")
@@ -87,30 +89,50 @@ def add(
       jnp.all(jnp.isfinite(values)), "add: values must be finite; given {values}", values=values
     )
   capacity = ring.capacity_of(state.storage)
-  items = jax.tree.map(jnp.asarray, items)
-
-  def offer(state, offered):
-    item, value, position = offered
-    lowest_slot, negated = extreme_tree.argmax(state.lowest_first)
-    full = state.size >= capacity
-    kept = jnp.isfinite(value) & (~full | (value > -negated))
-    slot = jnp.where(full, lowest_slot, state.size)
-    write = jnp.where(kept, slot, capacity)  # out of bounds: dropped
-    return state.replace(
-      storage=jax.tree.map(
-        lambda column, row: column.at[write].set(row, mode="drop"), state.storage, item
-      ),
-      lowest_first=extreme_tree.set_leaves(
-        state.lowest_first, slot[None], -value[None], kept[None]
-      ),
-      size=state.size + (kept & ~full).astype(jnp.int32),
-      item_ids=state.item_ids.at[write].set(state.add_count + position, mode="drop"),
-      dropped=state.dropped + (~kept | full).astype(jnp.uint32),
-    ), None
-
-  positions = jnp.arange(batch_size, dtype=jnp.uint32)
-  state, _ = jax.lax.scan(offer, state, (items, values, positions))
-  return state.replace(add_count=state.add_count + jnp.uint32(batch_size % 2**32))
+  finite = jnp.isfinite(values)
+  positions = jnp.arange(batch_size, dtype=jnp.int32)
+  # The B lowest held (empty slots are not in the tree's ranking): the only
+  # held items a batch of B can evict.
+  held_slots, negated = extreme_tree.top(state.lowest_first, batch_size)
+  held = negated > -jnp.inf
+  # Candidates, worst first: value, then batch items before held ones, later
+  # batch items before earlier ones, lower slots before higher ones.
+  value = jnp.concatenate([jnp.where(finite, values, -jnp.inf), jnp.where(held, -negated, jnp.inf)])
+  group = jnp.concatenate([jnp.where(finite, 0, -1), jnp.ones(batch_size, jnp.int32)])
+  secondary = jnp.concatenate([-positions, held_slots])
+  order = jnp.lexsort((secondary, group, value))
+  num_finite = jnp.sum(finite, dtype=jnp.int32)
+  surplus = jnp.maximum(state.size + num_finite - capacity, 0)
+  dropped = (
+    jnp.zeros(2 * batch_size, bool)
+    .at[order]
+    .set(jnp.arange(2 * batch_size) < surplus + batch_size - num_finite, unique_indices=True)
+  )
+  kept = ~dropped[:batch_size]
+  evicted = dropped[batch_size:] & held
+  # Free slots, in order: the empty ones past `size`, then those evicted.
+  empty_slots = state.size + positions
+  free = jnp.concatenate([empty_slots, held_slots])
+  usable = jnp.concatenate([empty_slots < capacity, evicted])
+  (free_at,) = jnp.nonzero(usable, size=batch_size, fill_value=0)
+  slots = jnp.where(kept, free[free_at[jnp.cumsum(kept) - 1]], capacity)
+  storage = jax.tree.map(
+    lambda column, new: column.at[slots].set(jnp.asarray(new), mode="drop"), state.storage, items
+  )
+  num_kept = jnp.sum(kept, dtype=jnp.int32)
+  num_evicted = jnp.sum(evicted, dtype=jnp.int32)
+  return state.replace(
+    storage=storage,
+    lowest_first=extreme_tree.set_leaves(
+      state.lowest_first, jnp.minimum(slots, capacity - 1), -values, kept
+    ),
+    size=state.size + num_kept - num_evicted,
+    add_count=state.add_count + jnp.uint32(batch_size % 2**32),
+    item_ids=state.item_ids.at[slots].set(
+      state.add_count + positions.astype(jnp.uint32), mode="drop"
+    ),
+    dropped=state.dropped + (batch_size - num_kept + num_evicted).astype(jnp.uint32),
+  )
 
 
 def sample(
@@ -168,9 +190,9 @@ def keep_best_replay(
 ) -> Buffer[KeepBestState, ReplaySample]:
   """Item replay that keeps the `capacity` highest-valued items offered.
 
-  `add(state, items, values)`: each item with a value (float `[B]`); when
-  full, an item replaces the lowest-valued item held if its value is above
-  it, and is dropped otherwise (`help(jaxbuf.keep_best)`). Sampling is
+  `add(state, items, values)`: each item with a value (float `[B]`); the
+  buffer then holds the C highest-valued of the items held and the batch
+  (`help(jaxbuf.keep_best)` for ties). Sampling is
   uniform over the items held. TorchRL's `TensorDictMaxValueWriter`; the
   best trajectories for self-imitation or a GFlowNet reward buffer.
 
