@@ -47,6 +47,7 @@ class ReferenceBudget:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", sorted(BUFFERS))
 @SETTINGS
 @hypothesis.given(
@@ -58,6 +59,16 @@ class ReferenceBudget:
   seed=st.integers(0, 2**16),
 )
 def test_a_budget_retires_items_as_the_reference_counts_them(which, operations, seed):
+  check_budget(which, operations, seed)
+
+
+@pytest.mark.parametrize("which", sorted(BUFFERS))
+def test_a_budget_on_a_fixed_sequence(which):
+  operations = [("add", 4), ("take", 4), ("peek", 1), ("add", 4), ("take", 4), ("take", 4)]
+  check_budget(which, operations, 3)
+
+
+def check_budget(which, operations, seed):
   buffer, model = BUFFERS[which], ReferenceBudget(CAPACITY, which[1])
   state, serial, key = buffer.init(jnp.int32(0)), 0, jax.random.key(seed)
   for step, (operation, count) in enumerate(operations):

@@ -27,6 +27,7 @@ def expected_top(priorities: dict, count: int, order: str) -> list:
   return sorted(priorities, key=lambda slot: (sign * priorities[slot], slot))[:count]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["max", "min"])
 @SETTINGS
 @hypothesis.given(
@@ -35,6 +36,24 @@ def expected_top(priorities: dict, count: int, order: str) -> list:
   )
 )
 def test_heap_selects_as_a_sort_of_the_held_priorities(order, operations):
+  check_heap(order, operations)
+
+
+@pytest.mark.parametrize("order", ["max", "min"])
+def test_heap_on_a_fixed_sequence(order):
+  check_heap(
+    order,
+    [
+      ("add", [1.0, 3.0, 1.0]),
+      ("update", [0.0, -2.0, 3.0]),
+      ("add", [3.0, 0.0, 1.0]),
+      ("add", [-2.0, 3.0, 3.0]),
+      ("sample", [0.0, 0.0, 0.0]),
+    ],
+  )
+
+
+def check_heap(order, operations):
   buffer, priorities, position = HEAPS[order], {}, 0
   state = buffer.init(jnp.int32(0))
   for operation, values in operations:
@@ -116,6 +135,7 @@ class ReferenceKeepBest:
         self.slots.append((value, item))
 
 
+@pytest.mark.slow
 @SETTINGS
 @hypothesis.given(
   batches=st.lists(
@@ -125,6 +145,17 @@ class ReferenceKeepBest:
   )
 )
 def test_keep_best_keeps_what_the_reference_keeps(batches):
+  check_keep_best(batches)
+
+
+def test_keep_best_on_a_fixed_sequence():
+  nan = float("nan")
+  check_keep_best(
+    [[2.0, 5.0], [-1.0, 2.0], [0.0, nan], [5.0, 2.0], [2.0, 2.0], [-1.0, 5.0], [5.0, 0.0]]
+  )
+
+
+def check_keep_best(batches):
   state, model = KEEP_BEST.init(jnp.int32(0)), ReferenceKeepBest(CAPACITY)
   for values in batches:
     items = jnp.arange(model.offered, model.offered + 2, dtype=jnp.int32)

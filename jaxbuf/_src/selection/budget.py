@@ -22,8 +22,9 @@ buffer gives, item id 0 and index C (outside the items held, so
 `update_priorities` skips it, as for `epoch_batches` padding); checked mode
 raises on a buffer with no live item. Prioritized weights are
 `(leaf_i / total_t) ** -beta` over the largest in the sample (1 for uniform).
-Cost O(S log C): S descents and S single-leaf writes of the tree, run in
-sequence.
+Cost O(S^2 K log_K C) elementwise and O(S log C) writes: the S draws run in
+sequence over the tree as it was, with what the call retired kept in a small
+overlay beside it (`_sequential_draws`), and the tree is written once.
 
 Priority updates of a retired item are skipped (it stays retired). The
 budget is a count over the whole buffer, so `jaxbuf.sharded` refuses these
@@ -110,6 +111,71 @@ def add(
   )
 
 
+def _sequential_draws(
+  state: BudgetedReplayState, key: jax.Array, batch_size: int, max_times_sampled: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """S draws in sequence, each from the items live after the ones before.
+
+  The tree is only read. What the earlier draws of this call changed (the
+  mass of an item retired, taken off its leaf and every ancestor) sits in a
+  small overlay per level, S entries, added to what is read; a draw
+  descends level by level, picking a child in proportion to its (patched)
+  value with a fresh uniform per level, so leaf i is drawn with probability
+  `leaf_i / total` exactly. Carrying the tree itself through the loop would
+  copy it on every draw. Cost O(S^2 K log_K C) elementwise.
+
+  Returns:
+    slots int32 `[S]` (0 where nothing was drawn), drawn bool `[S]`, each
+    row's share of the live mass float32 `[S]`, and retired bool `[S]`
+    (True at the draw that spent an item's last sample).
+  """
+  levels = state.sum_tree.levels
+  depth = len(levels) - 1
+  uniforms = random.uniform_from_bits(random.random_bits(key, (batch_size, max(depth, 1))))
+  child_position = jnp.arange(sum_tree.BRANCHING, dtype=jnp.int32)
+
+  def read(overlay, level, nodes):
+    """Values of `nodes` at `level`, less the mass retired this call."""
+    overlay_nodes, overlay_deltas = overlay[level]
+    matched = overlay_nodes[None, :] == nodes[:, None]
+    return levels[level][nodes] + jnp.sum(jnp.where(matched, overlay_deltas[None, :], 0.0), axis=1)
+
+  def draw(carry, step):
+    overlay, slots = carry
+    mass = read(overlay, depth, jnp.zeros(1, jnp.int32))[0]
+    node = jnp.zeros((), jnp.int32)
+    for level in reversed(range(depth)):
+      children = jnp.maximum(read(overlay, level, node * sum_tree.BRANCHING + child_position), 0.0)
+      prefix = jnp.cumsum(children)
+      target = uniforms[step, level] * prefix[-1]
+      passed = (prefix > target) & (children > 0)
+      last_positive = sum_tree.BRANCHING - 1 - jnp.argmax((children > 0)[::-1])
+      child = jnp.where(jnp.any(passed), jnp.argmax(passed), last_positive)
+      node = node * sum_tree.BRANCHING + child.astype(jnp.int32)
+    value = read(overlay, 0, node[None])[0]
+    drawn = (mass > 0) & (value > 0)
+    slot = jnp.where(drawn, node, 0)
+    earlier = jnp.sum((slots == slot) & (jnp.arange(batch_size) < step), dtype=jnp.int32)
+    retired = drawn & (state.times_sampled[slot] + earlier + 1 >= max_times_sampled)
+    overlay = tuple(
+      (
+        nodes.at[step].set(slot // sum_tree.BRANCHING**level),
+        deltas.at[step].set(jnp.where(retired, -value, 0.0)),
+      )
+      for level, (nodes, deltas) in enumerate(overlay)
+    )
+    share = jnp.where(drawn, value / jnp.where(mass > 0, mass, 1.0), 1.0)
+    return (overlay, slots.at[step].set(jnp.where(drawn, slot, -1))), (slot, drawn, share, retired)
+
+  empty = tuple(
+    (jnp.full(batch_size, -1, jnp.int32), jnp.zeros(batch_size, jnp.float32)) for _ in levels
+  )
+  _, (slots, drawn, shares, retired) = jax.lax.scan(
+    draw, (empty, jnp.full(batch_size, -1, jnp.int32)), jnp.arange(batch_size)
+  )
+  return slots, drawn, shares, retired
+
+
 def take(
   state: BudgetedReplayState,
   key: jax.Array,
@@ -145,27 +211,13 @@ def take(
       "take: no live item (every item held was retired by max_times_sampled, or "
       "none was added); add items first (guard with can_sample).",
     )
-  redraws = sum_tree.num_redraws(state.sum_tree)
-  uniforms = random.uniform_from_bits(random.random_bits(key, (batch_size, 1 + redraws)))
-
-  def draw(carry, row_uniforms):
-    tree, times_sampled, live = carry
-    mass = sum_tree.total(tree)
-    found, value = sum_tree.find_prefix_sums_and_leaves(
-      tree, row_uniforms[:1] * mass, row_uniforms[1:, None]
-    )
-    drawn = (mass > 0) & (value[0] > 0)
-    slot = jnp.where(drawn, found[0], 0)
-    count = times_sampled[slot] + drawn.astype(jnp.int32)
-    retired = drawn & (count >= max_times_sampled)
-    tree = sum_tree.set_leaves(tree, slot[None], jnp.zeros(1, jnp.float32), retired[None])
-    times_sampled = times_sampled.at[slot].set(count)
-    share = jnp.where(drawn, value[0] / jnp.where(mass > 0, mass, 1.0), 1.0)
-    return (tree, times_sampled, live - retired.astype(jnp.int32)), (slot, drawn, share)
-
-  (tree, times_sampled, live), (slots, drawn, shares) = jax.lax.scan(
-    draw, (state.sum_tree, state.times_sampled, state.live), uniforms
+  slots, drawn, shares, retired = _sequential_draws(state, key, batch_size, max_times_sampled)
+  # The take's counts and retirements, written once: O(S log C).
+  tree = sum_tree.set_leaves(
+    state.sum_tree, slots, jnp.zeros(batch_size, jnp.float32), retired, unique_indices=True
   )
+  times_sampled = state.times_sampled.at[slots].add(drawn.astype(jnp.int32))
+  live = state.live - jnp.sum(retired, dtype=jnp.int32)
   if beta is None:
     weights = drawn.astype(jnp.float32)
   else:
