@@ -62,7 +62,14 @@ def test_a_budget_retires_items_as_the_reference_counts_them(which, operations, 
   check_budget(which, operations, seed)
 
 
-@pytest.mark.parametrize("which", sorted(BUFFERS))
+@pytest.mark.parametrize(
+  "which",
+  # Uniform with N = 2 runs in the conformance suite too: slow here.
+  [
+    pytest.param(which, marks=[pytest.mark.slow] * (which == ("uniform", 2)))
+    for which in sorted(BUFFERS)
+  ],
+)
 def test_a_budget_on_a_fixed_sequence(which):
   operations = [("add", 4), ("take", 4), ("peek", 1), ("add", 4), ("take", 4), ("take", 4)]
   check_budget(which, operations, 3)
@@ -161,6 +168,7 @@ def test_bad_budgets_and_refused_combinations():
   assert int(state.live) == 0
 
 
+@pytest.mark.slow  # Mixture.take is checked by default in test_queue.py
 def test_a_budgeted_part_of_a_mixture_counts_its_takes():
   budgeted, plain = jaxbuf.uniform_replay(8, max_times_sampled=1), jaxbuf.uniform_replay(8)
   mix = jaxbuf.mixture([budgeted, plain], [1, 1])

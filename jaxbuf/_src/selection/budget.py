@@ -394,6 +394,10 @@ def with_max_times_sampled(factory: Callable, options: tuple[str, ...]) -> Calla
   )
   doc = factory.__doc__ or ""
   make.__doc__ = doc.replace("    checked:", _BUDGET_DOC + "    checked:", 1)
+  # The signature above is the whole truth: tools that follow `__wrapped__`
+  # (Sphinx) would otherwise read the factory's, without max_times_sampled.
+  del make.__wrapped__
+  make.__annotations__ = {**factory.__annotations__, "max_times_sampled": int | None}
   return make
 
 
