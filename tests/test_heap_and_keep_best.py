@@ -88,7 +88,7 @@ def test_max_tree_top_matches_a_sort_at_a_larger_capacity():
   np.testing.assert_array_equal(top, values[want])
 
 
-def test_a_heap_asked_for_too_much_pads_or_raises_when_checked():
+def test_a_heap_asked_for_too_much_pads_or_raises_when_checked(tmp_path):
   checked = jaxbuf.heap_replay(CAPACITY, checked=True)
   state = checked.add(checked.init(jnp.int32(0)), jnp.arange(2, dtype=jnp.int32))
   with pytest.raises(Exception, match="fewer than batch_size"):
@@ -98,6 +98,10 @@ def test_a_heap_asked_for_too_much_pads_or_raises_when_checked():
   assert int(state.size) == 2
   with pytest.raises(ValueError, match="order must be one of"):
     jaxbuf.heap_replay(4, order="median")
+  jaxbuf.save(str(tmp_path / "heap"), state)
+  restored = jaxbuf.load(str(tmp_path / "heap"), like=jax.eval_shape(checked.init, jnp.int32(0)))
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(got, want)
 
 
 class ReferenceKeepBest:
