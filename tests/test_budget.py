@@ -178,3 +178,21 @@ def test_a_budgeted_part_of_a_mixture_counts_its_takes():
   ]
   states, _ = mix.take(states, jax.random.key(0), 4)
   assert int(states[0].live) == 2 and int(states[1].size) == 4
+
+
+def test_prioritized_draws_without_replacement_are_successive_sampling():
+  """Fixed seed, 20000 takes of 3 from priorities 1..4 with N = 1: row 0 is
+  item i with probability p_i / 10, row 1 given row 0 = 3 is p_j / 6 (the
+  pool of draws and its sequential continuation both), each within 5 sigma."""
+  buffer = jaxbuf.prioritized_replay(64, max_times_sampled=1, alpha=1.0)
+  state = buffer.add(buffer.init(jnp.int32(0)), jnp.arange(4, dtype=jnp.int32))
+  state = buffer.update_priorities(state, jnp.arange(4), jnp.array([1.0, 2.0, 3.0, 4.0]))
+  keys = jax.random.split(jax.random.key(0), 20000)
+  rows = np.asarray(jax.vmap(lambda key: buffer.sample(state, key, 3).items)(keys))
+  for drawn, want in (
+    (rows[:, 0], np.array([1, 2, 3, 4]) / 10),
+    (rows[rows[:, 0] == 3, 1], np.array([1, 2, 3, 0]) / 6),
+  ):
+    share = np.bincount(drawn, minlength=4) / len(drawn)
+    sigma = np.sqrt(want * (1 - want) / len(drawn))
+    assert np.all(np.abs(share - want) <= 5 * sigma + 1e-12), (share, want)

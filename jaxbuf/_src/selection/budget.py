@@ -22,9 +22,16 @@ buffer gives, item id 0 and index C (outside the items held, so
 `update_priorities` skips it, as for `epoch_batches` padding); checked mode
 raises on a buffer with no live item. Prioritized weights are
 `(leaf_i / total_t) ** -beta` over the largest in the sample (1 for uniform).
-Cost O(S^2 K log_K C) elementwise and O(S log C) writes: the S draws run in
-sequence over the tree as it was, with what the call retired kept in a small
-overlay beside it (`_sequential_draws`), and the tree is written once.
+How. Drawing from the items live after the earlier rows' retirements is
+drawing from all of them and rejecting what the earlier rows spent: a take
+makes 2S draws in one batched descent, accepts an item's k-th draw when k is
+below its budget left, and keeps the first S accepted (`_pooled_draws`,
+O(S log C) and a sort of 2S). Only when that pool holds fewer than S
+accepted draws (few items live, or fewer draws left than S) do the rows
+after them run in sequence over the tree as it was, with what the call
+retired kept in a small overlay beside it (`_sequential_draws`,
+O(S^2 K log_K C) elementwise). Both are exact. The tree is written once,
+O(S log C).
 
 Priority updates of a retired item are skipped (it stays retired). The
 budget is a count over the whole buffer, so `jaxbuf.sharded` refuses these
@@ -111,8 +118,74 @@ def add(
   )
 
 
-def _sequential_draws(
+def _pooled_draws(
   state: BudgetedReplayState, key: jax.Array, batch_size: int, max_times_sampled: int
+) -> tuple[jax.Array, ...]:
+  """The draws of `_sequential_draws` by rejection, all at once.
+
+  Drawing from the live items after the earlier draws' retirements is the
+  same as drawing from them all (in proportion to their leaves, as they
+  stand before the call) and rejecting a draw of an item whose budget the
+  earlier accepted draws spent. So 2S draws are made in one batched descent,
+  and an item's k-th draw in the pool is accepted when k is below its budget
+  left (a stable sort by item ranks them); the first S accepted are the
+  rows. Returns `_sequential_draws`'s values for the first `count` rows
+  (the accepted draws, at most S) and `count`: the accepted draws are an
+  exact first `count` rows, which `_sequential_draws` continues when fewer
+  than S.
+  """
+  pool = 2 * batch_size
+  found, values = sum_tree.sample_leaves(state.sum_tree, key, pool, stratified=False)
+  mass = sum_tree.total(state.sum_tree)
+  valid = (mass > 0) & (values > 0)
+  found = jnp.where(valid, found, 0)
+  order = jnp.argsort(found, stable=True)
+  grouped = found[order]
+  position = jnp.arange(pool, dtype=jnp.int32)
+  starts = jax.lax.cummax(jnp.where(grouped != jnp.roll(grouped, 1), position, 0))
+  rank = jnp.zeros(pool, jnp.int32).at[order].set(position - starts, unique_indices=True)
+  budget_left = max_times_sampled - state.times_sampled[found]
+  accepted = valid & (rank < budget_left)
+  picked = accepted & (jnp.cumsum(accepted) <= batch_size)
+  spends = picked & (rank == budget_left - 1)
+  # The live mass each row is drawn from: less what earlier rows retired.
+  retired_before = jnp.cumsum(jnp.where(spends, values, 0.0)) - jnp.where(spends, values, 0.0)
+  share = values / jnp.maximum(mass - retired_before, jnp.finfo(jnp.float32).tiny)
+  (rows,) = jnp.nonzero(picked, size=batch_size, fill_value=0)
+  count = jnp.sum(picked, dtype=jnp.int32)
+  kept = jnp.arange(batch_size) < count
+  return (
+    jnp.where(kept, found[rows], 0),
+    kept,
+    jnp.where(kept, share[rows], 1.0),
+    kept & spends[rows],
+    count,
+  )
+
+
+def _draws(
+  state: BudgetedReplayState, key: jax.Array, batch_size: int, max_times_sampled: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """S draws, each from the items live after the ones before: by rejection
+  from a pool (`_pooled_draws`) when the pool holds S accepted draws (most
+  items live, their budgets left), else in sequence after the pool's
+  accepted rows (`_sequential_draws`, S^2 work: few items live, or fewer
+  draws left than S). Exact either way: the pool's accepted draws are the
+  first rows of a sequential draw."""
+  pooled = _pooled_draws(state, key, batch_size, max_times_sampled)
+  return jax.lax.cond(
+    pooled[-1] >= batch_size,
+    lambda: pooled[:-1],
+    lambda: _sequential_draws(state, random.fold_in(key, 1), batch_size, max_times_sampled, pooled),
+  )
+
+
+def _sequential_draws(
+  state: BudgetedReplayState,
+  key: jax.Array,
+  batch_size: int,
+  max_times_sampled: int,
+  given: tuple[jax.Array, ...],
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """S draws in sequence, each from the items live after the ones before.
 
@@ -124,11 +197,15 @@ def _sequential_draws(
   `leaf_i / total` exactly. Carrying the tree itself through the loop would
   copy it on every draw. Cost O(S^2 K log_K C) elementwise.
 
+  `given`: the first rows, already drawn (`_pooled_draws`: slots, drawn,
+  shares, retired and their count), taken as they are.
+
   Returns:
     slots int32 `[S]` (0 where nothing was drawn), drawn bool `[S]`, each
     row's share of the live mass float32 `[S]`, and retired bool `[S]`
     (True at the draw that spent an item's last sample).
   """
+  given_slots, _, given_shares, given_retired, given_count = given
   levels = state.sum_tree.levels
   depth = len(levels) - 1
   uniforms = random.uniform_from_bits(random.random_bits(key, (batch_size, max(depth, 1))))
@@ -152,11 +229,14 @@ def _sequential_draws(
       last_positive = sum_tree.BRANCHING - 1 - jnp.argmax((children > 0)[::-1])
       child = jnp.where(jnp.any(passed), jnp.argmax(passed), last_positive)
       node = node * sum_tree.BRANCHING + child.astype(jnp.int32)
+    is_given = step < given_count
+    node = jnp.where(is_given, given_slots[step], node)
     value = read(overlay, 0, node[None])[0]
-    drawn = (mass > 0) & (value > 0)
+    drawn = is_given | ((mass > 0) & (value > 0))
     slot = jnp.where(drawn, node, 0)
     earlier = jnp.sum((slots == slot) & (jnp.arange(batch_size) < step), dtype=jnp.int32)
     retired = drawn & (state.times_sampled[slot] + earlier + 1 >= max_times_sampled)
+    retired = jnp.where(is_given, given_retired[step], retired)
     overlay = tuple(
       (
         nodes.at[step].set(slot // sum_tree.BRANCHING**level),
@@ -165,6 +245,7 @@ def _sequential_draws(
       for level, (nodes, deltas) in enumerate(overlay)
     )
     share = jnp.where(drawn, value / jnp.where(mass > 0, mass, 1.0), 1.0)
+    share = jnp.where(is_given, given_shares[step], share)
     return (overlay, slots.at[step].set(jnp.where(drawn, slot, -1))), (slot, drawn, share, retired)
 
   empty = tuple(
@@ -211,7 +292,7 @@ def take(
       "take: no live item (every item held was retired by max_times_sampled, or "
       "none was added); add items first (guard with can_sample).",
     )
-  slots, drawn, shares, retired = _sequential_draws(state, key, batch_size, max_times_sampled)
+  slots, drawn, shares, retired = _draws(state, key, batch_size, max_times_sampled)
   # The take's counts and retirements, written once: O(S log C).
   tree = sum_tree.set_leaves(
     state.sum_tree, slots, jnp.zeros(batch_size, jnp.float32), retired, unique_indices=True
