@@ -123,6 +123,7 @@ nitpick_ignore_regex = [
 # reference names them without documenting them.
 nitpick_ignore = [
   ("py:class", "jaxbuf._src.core.sum_tree.SumTree"),
+  ("py:class", "jaxbuf._src.selection.extreme_tree.MaxTree"),
   ("py:class", "jaxbuf._src.core.kind.Kind"),
 ]
 # The Protocols that type a buffer's bound functions (`Buffer.init` is an
@@ -134,7 +135,7 @@ nitpick_ignore_regex.append(
   (
     "py:class",
     r"jaxbuf\._src\.core\.base\.(InitFn|AddFn|SampleFn|"
-    r"UpdatePrioritiesFn|CanSampleFn|ClearFn|StateT|SampleT)",
+    r"UpdatePrioritiesFn|CanSampleFn|ClearFn|TakeFn|StateT|SampleT)",
   )
 )
 nitpick_ignore_regex.append(("py:class", r"jaxbuf\._src\.onpolicy\.rollout\.RolloutAddFn"))

@@ -5,7 +5,8 @@ and may change. The module-level functions of each buffer kind, with every
 setting explicit, are public too, for users who bind them differently:
 `jaxbuf.uniform`, `jaxbuf.prioritized`, `jaxbuf.rollout`, `jaxbuf.sequence`,
 `jaxbuf.prioritized_sequence`, `jaxbuf.hindsight`, `jaxbuf.episode`,
-`jaxbuf.frames`, `jaxbuf.queue`.
+`jaxbuf.frames`, `jaxbuf.queue`, `jaxbuf.budget`, `jaxbuf.heap`,
+`jaxbuf.keep_best`.
 `help(jaxbuf.streams)` is the stream convention every stream kind follows;
 `help(jaxbuf.offline)` maps Minari's and RLDS's episodes onto jaxbuf's items
 and streams.
@@ -21,7 +22,15 @@ from jaxbuf._src.onpolicy import rollout
 from jaxbuf._src.streams import sequence
 from jaxbuf._src.streams import convention as streams
 from jaxbuf._src.items import uniform
+from jaxbuf._src.selection import budget
+from jaxbuf._src.selection import heap
+from jaxbuf._src.selection import keep_best
 from jaxbuf._src.selection import queue
+from jaxbuf._src.selection.heap import HeapReplayState
+from jaxbuf._src.selection.heap import heap_replay
+from jaxbuf._src.selection.keep_best import KeepBestState
+from jaxbuf._src.selection.keep_best import keep_best_replay
+from jaxbuf._src.selection.budget import BudgetedReplayState
 from jaxbuf._src.selection.queue import QueueSample
 from jaxbuf._src.selection.queue import QueueState
 from jaxbuf._src.selection.queue import queue_replay
@@ -60,7 +69,7 @@ from jaxbuf._src.offline.minari_datasets import to_minari
 from jaxbuf._src.offline.rlds_steps import from_rlds_steps
 from jaxbuf._src.offline.rlds_steps import to_rlds_steps
 from jaxbuf._src.items.prioritized import PrioritizedReplayState
-from jaxbuf._src.items.prioritized import prioritized_replay
+from jaxbuf._src.selection.budget import prioritized_replay
 from jaxbuf._src.streams.prioritized_sequence import PrioritizedSequenceReplayState
 from jaxbuf._src.core.pytypes import PyTree
 from jaxbuf._src.core.pytypes import Schedule
@@ -84,7 +93,7 @@ from jaxbuf._src.streams.transitions import n_step_targets
 from jaxbuf._src.streams.transitions import n_step_transitions
 from jaxbuf._src.streams.transitions import r2d2_priorities
 from jaxbuf._src.items.uniform import epoch_batches
-from jaxbuf._src.items.uniform import uniform_replay
+from jaxbuf._src.selection.budget import uniform_replay
 from jaxbuf._src.host.vector_envs import RecordedStep
 from jaxbuf._src.host.vector_envs import VectorEnvRecorder
 from jaxbuf._src.service.closed import ServiceClosed
@@ -100,6 +109,7 @@ from jaxbuf._src.service.writer import Writer
 __version__ = "0.1.0"
 
 __all__ = (
+  "BudgetedReplayState",
   "Buffer",
   "BufferState",
   "Episode",
@@ -108,10 +118,12 @@ __all__ = (
   "EpisodeStep",
   "FrameStackReplayState",
   "FrameStackTransition",
+  "HeapReplayState",
   "HindsightReplayState",
   "HindsightSample",
   "HindsightTransition",
   "MinSize",
+  "KeepBestState",
   "Mixture",
   "MixtureSample",
   "NStepTargets",
@@ -140,6 +152,7 @@ __all__ = (
   "Transition",
   "VectorEnvRecorder",
   "Writer",
+  "budget",
   "burn_in_split",
   "compute_gae",
   "cond_update",
@@ -152,9 +165,13 @@ __all__ = (
   "frames",
   "from_minari",
   "from_rlds_steps",
+  "heap",
+  "heap_replay",
   "held_episodes",
   "hindsight",
   "hindsight_replay",
+  "keep_best",
+  "keep_best_replay",
   "lambda_returns",
   "load",
   "mixture",

@@ -50,6 +50,7 @@ STEP = {
 class Kind(NamedTuple):
   buffer: jaxbuf.Buffer
   streams: bool  # adds [N, T, ...] with episode ends, else [B, ...]
+  values: bool = False  # add takes a value per item (keep-the-best)
 
 
 KINDS = {
@@ -68,6 +69,11 @@ KINDS = {
     jaxbuf.hindsight_replay(NUM_ENVS, CAPACITY, reward_fn, prioritized=True), True
   ),
   "episode": Kind(jaxbuf.episode_replay(NUM_ENVS, CAPACITY, CHUNK), True),
+  # Selection and eviction rules (issue 42).
+  "queue": Kind(jaxbuf.queue_replay(CAPACITY), False),
+  "uniform_budget": Kind(jaxbuf.uniform_replay(CAPACITY, max_times_sampled=2), False),
+  "heap": Kind(jaxbuf.heap_replay(CAPACITY), False),
+  "keep_best": Kind(jaxbuf.keep_best_replay(CAPACITY), False, values=True),
 }
 
 every_kind = pytest.mark.parametrize("name", sorted(KINDS))
@@ -99,7 +105,8 @@ def add_arguments(name: str, data: dict) -> tuple[dict, dict]:
     ends = np.zeros((NUM_ENVS, CHUNK), bool)
     ends[:, -1] = True
     return data, {"episode_end": ends}
-  return jax.tree.map(lambda x: x.reshape((NUM_ENVS * CHUNK,) + x.shape[2:])[:BATCH], data), {}
+  items = jax.tree.map(lambda x: x.reshape((NUM_ENVS * CHUNK,) + x.shape[2:])[:BATCH], data)
+  return items, ({"values": items["reward"]} if KINDS[name].values else {})
 
 
 def add(name: str, state, t):
@@ -169,7 +176,10 @@ def test_every_function_keeps_structure_shapes_and_dtypes(name):
   state = jax.eval_shape(lambda: filled(name))
   key = jax.random.key(0)
   sample = jax.eval_shape(lambda s: buffer.sample(s, key, SAMPLE), state)
+  taken, taken_sample = jax.eval_shape(lambda s: buffer.take(s, key, SAMPLE), state)
+  chex.assert_trees_all_equal_shapes_and_dtypes(taken_sample, sample)
   for after in (
+    taken,
     jax.eval_shape(functools.partial(add, name), state, 5),
     jax.eval_shape(lambda s: learn(name, s, key)[0], state),
     jax.eval_shape(buffer.clear, state),

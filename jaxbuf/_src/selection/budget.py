@@ -1,0 +1,488 @@
+"""A sample budget per item: `max_times_sampled=N` on item replay.
+
+Shape key: B add batch, S sample size, C capacity.
+
+An item taken N times is retired: its leaf of the sum tree is set to 0, so
+no later draw can reach it, and `live` (not `size`, which counts the slots
+held, retired or not) counts the items that can still be drawn;
+`can_sample(state, S)` is `live >= S`. Uniform replay with a budget keeps
+the same tree with leaves 1 (live) and 0 (retired); prioritized replay
+keeps its priorities there. Retirement is counted by `take`; `sample` is the
+same draw as a read-only peek.
+
+Draws. A take draws its S rows one after another, each from the items live
+at that moment (a leaf set to 0 as its item's budget runs out, within the
+call too): with N = 1, no item appears twice in one take, and over calls
+every item is drawn at most once (sampling without replacement). Row t is
+item i with probability `leaf_i / total` of the tree as it is at row t
+(uniform over the live items; prioritized: successive sampling in
+proportion to priority ** alpha, not stratified). When no live item is left
+the remaining rows are padding: slot 0's item with weight 0, as an empty
+buffer gives, item id 0 and index C (outside the items held, so
+`update_priorities` skips it, as for `epoch_batches` padding); checked mode
+raises on a buffer with no live item. Prioritized weights are
+`(leaf_i / total_t) ** -beta` over the largest in the sample (1 for uniform).
+How. Drawing from the items live after the earlier rows' retirements is
+drawing from all of them and rejecting what the earlier rows spent: a take
+makes 2S draws in one batched descent, accepts an item's k-th draw when k is
+below its budget left, and keeps the first S accepted (`_pooled_draws`,
+O(S log C) and a sort of 2S). Only when that pool holds fewer than S
+accepted draws (few items live, or fewer draws left than S) do the rows
+after them run in sequence over the tree as it was, with what the call
+retired kept in a small overlay beside it (`_sequential_draws`,
+O(S^2 K log_K C) elementwise). Both are exact. The tree is written once,
+O(S log C).
+
+Priority updates of a retired item are skipped (it stays retired). The
+budget is a count over the whole buffer, so `jaxbuf.sharded` refuses these
+buffers (an unbudgeted item replay buffer splits).
+"""
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from jaxbuf._src.core import kind
+from jaxbuf._src.core import random
+from jaxbuf._src.core import ring
+from jaxbuf._src.core import sum_tree
+from jaxbuf._src.core import validation
+from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, Schedule, bind
+from jaxbuf._src.items import prioritized
+from jaxbuf._src.items import uniform
+
+
+@flax.struct.dataclass
+class BudgetedReplayState(prioritized.PrioritizedReplayState):
+  """A `PrioritizedReplayState` whose items each have a sample budget.
+
+  The fields below add to the prioritized ones; `size` still counts the
+  slots held (live or retired), `live` the items that can be drawn.
+  Uniform replay with a budget holds leaves 1 and 0 in the tree.
+  """
+
+  times_sampled: jax.Array  # int32 [C]: takes of each slot's item so far
+  live: jax.Array  # shape=(), int32: items held and not retired
+
+  def joined(self):
+    raise ValueError(_NOT_SPLIT)
+
+  def divided(self, num_devices: int):
+    raise ValueError(_NOT_SPLIT)
+
+
+_NOT_SPLIT = (
+  "a buffer with max_times_sampled counts each item's draws over the whole "
+  "buffer and is not split over devices; uniform_replay and prioritized_replay "
+  "without max_times_sampled are."
+)
+
+
+def check_max_times_sampled(value: Any) -> None:
+  """Raises unless `value` is a Python int >= 1."""
+  validation.check_positive_int(
+    value, "max_times_sampled", reason=" (draws of an item before it is retired)"
+  )
+
+
+def init(example_item: PyTree, *, capacity: int) -> BudgetedReplayState:
+  """An empty buffer with a sample budget per item."""
+  base = prioritized.init(example_item, capacity=capacity)
+  return BudgetedReplayState(
+    **{name: getattr(base, name) for name in base.__dataclass_fields__ if name != "settings"},
+    times_sampled=jnp.zeros((capacity,), jnp.int32),
+    live=jnp.zeros((), jnp.int32),
+  )
+
+
+def add(
+  state: BudgetedReplayState, items: PyTree, *, alpha: float, max_times_sampled: int
+) -> BudgetedReplayState:
+  """Adds `items [B, ...]` in ring order, each live with a full budget (at
+  the running maximum priority; leaf 1 for uniform, alpha 0)."""
+  validation.check_state_kind(state, BudgetedReplayState, what="add", exact=True)
+  added, slots = ring.add_to_ring(state, items)
+  was_live = (slots < state.size) & (state.times_sampled[slots] < max_times_sampled)
+  leaf = prioritized.capped_leaf_values(state.max_priority, alpha, state.sum_tree)
+  return added.replace(
+    sum_tree=sum_tree.set_leaves(
+      state.sum_tree, slots, jnp.full(slots.shape, leaf, jnp.float32), unique_indices=True
+    ),
+    times_sampled=state.times_sampled.at[slots].set(0, unique_indices=True),
+    live=state.live + slots.shape[0] - jnp.sum(was_live, dtype=jnp.int32),
+  )
+
+
+def _pooled_draws(
+  state: BudgetedReplayState, key: jax.Array, batch_size: int, max_times_sampled: int
+) -> tuple[jax.Array, ...]:
+  """The draws of `_sequential_draws` by rejection, all at once.
+
+  Drawing from the live items after the earlier draws' retirements is the
+  same as drawing from them all (in proportion to their leaves, as they
+  stand before the call) and rejecting a draw of an item whose budget the
+  earlier accepted draws spent. So 2S draws are made in one batched descent,
+  and an item's k-th draw in the pool is accepted when k is below its budget
+  left (a stable sort by item ranks them); the first S accepted are the
+  rows. Returns `_sequential_draws`'s values for the first `count` rows
+  (the accepted draws, at most S) and `count`: the accepted draws are an
+  exact first `count` rows, which `_sequential_draws` continues when fewer
+  than S.
+  """
+  pool = 2 * batch_size
+  found, values = sum_tree.sample_leaves(state.sum_tree, key, pool, stratified=False)
+  mass = sum_tree.total(state.sum_tree)
+  valid = (mass > 0) & (values > 0)
+  found = jnp.where(valid, found, 0)
+  order = jnp.argsort(found, stable=True)
+  grouped = found[order]
+  position = jnp.arange(pool, dtype=jnp.int32)
+  starts = jax.lax.cummax(jnp.where(grouped != jnp.roll(grouped, 1), position, 0))
+  rank = jnp.zeros(pool, jnp.int32).at[order].set(position - starts, unique_indices=True)
+  budget_left = max_times_sampled - state.times_sampled[found]
+  accepted = valid & (rank < budget_left)
+  picked = accepted & (jnp.cumsum(accepted) <= batch_size)
+  spends = picked & (rank == budget_left - 1)
+  # The live mass each row is drawn from: less what earlier rows retired.
+  retired_before = jnp.cumsum(jnp.where(spends, values, 0.0)) - jnp.where(spends, values, 0.0)
+  share = values / jnp.maximum(mass - retired_before, jnp.finfo(jnp.float32).tiny)
+  (rows,) = jnp.nonzero(picked, size=batch_size, fill_value=0)
+  count = jnp.sum(picked, dtype=jnp.int32)
+  kept = jnp.arange(batch_size) < count
+  return (
+    jnp.where(kept, found[rows], 0),
+    kept,
+    jnp.where(kept, share[rows], 1.0),
+    kept & spends[rows],
+    count,
+  )
+
+
+def _draws(
+  state: BudgetedReplayState, key: jax.Array, batch_size: int, max_times_sampled: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """S draws, each from the items live after the ones before: by rejection
+  from a pool (`_pooled_draws`) when the pool holds S accepted draws (most
+  items live, their budgets left), else in sequence after the pool's
+  accepted rows (`_sequential_draws`, S^2 work: few items live, or fewer
+  draws left than S). Exact either way: the pool's accepted draws are the
+  first rows of a sequential draw."""
+  pooled = _pooled_draws(state, key, batch_size, max_times_sampled)
+  return jax.lax.cond(
+    pooled[-1] >= batch_size,
+    lambda: pooled[:-1],
+    lambda: _sequential_draws(state, random.fold_in(key, 1), batch_size, max_times_sampled, pooled),
+  )
+
+
+def _sequential_draws(
+  state: BudgetedReplayState,
+  key: jax.Array,
+  batch_size: int,
+  max_times_sampled: int,
+  given: tuple[jax.Array, ...],
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """S draws in sequence, each from the items live after the ones before.
+
+  The tree is only read. What the earlier draws of this call changed (the
+  mass of an item retired, taken off its leaf and every ancestor) sits in a
+  small overlay per level, S entries, added to what is read; a draw
+  descends level by level, picking a child in proportion to its (patched)
+  value with a fresh uniform per level, so leaf i is drawn with probability
+  `leaf_i / total` exactly. Carrying the tree itself through the loop would
+  copy it on every draw. Cost O(S^2 K log_K C) elementwise.
+
+  `given`: the first rows, already drawn (`_pooled_draws`: slots, drawn,
+  shares, retired and their count), taken as they are.
+
+  Returns:
+    slots int32 `[S]` (0 where nothing was drawn), drawn bool `[S]`, each
+    row's share of the live mass float32 `[S]`, and retired bool `[S]`
+    (True at the draw that spent an item's last sample).
+  """
+  given_slots, _, given_shares, given_retired, given_count = given
+  levels = state.sum_tree.levels
+  depth = len(levels) - 1
+  uniforms = random.uniform_from_bits(random.random_bits(key, (batch_size, max(depth, 1))))
+  child_position = jnp.arange(sum_tree.BRANCHING, dtype=jnp.int32)
+
+  def read(overlay, level, nodes):
+    """Values of `nodes` at `level`, less the mass retired this call."""
+    overlay_nodes, overlay_deltas = overlay[level]
+    matched = overlay_nodes[None, :] == nodes[:, None]
+    return levels[level][nodes] + jnp.sum(jnp.where(matched, overlay_deltas[None, :], 0.0), axis=1)
+
+  def draw(carry, step):
+    overlay, slots = carry
+    mass = read(overlay, depth, jnp.zeros(1, jnp.int32))[0]
+    node = jnp.zeros((), jnp.int32)
+    for level in reversed(range(depth)):
+      children = jnp.maximum(read(overlay, level, node * sum_tree.BRANCHING + child_position), 0.0)
+      prefix = jnp.cumsum(children)
+      target = uniforms[step, level] * prefix[-1]
+      passed = (prefix > target) & (children > 0)
+      last_positive = sum_tree.BRANCHING - 1 - jnp.argmax((children > 0)[::-1])
+      child = jnp.where(jnp.any(passed), jnp.argmax(passed), last_positive)
+      node = node * sum_tree.BRANCHING + child.astype(jnp.int32)
+    is_given = step < given_count
+    node = jnp.where(is_given, given_slots[step], node)
+    value = read(overlay, 0, node[None])[0]
+    drawn = is_given | ((mass > 0) & (value > 0))
+    slot = jnp.where(drawn, node, 0)
+    earlier = jnp.sum((slots == slot) & (jnp.arange(batch_size) < step), dtype=jnp.int32)
+    retired = drawn & (state.times_sampled[slot] + earlier + 1 >= max_times_sampled)
+    retired = jnp.where(is_given, given_retired[step], retired)
+    overlay = tuple(
+      (
+        nodes.at[step].set(slot // sum_tree.BRANCHING**level),
+        deltas.at[step].set(jnp.where(retired, -value, 0.0)),
+      )
+      for level, (nodes, deltas) in enumerate(overlay)
+    )
+    share = jnp.where(drawn, value / jnp.where(mass > 0, mass, 1.0), 1.0)
+    share = jnp.where(is_given, given_shares[step], share)
+    return (overlay, slots.at[step].set(jnp.where(drawn, slot, -1))), (slot, drawn, share, retired)
+
+  empty = tuple(
+    (jnp.full(batch_size, -1, jnp.int32), jnp.zeros(batch_size, jnp.float32)) for _ in levels
+  )
+  _, (slots, drawn, shares, retired) = jax.lax.scan(
+    draw, (empty, jnp.full(batch_size, -1, jnp.int32)), jnp.arange(batch_size)
+  )
+  return slots, drawn, shares, retired
+
+
+def take(
+  state: BudgetedReplayState,
+  key: jax.Array,
+  batch_size: int,
+  *,
+  max_times_sampled: int,
+  beta: float | Schedule | None,
+  checked: bool = False,
+) -> tuple[BudgetedReplayState, ReplaySample]:
+  """Draws `batch_size` rows one by one from the live items, counting each
+  draw and retiring an item at its `max_times_sampled`-th (module notes).
+
+  Args:
+    state: a `BudgetedReplayState`.
+    key: a PRNG key.
+    batch_size: S, a Python int.
+    max_times_sampled: N >= 1.
+    beta: the importance-weight exponent or schedule; None for uniform
+      replay (weights 1 on drawn rows).
+    checked: if True, a buffer with no live item raises.
+
+  Returns:
+    `(state, sample)`: the state with the draws counted, and a
+    `ReplaySample` (rows past the live items: slot 0's item, weight 0,
+    index C, id 0).
+  """
+  validation.check_state_kind(state, BudgetedReplayState, what="take", exact=True)
+  validation.check_key(key, what="take")
+  validation.check_batch_size(batch_size, what="take")
+  if checked:
+    checkify.check(
+      state.live > 0,
+      "take: no live item (every item held was retired by max_times_sampled, or "
+      "none was added); add items first (guard with can_sample).",
+    )
+  slots, drawn, shares, retired = _draws(state, key, batch_size, max_times_sampled)
+  # The take's counts and retirements, written once: O(S log C).
+  tree = sum_tree.set_leaves(
+    state.sum_tree, slots, jnp.zeros(batch_size, jnp.float32), retired, unique_indices=True
+  )
+  times_sampled = state.times_sampled.at[slots].add(drawn.astype(jnp.int32))
+  live = state.live - jnp.sum(retired, dtype=jnp.int32)
+  if beta is None:
+    weights = drawn.astype(jnp.float32)
+  else:
+    log_weights = -prioritized.beta_at(beta, state.beta_step, checked=checked) * jnp.log(shares)
+    largest = jnp.max(jnp.where(drawn, log_weights, -jnp.inf))
+    weights = jnp.where(drawn, jnp.exp(log_weights - largest), 0.0)
+  batch = ReplaySample(
+    items=ring.gather(state.storage, slots),
+    indices=jnp.where(drawn, slots, ring.capacity_of(state.storage)),
+    weights=weights,
+    item_ids=jnp.where(drawn, ring.current_item_ids(state, slots), jnp.uint32(0)),
+  )
+  return state.replace(sum_tree=tree, times_sampled=times_sampled, live=live), batch
+
+
+def sample(
+  state: BudgetedReplayState,
+  key: jax.Array,
+  batch_size: int,
+  *,
+  max_times_sampled: int,
+  beta: float | Schedule | None,
+  checked: bool = False,
+) -> ReplaySample:
+  """The rows `take` draws, as a read-only peek: nothing is counted.
+
+  Args and returns as for `take`'s sample.
+  """
+  validation.check_state_kind(state, BudgetedReplayState, what="sample", exact=True)
+  return take(
+    state, key, batch_size, max_times_sampled=max_times_sampled, beta=beta, checked=checked
+  )[1]
+
+
+def update_priorities(
+  state: BudgetedReplayState,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None = None,
+  *,
+  alpha: float | None,
+  eps: float,
+  checked: bool = False,
+) -> BudgetedReplayState:
+  """`prioritized.update_priorities`, skipping retired items (which stay
+  retired); for uniform replay (`alpha` None) the identity, arguments
+  validated."""
+  validation.check_state_kind(state, BudgetedReplayState, what="update_priorities", exact=True)
+  if alpha is None:
+    validation.check_priority_update_args(indices, priorities, item_ids)
+    return state
+  indices = jnp.asarray(validation.host_indices(indices))
+  updated: BudgetedReplayState = prioritized.update_priorities(  # type: ignore[assignment]
+    state, indices, priorities, item_ids, alpha=alpha, eps=eps, checked=checked
+  )
+  slots = jnp.clip(indices.astype(jnp.int32), 0, ring.capacity_of(state.storage) - 1)
+  retired = sum_tree.leaves(state.sum_tree)[slots] == 0
+  return updated.replace(
+    sum_tree=sum_tree.set_leaves(
+      updated.sum_tree, slots, jnp.zeros(slots.shape, jnp.float32), retired
+    )
+  )
+
+
+def can_sample(state: BudgetedReplayState, batch_size: int) -> jax.Array:
+  """Whether at least `batch_size` live items are held: bool `()`."""
+  validation.check_batch_size(batch_size, what="can_sample")
+  return state.live >= batch_size
+
+
+def clear(state: BudgetedReplayState) -> BudgetedReplayState:
+  """Empties the buffer without reallocating; budgets reset."""
+  validation.check_state_kind(state, BudgetedReplayState, what="clear", exact=True)
+  emptied: BudgetedReplayState = prioritized.clear(state)  # type: ignore[assignment]
+  return emptied.replace(
+    times_sampled=jnp.zeros_like(state.times_sampled), live=jnp.zeros_like(state.live)
+  )
+
+
+def budgeted_replay(
+  capacity: int,
+  *,
+  max_times_sampled: int,
+  alpha: float | None = None,
+  beta: float | Schedule = 0.4,
+  eps: float = 1e-6,
+  checked: bool = False,
+  name: str = "uniform_replay",
+) -> Buffer[BudgetedReplayState, ReplaySample]:
+  """Item replay whose items are retired after `max_times_sampled` takes:
+  uniform (`alpha` None) or prioritized. Module notes."""
+  validation.check_capacity(capacity)
+  check_max_times_sampled(max_times_sampled)
+  if alpha is not None:
+    validation.check_hyperparameter(alpha, "alpha")
+    validation.check_hyperparameter(eps, "eps", positive=True)
+    if not callable(beta):
+      validation.check_hyperparameter(beta, "beta (or a schedule)")
+  drawing: dict[str, Any] = dict(
+    max_times_sampled=max_times_sampled, beta=None if alpha is None else beta, checked=checked
+  )
+  recorded: dict[str, Any] = dict(capacity=capacity, max_times_sampled=max_times_sampled)
+  if alpha is not None:
+    recorded.update(alpha=float(alpha), eps=float(eps))
+  return bind(
+    init=functools.partial(init, capacity=capacity),
+    add=functools.partial(
+      add, alpha=0.0 if alpha is None else alpha, max_times_sampled=max_times_sampled
+    ),
+    sample=functools.partial(sample, **drawing),
+    update_priorities=functools.partial(update_priorities, alpha=alpha, eps=eps, checked=checked),
+    can_sample=can_sample,
+    clear=clear,
+    take=functools.partial(take, **drawing),
+    kind=kind.Kind(
+      name=f"{name} with max_times_sampled",
+      state_type=BudgetedReplayState,
+      exact_type=True,
+      settings=kind.settings_of(**recorded),
+      split=None,
+    ),
+    checked=checked,
+    jit_update_priorities=alpha is not None,
+  )
+
+
+_BUDGET_DOC = """    max_times_sampled: None (the default: items are drawn however often),
+      or N >= 1: an item taken N times (`buffer.take`) is retired, never
+      drawn again, and not counted by `can_sample` (`state.live` counts the
+      items that can be drawn, `state.size` the slots held). N = 1 is
+      sampling without replacement, across calls and within one. The state
+      is then a `BudgetedReplayState` and the buffer is not split by
+      `jaxbuf.sharded` (`help(jaxbuf.budget)`).
+"""
+
+
+def with_max_times_sampled(factory: Callable, options: tuple[str, ...]) -> Callable:
+  """`factory` (an item replay factory) that also takes `max_times_sampled=`:
+  None makes the factory's own buffer; N a `budgeted_replay` buffer, which
+  takes only `options` of the factory's other keywords (refusing the rest,
+  naming them)."""
+
+  @functools.wraps(factory)
+  def make(capacity, *args, max_times_sampled=None, **keywords):
+    if max_times_sampled is None:
+      return factory(capacity, *args, **keywords)
+    check_max_times_sampled(max_times_sampled)
+    refused = sorted(set(keywords) - set(options))
+    if args or refused:
+      raise TypeError(
+        f"{factory.__name__}: max_times_sampled cannot be combined with "
+        f"{', '.join(refused) or 'positional settings'}; with it the "
+        f"{factory.__name__} takes {', '.join(options)} (keywords)."
+      )
+    keywords.pop("stratified", None)  # budgeted draws are sequential
+    return budgeted_replay(
+      capacity,
+      max_times_sampled=max_times_sampled,
+      name=factory.__name__,
+      **({"alpha": keywords.pop("alpha", 0.6)} if "alpha" in options else {}),
+      **keywords,
+    )
+
+  signature = inspect.signature(factory)
+  parameters = list(signature.parameters.values())
+  make.__signature__ = signature.replace(  # type: ignore[attr-defined]
+    parameters=parameters[:-1]
+    + [
+      inspect.Parameter(
+        "max_times_sampled", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None
+      ),
+      parameters[-1],
+    ]
+  )
+  doc = factory.__doc__ or ""
+  make.__doc__ = doc.replace("    checked:", _BUDGET_DOC + "    checked:", 1)
+  # The signature above is the whole truth: tools that follow `__wrapped__`
+  # (Sphinx) would otherwise read the factory's, without max_times_sampled.
+  del make.__wrapped__
+  make.__annotations__ = {**factory.__annotations__, "max_times_sampled": int | None}
+  return make
+
+
+uniform_replay = with_max_times_sampled(uniform.uniform_replay, ("checked",))
+prioritized_replay = with_max_times_sampled(
+  prioritized.prioritized_replay, ("alpha", "beta", "eps", "stratified", "checked")
+)
