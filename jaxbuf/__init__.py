@@ -80,6 +80,8 @@ from jaxbuf._src.streams.transitions import n_step_targets
 from jaxbuf._src.streams.transitions import n_step_transitions
 from jaxbuf._src.streams.transitions import r2d2_priorities
 from jaxbuf._src.items.uniform import epoch_batches
+from jaxbuf._src.storage.tiers import disk
+from jaxbuf._src.storage.placed import HostTierState
 from jaxbuf._src.items.uniform import uniform_replay
 from jaxbuf._src.host.vector_envs import RecordedStep
 from jaxbuf._src.host.vector_envs import VectorEnvRecorder
@@ -98,6 +100,7 @@ __all__ = (
   "HindsightReplayState",
   "HindsightSample",
   "HindsightTransition",
+  "HostTierState",
   "Mixture",
   "MixtureSample",
   "NStepTargets",
@@ -119,6 +122,7 @@ __all__ = (
   "burn_in_split",
   "compute_gae",
   "cond_update",
+  "disk",
   "env_minibatches",
   "episode",
   "episode_replay",

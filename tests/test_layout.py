@@ -24,12 +24,14 @@ SRC = PACKAGE / "_src"
 
 # The subpackages (and top-level modules) of `jaxbuf._src`, bottom layer
 # first: kinds, types, random bits, checks, the binding and the storage every
-# buffer shares; the buffers of items and on-policy rollouts; the stream
-# buffers (which build on prioritized items); sharding, checkpoints,
+# buffer shares; the storage tiers (payload in host memory or files, around
+# any kind's bound functions); the buffers of items and on-policy rollouts;
+# the stream buffers (which build on prioritized items); sharding, checkpoints,
 # offline datasets and mixtures of any buffers above them; host loops (which
 # write the offline forms) on top. The package `jaxbuf` is above them all.
 LAYERS = (
   ("core",),
+  ("storage",),
   ("items", "onpolicy"),
   ("streams",),
   ("sharded", "checkpoint", "offline", "mixture"),

@@ -1,0 +1,367 @@
+"""Storage tiers (issue 44): payload leaves in pinned host memory or in files.
+
+Every tiered kind, on every tier, draws the same samples as the device tier
+under the same keys, bit for bit, over a random run of adds (chunks, masks,
+episode ends, final steps) and priority updates. Then the host tier's
+placement and jit, and the disk tier's faults: a full disk during an add, a
+payload file truncated, changed or deleted, a second writer, a directory that
+cannot be written, a tier asked of a kind without tiers, a restart.
+"""
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxbuf
+from jaxbuf._src.storage import disk as disk_files
+
+NUM_ENVS, CAPACITY, SAMPLE = 2, 24, 6
+
+ITEM = {"pixels": jnp.zeros((8, 8), jnp.uint8), "vector": jnp.zeros(3, jnp.float32)}
+STEP = {
+  "obs": {"pixels": jnp.zeros((6, 5), jnp.uint8), "position": jnp.zeros(2, jnp.float32)},
+  "action": jnp.int32(0),
+  "reward": jnp.float32(0),
+  "terminated": jnp.bool_(False),
+}
+
+FACTORIES = {
+  "uniform": (lambda storage: jaxbuf.uniform_replay(CAPACITY, storage=storage), False),
+  "prioritized": (
+    lambda storage: jaxbuf.prioritized_replay(CAPACITY, alpha=0.7, storage=storage),
+    False,
+  ),
+  "sequence": (
+    lambda storage: jaxbuf.sequence_replay(NUM_ENVS, CAPACITY, 3, storage=storage),
+    True,
+  ),
+  "prioritized_sequence": (
+    lambda storage: jaxbuf.prioritized_sequence_replay(NUM_ENVS, CAPACITY, 3, storage=storage),
+    True,
+  ),
+  "frame_stack": (
+    lambda storage: jaxbuf.frame_stack_replay(NUM_ENVS, CAPACITY, 3, n_step=2, storage=storage),
+    True,
+  ),
+  "frame_stack_channels_first": (
+    lambda storage: jaxbuf.frame_stack_replay(
+      NUM_ENVS, CAPACITY, 3, stack_keys=("pixels",), stack_axis=0, pad="first", storage=storage
+    ),
+    True,
+  ),
+  "prioritized_frame_stack": (
+    lambda storage: jaxbuf.prioritized_frame_stack_replay(
+      NUM_ENVS, CAPACITY, 2, n_step=3, storage=storage
+    ),
+    True,
+  ),
+}
+
+
+def _storage(tier: str, tmp_path) -> object:
+  if tier == "device":
+    return "device"
+  if tier == "host":
+    return "host"
+  return jaxbuf.disk(tmp_path / "payload", min_row_bytes=1)
+
+
+def _random_like(tree, shape, rng):
+  def leaf(x):
+    x = np.asarray(x)
+    full = shape + x.shape
+    if x.dtype == bool:
+      return rng.random(full) < 0.2
+    if np.issubdtype(x.dtype, np.integer):
+      return rng.integers(0, 200, full).astype(x.dtype)
+    return rng.normal(size=full).astype(x.dtype)
+
+  return jax.tree.map(leaf, tree)
+
+
+def _run(name: str, storage, seed: int = 0) -> list:
+  """Adds, samples and priority updates in a fixed random order; every sample."""
+  factory, streams = FACTORIES[name]
+  buffer = factory(storage)
+  rng = np.random.default_rng(seed)
+  state = buffer.init(STEP if streams else ITEM)
+  drawn = []
+  for round_ in range(7):
+    if streams:
+      chunk = 2
+      steps = _random_like(STEP, (NUM_ENVS, chunk), rng)
+      keywords = {"mask": rng.random(NUM_ENVS) < 0.8}
+      if round_ % 3 == 1:
+        keywords["episode_end"] = rng.random((NUM_ENVS, chunk)) < 0.3
+      if round_ % 3 == 2:
+        keywords["episode_end"] = rng.random(NUM_ENVS) < 0.5
+        keywords["final_steps"] = _random_like(STEP, (NUM_ENVS,), rng)
+      state = buffer.add(state, steps, **keywords)
+    else:
+      state = buffer.add(state, _random_like(ITEM, (5,), rng))
+    if bool(buffer.can_sample(state, SAMPLE)):
+      sample = buffer.sample(state, jax.random.key(round_), SAMPLE)
+      drawn.append(jax.device_get(sample))
+      state = buffer.update_priorities(
+        state,
+        sample.indices,
+        jnp.asarray(rng.random(SAMPLE) + 0.1, jnp.float32),
+        sample.item_ids,
+      )
+  if isinstance(storage, jaxbuf._src.storage.tiers.Disk):
+    storage.close()
+  return drawn
+
+
+# Each case compiles its kind twice (about 8 s): two run by default, the
+# whole matrix with the slow tests.
+FAST_CASES = {("sequence", "host"), ("prioritized", "disk")}
+
+
+@pytest.mark.parametrize(
+  "name, tier",
+  [
+    pytest.param(name, tier, marks=() if (name, tier) in FAST_CASES else pytest.mark.slow)
+    for name in sorted(FACTORIES)
+    for tier in ("host", "disk")
+  ],
+)
+def test_same_samples_as_the_device_tier(name, tier, tmp_path):
+  expected = _run(name, "device")
+  found = _run(name, _storage(tier, tmp_path))
+  assert len(found) == len(expected) > 0
+  for want, got in zip(expected, found):
+    assert jax.tree.structure(want) == jax.tree.structure(got)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+      assert a.dtype == b.dtype and a.shape == b.shape
+      np.testing.assert_array_equal(a, b)
+
+
+def test_host_tier_places_payload_in_pinned_host_memory():
+  buffer = jaxbuf.uniform_replay(CAPACITY, storage="host")
+  state = buffer.init(ITEM)
+  assert isinstance(state, jaxbuf.HostTierState)
+  assert state.payload["['pixels']"].sharding.memory_kind == "pinned_host"
+  assert state.payload["['pixels']"].shape == (CAPACITY, 8, 8)
+  # The small leaf stays on the device, in the kind's own state.
+  assert state.core.storage["vector"].shape == (CAPACITY, 3)
+  assert state.core.storage["pixels"].shape == (CAPACITY, 1, 1)  # the proxy
+  state = buffer.add(state, _random_like(ITEM, (5,), np.random.default_rng(0)))
+  assert state.payload["['pixels']"].sharding.memory_kind == "pinned_host"
+  assert int(state.size) == 5
+
+
+def test_host_tier_runs_inside_jit_without_recompiling():
+  buffer = jaxbuf.uniform_replay(CAPACITY, storage="host")
+  traces = []
+
+  @jax.jit
+  def step(state, items, key):
+    traces.append(None)
+    state = buffer.add(state, items)
+    return state, buffer.sample(state, key, SAMPLE).items["pixels"].sum()
+
+  device = jaxbuf.uniform_replay(CAPACITY)
+  rng = np.random.default_rng(1)
+  state, device_state = buffer.init(ITEM), device.init(ITEM)
+  for round_ in range(3):
+    items = _random_like(ITEM, (4,), rng)
+    state, total = step(state, items, jax.random.key(round_))
+    device_state = device.add(device_state, items)
+    want = device.sample(device_state, jax.random.key(round_), SAMPLE).items["pixels"].sum()
+    assert int(total) == int(want)
+  assert len(traces) == 1
+
+
+def test_disk_tier_refuses_jit(tmp_path):
+  storage = jaxbuf.disk(tmp_path)
+  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  state = buffer.init(ITEM)
+  with pytest.raises(TypeError, match="outside jax.jit"):
+    jax.jit(buffer.sample, static_argnums=2)(state, jax.random.key(0), 2)
+  with pytest.raises(TypeError, match="outside jax.jit"):
+    jax.jit(buffer.add)(state, _random_like(ITEM, (2,), np.random.default_rng(0)))
+  # What touches no payload runs anywhere.
+  assert not bool(jax.jit(buffer.can_sample, static_argnums=1)(state, 1))
+  storage.close()
+
+
+def _filled_disk_buffer(tmp_path, rows=10):
+  storage = jaxbuf.disk(tmp_path / "payload")
+  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  state = buffer.init(ITEM)
+  state = buffer.add(state, _random_like(ITEM, (rows,), np.random.default_rng(2)))
+  return storage, buffer, state
+
+
+def _pixels_file(storage) -> str:
+  return os.path.join(storage.directory, storage.files.names["['pixels']"])
+
+
+def test_disk_full_during_an_add_leaves_state_and_files_as_they_were(tmp_path, monkeypatch):
+  storage, buffer, state = _filled_disk_buffer(tmp_path, rows=CAPACITY)
+  state = buffer.add(state, _random_like(ITEM, (10,), np.random.default_rng(4)))  # head at 10
+  before = jax.device_get(buffer.sample(state, jax.random.key(0), CAPACITY))
+  with open(_pixels_file(storage), "rb") as file:
+    bytes_before = file.read()
+  calls = []
+
+  def full_after_one(fd, data, offset):
+    calls.append(offset)
+    if len(calls) > 1:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return os.pwrite(fd, data, offset)
+
+  monkeypatch.setattr(disk_files, "write_at", full_after_one)
+  items = _random_like(ITEM, (20,), np.random.default_rng(3))
+  # The add's rows wrap the ring: two runs, the second write fails.
+  with pytest.raises(OSError, match="No space left on device.*Nothing was added"):
+    buffer.add(state, items)
+  monkeypatch.undo()
+  with open(_pixels_file(storage), "rb") as file:
+    assert file.read() == bytes_before
+  after = jax.device_get(buffer.sample(state, jax.random.key(0), CAPACITY))
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    np.testing.assert_array_equal(a, b)
+  # And the buffer goes on: the same add succeeds once there is space.
+  state = buffer.add(state, items)
+  assert int(state.size) == CAPACITY
+  storage.close()
+
+
+def test_disk_full_at_init_names_the_file(tmp_path, monkeypatch):
+  def no_space(fd, offset, length):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  monkeypatch.setattr(os, "posix_fallocate", no_space)
+  storage = jaxbuf.disk(tmp_path)
+  with pytest.raises(OSError, match="cannot allocate .*pixels"):
+    jaxbuf.uniform_replay(CAPACITY, storage=storage).init(ITEM)
+  assert storage.files is None
+
+
+@pytest.mark.parametrize("fault", ["truncated", "changed", "deleted"])
+def test_payload_file_damaged_under_the_buffer_is_never_sampled(tmp_path, fault):
+  storage, buffer, state = _filled_disk_buffer(tmp_path)
+  storage.sync()
+  path = _pixels_file(storage)
+  if fault == "truncated":
+    os.truncate(path, 7)
+    message = "truncated"
+  elif fault == "changed":
+    with open(path, "r+b") as file:
+      data = bytearray(file.read())
+      for row in range(10):  # every row held: any sample reads one
+        data[row * 64 + 3] ^= 0xFF
+      file.seek(0)
+      file.write(data)
+    message = "does not match its checksum"
+  else:
+    os.remove(path)
+    message = "deleted"
+  with pytest.raises(OSError, match=message):
+    buffer.sample(state, jax.random.key(0), 4)
+  storage.close()
+  # At open, too (a restart).
+  reopened = jaxbuf.disk(tmp_path / "payload")
+  if fault == "changed":
+    # Sizes and checksum tables are whole; the changed rows are found at read.
+    buffer = jaxbuf.uniform_replay(CAPACITY, storage=reopened)
+    loaded = buffer.init(ITEM)
+    with pytest.raises(OSError, match="checksum"):
+      buffer.sample(state, jax.random.key(1), 4)
+    del loaded
+  else:
+    with pytest.raises(OSError, match="holds 7 bytes|missing"):
+      jaxbuf.uniform_replay(CAPACITY, storage=reopened).init(ITEM)
+  reopened.close()
+
+
+def test_a_second_writer_is_refused(tmp_path):
+  storage, buffer, state = _filled_disk_buffer(tmp_path)
+  other = jaxbuf.disk(tmp_path / "payload")
+  with pytest.raises(OSError, match="another buffer"):
+    jaxbuf.uniform_replay(CAPACITY, storage=other).init(ITEM)
+  script = textwrap.dedent(f"""
+    import jax.numpy as jnp, jaxbuf
+    item = {{"pixels": jnp.zeros((8, 8), jnp.uint8), "vector": jnp.zeros(3, jnp.float32)}}
+    try:
+      storage = jaxbuf.disk({str(tmp_path / "payload")!r})
+      jaxbuf.uniform_replay({CAPACITY}, storage=storage).init(item)
+    except OSError as error:
+      print("refused:", error)
+  """)
+  result = subprocess.run(
+    [sys.executable, "-c", script],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  assert "refused:" in result.stdout and "another buffer" in result.stdout, result.stderr
+  storage.close()
+  # Released: now it opens.
+  assert jaxbuf.uniform_replay(CAPACITY, storage=other).init(ITEM) is not None
+  other.close()
+
+
+def test_a_directory_that_cannot_be_written_is_refused(tmp_path, monkeypatch):
+  under_a_file = tmp_path / "a_file"
+  under_a_file.write_text("")
+  with pytest.raises(OSError, match="cannot create the payload directory"):
+    jaxbuf.uniform_replay(CAPACITY, storage=jaxbuf.disk(under_a_file / "payload")).init(ITEM)
+  # Tests run as root, which may write anywhere: the permission check is
+  # seen through os.access.
+  monkeypatch.setattr(os, "access", lambda path, mode: False)
+  with pytest.raises(OSError, match="no write permission"):
+    jaxbuf.uniform_replay(CAPACITY, storage=jaxbuf.disk(tmp_path / "other")).init(ITEM)
+
+
+def test_a_tier_asked_of_a_kind_without_tiers_names_those_with(tmp_path):
+  with pytest.raises(
+    ValueError, match="episode_replay: storage='host' is not supported.*uniform_replay"
+  ):
+    jaxbuf.episode_replay(NUM_ENVS, CAPACITY, 4, storage="host")
+  with pytest.raises(ValueError, match="hindsight_replay.*frame_stack_replay"):
+    jaxbuf.hindsight_replay(
+      NUM_ENVS, CAPACITY, lambda a, d: jnp.zeros(a.shape[:-1]), storage=jaxbuf.disk(tmp_path)
+    )
+  with pytest.raises(ValueError, match="storage must be 'device', 'host' or jaxbuf.disk"):
+    jaxbuf.uniform_replay(CAPACITY, storage="ssd")
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  with pytest.raises(TypeError, match="storage='host'.*cannot be split"):
+    jaxbuf.sharded(jaxbuf.uniform_replay(CAPACITY, storage="host"), mesh, axis="data")
+
+
+def test_reopen_after_a_restart_without_copying(tmp_path):
+  storage, buffer, state = _filled_disk_buffer(tmp_path)
+  jaxbuf.save(tmp_path / "checkpoint", state)
+  storage.sync()
+  want = jax.device_get(buffer.sample(state, jax.random.key(5), 8))
+  inode = os.stat(_pixels_file(storage)).st_ino
+  storage.close()
+
+  reopened = jaxbuf.disk(tmp_path / "payload")
+  buffer = jaxbuf.uniform_replay(CAPACITY, storage=reopened)
+  state = jaxbuf.load(tmp_path / "checkpoint", like=buffer.init(ITEM))
+  assert os.stat(_pixels_file(reopened)).st_ino == inode  # the same file, not a copy
+  got = jax.device_get(buffer.sample(state, jax.random.key(5), 8))
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(a, b)
+  reopened.close()
+
+
+def test_files_of_another_layout_are_refused(tmp_path):
+  storage, _, _ = _filled_disk_buffer(tmp_path)
+  storage.close()
+  other = jaxbuf.disk(tmp_path / "payload")
+  with pytest.raises(ValueError, match="another layout"):
+    jaxbuf.uniform_replay(CAPACITY * 2, storage=other).init(ITEM)
+  assert other.files is None
