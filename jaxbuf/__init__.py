@@ -81,6 +81,7 @@ from jaxbuf._src.streams.transitions import n_step_transitions
 from jaxbuf._src.streams.transitions import r2d2_priorities
 from jaxbuf._src.items.uniform import epoch_batches
 from jaxbuf._src.storage.tiers import disk
+from jaxbuf._src.storage.prefetch import Prefetcher
 from jaxbuf._src.storage.placed import HostTierState
 from jaxbuf._src.items.uniform import uniform_replay
 from jaxbuf._src.host.vector_envs import RecordedStep
@@ -105,6 +106,7 @@ __all__ = (
   "MixtureSample",
   "NStepTargets",
   "NStepTransitions",
+  "Prefetcher",
   "PrioritizedReplayState",
   "PrioritizedSequenceReplayState",
   "PyTree",

@@ -365,3 +365,23 @@ def test_files_of_another_layout_are_refused(tmp_path):
   with pytest.raises(ValueError, match="another layout"):
     jaxbuf.uniform_replay(CAPACITY * 2, storage=other).init(ITEM)
   assert other.files is None
+
+
+def test_prefetcher_draws_the_same_batches_and_passes_errors(tmp_path):
+  storage, buffer, state = _filled_disk_buffer(tmp_path)
+  keys = [jax.random.key(step) for step in range(3)]
+  with jaxbuf.Prefetcher(buffer.sample) as prefetcher:
+    prefetcher.submit(state, keys[0], 4)
+    for step in range(3):
+      batch = prefetcher.result(timeout=120)
+      want = buffer.sample(state, keys[step], 4)
+      np.testing.assert_array_equal(batch.items["pixels"], want.items["pixels"])
+      if step < 2:
+        prefetcher.submit(state, keys[step + 1], 4)
+    with pytest.raises(RuntimeError, match="nothing was submitted"):
+      prefetcher.result(timeout=1)
+    os.remove(_pixels_file(storage))
+    prefetcher.submit(state, keys[0], 4)
+    with pytest.raises(OSError, match="deleted"):
+      prefetcher.result(timeout=120)
+  storage.close()

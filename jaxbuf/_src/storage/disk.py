@@ -83,6 +83,7 @@ class PayloadFiles:
       for path, (shape, dtype) in self.leaves.items()
     }
     self.names = {path: _file_name(path) for path in self.leaves}
+    self.zero_checksums = {path: zlib.crc32(bytes(size)) for path, size in self.row_bytes.items()}
     if len(set(self.names.values())) != len(self.names):
       raise ValueError(f"disk: payload leaves {list(self.leaves)} map to clashing file names.")
     self._lock_fd: int | None = None
@@ -163,8 +164,7 @@ class PayloadFiles:
           f"{error.strerror} (the payload files are preallocated at init).",
         ) from None
       self.inodes[leaf] = os.fstat(fd).st_ino
-      zero_crc = zlib.crc32(bytes(self.row_bytes[leaf]))
-      self.checksums[leaf] = np.full((self.rows,), zero_crc, np.uint32)
+      self.checksums[leaf] = np.full((self.rows,), self.zero_checksums[leaf], np.uint32)
     self.sync()
 
   def _open_existing(self) -> None:
@@ -257,27 +257,44 @@ class PayloadFiles:
     """Writes `values[leaf] [n, *row]` at `rows [n]` (distinct) of each leaf.
 
     All or nothing: should a write fail (a full disk), the rows already
-    written get their old bytes back (read before the write, which costs a
-    read of the n rows per add) and the checksums stay as they were, so the
-    files are as before the call; then the error is raised.
+    written get their old bytes back (read before the write: a read of the
+    n rows per add once the ring wraps; none while it fills) and the
+    checksums stay as they were, so the files are as before the call; then
+    the error is raised.
     """
-    order = np.argsort(rows, kind="stable")
-    rows = np.asarray(rows)[order]
+    rows = np.asarray(rows)
+    order = None if np.all(np.diff(rows) > 0) else np.argsort(rows, kind="stable")
+    if order is not None:
+      rows = rows[order]
     runs = _runs(rows)
     fds = {leaf: self._check_open(leaf) for leaf in values}
+    # The bytes each run of rows holds now, to put back should a write fail.
+    # A row whose checksum is the zero row's holds zeros (or was never
+    # written, and is never read): nothing to read (an empty buffer's fill).
     old = {
-      leaf: [os.pread(fd, self.row_bytes[leaf], int(row) * self.row_bytes[leaf]) for row in rows]
+      leaf: [
+        (
+          os.pread(
+            fd, (stop - start) * self.row_bytes[leaf], int(rows[start]) * self.row_bytes[leaf]
+          )
+          if np.any(self.checksums[leaf][rows[start:stop]] != self.zero_checksums[leaf])
+          else bytes((stop - start) * self.row_bytes[leaf])
+        )
+        for start, stop in runs
+      ]
       for leaf, fd in fds.items()
     }
-    touched: dict[str, int] = {}  # leaf -> rows [0, n) of it that may hold new bytes
+    touched: dict[str, int] = {}  # leaf -> runs of it that may hold new bytes
     checksums = {}
     try:
       for leaf, fd in fds.items():
         row_bytes = self.row_bytes[leaf]
-        data = np.ascontiguousarray(values[leaf]).reshape(len(rows), -1).view(np.uint8)[order]
-        checksums[leaf] = np.fromiter((zlib.crc32(row) for row in data), np.uint32, len(rows))
-        for start, stop in runs:
-          touched[leaf] = stop
+        data = np.ascontiguousarray(values[leaf]).reshape(len(rows), -1).view(np.uint8)
+        if order is not None:
+          data = data[order]
+        checksums[leaf] = np.fromiter((zlib.crc32(row.data) for row in data), np.uint32, len(rows))
+        for run, (start, stop) in enumerate(runs):
+          touched[leaf] = run + 1
           block = data[start:stop].data.cast("B")
           offset = int(rows[start]) * row_bytes
           while block.nbytes:
@@ -287,8 +304,8 @@ class PayloadFiles:
       # Overwriting bytes already allocated needs no new space. Should it
       # fail too, those rows keep their old checksums and are never sampled.
       for leaf, count in touched.items():
-        for index in range(count):
-          os.pwrite(fds[leaf], old[leaf][index], int(rows[index]) * self.row_bytes[leaf])
+        for run in range(count):
+          os.pwrite(fds[leaf], old[leaf][run], int(rows[runs[run][0]]) * self.row_bytes[leaf])
       raise PayloadError(
         error.errno,
         f"disk: writing {len(rows)} rows to the payload files in "

@@ -284,10 +284,13 @@ def disk_buffer(buffer: Buffer, tier: tiers.Disk, layout: tiers.Layout) -> Buffe
     written, held = np.asarray(written), np.asarray(held)
     kept = written < payload.rows
     if payload.paths and kept.any():
-      values = {
-        path: np.concatenate([np.asarray(part) for part in given[path]])[held[kept]]
-        for path in payload.paths
-      }
+      held = held[kept]
+      identity = len(held) == count and np.array_equal(held, np.arange(count))
+      values = {}
+      for path in payload.paths:
+        parts = [np.asarray(part) for part in given[path]]
+        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        values[path] = rows if identity else rows[held]
       assert tier.files is not None
       tier.files.write_rows(written[kept], values)
     return core
