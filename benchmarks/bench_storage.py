@@ -14,6 +14,13 @@ Shape key: N envs (8), S sample size, 84x84 uint8 frames, stacks of 4.
 * `prefetch`: a jitted learner step of a few milliseconds on each batch from
   the disk buffers, with and without `jaxbuf.Prefetcher`: the wait the step
   sees per batch.
+* `device` (the device suite's part, for a GPU): the host tier's jitted
+  sample of S = 256 state items (obs float32[16] in pinned host memory) at
+  each of `--device-items` capacities against the device tier's (goal: at
+  most 2x its time); a host-tier frame-stack buffer of `--device-frames`
+  84x84 frames (10M: about 70 GB of the machine's host memory) filled and
+  sampled (S = 32 stacks) inside jit; and pixel batches from a disk-tier
+  buffer through a `jaxbuf.Prefetcher` (the wait per batch).
 * `tiers`: the same two layouts at a size that fits in RAM, on each tier
   (device: NumPy-fed CPU arrays; host: pinned host memory; disk), S = 32
   stacks and S = 256 items: batches/s of each.
@@ -24,6 +31,7 @@ Usage:
 """
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -247,6 +255,98 @@ def tiers_in_ram(directory: str, frames: int, items: int, batches: int) -> dict:
   return results
 
 
+def jitted_samples(buffer, state, batch_size: int, leaf, repeats: int) -> float:
+  """Seconds per sample: `repeats` samples in one jitted loop (a sum of
+  `leaf(items)` kept so that nothing is optimised away)."""
+
+  @jax.jit
+  def loop(state, key):
+    def body(step, total):
+      items = buffer.sample(state, jax.random.fold_in(key, step), batch_size).items
+      return total + leaf(items).astype(jnp.float32).sum()
+
+    return jax.lax.fori_loop(0, repeats, body, jnp.float32(0))
+
+  jax.block_until_ready(loop(state, jax.random.key(0)))
+  times = []
+  for attempt in range(3):
+    start = time.perf_counter()
+    jax.block_until_ready(loop(state, jax.random.key(attempt + 1)))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times)) / repeats
+
+
+def device_case(directory: str, item_capacities, frames: int, batches: int, chunk: int) -> dict:
+  """Host tier against device tier (items), a host-tier frame buffer, and
+  prefetched pixel batches from disk: the GPU part of the device suite."""
+  result: dict = {}
+  item = {"obs": jnp.zeros(16, jnp.float32), "action": jnp.int32(0), "reward": jnp.float32(0)}
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def items_of(seed, rows):
+    obs = jax.random.normal(jax.random.key(seed), (rows, 16))
+    return {"obs": obs, "action": jnp.arange(rows, dtype=jnp.int32), "reward": obs[:, 0]}
+
+  for capacity in item_capacities:
+    seconds = {}
+    for tier in ("device", "host"):
+      buffer = jaxbuf.uniform_replay(capacity, storage=tier)
+      state = buffer.init(item)
+      rows = min(capacity, 1_000_000)
+      for index in range(capacity // rows):
+        state = buffer.add(state, items_of(index, rows))
+      seconds[tier] = jitted_samples(buffer, state, 256, lambda items: items["obs"], 100)
+      del state
+    ratio = seconds["host"] / seconds["device"]
+    result[f"items_{capacity}"] = dict(
+      device_us=round(seconds["device"] * 1e6, 1),
+      host_us=round(seconds["host"] * 1e6, 1),
+      ratio=round(ratio, 2),
+    )
+    print(
+      f"{'PASS' if ratio <= 2 else 'FAIL'}  host tier sample 256 at C={capacity}: "
+      f"{ratio:.2f}x the device tier's ({json.dumps(result[f'items_{capacity}'])}), goal <= 2x"
+    )
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def frames_of(seed, length):
+    pixels = jax.random.randint(jax.random.key(seed), (NUM_ENVS, length, *FRAME), 0, 255)
+    return {
+      "obs": pixels.astype(jnp.uint8),
+      "action": jnp.zeros((NUM_ENVS, length), jnp.int32),
+      "reward": jnp.ones((NUM_ENVS, length), jnp.float32),
+      "terminated": jnp.zeros((NUM_ENVS, length), bool),
+    }
+
+  capacity = frames // (NUM_ENVS * chunk) * NUM_ENVS * chunk
+  buffer = jaxbuf.frame_stack_replay(NUM_ENVS, capacity, NUM_STACK, storage="host")
+  state = buffer.init(frame_step())
+  start = time.perf_counter()
+  for index in range(capacity // (NUM_ENVS * chunk)):
+    state = buffer.add(state, frames_of(index, chunk))
+  jax.block_until_ready(state)
+  fill_seconds = time.perf_counter() - start
+  per_sample = jitted_samples(buffer, state, 32, lambda items: items.obs, 20)
+  result["frames_host"] = dict(
+    capacity_frames=capacity,
+    payload_gb=round(capacity * np.prod(FRAME) / 1e9, 1),
+    fill_frames_per_s=round(capacity / fill_seconds),
+    sample_32x4_batches_per_s=round(1 / per_sample, 1),
+  )
+  print(f"info  host-tier frames: {json.dumps(result['frames_host'])}")
+  del state, buffer
+
+  disk_frames = min(frames, 1_000_000)
+  disk_result, disk_buffer, disk_state, storage = frames_disk(
+    directory, disk_frames * np.prod(FRAME) / GIB, chunk, batches
+  )
+  result["frames_disk"] = disk_result
+  result["prefetch"] = prefetch_waits(disk_buffer, disk_state, batches, 3.0)
+  print(f"info  disk-tier frames with prefetch: {json.dumps(result['prefetch'])}")
+  storage.close()
+  return result
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--directory", default="/work/tmp-storage")
@@ -257,12 +357,15 @@ def main(argv=None) -> int:
   parser.add_argument("--batches", type=int, default=200)
   parser.add_argument("--ram-frames", type=int, default=200_000)
   parser.add_argument("--ram-items", type=int, default=1_000_000)
+  parser.add_argument("--device-items", type=int, nargs="+", default=[1_000_000, 100_000_000])
+  parser.add_argument("--device-frames", type=int, default=10_000_000)
   parser.add_argument("--keep", action="store_true", help="keep the payload files")
   parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
   args = parser.parse_args(argv)
   if args.quick:
     args.frames_gib, args.items_gib, args.chunk, args.batches = 0.01, 0.01, 64, 5
     args.ram_frames, args.ram_items = 4096, 8192
+    args.device_items, args.device_frames = [4096], 4096
   os.makedirs(args.directory, exist_ok=True)
   report = dict(
     jax=jax.__version__,
@@ -295,6 +398,10 @@ def main(argv=None) -> int:
       print(f"info  items on disk: {json.dumps(result)}")
       storage.close()
       del buffer, state
+    if "device" in args.cases:
+      report["device"] = device_case(
+        args.directory, args.device_items, args.device_frames, args.batches, args.chunk
+      )
     if "tiers" in args.cases:
       report["tiers"] = tiers_in_ram(args.directory, args.ram_frames, args.ram_items, args.batches)
       print(f"info  tiers in RAM: {json.dumps(report['tiers'])}")

@@ -182,6 +182,8 @@ def host_buffer(buffer: Buffer, tier: tiers.Host, layout: tiers.Layout) -> Buffe
     payload.rows = proxies.num_rows(leaves[payload.paths[0]], 0, layout.lead_dims) if leaves else 0
     found["payload"] = payload
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    # np.zeros maps untouched pages (the kernel's zero page when read), so
+    # the copy to host memory does not hold the payload twice.
     columns = {
       path: jax.device_put(np.zeros((payload.rows,) + shape, dtype), host)
       for path, (shape, dtype) in payload.rows_spec.items()
