@@ -101,7 +101,7 @@ def disk(directory: str | os.PathLike, *, min_row_bytes: int = DEFAULT_MIN_ROW_B
   >>> buffer = jaxbuf.uniform_replay(100, storage=jaxbuf.disk(directory))
   >>> state = buffer.init({"pixels": jnp.zeros((8, 8), jnp.uint8), "reward": jnp.float32(0)})
   >>> state = buffer.add(state, {"pixels": jnp.ones((4, 8, 8), jnp.uint8),
-  ...                            "reward": jnp.zeros(4)})
+  ...                            "reward": jnp.zeros(4, jnp.float32)})
   >>> batch = buffer.sample(state, jax.random.key(0), 2)
   >>> batch.items["pixels"].shape, int(batch.items["pixels"].sum())
   ((2, 8, 8), 128)
