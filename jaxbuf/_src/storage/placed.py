@@ -190,6 +190,8 @@ def host_buffer(buffer: Buffer, tier: tiers.Host, layout: tiers.Layout) -> Buffe
     }
     return HostTierState(core=core, payload=columns, settings=core.settings)
 
+  init.payload_rows = lambda: payload_of().rows_spec  # type: ignore[attr-defined]
+
   def add(state: HostTierState, items: PyTree, *args: Any, **kwargs: Any) -> HostTierState:
     payload = payload_of()
     items, args, kwargs, given, count = payload.tokenized_add_arguments(items, args, kwargs)
@@ -274,6 +276,8 @@ def disk_buffer(buffer: Buffer, tier: tiers.Disk, layout: tiers.Layout) -> Buffe
     found["payload"] = payload
     return core
 
+  init.payload_rows = lambda: payload_of().rows_spec  # type: ignore[attr-defined]
+
   @functools.partial(jax.jit, static_argnames=("count",))
   def device_add(core: BufferState, items: PyTree, args: tuple, kwargs: dict, count: int) -> Any:
     return payload_of().settled(buffer.add(core, items, *args, **kwargs), count)
@@ -321,6 +325,17 @@ def disk_buffer(buffer: Buffer, tier: tiers.Disk, layout: tiers.Layout) -> Buffe
     clear=buffer.clear,
     kind=_unsplit(buffer, f"jaxbuf.disk({tier.directory!r})"),
   )
+
+
+def stored_spec(buffer: Buffer, spec: PyTree) -> PyTree:
+  """One item's (or step's) shapes and dtypes as stored: `spec`, read from a
+  state's storage, with each payload proxy replaced by the payload row's
+  shape and dtype (a buffer without tiers: `spec` as it is)."""
+  payload_rows = getattr(buffer.init, "payload_rows", None)
+  if payload_rows is None:
+    return spec
+  rows = payload_rows()
+  return tiers.map_payload(spec, tuple(rows), lambda path, _: jax.ShapeDtypeStruct(*rows[path]))
 
 
 def place(buffer: Buffer, storage: Any, *, kind_name: str, layout: tiers.Layout) -> Buffer:
