@@ -434,3 +434,17 @@ def test_a_minari_dataset_streams_into_a_disk_buffer(tmp_path, monkeypatch):
   ):
     np.testing.assert_array_equal(a, b)
   storage.close()
+
+
+def test_host_tier_state_saves_and_loads(tmp_path):
+  buffer = jaxbuf.uniform_replay(CAPACITY, storage="host")
+  state = buffer.add(buffer.init(ITEM), _random_like(ITEM, (9,), np.random.default_rng(6)))
+  want = jax.device_get(buffer.sample(state, jax.random.key(2), 5))
+  jaxbuf.save(tmp_path / "checkpoint", state)
+  loaded = jaxbuf.load(tmp_path / "checkpoint", like=buffer.init(ITEM))
+  assert loaded.payload["['pixels']"].sharding.memory_kind == "pinned_host"
+  got = jax.device_get(buffer.sample(loaded, jax.random.key(2), 5))
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(a, b)
+  loaded = buffer.add(loaded, _random_like(ITEM, (2,), np.random.default_rng(7)))
+  assert int(loaded.size) == 11

@@ -166,6 +166,22 @@ def _host_space_scatter(column: jax.Array, written: jax.Array, values: jax.Array
     return column.at[at].set(values, mode="drop", unique_indices=True)
 
 
+def _in_host_space(state: HostTierState) -> HostTierState:
+  """`state` with every payload column typed as host memory. A column
+  restored by `jaxbuf.load` has a `pinned_host` sharding but a device-space
+  type (JAX 0.10.2), which host-space gathers refuse; `device_put` to the host
+  space retypes it (once, after the load; a column typed as host passes as it is)."""
+  payload = {
+    path: (
+      column
+      if column.aval.memory_space == jax.memory.Space.Host
+      else jax.device_put(column, jax.memory.Space.Host)
+    )
+    for path, column in state.payload.items()
+  }
+  return state.replace(payload=payload)
+
+
 def host_buffer(buffer: Buffer, tier: tiers.Host, layout: tiers.Layout) -> Buffer:
   """`buffer` with its payload leaves in pinned host memory."""
   found: dict[str, _Payload] = {}
@@ -224,10 +240,19 @@ def host_buffer(buffer: Buffer, tier: tiers.Host, layout: tiers.Layout) -> Buffe
 
   jitted_add = jax.jit(add, donate_argnums=0)
   jitted_sample = jax.jit(sample, static_argnums=2)
+
+  @functools.wraps(add)
+  def add_in_host_space(state: HostTierState, *args: Any, **kwargs: Any) -> HostTierState:
+    return jitted_add(_in_host_space(state), *args, **kwargs)
+
+  @functools.wraps(sample)
+  def sample_in_host_space(state: HostTierState, *args: Any, **kwargs: Any) -> Any:
+    return jitted_sample(_in_host_space(state), *args, **kwargs)
+
   return Buffer(
     init=init,
-    add=jitted_add,
-    sample=jitted_sample,
+    add=add_in_host_space,
+    sample=sample_in_host_space,
     update_priorities=on_core(buffer.update_priorities),
     can_sample=on_core(buffer.can_sample),
     clear=on_core(buffer.clear),
