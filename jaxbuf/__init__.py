@@ -80,6 +80,7 @@ from jaxbuf._src.streams.transitions import n_step_targets
 from jaxbuf._src.streams.transitions import n_step_transitions
 from jaxbuf._src.streams.transitions import r2d2_priorities
 from jaxbuf._src.items.uniform import epoch_batches
+from jaxbuf._src.storage.tiers import Disk
 from jaxbuf._src.storage.tiers import disk
 from jaxbuf._src.storage.prefetch import Prefetcher
 from jaxbuf._src.storage.placed import HostTierState
@@ -92,6 +93,7 @@ __version__ = "0.1.0"
 __all__ = (
   "Buffer",
   "BufferState",
+  "Disk",
   "Episode",
   "EpisodeReplayState",
   "EpisodeSample",

@@ -159,26 +159,33 @@ def test_host_tier_places_payload_in_pinned_host_memory():
   assert int(state.size) == 5
 
 
-def test_host_tier_runs_inside_jit_without_recompiling():
-  buffer = jaxbuf.uniform_replay(CAPACITY, storage="host")
+def test_host_tier_runs_inside_jit_scan_and_cond_without_recompiling():
+  host, device = (jaxbuf.uniform_replay(CAPACITY, storage=tier) for tier in ("host", "device"))
   traces = []
 
-  @jax.jit
-  def step(state, items, key):
-    traces.append(None)
-    state = buffer.add(state, items)
-    return state, buffer.sample(state, key, SAMPLE).items["pixels"].sum()
+  def run(buffer, state, items, key):
+    traces.append(buffer is host)
 
-  device = jaxbuf.uniform_replay(CAPACITY)
+    def step(state, inputs):
+      chunk, key = inputs
+      state = buffer.add(state, chunk)
+      drawn = buffer.sample(state, key, SAMPLE).items["pixels"].astype(jnp.int32).sum()
+      # Both branches keep the state's structure, shapes and memory kinds.
+      state = jax.lax.cond(state.size >= CAPACITY, buffer.clear, lambda same: same, state)
+      return state, drawn
+
+    return jax.lax.scan(step, state, (items, jax.random.split(key, 4)))
+
+  jitted = jax.jit(run, static_argnums=0)
   rng = np.random.default_rng(1)
-  state, device_state = buffer.init(ITEM), device.init(ITEM)
-  for round_ in range(3):
-    items = _random_like(ITEM, (4,), rng)
-    state, total = step(state, items, jax.random.key(round_))
-    device_state = device.add(device_state, items)
-    want = device.sample(device_state, jax.random.key(round_), SAMPLE).items["pixels"].sum()
-    assert int(total) == int(want)
-  assert len(traces) == 1
+  for round_ in range(2):
+    items = _random_like(ITEM, (4, 7), rng)
+    state, drawn = jitted(host, host.init(ITEM), items, jax.random.key(round_))
+    _, want = jitted(device, device.init(ITEM), items, jax.random.key(round_))
+    np.testing.assert_array_equal(drawn, want)
+    assert state.payload["['pixels']"].sharding.memory_kind == "pinned_host"
+    assert int(state.size) == 0  # full after the 4th add, then cleared
+  assert traces.count(True) == 1
 
 
 def test_disk_tier_refuses_jit(tmp_path):
