@@ -147,6 +147,18 @@ class _Payload:
     return self.layout.rebuild(items, new_views)
 
 
+def _initialized(
+  buffer: Buffer, example: PyTree, tier: tiers.Host | tiers.Disk, layout: tiers.Layout
+) -> tuple[_Payload, Any]:
+  """The payload `example` has on `tier`, and the kind's empty state with
+  its payload leaves as proxies."""
+  payload = _Payload(example, tier, layout)
+  core = buffer.init(proxies.proxy_example(example, payload.paths))
+  leaves = payload.proxy_leaves(core)
+  payload.rows = proxies.num_rows(leaves[payload.paths[0]], layout.lead_dims) if leaves else 0
+  return payload, core
+
+
 def _host_space_gather(column: jax.Array, rows_plus_one: jax.Array) -> jax.Array:
   """Rows of a pinned-host column at `rows_plus_one - 1` (0: zeros), on the device."""
   flat = rows_plus_one.reshape(-1)
@@ -192,10 +204,7 @@ def host_buffer(buffer: Buffer, tier: tiers.Host, layout: tiers.Layout) -> Buffe
     return found["payload"]
 
   def init(example: PyTree) -> HostTierState:
-    payload = _Payload(example, tier, layout)
-    core = buffer.init(proxies.proxy_example(example, payload.paths))
-    leaves = payload.proxy_leaves(core)
-    payload.rows = proxies.num_rows(leaves[payload.paths[0]], 0, layout.lead_dims) if leaves else 0
+    payload, core = _initialized(buffer, example, tier, layout)
     found["payload"] = payload
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     # np.zeros maps untouched pages (the kernel's zero page when read), so
@@ -292,10 +301,7 @@ def disk_buffer(buffer: Buffer, tier: tiers.Disk, layout: tiers.Layout) -> Buffe
 
   def init(example: PyTree) -> BufferState:
     _refuse_traced("init", example)
-    payload = _Payload(example, tier, layout)
-    core = buffer.init(proxies.proxy_example(example, payload.paths))
-    leaves = payload.proxy_leaves(core)
-    payload.rows = proxies.num_rows(leaves[payload.paths[0]], 0, layout.lead_dims) if leaves else 0
+    payload, core = _initialized(buffer, example, tier, layout)
     tier.close()
     tier.files = disk_files.PayloadFiles(tier.directory, payload.rows_spec, payload.rows)
     found["payload"] = payload

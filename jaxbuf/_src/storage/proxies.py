@@ -45,7 +45,7 @@ def proxy_example(example: PyTree, paths: tuple[str, ...]) -> PyTree:
   )
 
 
-def num_rows(proxy: jax.Array, row_rank: int, lead_dims: int) -> int:
+def num_rows(proxy: jax.Array, lead_dims: int) -> int:
   """F, the rows a proxy stands for (static)."""
   return int(np.prod(proxy.shape[:lead_dims], dtype=np.int64))
 
