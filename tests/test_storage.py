@@ -344,7 +344,7 @@ def test_a_tier_asked_of_a_kind_without_tiers_names_those_with(tmp_path):
   with pytest.raises(ValueError, match="storage must be 'device', 'host' or jaxbuf.disk"):
     jaxbuf.uniform_replay(CAPACITY, storage="ssd")
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  with pytest.raises(TypeError, match="storage='host'.*cannot be split"):
+  with pytest.raises(TypeError, match="storage='host' cannot be split.*jaxbuf.disk"):
     jaxbuf.sharded(jaxbuf.uniform_replay(CAPACITY, storage="host"), mesh, axis="data")
 
 
@@ -455,3 +455,35 @@ def test_host_tier_state_saves_and_loads(tmp_path):
     np.testing.assert_array_equal(a, b)
   loaded = buffer.add(loaded, _random_like(ITEM, (2,), np.random.default_rng(7)))
   assert int(loaded.size) == 11
+
+
+@pytest.mark.parametrize("name", ["prioritized", "sequence"])
+def test_sharded_disk_tier_keeps_each_devices_rows_in_its_own_files(name, tmp_path):
+  devices = jax.device_count()  # 4 fake CPU devices in the tests
+  mesh = jax.make_mesh((devices,), ("data",))
+  make = {
+    "prioritized": lambda storage: jaxbuf.prioritized_replay(32, storage=storage),
+    "sequence": lambda storage: jaxbuf.sequence_replay(devices, 32, 2, storage=storage),
+  }[name]
+  storage = jaxbuf.disk(tmp_path / "payload", min_row_bytes=16)
+  on_disk, on_device = (
+    jaxbuf.sharded(make(tier), mesh, axis="data") for tier in (storage, "device")
+  )
+  example = STEP if name == "sequence" else ITEM
+  states = [buffer.init(example) for buffer in (on_disk, on_device)]
+  rng = np.random.default_rng(8)
+  for round_ in range(3):
+    data = _random_like(example, (devices, 3) if name == "sequence" else (12,), rng)
+    states = [buffer.add(state, data) for buffer, state in zip((on_disk, on_device), states)]
+    got, want = (
+      jax.device_get(buffer.sample(state, jax.random.key(round_), 8))
+      for buffer, state in zip((on_disk, on_device), states)
+    )
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+      np.testing.assert_array_equal(a, b)
+  # Device d's rows are in directory/device-<d>, and only there.
+  for device in range(devices):
+    (block,) = (tmp_path / "payload" / f"device-{device}").glob("*pixels.rows")
+    assert block.stat().st_size == 32 // devices * (64 if name == "prioritized" else 30)
+    assert block.read_bytes().strip(b"\0"), device  # written to
+  storage.close()

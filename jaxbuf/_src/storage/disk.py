@@ -35,7 +35,7 @@ import hashlib
 import json
 import os
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -253,7 +253,7 @@ class PayloadFiles:
       )
     return fd
 
-  def write_rows(self, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
+  def write_rows(self, rows: np.ndarray, values: dict[str, np.ndarray]) -> Callable[[], None]:
     """Writes `values[leaf] [n, *row]` at `rows [n]` (distinct) of each leaf.
 
     All or nothing: should a write fail (a full disk), the rows already
@@ -261,6 +261,10 @@ class PayloadFiles:
     n rows per add once the ring wraps; none while it fills) and the
     checksums stay as they were, so the files are as before the call; then
     the error is raised.
+
+    Returns:
+      A function that undoes the write (old bytes and checksums back), for
+      a caller whose later write fails (`BlockedPayloadFiles`).
     """
     rows = np.asarray(rows)
     order = None if np.all(np.diff(rows) > 0) else np.argsort(rows, kind="stable")
@@ -286,6 +290,12 @@ class PayloadFiles:
     }
     touched: dict[str, int] = {}  # leaf -> runs of it that may hold new bytes
     checksums = {}
+
+    def restore(touched: dict[str, int]) -> None:
+      for leaf, count in touched.items():
+        for run in range(count):
+          os.pwrite(fds[leaf], old[leaf][run], int(rows[runs[run][0]]) * self.row_bytes[leaf])
+
     try:
       for leaf, fd in fds.items():
         row_bytes = self.row_bytes[leaf]
@@ -303,17 +313,23 @@ class PayloadFiles:
     except OSError as error:
       # Overwriting bytes already allocated needs no new space. Should it
       # fail too, those rows keep their old checksums and are never sampled.
-      for leaf, count in touched.items():
-        for run in range(count):
-          os.pwrite(fds[leaf], old[leaf][run], int(rows[runs[run][0]]) * self.row_bytes[leaf])
+      restore(touched)
       raise PayloadError(
         error.errno,
         f"disk: writing {len(rows)} rows to the payload files in "
         f"{self.directory!r} failed: {error.strerror}. Nothing was added: the "
         f"state passed in and the files are as they were.",
       ) from None
+    previous = {leaf: self.checksums[leaf][rows] for leaf in checksums}
     for leaf, table in checksums.items():
       self.checksums[leaf][rows] = table
+
+    def undo() -> None:
+      restore({leaf: len(runs) for leaf in fds})
+      for leaf, table in previous.items():
+        self.checksums[leaf][rows] = table
+
+    return undo
 
   def read_rows(self, leaf: str, rows: np.ndarray) -> np.ndarray:
     """Rows `rows [n]` of a leaf, `[n, *row]`, each checked against its
@@ -353,3 +369,74 @@ def _atomic_write(path: str, data: bytes) -> None:
     file.flush()
     os.fsync(file.fileno())
   os.replace(temporary, path)
+
+
+class BlockedPayloadFiles:
+  """The payload files of a buffer split over D devices: each device's block
+  of rows in its own files, under `directory/device-<d>` (a `PayloadFiles`
+  each, with its own lock, manifest and checksums). Row g is row `g % L` of
+  block `g // L`, L = rows / D."""
+
+  def __init__(
+    self,
+    directory: str,
+    leaves: dict[str, tuple[tuple[int, ...], np.dtype]],
+    rows: int,
+    blocks: int,
+  ):
+    self.directory = directory
+    self.rows = rows
+    self.block_rows = rows // blocks
+    self.parts: list[PayloadFiles] = []
+    try:
+      for block in range(blocks):
+        self.parts.append(
+          PayloadFiles(os.path.join(directory, f"device-{block}"), leaves, self.block_rows)
+        )
+    except BaseException:
+      self.close()
+      raise
+
+  def write_rows(self, rows: np.ndarray, values: dict[str, np.ndarray]) -> Callable[[], None]:
+    """As `PayloadFiles.write_rows`, block by block; all blocks or none."""
+    blocks = np.asarray(rows) // self.block_rows
+    undos: list[Callable[[], None]] = []
+    try:
+      for block in np.unique(blocks).tolist():
+        chosen = blocks == block
+        undos.append(
+          self.parts[block].write_rows(
+            np.asarray(rows)[chosen] % self.block_rows,
+            {leaf: np.asarray(value)[chosen] for leaf, value in values.items()},
+          )
+        )
+    except OSError:
+      for undo in reversed(undos):
+        undo()
+      raise
+
+    def undo_all() -> None:
+      for undo in reversed(undos):
+        undo()
+
+    return undo_all
+
+  def read_rows(self, leaf: str, rows: np.ndarray) -> np.ndarray:
+    """As `PayloadFiles.read_rows`, each row from its block's files."""
+    rows = np.asarray(rows)
+    blocks = np.where(rows < 0, -1, rows // self.block_rows)
+    shape, dtype = self.parts[0].leaves[leaf]
+    out = np.zeros((len(rows),) + shape, dtype)
+    for block in np.unique(blocks[blocks >= 0]).tolist():
+      chosen = blocks == block
+      out[chosen] = self.parts[block].read_rows(leaf, rows[chosen] % self.block_rows)
+    return out
+
+  def sync(self) -> None:
+    for part in self.parts:
+      part.sync()
+
+  def close(self) -> None:
+    for part in self.parts:
+      part.close()
+    self.parts = []

@@ -18,14 +18,15 @@ Shape key: S sample size, F storage rows, n rows given to one add.
   saying so; `update_priorities`, `can_sample` and `clear` touch no payload
   and run anywhere.
 
-Neither tier splits over devices (`jaxbuf.sharded` refuses the buffer, its
-kind having no `split`). A disk-tier state saves and loads with
+`jaxbuf.sharded` splits a disk-tier buffer (`split_tier`: each device's
+rows in files of their own) and refuses a host-tier one. A disk-tier state saves and loads with
 `jaxbuf.save` / `load` like any state: it is small (counters, priorities,
 proxies); the files stay where they are (`Disk.sync`).
 """
 
+import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -216,6 +217,7 @@ def host_buffer(buffer: Buffer, tier: tiers.Host, layout: tiers.Layout) -> Buffe
     return HostTierState(core=core, payload=columns, settings=core.settings)
 
   init.payload_rows = lambda: payload_of().rows_spec  # type: ignore[attr-defined]
+  init.tiered = Tiered(buffer, tier, layout)  # type: ignore[attr-defined]
 
   def add(state: HostTierState, items: PyTree, *args: Any, **kwargs: Any) -> HostTierState:
     payload = payload_of()
@@ -287,8 +289,12 @@ def _refuse_traced(what: str, *trees: Any) -> None:
     )
 
 
-def disk_buffer(buffer: Buffer, tier: tiers.Disk, layout: tiers.Layout) -> Buffer:
-  """`buffer` with its payload leaves in files (`disk`)."""
+def disk_buffer(
+  buffer: Buffer, tier: tiers.Disk, layout: tiers.Layout, *, blocks: int | None = None
+) -> Buffer:
+  """`buffer` with its payload leaves in files (`disk`); with `blocks` = D,
+  `buffer` is a `jaxbuf.sharded` one and each device's rows go to files of
+  their own (`disk.BlockedPayloadFiles`)."""
   found: dict[str, _Payload] = {}
 
   def payload_of() -> _Payload:
@@ -303,11 +309,17 @@ def disk_buffer(buffer: Buffer, tier: tiers.Disk, layout: tiers.Layout) -> Buffe
     _refuse_traced("init", example)
     payload, core = _initialized(buffer, example, tier, layout)
     tier.close()
-    tier.files = disk_files.PayloadFiles(tier.directory, payload.rows_spec, payload.rows)
+    if blocks is None:
+      tier.files = disk_files.PayloadFiles(tier.directory, payload.rows_spec, payload.rows)
+    else:
+      tier.files = disk_files.BlockedPayloadFiles(
+        tier.directory, payload.rows_spec, payload.rows, blocks
+      )
     found["payload"] = payload
     return core
 
   init.payload_rows = lambda: payload_of().rows_spec  # type: ignore[attr-defined]
+  init.tiered = Tiered(buffer, tier, layout)  # type: ignore[attr-defined]
 
   @functools.partial(jax.jit, static_argnames=("count",))
   def device_add(core: BufferState, items: PyTree, args: tuple, kwargs: dict, count: int) -> Any:
@@ -356,6 +368,34 @@ def disk_buffer(buffer: Buffer, tier: tiers.Disk, layout: tiers.Layout) -> Buffe
     clear=buffer.clear,
     kind=_unsplit(buffer, f"jaxbuf.disk({tier.directory!r})"),
   )
+
+
+class Tiered(NamedTuple):
+  """What a tiered buffer wraps: the kind's own buffer, the tier, the layout."""
+
+  core: Buffer
+  tier: Any
+  layout: tiers.Layout
+
+
+def tiered_parts(buffer: Buffer) -> Tiered | None:
+  """The parts of a buffer made with `storage=` other than the device; None
+  for any other buffer."""
+  return getattr(buffer.init, "tiered", None)
+
+
+def split_tier(sharded_core: Buffer, parts: Tiered, num_devices: int) -> Buffer:
+  """A `jaxbuf.sharded` buffer of a tiered kind: the sharded kind's own
+  functions over the proxies (one more leading axis, the devices'), and each
+  device's rows in files of their own. The host tier is refused."""
+  if not isinstance(parts.tier, tiers.Disk):
+    raise TypeError(
+      "sharded: a buffer with storage='host' cannot be split over devices "
+      "yet; storage=jaxbuf.disk(directory) can (each device's rows in files "
+      "of their own), and so can storage='device'."
+    )
+  layout = dataclasses.replace(parts.layout, lead_dims=parts.layout.lead_dims + 1)
+  return disk_buffer(sharded_core, parts.tier, layout, blocks=num_devices)
 
 
 def stored_spec(buffer: Buffer, spec: PyTree) -> PyTree:

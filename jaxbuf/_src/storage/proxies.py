@@ -78,6 +78,12 @@ def written_rows(after: jax.Array, *, rows: int, given: int) -> tuple[jax.Array,
     j, the given row it holds, int32 `[n]` (0 for padding).
   """
   flat = after.reshape(-1)
+  sharding = jax.typeof(flat).sharding
+  if any(axis is not None for axis in getattr(sharding, "spec", ())):
+    # A sharded buffer's proxies (Explicit mesh axes): searched whole, as
+    # `nonzero`'s cumsum needs; 4 bytes a row gathered per add.
+    whole = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    flat = jax.sharding.reshard(flat, whole)
   (written,) = jnp.nonzero(flat > rows, size=given, fill_value=rows)
   written = written.astype(jnp.int32)
   held = written < rows
@@ -89,7 +95,14 @@ def settle(proxy: jax.Array, written: jax.Array) -> jax.Array:
   """The proxy with each written row set back to `row + 1` (padding F dropped)."""
   shape = proxy.shape
   flat = proxy.reshape(-1)
-  return flat.at[written].set(written + 1, mode="drop").reshape(shape)
+  sharding = jax.typeof(flat).sharding
+  # A sharded buffer's proxy keeps its split (Explicit mesh axes name it).
+  out_sharding = (
+    jax.sharding.NamedSharding(sharding.mesh, sharding.spec)
+    if any(axis is not None for axis in getattr(sharding, "spec", ()))
+    else None
+  )
+  return flat.at[written].set(written + 1, mode="drop", out_sharding=out_sharding).reshape(shape)
 
 
 def row_axes(proxy_sample: Any, row_rank: int, stack_axis: int | None) -> tuple[int, ...]:
