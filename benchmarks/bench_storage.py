@@ -38,11 +38,22 @@ import shutil
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import pathlib
 
-import jaxbuf
+# The repository root (the folder holding jaxbuf/), wherever under
+# benchmarks/ this script sits, so that it runs without an installed jaxbuf.
+ROOT = next(
+  parent
+  for parent in pathlib.Path(__file__).resolve().parents
+  if (parent / "jaxbuf" / "__init__.py").exists()
+)
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxbuf  # noqa: E402
 
 FRAME = (84, 84)
 NUM_ENVS = 8
