@@ -457,7 +457,7 @@ def test_host_tier_state_saves_and_loads(tmp_path):
   assert int(loaded.size) == 11
 
 
-@pytest.mark.parametrize("name", ["prioritized", "sequence"])
+@pytest.mark.parametrize("name", ["prioritized", pytest.param("sequence", marks=pytest.mark.slow)])
 def test_sharded_disk_tier_keeps_each_devices_rows_in_its_own_files(name, tmp_path):
   devices = jax.device_count()  # 4 fake CPU devices in the tests
   mesh = jax.make_mesh((devices,), ("data",))
