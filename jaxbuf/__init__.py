@@ -94,6 +94,10 @@ from jaxbuf._src.streams.transitions import n_step_transitions
 from jaxbuf._src.streams.transitions import r2d2_priorities
 from jaxbuf._src.items.uniform import epoch_batches
 from jaxbuf._src.selection.budget import uniform_replay
+from jaxbuf._src.storage.tiers import Disk
+from jaxbuf._src.storage.tiers import disk
+from jaxbuf._src.storage.prefetch import Prefetcher
+from jaxbuf._src.storage.placed import HostTierState
 from jaxbuf._src.host.vector_envs import RecordedStep
 from jaxbuf._src.host.vector_envs import VectorEnvRecorder
 from jaxbuf._src.service.closed import ServiceClosed
@@ -112,6 +116,7 @@ __all__ = (
   "BudgetedReplayState",
   "Buffer",
   "BufferState",
+  "Disk",
   "Episode",
   "EpisodeReplayState",
   "EpisodeSample",
@@ -122,12 +127,14 @@ __all__ = (
   "HindsightReplayState",
   "HindsightSample",
   "HindsightTransition",
+  "HostTierState",
   "KeepBestState",
   "MinSize",
   "Mixture",
   "MixtureSample",
   "NStepTargets",
   "NStepTransitions",
+  "Prefetcher",
   "PrioritizedReplayState",
   "PrioritizedSequenceReplayState",
   "PyTree",
@@ -156,6 +163,7 @@ __all__ = (
   "burn_in_split",
   "compute_gae",
   "cond_update",
+  "disk",
   "env_minibatches",
   "episode",
   "episode_replay",

@@ -24,16 +24,18 @@ SRC = PACKAGE / "_src"
 
 # The subpackages (and top-level modules) of `jaxbuf._src`, bottom layer
 # first: kinds, types, random bits, checks, the binding and the storage every
-# buffer shares; the buffers of items and on-policy rollouts; the stream
-# buffers (which build on prioritized items); the selection and eviction
-# rules (queues, sample budgets, heaps, keep-the-best), which build on item
-# and episode replay; sharding, checkpoints,
+# buffer shares; the storage tiers (payload in host memory or files, around
+# any kind's bound functions); the buffers of items and on-policy rollouts;
+# the stream buffers (which build on prioritized items); the selection and
+# eviction rules (queues, sample budgets, heaps, keep-the-best), which build
+# on item and episode replay; sharding, checkpoints,
 # offline datasets and mixtures of any buffers above them; host loops (which
 # write the offline forms) on top of those, and the replay service (threads
 # around one buffer state, which takes the recorder's steps) above. The
 # package `jaxbuf` is above them all.
 LAYERS = (
   ("core",),
+  ("storage",),
   ("items", "onpolicy"),
   ("streams",),
   ("selection",),

@@ -26,6 +26,10 @@ sizes, a smoke test for the CPU that `tests/test_device_suite.py` runs):
 * dispatch: per-call cost of `add` from NumPy and `sample` from Python.
 * sharded: the sharded buffer's fused loop over the visible devices against
   the plain buffer.
+* storage: the host tier's sample of 256 state items at C = 1M and 100M
+  against the device tier's (goal <= 2x), a 10M-frame host-tier Atari
+  buffer (about 70 GB of host memory) filled and sampled, and prefetched
+  pixel batches from a disk-tier buffer (`features/bench_storage.py --cases device`).
 
 Run (on the device machine, from the repository root):
   python benchmarks/device/device_suite.py --out DIR          # about 5 minutes on a GPU
@@ -132,6 +136,13 @@ PARTS = (
     ("--cases", "overhead"),
     ("--cases", "overhead", "--quick"),
     30,
+  ),
+  Part(
+    "storage",
+    "features/bench_storage.py",
+    ("--cases", "device", "--directory", "/tmp/jaxbuf-storage", "--batches", "50"),
+    ("--cases", "device", "--quick", "--directory", "/tmp/jaxbuf-storage-smoke"),
+    240,
   ),
 )
 SMOKE_BUDGET = 300.0

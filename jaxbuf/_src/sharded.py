@@ -74,6 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxbuf._src.storage import placed
 from jaxbuf._src.core import kind as kind_protocol
 from jaxbuf._src.items import prioritized
 from jaxbuf._src.core import random
@@ -544,7 +545,10 @@ def sharded(
       capacity C (the global one) is split over the devices and must divide
       by D; or a `sequence_replay` or `prioritized_sequence_replay` buffer
       (either `episodes` mode), sharded over envs: num_envs N must divide by
-      D, and each device holds N / D whole envs. Not checked mode.
+      D, and each device holds N / D whole envs. Not checked mode. Made
+      with `storage=jaxbuf.disk(directory)`, each device's payload rows go
+      to files of their own, under `directory/device-<d>`; `storage="host"`
+      is refused.
     mesh: a `jax.sharding.Mesh`, e.g. `jax.make_mesh((D,), ("data",))`;
       Explicit and Auto axes both work. Other axes hold copies.
     axis: the mesh axis the buffer, add batches and samples are split on.
@@ -603,6 +607,12 @@ def sharded(
   """
   if not isinstance(buffer, Buffer):
     raise TypeError(f"sharded: buffer must be a jaxbuf.Buffer, given {type(buffer).__name__}.")
+  tiered = placed.tiered_parts(buffer)
+  if tiered is not None:
+    # A buffer with storage=: its kind sharded as usual over row proxies,
+    # each device's payload rows in files of their own.
+    inner = sharded(tiered.core, mesh, axis, sampling=sampling, batch=batch)
+    return placed.split_tier(inner, tiered, _num_devices(mesh, axis))
   wrapped = buffer.kind
   if wrapped is None or wrapped.split is None:
     raise TypeError(

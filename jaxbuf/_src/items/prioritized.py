@@ -12,7 +12,7 @@ The module-level functions take every setting explicitly;
 """
 
 import functools
-from typing import Self
+from typing import Any, Self
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,8 @@ from jaxbuf._src.core import ring
 from jaxbuf._src.core import validation
 from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, Schedule, bind
 from jaxbuf._src.core.ring import ReplayState
+from jaxbuf._src.storage import placed
+from jaxbuf._src.storage import tiers
 
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
@@ -230,6 +232,7 @@ def prioritized_replay(
   eps: float = 1e-6,
   stratified: bool = True,
   checked: bool = False,
+  storage: Any = "device",
 ) -> Buffer[PrioritizedReplayState, ReplaySample]:
   """A proportional prioritized replay buffer holding up to `capacity` items.
 
@@ -242,6 +245,9 @@ def prioritized_replay(
     eps: added to every priority so that none is zero.
     stratified: draw one target per equal stratum of the total priority.
     checked: as for `uniform_replay`.
+    storage: where the payload leaves live: "device" (the default), "host"
+      (pinned host memory) or `jaxbuf.disk(directory)` (files); bookkeeping
+      stays on the device. See docs/guides/storage.md.
 
   Returns:
     A `Buffer` with the same functions as `uniform_replay`'s.
@@ -276,7 +282,7 @@ def prioritized_replay(
     stratified=stratified,
     masses=lambda local: local.sum_tree,
   )
-  return bind(
+  buffer = bind(
     init=functools.partial(init, capacity=capacity),
     add=bound_add,
     sample=functools.partial(sample, beta=beta, stratified=stratified, checked=checked),
@@ -292,3 +298,4 @@ def prioritized_replay(
     ),
     checked=checked,
   )
+  return placed.place(buffer, storage, kind_name="prioritized_replay", layout=tiers.ITEMS)

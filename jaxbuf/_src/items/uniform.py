@@ -7,6 +7,7 @@ binds them into a `Buffer`.
 """
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,8 @@ from jaxbuf._src.core import ring
 from jaxbuf._src.core import validation
 from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, bind
 from jaxbuf._src.core.ring import ReplayState
+from jaxbuf._src.storage import placed
+from jaxbuf._src.storage import tiers
 
 
 def init(example_item: PyTree, *, capacity: int) -> ReplayState:
@@ -211,7 +214,9 @@ def clear(state: ReplayState) -> ReplayState:
   )
 
 
-def uniform_replay(capacity: int, *, checked: bool = False) -> Buffer[ReplayState, ReplaySample]:
+def uniform_replay(
+  capacity: int, *, checked: bool = False, storage: Any = "device"
+) -> Buffer[ReplayState, ReplaySample]:
   """A uniform replay buffer holding up to `capacity` items.
 
   Args:
@@ -220,6 +225,9 @@ def uniform_replay(capacity: int, *, checked: bool = False) -> Buffer[ReplayStat
       outside the items held, non-finite or negative priorities) raise; the
       functions are then left unjitted, and inside your own jit you wrap the
       step in `jax.experimental.checkify.checkify`.
+    storage: where the payload leaves live: "device" (the default), "host"
+      (pinned host memory) or `jaxbuf.disk(directory)` (files); bookkeeping
+      stays on the device. See docs/guides/storage.md.
 
   Returns:
     A `Buffer`. By default `add` and `clear` are jitted with the state
@@ -249,7 +257,7 @@ def uniform_replay(capacity: int, *, checked: bool = False) -> Buffer[ReplayStat
     stratified=False,
     masses=None,
   )
-  return bind(
+  buffer = bind(
     init=functools.partial(init, capacity=capacity),
     add=add,
     sample=functools.partial(sample, checked=checked),
@@ -267,3 +275,4 @@ def uniform_replay(capacity: int, *, checked: bool = False) -> Buffer[ReplayStat
     # The identity with shape checks: a jitted call would only add dispatch.
     jit_update_priorities=False,
   )
+  return placed.place(buffer, storage, kind_name="uniform_replay", layout=tiers.ITEMS)

@@ -121,6 +121,7 @@ import numpy as np
 from jaxbuf._src.core.base import Buffer, PyTree
 from jaxbuf._src.core.records import EpisodeStep, Transition
 from jaxbuf._src.core.ring import ReplayState
+from jaxbuf._src.storage import placed
 from jaxbuf._src.streams.sequence import SequenceReplayState
 
 _EPISODE_FIELDS = ("actions", "rewards", "terminations", "truncations")
@@ -204,10 +205,15 @@ def unsharded_shapes(buffer: Buffer, state: Any) -> Any:
 
 
 def storage_spec(buffer: Buffer, state: Any, layout: str) -> Any:
-  """The unbatched shapes and dtypes of one item or step."""
+  """The unbatched shapes and dtypes of one item or step (a tiered
+  buffer's payload leaves as stored, not their row proxies)."""
   skip = 1 if layout == "items" else 2
-  return jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(x.shape[skip:], x.dtype), unsharded_shapes(buffer, state).storage
+  return placed.stored_spec(
+    buffer,
+    jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape[skip:], x.dtype),
+      unsharded_shapes(buffer, state).storage,
+    ),
   )
 
 

@@ -30,6 +30,8 @@ from jaxbuf._src.streams import hindsight
 from jaxbuf._src.streams import prioritized_sequence
 from jaxbuf._src.streams import sequence
 from jaxbuf._src.core.base import Buffer, ReplaySample, Schedule, bind
+from jaxbuf._src.storage import placed
+from jaxbuf._src.storage import tiers
 from jaxbuf._src.streams.episode import EpisodeReplayState, EpisodeSample
 from jaxbuf._src.streams.frames import FrameStackReplayState
 from jaxbuf._src.streams.hindsight import HindsightReplayState, HindsightSample
@@ -59,6 +61,7 @@ def sequence_replay(
   period: int = 1,
   episodes: str = "cross",
   checked: bool = False,
+  storage: Any = "device",
 ) -> Buffer[SequenceReplayState, SequenceSample]:
   """A uniform replay buffer of per-env streams, sampled as windows.
 
@@ -76,6 +79,9 @@ def sequence_replay(
       end). Episode ends come from one flag: the step's own bool `last`
       leaf when it has one, else `add(..., episode_end=...)`.
     checked: as for `uniform_replay`.
+    storage: where the payload leaves live: "device" (the default), "host"
+      (pinned host memory) or `jaxbuf.disk(directory)` (files); bookkeeping
+      stays on the device. See docs/guides/storage.md.
 
   The stream for n-step and recurrent agents (`jaxbuf.n_step_transitions`):
   step i holds `obs[i]`, the action taken there, the reward that followed
@@ -128,7 +134,7 @@ def sequence_replay(
     stratified=False,
     **settings,
   )
-  return bind(
+  buffer = bind(
     init=functools.partial(bound_init, num_envs=num_envs, capacity=capacity),
     add=bound_add,
     sample=functools.partial(sequence.sample, **settings, checked=checked),
@@ -146,6 +152,7 @@ def sequence_replay(
     jit_update_priorities=False,
     check_host_add=sequence.check_one_final_step,
   )
+  return placed.place(buffer, storage, kind_name="sequence_replay", layout=tiers.SEQUENCES)
 
 
 def prioritized_sequence_replay(
@@ -160,6 +167,7 @@ def prioritized_sequence_replay(
   episodes: str = "cross",
   stratified: bool = True,
   checked: bool = False,
+  storage: Any = "device",
 ) -> Buffer[PrioritizedSequenceReplayState, SequenceSample]:
   """A prioritized replay buffer of per-env streams, sampled as windows.
 
@@ -174,6 +182,9 @@ def prioritized_sequence_replay(
     alpha, beta, eps, stratified: as for `prioritized_replay`; N in the
       importance weights is the number of windows that can be sampled.
     checked: as for `uniform_replay`.
+    storage: where the payload leaves live: "device" (the default), "host"
+      (pinned host memory) or `jaxbuf.disk(directory)` (files); bookkeeping
+      stays on the device. See docs/guides/storage.md.
 
   Returns:
     A `Buffer` with the same functions as `sequence_replay`'s; pass
@@ -218,7 +229,7 @@ def prioritized_sequence_replay(
     stratified=stratified,
     **settings,
   )
-  return bind(
+  buffer = bind(
     init=functools.partial(prioritized_sequence.init, num_envs=num_envs, capacity=capacity),
     add=bound_add,
     sample=functools.partial(
@@ -245,6 +256,9 @@ def prioritized_sequence_replay(
     checked=checked,
     check_host_add=sequence.check_one_final_step,
   )
+  return placed.place(
+    buffer, storage, kind_name="prioritized_sequence_replay", layout=tiers.SEQUENCES
+  )
 
 
 def episode_replay(
@@ -254,6 +268,7 @@ def episode_replay(
   *,
   weight_by_length: bool = False,
   checked: bool = False,
+  storage: Any = "device",
 ) -> Buffer[EpisodeReplayState, EpisodeSample]:
   """A replay buffer of whole episodes, padded to `max_episode_length`.
 
@@ -268,6 +283,8 @@ def episode_replay(
     weight_by_length: draw pieces in proportion to their lengths rather
       than uniformly.
     checked: as for `uniform_replay`.
+    storage: "device" only; the kinds that take other tiers are named in
+      the error.
 
   Returns:
     A `Buffer`; `add(state, steps, mask=None, episode_end=None,
@@ -286,6 +303,7 @@ def episode_replay(
   >>> batch.mask[0].tolist()
   [True, True, True, False]
   """
+  tiers.resolve(storage, "episode_replay")
   episode.check_sizes(num_envs, capacity, max_episode_length)
   validation.check_bool(weight_by_length, "weight_by_length", what="episode_replay")
   bound_add = functools.partial(
@@ -346,6 +364,7 @@ def _frame_stack_factory(
   pad: str,
   checked: bool,
   priorities: dict | None,
+  storage: Any,
 ) -> Buffer:
   """Both frame-stack factories: `priorities` None binds the uniform
   functions, a dict of alpha, beta, eps and stratified the prioritized ones."""
@@ -392,7 +411,7 @@ def _frame_stack_factory(
     beta=beta,
     stratified=stratified,
   )
-  return bind(
+  buffer = bind(
     init=functools.partial(bound_init, num_envs=num_envs, capacity=capacity),
     add=bound_add,
     sample=functools.partial(bound_sample, checked=checked),
@@ -410,6 +429,9 @@ def _frame_stack_factory(
     jit_update_priorities=priorities is not None,
     check_host_add=sequence.check_one_final_step,
   )
+  return placed.place(
+    buffer, storage, kind_name=name, layout=tiers.frames_layout(stack_keys, stack_axis)
+  )
 
 
 def frame_stack_replay(
@@ -423,6 +445,7 @@ def frame_stack_replay(
   stack_axis: int = -1,
   pad: str = "zeros",
   checked: bool = False,
+  storage: Any = "device",
 ) -> Buffer[FrameStackReplayState, ReplaySample]:
   """A uniform replay buffer of stacked n-step transitions, frames stored once.
 
@@ -444,6 +467,9 @@ def frame_stack_replay(
     pad: frames before an episode's first step: "zeros", or "first" (that
       first frame repeated).
     checked: as for `uniform_replay`.
+    storage: where the payload leaves live: "device" (the default), "host"
+      (pinned host memory) or `jaxbuf.disk(directory)` (files); bookkeeping
+      stays on the device. See docs/guides/storage.md.
 
   Returns:
     A `Buffer`: `init(example_step)` with a step holding obs (one frame),
@@ -480,6 +506,7 @@ def frame_stack_replay(
     stack_axis=stack_axis,
     pad=pad,
     checked=checked,
+    storage=storage,
     priorities=None,
   )
 
@@ -499,6 +526,7 @@ def prioritized_frame_stack_replay(
   eps: float = 1e-6,
   stratified: bool = True,
   checked: bool = False,
+  storage: Any = "device",
 ) -> Buffer[FrameStackReplayState, ReplaySample]:
   """A prioritized replay buffer of stacked n-step transitions.
 
@@ -506,8 +534,8 @@ def prioritized_frame_stack_replay(
 
   Args:
     num_envs: as for `frame_stack_replay`, and so are `capacity`,
-      `num_stack`, `n_step`, `gamma`, `stack_keys`, `stack_axis`, `pad` and
-      `checked`.
+      `num_stack`, `n_step`, `gamma`, `stack_keys`, `stack_axis`, `pad`,
+      `checked` and `storage`.
     alpha: as for `prioritized_replay`, and so are `beta`, `eps` and
       `stratified`; N in the importance weights is the number of sampleable
       transitions.
@@ -546,6 +574,7 @@ def prioritized_frame_stack_replay(
     stack_axis=stack_axis,
     pad=pad,
     checked=checked,
+    storage=storage,
     priorities=dict(alpha=alpha, beta=beta, eps=eps, stratified=stratified),
   )
 
@@ -565,6 +594,7 @@ def hindsight_replay(
   eps: float = 1e-6,
   stratified: bool = True,
   checked: bool = False,
+  storage: Any = "device",
 ) -> Buffer[HindsightReplayState, HindsightSample]:
   """A hindsight experience replay buffer over per-env episode streams.
 
@@ -593,6 +623,8 @@ def hindsight_replay(
       replay); then alpha, beta, eps, stratified as for
       `prioritized_replay`.
     checked: as for `uniform_replay`.
+    storage: "device" only; the kinds that take other tiers are named in
+      the error.
 
   Returns:
     A `Buffer`; `add(state, steps, mask=None, episode_end=None,
@@ -620,6 +652,7 @@ def hindsight_replay(
   >>> round(float(batch.items.discount[0]), 6)  # target = r + discount * Q'
   0.99
   """
+  tiers.resolve(storage, "hindsight_replay")
   hindsight.check_settings(
     num_envs, capacity, reward_fn, strategy, relabel_fraction, terminated_fn, gamma
   )
