@@ -145,6 +145,23 @@ def test_same_samples_as_the_device_tier(name, tier, tmp_path):
       np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_take_draws_what_sample_draws_with_the_payload_rows(tier, tmp_path):
+  # Tiered kinds consume nothing, so `take` is `sample`'s draw (payload rows
+  # read from the tier) and the state as it was.
+  storage = _storage(tier, tmp_path)
+  buffer = jaxbuf.prioritized_replay(16, storage=storage)
+  state = buffer.add(buffer.init(ITEM), _random_like(ITEM, (12,), np.random.default_rng(0)))
+  key = jax.random.key(3)
+  peeked = jax.device_get(buffer.sample(state, key, 8))
+  after, taken = buffer.take(state, key, 8)
+  for a, b in zip(jax.tree.leaves(peeked), jax.tree.leaves(jax.device_get(taken))):
+    np.testing.assert_array_equal(a, b)
+  assert int(after.size if tier == "disk" else after.core.size) == 12
+  if isinstance(storage, jaxbuf.Disk):
+    storage.close()
+
+
 def test_host_tier_places_payload_in_pinned_host_memory():
   buffer = jaxbuf.uniform_replay(CAPACITY, storage="host")
   state = buffer.init(ITEM)

@@ -1,6 +1,7 @@
 """Draws docs/_static/storage_tiers.png from `bench_storage.py`'s JSON output.
 
-    python benchmarks/features/make_storage_chart.py [benchmarks/results/storage_cpu_2026-11-28.json]
+    python benchmarks/features/make_storage_chart.py \
+      [benchmarks/results/storage_cpu_2026-11-28.json]
 
 The figures are read from the JSON (the `RESULT` line `bench_storage.py`
 printed), never typed in: rerun the benchmark, then this script, and commit

@@ -232,14 +232,20 @@ def host_buffer(buffer: Buffer, tier: tiers.Host, layout: tiers.Layout) -> Buffe
     }
     return state.replace(core=core, payload=columns)
 
-  def sample(state: HostTierState, key: jax.Array, batch_size: int, **kwargs: Any) -> Any:
-    payload = payload_of()
-    drawn = buffer.sample(state.core, key, batch_size, **kwargs)
-    items = payload.replaced(
+  def with_payload(state: HostTierState, drawn: Any) -> Any:
+    """`drawn` (the core's sample) with its proxies replaced by payload rows."""
+    items = payload_of().replaced(
       drawn.items,
       lambda path, rows, axes: proxies.placed(_host_space_gather(state.payload[path], rows), axes),
     )
     return drawn.replace(items=items)
+
+  def sample(state: HostTierState, key: jax.Array, batch_size: int, **kwargs: Any) -> Any:
+    return with_payload(state, buffer.sample(state.core, key, batch_size, **kwargs))
+
+  def take(state: HostTierState, key: jax.Array, batch_size: int, **kwargs: Any) -> Any:
+    core, drawn = buffer.take(state.core, key, batch_size, **kwargs)
+    return state.replace(core=core), with_payload(state, drawn)
 
   def on_core(function: Callable) -> Callable:
     @functools.wraps(function)
@@ -251,6 +257,7 @@ def host_buffer(buffer: Buffer, tier: tiers.Host, layout: tiers.Layout) -> Buffe
 
   jitted_add = jax.jit(add, donate_argnums=0)
   jitted_sample = jax.jit(sample, static_argnums=2)
+  jitted_take = jax.jit(take, static_argnums=2, donate_argnums=0)
 
   @functools.wraps(add)
   def add_in_host_space(state: HostTierState, *args: Any, **kwargs: Any) -> HostTierState:
@@ -260,6 +267,10 @@ def host_buffer(buffer: Buffer, tier: tiers.Host, layout: tiers.Layout) -> Buffe
   def sample_in_host_space(state: HostTierState, *args: Any, **kwargs: Any) -> Any:
     return jitted_sample(_in_host_space(state), *args, **kwargs)
 
+  @functools.wraps(take)
+  def take_in_host_space(state: HostTierState, *args: Any, **kwargs: Any) -> Any:
+    return jitted_take(_in_host_space(state), *args, **kwargs)
+
   return Buffer(
     init=init,
     add=add_in_host_space,
@@ -268,6 +279,7 @@ def host_buffer(buffer: Buffer, tier: tiers.Host, layout: tiers.Layout) -> Buffe
     can_sample=on_core(buffer.can_sample),
     clear=on_core(buffer.clear),
     kind=_unsplit(buffer, "'host'"),
+    take=take_in_host_space,
   )
 
 
@@ -344,10 +356,10 @@ def disk_buffer(
       tier.files.write_rows(written[kept], values)
     return core
 
-  def sample(state: BufferState, key: jax.Array, batch_size: int, **kwargs: Any) -> Any:
-    _refuse_traced("sample", state, key, kwargs)
+  def with_payload(drawn: Any) -> Any:
+    """`drawn` (the core's sample) with its proxies replaced by rows read
+    from the payload files."""
     payload = payload_of()
-    drawn = buffer.sample(state, key, batch_size, **kwargs)
     files = tier.files
     assert files is not None
 
@@ -359,6 +371,15 @@ def disk_buffer(
 
     return drawn.replace(items=payload.replaced(drawn.items, read))
 
+  def sample(state: BufferState, key: jax.Array, batch_size: int, **kwargs: Any) -> Any:
+    _refuse_traced("sample", state, key, kwargs)
+    return with_payload(buffer.sample(state, key, batch_size, **kwargs))
+
+  def take(state: BufferState, key: jax.Array, batch_size: int, **kwargs: Any) -> Any:
+    _refuse_traced("take", state, key, kwargs)
+    core, drawn = buffer.take(state, key, batch_size, **kwargs)
+    return core, with_payload(drawn)
+
   return Buffer(
     init=init,
     add=add,
@@ -367,6 +388,7 @@ def disk_buffer(
     can_sample=buffer.can_sample,
     clear=buffer.clear,
     kind=_unsplit(buffer, f"jaxbuf.disk({tier.directory!r})"),
+    take=take,
   )
 
 
