@@ -18,14 +18,25 @@ Levels are stored bottom-up: `levels[0]` holds the leaves (padded with zeros
 to a multiple of K), `levels[-1]` holds the root alone. Each level below the
 root has length `K * len(next level without padding)`, so `level.reshape(-1, K)`
 lines up every parent's children in one row.
+
+The descent has two implementations, chosen when it is traced
+(`descent_variant`): "xla", the levels as XLA operations (several kernels per
+level), and "pallas", the whole descent in one Pallas kernel
+(`descent_kernel.py`: one launch, for a GPU, where the XLA form is a chain of
+dependent launches). Both return the same leaves, bit for bit. Every backend
+uses "xla" until a device run has measured "pallas" on it (docs/gpu.md);
+the environment variable `JAXBUF_SUM_TREE_DESCENT` forces either (on a CPU,
+"pallas" runs in Pallas's interpret mode: slow, for tests).
 """
 
 import math
+import os
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxbuf._src.core import descent_kernel
 from jaxbuf._src.core import random
 
 BRANCHING = 8
@@ -305,6 +316,32 @@ def find_prefix_sums(
   return indices
 
 
+DESCENT_VARIANTS = ("xla", "pallas")
+DESCENT_VARIANT_VARIABLE = "JAXBUF_SUM_TREE_DESCENT"
+# The descent each backend uses unless the variable forces one: a backend
+# missing here, or not yet measured with "pallas", uses "xla".
+BACKEND_DESCENTS: dict[str, str] = {"cpu": "xla"}
+
+
+def descent_variant() -> str:
+  """The descent variant traced now: `JAXBUF_SUM_TREE_DESCENT` if set, else
+  the default backend's entry in `BACKEND_DESCENTS`, else "xla".
+
+  Read while tracing: a function already jitted keeps the variant it was
+  traced with.
+
+  Raises:
+    ValueError: if the variable names no variant.
+  """
+  forced = os.environ.get(DESCENT_VARIANT_VARIABLE, "")
+  if forced and forced not in DESCENT_VARIANTS:
+    raise ValueError(
+      f"{DESCENT_VARIANT_VARIABLE}={forced!r} names no sum tree descent; "
+      f"expected one of {DESCENT_VARIANTS} (or unset, for the backend's default)."
+    )
+  return forced or BACKEND_DESCENTS.get(jax.default_backend(), "xla")
+
+
 def row_prefix_sums(rows: jax.Array) -> jax.Array:
   """Inclusive prefix sums along axis 1 of `[S, K]`, in log2(K) shifted adds.
 
@@ -357,6 +394,15 @@ def find_prefix_sums_and_leaves(
   node = jnp.zeros(targets.shape, jnp.int32)
   if len(tree.levels) == 1:  # a single leaf, which is also the root
     return node, jnp.broadcast_to(tree.levels[0][0], targets.shape)
+  if descent_variant() == "pallas":
+    return descent_kernel.descend(
+      tuple(reversed(tree.levels[:-1])),
+      targets,
+      jnp.asarray(redraws, jnp.float32),
+      branching=BRANCHING,
+      levels_per_target=LEVELS_PER_TARGET,
+      interpret=jax.default_backend() != "gpu",
+    )
   child_position = jnp.arange(BRANCHING, dtype=jnp.int32)[None, :]
   child: jax.Array  # [S]: set by each level, read by the next
   children: jax.Array  # [S, K]: likewise

@@ -1,0 +1,142 @@
+"""The sum tree's descent as one Pallas kernel: every level, every target.
+
+Shape key: S number of descents, K branching factor, R redraws per target.
+
+On a GPU the XLA descent (`sum_tree.find_prefix_sums_and_leaves`) is several
+kernels per level, one level after another: at 1M leaves, 7 levels of
+dependent launches, where the bytes read (S * K floats per level, the top
+levels in L2) take a few microseconds. Here one launch walks the whole tree:
+each program takes a block of targets, reads the K children of its node at
+every level as K gathers from the level in memory, and keeps the targets,
+nodes and children in registers from the root to the leaves.
+
+The arithmetic is the XLA descent's, operation for operation (the children as
+K columns instead of an `[S, K]` row each; prefix sums by the same shifted
+adds; picks by selects where XLA sums one nonzero term with zeros, which is
+exact), so both return the same leaves and values, bit for bit.
+
+It is lowered by Triton on a GPU (the compiler parameters below); elsewhere
+it runs only in Pallas's interpret mode, which is how the CPU suite checks it
+against the XLA path. `sum_tree` chooses between the two at trace time.
+"""
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pallas_triton
+
+# Targets per program: a power of two, as Triton's blocks must be. At S = 256
+# that is 2 programs of 4 warps each; more, smaller programs spread the
+# dependent chain of gathers over more of the GPU's multiprocessors.
+BLOCK = 128
+NUM_WARPS = 4
+
+
+def descend(
+  levels_top_down: tuple[jax.Array, ...],
+  targets: jax.Array,
+  redraws: jax.Array,
+  *,
+  branching: int,
+  levels_per_target: int,
+  interpret: bool,
+) -> tuple[jax.Array, jax.Array]:
+  """The leaf each target falls in, and that leaf's value, in one kernel.
+
+  Args:
+    levels_top_down: the tree's levels below the root, the root's children
+      first, the leaves last; each float32 `[K * m]`.
+    targets: float32 `[S]`, in `[0, total)`.
+    redraws: float32 `[R, S]` uniforms in `[0, 1)`: every `levels_per_target`
+      levels the target becomes `redraws[r] * (value of the node reached)`.
+    branching: K.
+    levels_per_target: levels descended per target or redraw.
+    interpret: run in Pallas's interpret mode (any backend; slow).
+
+  Returns:
+    int32 `[S]` leaf indices and float32 `[S]` their values, as
+    `sum_tree.find_prefix_sums_and_leaves` returns them.
+  """
+  batch_size = targets.shape[0]
+  block = min(BLOCK, pl.next_power_of_2(batch_size))
+  padded = pl.cdiv(batch_size, block) * block
+  # Padding rows descend from target 0 like any other and are cut off below.
+  rows = lambda values: jnp.pad(values, (0, padded - batch_size))
+  redraw_rows = [rows(redraw) for redraw in redraws]
+  per_block = pl.BlockSpec((block,), lambda i: (i,))
+  kernel = functools.partial(
+    _descent_kernel,
+    num_levels=len(levels_top_down),
+    num_redraws=len(redraw_rows),
+    branching=branching,
+    levels_per_target=levels_per_target,
+  )
+  nodes, values = pl.pallas_call(
+    kernel,
+    out_shape=(
+      jax.ShapeDtypeStruct((padded,), jnp.int32),
+      jax.ShapeDtypeStruct((padded,), jnp.float32),
+    ),
+    grid=(padded // block,),
+    in_specs=[pl.no_block_spec] * len(levels_top_down) + [per_block] * (1 + len(redraw_rows)),
+    out_specs=(per_block, per_block),
+    interpret=interpret,
+    compiler_params=pallas_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+    name="sum_tree_descent",
+  )(*levels_top_down, rows(targets), *redraw_rows)
+  return nodes[:batch_size], values[:batch_size]
+
+
+def _descent_kernel(
+  *refs: Any, num_levels: int, num_redraws: int, branching: int, levels_per_target: int
+) -> None:
+  level_refs = refs[:num_levels]
+  targets = refs[num_levels][...]
+  redraw_refs = refs[num_levels + 1 : num_levels + 1 + num_redraws]
+  nodes_ref, values_ref = refs[-2:]
+  node = jnp.zeros(targets.shape, jnp.int32)
+  children: list[jax.Array] = []  # K columns [block]: set by each level
+  child = node  # [block]: likewise
+  for depth, level_ref in enumerate(level_refs):
+    if depth and depth % levels_per_target == 0:
+      targets = redraw_refs[depth // levels_per_target - 1][...] * _pick(children, child)
+    first = node * branching
+    children = [level_ref[first + position] for position in range(branching)]
+    prefix = _prefix_sums(children)
+    # The scores of `sum_tree.find_prefix_sums_and_leaves`: the first
+    # positive child past the target, else the last positive child, else 0.
+    last = 2 * branching - 1
+    score = jnp.full(targets.shape, last, jnp.int32)
+    for position in range(branching):
+      passed = jnp.where(prefix[position] > targets, position, last - position)
+      score = jnp.minimum(score, jnp.where(children[position] > 0, passed, last).astype(jnp.int32))
+    child = jnp.where(score < branching, score, last - score).astype(jnp.int32)
+    targets = targets - _pick(prefix, child - 1)
+    node = first + child
+  nodes_ref[...] = node
+  values_ref[...] = _pick(children, child)
+
+
+def _prefix_sums(columns: list[jax.Array]) -> list[jax.Array]:
+  """Inclusive prefix sums over K columns, by `sum_tree.row_prefix_sums`'s
+  shifted adds (the same additions in the same order)."""
+  prefix = list(columns)
+  shift = 1
+  while shift < len(columns):
+    prefix = [
+      value + prefix[position - shift] if position >= shift else value
+      for position, value in enumerate(prefix)
+    ]
+    shift *= 2
+  return prefix
+
+
+def _pick(columns: list[jax.Array], position: jax.Array) -> jax.Array:
+  """`columns[position]` per row, 0 where `position` is outside `[0, K)`."""
+  picked = jnp.zeros(position.shape, jnp.float32)
+  for index, column in enumerate(columns):
+    picked = jnp.where(position == index, column, picked)
+  return picked
