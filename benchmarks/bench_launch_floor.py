@@ -4,9 +4,9 @@ Shape key: B add batch, S sample size, C capacity, K iterations per loop.
 
 On a GPU a fused iteration moves a few hundred KB: its floor is kernel
 launches and dependent latency, not bytes. Each goal below is timed with its
-contenders interleaved (jaxbuf under every sum tree descent variant,
+contenders interleaved (jaxbuf under every sum tree kernel variant,
 flashbax, bare-array floors), each contender compiled once, ahead of time,
-under its variant (`JAXBUF_SUM_TREE_DESCENT` is read while tracing), and its
+under its variant (`JAXBUF_SUM_TREE_KERNELS` is read while tracing), and its
 kernels per iteration counted in the compiled HLO (`hlo_kernels.py`):
 launches counted, not guessed.
 
@@ -39,6 +39,7 @@ Usage (the device suite's `launch_floor` part runs it):
 import argparse
 import collections
 import dataclasses
+import functools
 import statistics
 from typing import Any, Callable
 
@@ -49,6 +50,7 @@ import bench_frames as frames
 import bench_hindsight as hindsight
 import harness
 import hlo_kernels
+import jaxbuf
 import replay_adapters as replay
 import sequence_adapters as sequence
 from jaxbuf._src.core import sum_tree
@@ -74,7 +76,7 @@ class Settings:
   hindsight_capacity: int
   iterations: int  # K per timed call (stacks: steps per call)
   repeats: int
-  variants: tuple[str, ...] = sum_tree.DESCENT_VARIANTS
+  variants: tuple[str, ...] = sum_tree.KERNEL_VARIANTS
   statistic: str = "median"
   # The smoke run leaves flashbax out: the device suite's replay_fused,
   # sequence and frames parts smoke the same adapters, and each contender
@@ -97,6 +99,7 @@ SMOKE = Settings(
   hindsight_capacity=1600,
   iterations=2,
   repeats=1,
+  variants=("xla", "pallas"),  # "pallas" runs both kernels
   with_flashbax=False,
 )
 
@@ -104,12 +107,13 @@ SMOKE = Settings(
 @dataclasses.dataclass
 class Contender:
   """One timed loop: `loop(state, key) -> (state, checksum)`, K iterations,
-  traced under the descent `variant` (None: the backend's default)."""
+  traced under the sum tree kernel `variant` (None: the backend's default)."""
 
   name: str
   init: Callable[[], Any]  # -> the filled state
   loop: Callable[[Any, Any], Any]
   variant: str | None = None
+  donate: bool = True  # False for a loop that returns its state untouched
 
 
 # ---------------------------------------------------------------- timing
@@ -125,9 +129,11 @@ def time_contenders(
   for contender in contenders:
     try:
       state = contender.init()
-      with harness.descent(contender.variant):
+      with harness.sum_tree_kernels(contender.variant):
         compiled = (
-          jax.jit(contender.loop, donate_argnums=0).lower(state, key).compile()  # type: ignore
+          jax.jit(contender.loop, donate_argnums=0 if contender.donate else ())
+          .lower(state, key)
+          .compile()
         )
     except Exception as error:  # pylint: disable=broad-except
       message = str(error).strip().splitlines()
@@ -227,14 +233,21 @@ def windows_goal(settings: Settings) -> list[Contender]:
 
 
 def stacks_goal(settings: Settings) -> list[Contender]:
-  stacked = frames.jaxbuf_buffer(settings.stack_capacity)
-  contenders = [
-    Contender(
-      "jaxbuf stacks",
-      lambda: stacked.init(frames.frame_step()),
-      frames.stack_loop(stacked, settings.iterations),
+  # Frame-stack replay draws its transitions from a sum tree too (leaf 1
+  # per sampleable transition) and writes it in every add. A buffer per
+  # contender: a buffer's functions are jitted, and keep the variant of
+  # their first trace.
+  contenders = []
+  for variant in settings.variants:
+    stacked = frames.jaxbuf_buffer(settings.stack_capacity)
+    contenders.append(
+      Contender(
+        variant_name("stacks", variant),
+        functools.partial(stacked.init, frames.frame_step()),
+        frames.stack_loop(stacked, settings.iterations),
+        variant,
+      )
     )
-  ]
   if settings.with_flashbax:
     stored = frames.flashbax_buffer(settings.stack_capacity)
     contenders.append(
@@ -262,12 +275,23 @@ def hindsight_goal(settings: Settings) -> list[Contender]:
 
     return loop
 
-  her, her_held = hindsight.her_state(capacity)
+  _, her_held = hindsight.her_state(capacity)
   items, items_held = hindsight.item_state(capacity)
+  # HER descends its sum tree only to redraw a rare transition that starts
+  # no episode step; each variant is timed all the same. Sampling leaves the
+  # state as it was: nothing to donate (a donated state handed back
+  # untouched would be deleted).
   return [
-    Contender("jaxbuf hindsight sample", lambda: her_held, sample_loop(her)),
-    Contender("jaxbuf item sample", lambda: items_held, sample_loop(items)),
-  ]
+    Contender(
+      variant_name("hindsight sample", variant),
+      lambda: her_held,
+      # A buffer per variant (see `stacks_goal`), over the same state.
+      sample_loop(jaxbuf.hindsight_replay(hindsight.NUM_ENVS, capacity, hindsight.reward_fn)),
+      variant,
+      donate=False,
+    )
+    for variant in settings.variants
+  ] + [Contender("jaxbuf item sample", lambda: items_held, sample_loop(items), donate=False)]
 
 
 # ---------------------------------------------------------------- verdicts
@@ -355,7 +379,9 @@ def judge_pair(verdicts: harness.Verdicts, rows: dict, name: str, pair, target: 
 
 def run(settings: Settings, goals: tuple[str, ...]) -> dict:
   machine = harness.print_machine(("jax", "jaxlib", "numpy", "flashbax"))
-  print(f"descent variants: {settings.variants}; backend default: {sum_tree.descent_variant()}")
+  print(
+    f"sum tree kernel variants: {settings.variants}; backend default: {sum_tree.kernel_variant()}"
+  )
   results: dict[str, Any] = dict(machine=machine, settings=dataclasses.asdict(settings), goals={})
   verdicts = harness.Verdicts()
   table = []
@@ -386,22 +412,24 @@ def run(settings: Settings, goals: tuple[str, ...]) -> dict:
     judge_windows(verdicts, timed("windows", windows_goal(settings), settings.iterations), settings)
   if "stacks" in goals:
     rows = timed("stacks", stacks_goal(settings), settings.iterations)
-    judge_pair(
-      verdicts,
-      rows,
-      "stacks jaxbuf / flashbax stored stacks",
-      ("jaxbuf stacks", "flashbax stored stacks"),
-      STACKS_OVER_FLASHBAX,
-    )
+    for variant in settings.variants:
+      judge_pair(
+        verdicts,
+        rows,
+        f"stacks jaxbuf ({variant}) / flashbax stored stacks",
+        (variant_name("stacks", variant), "flashbax stored stacks"),
+        STACKS_OVER_FLASHBAX,
+      )
   if "hindsight" in goals:
     rows = timed("hindsight", hindsight_goal(settings), settings.iterations)
-    judge_pair(
-      verdicts,
-      rows,
-      "hindsight sample / item sample",
-      ("jaxbuf hindsight sample", "jaxbuf item sample"),
-      HINDSIGHT_OVER_ITEMS,
-    )
+    for variant in settings.variants:
+      judge_pair(
+        verdicts,
+        rows,
+        f"hindsight sample ({variant}) / item sample",
+        (variant_name("hindsight sample", variant), "jaxbuf item sample"),
+        HINDSIGHT_OVER_ITEMS,
+      )
   print()
   harness.print_table(
     [("goal", -16), ("contender", -30), ("us/iteration", 13), ("kernels", 8)], table
@@ -417,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--smoke", action="store_true", help="tiny sizes: the CPU smoke run")
   parser.add_argument("--goals", nargs="+", choices=GOALS, default=list(GOALS))
   parser.add_argument("--capacities", nargs="+", type=int, help="items' capacities")
-  parser.add_argument("--variants", nargs="+", choices=sum_tree.DESCENT_VARIANTS)
+  parser.add_argument("--variants", nargs="+", choices=sum_tree.KERNEL_VARIANTS)
   parser.add_argument("--iterations", type=int)
   parser.add_argument("--repeats", type=int)
   parser.add_argument("--statistic", choices=("median", "min"))

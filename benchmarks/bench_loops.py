@@ -62,7 +62,7 @@ def time_fused_counted(
   trainer = module.make_trainer(config)
   runner = training.make_chunk_runner(trainer.step, iterations_per_chunk)
   state = jax.jit(jax.vmap(trainer.init))(jax.random.split(jax.random.key(0), num_seeds))
-  with harness.descent(variant):
+  with harness.sum_tree_kernels(variant):
     compiled = runner.lower(state).compile()
   kernels = hlo_kernels.kernels_per_iteration(compiled.as_text(), iterations_per_chunk)
   # Warm-up chunks: DQN fills its buffer past learning_starts.
@@ -285,7 +285,7 @@ def wide_rows(
   num_envs: int, scale: int, variants: tuple[str | None, ...] = (None,)
 ) -> list[tuple[str, float]]:
   """The fused DQN and PPO loops at N vmapped envs (one seed); prioritized
-  DQN once per sum tree descent variant (None: the backend's default).
+  DQN once per sum tree kernel variant (None: the backend's default).
 
   DQN: one update of batch 128 per vector step of N envs, a replay buffer of
   100 N steps (at least 10,000) filled past 10 N steps before timing; PPO:
@@ -343,10 +343,10 @@ def main() -> None:
     "and PPO loops at each N vmapped envs (wide_rows)",
   )
   parser.add_argument(
-    "--descent-variants",
+    "--kernel-variants",
     nargs="+",
-    choices=jaxbuf_sum_tree.DESCENT_VARIANTS,
-    help="with --num-envs: time prioritized DQN under each sum tree descent variant",
+    choices=jaxbuf_sum_tree.KERNEL_VARIANTS,
+    help="with --num-envs: time prioritized DQN under each sum tree kernel variant",
   )
   args = parser.parse_args()
   scale = 1 if args.quick else 4
@@ -357,7 +357,7 @@ def main() -> None:
       [
         row
         for num_envs in args.num_envs
-        for row in wide_rows(num_envs, scale, tuple(args.descent_variants or (None,)))
+        for row in wide_rows(num_envs, scale, tuple(args.kernel_variants or (None,)))
       ],
     )
     return

@@ -20,7 +20,7 @@ sizes, a smoke test for the CPU that `tests/test_device_suite.py` runs):
   with kernels per fused iteration from the compiled HLO
   (`bench_launch_floor.py`: prioritized and uniform items at 1M and 10M,
   uniform and prioritized windows, pixel stacks, HER's sample).
-* loops: the demo DQN (prioritized, under each descent variant, and
+* loops: the demo DQN (prioritized, under each sum tree kernel variant, and
   uniform) and PPO, whole fused training loops on gymnax CartPole at 1024
   and 4096 vmapped envs, env steps/s and kernels per iteration.
 * frames: a real fill of 1M 84x84 uint8 frames (peak device memory, one
@@ -94,8 +94,8 @@ PARTS = (
   Part(
     "loops",
     "bench_loops.py",
-    ("--num-envs", "1024", "4096", "--descent-variants", "xla", "pallas"),
-    ("--quick", "--num-envs", "2"),  # the pallas descent: launch_floor's smoke
+    ("--num-envs", "1024", "4096", "--kernel-variants", "xla", "pallas_descent", "pallas"),
+    ("--quick", "--num-envs", "2"),  # the Pallas kernels: launch_floor's smoke
     120,
     ("gymnax",),
   ),

@@ -18,8 +18,8 @@ the machine, the library versions, the load and the command that produced it.
   `measure_peak` times one call under it.
 * Tables: fixed-width columns, `microseconds` and `ratio` formatting, and
   `Verdicts`, the PASS/FAIL/info lines that judge figures against targets.
-* Variants: `descent` traces what it wraps under one sum tree descent
-  variant (`JAXBUF_SUM_TREE_DESCENT`), so one process compiles and times
+* Variants: `sum_tree_kernels` traces what it wraps under one sum tree kernel
+  variant (`JAXBUF_SUM_TREE_KERNELS`), so one process compiles and times
   every variant.
 * Settings and results: `override` applies the command line's overrides to
   a settings dataclass, `write_json` saves the results.
@@ -460,18 +460,18 @@ class Verdicts:
 
 
 @contextlib.contextmanager
-def descent(variant: str | None) -> Iterator[None]:
-  """`JAXBUF_SUM_TREE_DESCENT` set to `variant` (None: unset) inside: a
+def sum_tree_kernels(variant: str | None) -> Iterator[None]:
+  """`JAXBUF_SUM_TREE_KERNELS` set to `variant` (None: unset) inside: a
   function jitted and compiled there keeps that variant."""
-  saved = os.environ.pop(sum_tree.DESCENT_VARIANT_VARIABLE, None)
+  saved = os.environ.pop(sum_tree.KERNEL_VARIANT_VARIABLE, None)
   if variant is not None:
-    os.environ[sum_tree.DESCENT_VARIANT_VARIABLE] = variant
+    os.environ[sum_tree.KERNEL_VARIANT_VARIABLE] = variant
   try:
     yield
   finally:
-    os.environ.pop(sum_tree.DESCENT_VARIANT_VARIABLE, None)
+    os.environ.pop(sum_tree.KERNEL_VARIANT_VARIABLE, None)
     if saved is not None:
-      os.environ[sum_tree.DESCENT_VARIANT_VARIABLE] = saved
+      os.environ[sum_tree.KERNEL_VARIANT_VARIABLE] = saved
 
 
 # ---------------------------------------------------------------- settings

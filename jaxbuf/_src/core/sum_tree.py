@@ -19,14 +19,16 @@ to a multiple of K), `levels[-1]` holds the root alone. Each level below the
 root has length `K * len(next level without padding)`, so `level.reshape(-1, K)`
 lines up every parent's children in one row.
 
-The descent has two implementations, chosen when it is traced
-(`descent_variant`): "xla", the levels as XLA operations (several kernels per
-level), and "pallas", the whole descent in one Pallas kernel
-(`descent_kernel.py`: one launch, for a GPU, where the XLA form is a chain of
-dependent launches). Both return the same leaves, bit for bit. Every backend
-uses "xla" until a device run has measured "pallas" on it (docs/gpu.md);
-the environment variable `JAXBUF_SUM_TREE_DESCENT` forces either (on a CPU,
-"pallas" runs in Pallas's interpret mode: slow, for tests).
+Descents and writes have Pallas kernels beside the XLA operations
+(`sum_tree_kernels.py`), chosen when they are traced (`kernel_variant`):
+"xla", the levels as XLA operations (several kernels per level, one level
+after another); "pallas_descent", the whole descent in one Pallas kernel;
+"pallas", the descent and the leaf writes with their parents in one kernel
+each. On a GPU the XLA form is a chain of dependent launches where the bytes
+take microseconds. Descents return the same leaves in every variant, bit for
+bit. Every backend uses "xla" until a device run has measured the others on
+it (docs/gpu.md); the environment variable `JAXBUF_SUM_TREE_KERNELS` forces
+one (on a CPU the kernels run in Pallas's interpret mode: slow, for tests).
 """
 
 import math
@@ -36,10 +38,35 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxbuf._src.core import descent_kernel
+from jaxbuf._src.core import sum_tree_kernels
 from jaxbuf._src.core import random
 
 BRANCHING = 8
+
+KERNEL_VARIANTS = ("xla", "pallas_descent", "pallas")
+KERNEL_VARIANT_VARIABLE = "JAXBUF_SUM_TREE_KERNELS"
+# The variant each backend uses unless the variable forces one: a backend
+# missing here, or whose Pallas kernels no device run has measured, uses "xla".
+BACKEND_KERNELS: dict[str, str] = {"cpu": "xla"}
+
+
+def kernel_variant() -> str:
+  """The sum tree kernel variant traced now: `JAXBUF_SUM_TREE_KERNELS` if set, else
+  the default backend's entry in `BACKEND_KERNELS`, else "xla".
+
+  Read while tracing: a function already jitted keeps the variant it was
+  traced with.
+
+  Raises:
+    ValueError: if the variable names no variant.
+  """
+  forced = os.environ.get(KERNEL_VARIANT_VARIABLE, "")
+  if forced and forced not in KERNEL_VARIANTS:
+    raise ValueError(
+      f"{KERNEL_VARIANT_VARIABLE}={forced!r} names no sum tree kernel variant; "
+      f"expected one of {KERNEL_VARIANTS} (or unset, for the backend's default)."
+    )
+  return forced or BACKEND_KERNELS.get(jax.default_backend(), "xla")
 
 
 @flax.struct.dataclass
@@ -181,6 +208,20 @@ def set_leaves(
     write = valid
   else:
     levels[0], write = claim_last_writes(levels[0], indices, valid)
+  if (
+    len(levels) > 1
+    and indices.shape[0] <= sum_tree_kernels.WRITE_BATCH_MAX
+    and kernel_variant() == "pallas"
+  ):
+    written = sum_tree_kernels.write_leaves(
+      tuple(levels),
+      indices,
+      values,
+      write,
+      branching=BRANCHING,
+      interpret=jax.default_backend() != "gpu",
+    )
+    return SumTree(tuple(written))
   levels[0] = (
     levels[0]
     .at[jnp.where(write, indices, levels[0].shape[0])]
@@ -316,32 +357,6 @@ def find_prefix_sums(
   return indices
 
 
-DESCENT_VARIANTS = ("xla", "pallas")
-DESCENT_VARIANT_VARIABLE = "JAXBUF_SUM_TREE_DESCENT"
-# The descent each backend uses unless the variable forces one: a backend
-# missing here, or not yet measured with "pallas", uses "xla".
-BACKEND_DESCENTS: dict[str, str] = {"cpu": "xla"}
-
-
-def descent_variant() -> str:
-  """The descent variant traced now: `JAXBUF_SUM_TREE_DESCENT` if set, else
-  the default backend's entry in `BACKEND_DESCENTS`, else "xla".
-
-  Read while tracing: a function already jitted keeps the variant it was
-  traced with.
-
-  Raises:
-    ValueError: if the variable names no variant.
-  """
-  forced = os.environ.get(DESCENT_VARIANT_VARIABLE, "")
-  if forced and forced not in DESCENT_VARIANTS:
-    raise ValueError(
-      f"{DESCENT_VARIANT_VARIABLE}={forced!r} names no sum tree descent; "
-      f"expected one of {DESCENT_VARIANTS} (or unset, for the backend's default)."
-    )
-  return forced or BACKEND_DESCENTS.get(jax.default_backend(), "xla")
-
-
 def row_prefix_sums(rows: jax.Array) -> jax.Array:
   """Inclusive prefix sums along axis 1 of `[S, K]`, in log2(K) shifted adds.
 
@@ -394,8 +409,8 @@ def find_prefix_sums_and_leaves(
   node = jnp.zeros(targets.shape, jnp.int32)
   if len(tree.levels) == 1:  # a single leaf, which is also the root
     return node, jnp.broadcast_to(tree.levels[0][0], targets.shape)
-  if descent_variant() == "pallas":
-    return descent_kernel.descend(
+  if kernel_variant() != "xla":
+    return sum_tree_kernels.descend(
       tuple(reversed(tree.levels[:-1])),
       targets,
       jnp.asarray(redraws, jnp.float32),

@@ -1,23 +1,27 @@
-"""The sum tree's descent as one Pallas kernel: every level, every target.
+"""The sum tree's descent and its leaf writes, each as one Pallas kernel.
 
-Shape key: S number of descents, K branching factor, R redraws per target.
+Shape key: S number of descents, B batch of writes, K branching factor, R
+redraws per target.
 
-On a GPU the XLA descent (`sum_tree.find_prefix_sums_and_leaves`) is several
-kernels per level, one level after another: at 1M leaves, 7 levels of
-dependent launches, where the bytes read (S * K floats per level, the top
-levels in L2) take a few microseconds. Here one launch walks the whole tree:
-each program takes a block of targets, reads the K children of its node at
-every level as K gathers from the level in memory, and keeps the targets,
-nodes and children in registers from the root to the leaves.
+On a GPU the XLA forms (`sum_tree.find_prefix_sums_and_leaves`,
+`sum_tree.set_leaves`) are several kernels per level, one level after
+another: at 1M leaves, 7 levels of dependent launches, where the bytes read
+(S * K floats per level, the top levels in L2) take a few microseconds.
 
-The arithmetic is the XLA descent's, operation for operation (the children as
-K columns instead of an `[S, K]` row each; prefix sums by the same shifted
-adds; picks by selects where XLA sums one nonzero term with zeros, which is
-exact), so both return the same leaves and values, bit for bit.
+* `descend`: each program takes a block of targets, reads the K children of
+  its node at every level as K gathers from the level in memory, and keeps
+  the targets, nodes and children in registers from the root to the leaves.
+  The arithmetic is the XLA descent's, operation for operation (the children
+  as K columns instead of an `[S, K]` row each; prefix sums by the same
+  shifted adds; picks by selects where XLA sums one nonzero term with zeros,
+  which is exact), so both return the same leaves and values, bit for bit.
+* `write_leaves`: one program writes B leaves, then their parents level by
+  level (each parent the sum of its K children, never adjusted by a delta),
+  in place.
 
-It is lowered by Triton on a GPU (the compiler parameters below); elsewhere
-it runs only in Pallas's interpret mode, which is how the CPU suite checks it
-against the XLA path. `sum_tree` chooses between the two at trace time.
+They are lowered by Triton on a GPU (the compiler parameters below);
+elsewhere they run only in Pallas's interpret mode, which is how the CPU
+suite checks them against the XLA path. `sum_tree` chooses at trace time.
 """
 
 import functools
@@ -140,3 +144,72 @@ def _pick(columns: list[jax.Array], position: jax.Array) -> jax.Array:
   for index, column in enumerate(columns):
     picked = jnp.where(position == index, column, picked)
   return picked
+
+
+# A batch of leaf writes is one program: its lanes write the leaves, then
+# each level's parents, a barrier between levels so every lane reads the
+# children its siblings wrote. Larger batches (a fill) take the XLA path.
+WRITE_BATCH_MAX = 4096
+
+
+def write_leaves(
+  levels: tuple[jax.Array, ...],
+  indices: jax.Array,
+  values: jax.Array,
+  write: jax.Array,
+  *,
+  branching: int,
+  interpret: bool,
+) -> tuple[jax.Array, ...]:
+  """Sets `leaves[indices] = values` where `write`, and every ancestor of a
+  written leaf to the sum of its K children, in one kernel, in place.
+
+  Args:
+    levels: the tree's levels bottom-up, each float32 (`sum_tree.SumTree`).
+    indices: int32 `[B]`, B <= `WRITE_BATCH_MAX`; the indices with `write`
+      True are distinct.
+    values: float32 `[B]`.
+    write: bool `[B]`.
+    branching: K.
+    interpret: run in Pallas's interpret mode (any backend; slow).
+
+  Returns:
+    The levels written. A parent's K children are summed first to last, as
+    XLA's CPU reduction does; a GPU's XLA reduction may order them
+    otherwise, so a parent can differ from the XLA path's by a rounding.
+  """
+  batch_size = indices.shape[0]
+  assert batch_size <= WRITE_BATCH_MAX and values.shape == write.shape == (batch_size,)
+  padded = pl.next_power_of_2(batch_size)
+  rows = lambda values: jnp.pad(values, (0, padded - batch_size))
+  kernel = functools.partial(
+    _write_kernel, num_levels=len(levels), branching=branching, interpret=interpret
+  )
+  return pl.pallas_call(
+    kernel,
+    out_shape=tuple(jax.ShapeDtypeStruct(level.shape, level.dtype) for level in levels),
+    grid=(1,),
+    in_specs=[pl.no_block_spec] * (len(levels) + 3),
+    out_specs=tuple(pl.no_block_spec for _ in levels),
+    input_output_aliases={position: position for position in range(len(levels))},
+    interpret=interpret,
+    compiler_params=pallas_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+    name="sum_tree_write",
+  )(*levels, rows(indices), rows(values), rows(write.astype(jnp.int32)))
+
+
+def _write_kernel(*refs: Any, num_levels: int, branching: int, interpret: bool) -> None:
+  indices_ref, values_ref, write_ref = refs[num_levels : num_levels + 3]
+  levels = refs[num_levels + 3 :]  # the outputs, aliased to the inputs
+  write = write_ref[...] != 0
+  node = jnp.where(write, indices_ref[...], 0)
+  pallas_triton.store(levels[0].at[node], values_ref[...], mask=write)
+  for depth in range(num_levels - 1):
+    if not interpret:  # the interpreter runs one lane after another
+      pallas_triton.debug_barrier()
+    node = node // branching
+    first = node * branching
+    total = pallas_triton.load(levels[depth].at[first])
+    for position in range(1, branching):
+      total = total + pallas_triton.load(levels[depth].at[first + position])
+    pallas_triton.store(levels[depth + 1].at[node], total, mask=write)
