@@ -390,14 +390,16 @@ def run(settings: Settings, goals: tuple[str, ...]) -> dict:
     print(f"== {goal}", flush=True)
     rows = time_contenders(contenders, settings, iterations)
     results["goals"][goal] = rows
+    # Printed as each goal ends, so a run stopped at its budget keeps them.
     for name, row in rows.items():
       table.append((goal, name, harness.microseconds(row.get("seconds")), row.get("kernels", "-")))
       if "error" in row:
-        verdicts.info(f"{goal}: {name} n/a, {row['error']}")
+        print(f"info  {goal}: {name} n/a, {row['error']}", flush=True)
       else:
-        verdicts.info(
-          f"{goal}: {name} {harness.microseconds(row['seconds'])} us per iteration, "
-          f"{row['kernels']} kernels per iteration"
+        print(
+          f"info  {goal}: {name} {harness.microseconds(row['seconds'])} us per iteration, "
+          f"{row['kernels']} kernels per iteration",
+          flush=True,
         )
     return rows
 
