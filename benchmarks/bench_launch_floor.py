@@ -369,9 +369,15 @@ def judge_windows(verdicts: harness.Verdicts, rows: dict, settings: Settings) ->
   )
 
 
-def judge_pair(verdicts: harness.Verdicts, rows: dict, name: str, pair, target: float) -> None:
-  times = [rows.get(contender, {}).get("seconds") for contender in pair]
-  verdicts.judge(name, harness.ratio(*times), target, higher_is_better=False)
+def judge_variants_against(
+  verdicts: harness.Verdicts, rows: dict, settings: Settings, kind: str, peer: str, target: float
+) -> None:
+  """Each variant's time of `kind` over `peer`'s, judged `<= target`."""
+  for variant in settings.variants:
+    times = [rows.get(name, {}).get("seconds") for name in (variant_name(kind, variant), peer)]
+    verdicts.judge(
+      f"{kind} ({variant}) / {peer}", harness.ratio(*times), target, higher_is_better=False
+    )
 
 
 # ---------------------------------------------------------------- main
@@ -414,24 +420,14 @@ def run(settings: Settings, goals: tuple[str, ...]) -> dict:
     judge_windows(verdicts, timed("windows", windows_goal(settings), settings.iterations), settings)
   if "stacks" in goals:
     rows = timed("stacks", stacks_goal(settings), settings.iterations)
-    for variant in settings.variants:
-      judge_pair(
-        verdicts,
-        rows,
-        f"stacks jaxbuf ({variant}) / flashbax stored stacks",
-        (variant_name("stacks", variant), "flashbax stored stacks"),
-        STACKS_OVER_FLASHBAX,
-      )
+    judge_variants_against(
+      verdicts, rows, settings, "stacks", "flashbax stored stacks", STACKS_OVER_FLASHBAX
+    )
   if "hindsight" in goals:
     rows = timed("hindsight", hindsight_goal(settings), settings.iterations)
-    for variant in settings.variants:
-      judge_pair(
-        verdicts,
-        rows,
-        f"hindsight sample ({variant}) / item sample",
-        (variant_name("hindsight sample", variant), "jaxbuf item sample"),
-        HINDSIGHT_OVER_ITEMS,
-      )
+    judge_variants_against(
+      verdicts, rows, settings, "hindsight sample", "jaxbuf item sample", HINDSIGHT_OVER_ITEMS
+    )
   print()
   harness.print_table(
     [("goal", -16), ("contender", -30), ("us/iteration", 13), ("kernels", 8)], table
