@@ -195,14 +195,35 @@ def write_leaves(
     interpret=interpret,
     compiler_params=pallas_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
     name="sum_tree_write",
-  )(*levels, rows(indices), rows(values), rows(write.astype(jnp.int32)))
+  )(*levels, *_every_lane_stores_what_a_writer_stores(rows(indices), rows(values), rows(write)))
+
+
+def _every_lane_stores_what_a_writer_stores(
+  indices: jax.Array, values: jax.Array, write: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Lanes that write nothing take the first writing lane's index and value,
+  and every lane stores (none, if no lane writes): int32 `[B]` indices,
+  float32 `[B]` values, int32 `[B]` store flags.
+
+  Then every store to a slot or a parent stores the same value, whichever
+  lane's lands last. A masked-off lane cannot simply be sent to slot 0:
+  Pallas's interpreter stores a masked lane's old value back, which could
+  undo a writer's store to the same slot.
+  """
+  first = jnp.argmax(write)
+  any_write = jnp.any(write)
+  # With no writer, every lane reads (not stores) along leaf 0's path: an
+  # index of a skipped write may be out of bounds.
+  anchor = jnp.where(any_write, indices[first], 0)
+  stores = jnp.broadcast_to(any_write, write.shape).astype(jnp.int32)
+  return jnp.where(write, indices, anchor), jnp.where(write, values, values[first]), stores
 
 
 def _write_kernel(*refs: Any, num_levels: int, branching: int, interpret: bool) -> None:
   indices_ref, values_ref, write_ref = refs[num_levels : num_levels + 3]
   levels = refs[num_levels + 3 :]  # the outputs, aliased to the inputs
   write = write_ref[...] != 0
-  node = jnp.where(write, indices_ref[...], 0)
+  node = indices_ref[...]
   pallas_triton.store(levels[0].at[node], values_ref[...], mask=write)
   for depth in range(num_levels - 1):
     if not interpret:  # the interpreter runs one lane after another
