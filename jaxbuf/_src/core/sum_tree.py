@@ -69,6 +69,14 @@ def kernel_variant() -> str:
   return forced or BACKEND_KERNELS.get(jax.default_backend(), "xla")
 
 
+def _in_manual_mesh(*arrays: jax.Array) -> bool:
+  """Whether any of `arrays` varies over a mesh axis: traced inside
+  `jax.shard_map` (a sharded buffer), where the Pallas kernels are not
+  used (the interpreter refuses their mix of per-device and shared values;
+  untried on a GPU), so the XLA path serves there."""
+  return any(jax.typeof(array).manual_axis_type.varying for array in arrays)
+
+
 @flax.struct.dataclass
 class SumTree:
   """Levels bottom-up; `levels[0]` are the leaves, `levels[-1]` the root."""
@@ -212,6 +220,7 @@ def set_leaves(
     len(levels) > 1
     and indices.shape[0] <= sum_tree_kernels.WRITE_BATCH_MAX
     and kernel_variant() == "pallas"
+    and not _in_manual_mesh(levels[0], indices, values)
   ):
     written = sum_tree_kernels.write_leaves(
       tuple(levels),
@@ -409,7 +418,7 @@ def find_prefix_sums_and_leaves(
   node = jnp.zeros(targets.shape, jnp.int32)
   if len(tree.levels) == 1:  # a single leaf, which is also the root
     return node, jnp.broadcast_to(tree.levels[0][0], targets.shape)
-  if kernel_variant() != "xla":
+  if kernel_variant() != "xla" and not _in_manual_mesh(tree.levels[0], targets):
     return sum_tree_kernels.descend(
       tuple(reversed(tree.levels[:-1])),
       targets,
