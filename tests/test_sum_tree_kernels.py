@@ -30,7 +30,7 @@ def _tree(num_leaves: int, seed: int) -> tuple[np.ndarray, sum_tree.SumTree]:
   [
     (5, 3, True),  # one level below the root
     (5000, 256, True),  # five levels: one redraw, two blocks of targets
-    (70_000, 100, False),  # six levels, a batch padded to a power of two
+    (600, 100, False),  # three levels, a batch padded to a power of two
   ],
 )
 def test_pallas_descent_returns_the_xla_leaves_bit_for_bit(
