@@ -77,3 +77,28 @@ def test_a_part_past_its_budget_is_skipped_and_a_crash_is_failed(monkeypatch, tm
 )
 def test_verdict_lines_are_the_judged_lines(line, kept):
   assert device_suite.verdict_lines(line) == ([line.strip()] if kept else [])
+
+
+def test_kernels_per_iteration_counts_the_fused_loop_body_in_compiled_hlo():
+  from benchmarks.common import hlo_kernels  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  if jax.default_backend() != "cpu":
+    pytest.skip("reads CPU-compiled text")
+
+  def loop(carry, table):
+    def body(carry, step):
+      # Two kernels at least: a gather that cannot fuse into the reduction
+      # of the sort below, and the sort itself.
+      picked = table[jnp.int32(step) % table.shape[0]]
+      return jnp.sort(carry * picked)[::-1], None
+
+    return jax.lax.scan(body, carry, jnp.arange(7.0))[0]
+
+  compiled = jax.jit(loop).lower(jnp.arange(4.0), jnp.arange(3.0)).compile().as_text()
+  counted = hlo_kernels.kernels_per_iteration(compiled, 7)
+  table, _ = hlo_kernels.computations(compiled)
+  assert counted is not None and 2 <= counted <= 10
+  # A computation the text does not hold counts 0; a text with no loop, None.
+  assert hlo_kernels.kernels_in("absent", table) == 0
+  assert hlo_kernels.kernels_per_iteration("HloModule m\n", 7) is None

@@ -18,10 +18,14 @@ the machine, the library versions, the load and the command that produced it.
   `measure_peak` times one call under it.
 * Tables: fixed-width columns, `microseconds` and `ratio` formatting, and
   `Verdicts`, the PASS/FAIL/info lines that judge figures against targets.
+* Variants: `sum_tree_kernels` traces what it wraps under one sum tree kernel
+  variant (`JAXBUF_SUM_TREE_KERNELS`), so one process compiles and times
+  every variant.
 * Settings and results: `override` applies the command line's overrides to
   a settings dataclass, `write_json` saves the results.
 """
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -33,10 +37,12 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from jaxbuf._src.core import sum_tree
 
 PACKAGES = (
   "jax",
@@ -448,6 +454,24 @@ class Verdicts:
     print(f"\n{title}")
     for line in self.lines:
       print("  " + line)
+
+
+# ---------------------------------------------------------------- variants
+
+
+@contextlib.contextmanager
+def sum_tree_kernels(variant: str | None) -> Iterator[None]:
+  """`JAXBUF_SUM_TREE_KERNELS` set to `variant` (None: unset) inside: a
+  function jitted and compiled there keeps that variant."""
+  saved = os.environ.pop(sum_tree.KERNEL_VARIANT_VARIABLE, None)
+  if variant is not None:
+    os.environ[sum_tree.KERNEL_VARIANT_VARIABLE] = variant
+  try:
+    yield
+  finally:
+    os.environ.pop(sum_tree.KERNEL_VARIANT_VARIABLE, None)
+    if saved is not None:
+      os.environ[sum_tree.KERNEL_VARIANT_VARIABLE] = saved
 
 
 # ---------------------------------------------------------------- settings

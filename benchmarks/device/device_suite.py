@@ -15,8 +15,14 @@ sizes, a smoke test for the CPU that `tests/test_device_suite.py` runs):
   10M, uniform and prioritized, jaxbuf against flashbax.
 * sequence: sequence replay, windows of 40 over 128 envs of 7840 steps,
   jaxbuf against flashbax and the floors of `common/sequence_adapters.py`.
-* loops: the demo DQN (prioritized and uniform) and PPO, whole fused training
-  loops on gymnax CartPole at 1024 and 4096 vmapped envs, env steps/s.
+* launch_floor: issue 41's goals on an accelerator, every sum tree descent
+  variant of each beside flashbax and the bare-array floors in one process,
+  with kernels per fused iteration from the compiled HLO
+  (`floors/bench_launch_floor.py`: prioritized and uniform items at 1M and 10M,
+  uniform and prioritized windows, pixel stacks, HER's sample).
+* loops: the demo DQN (prioritized, under each sum tree kernel variant, and
+  uniform) and PPO, whole fused training loops on gymnax CartPole at 1024
+  and 4096 vmapped envs, env steps/s and kernels per iteration.
 * frames: a real fill of 1M 84x84 uint8 frames (peak device memory, one
   sample of 32 stacks of 4 from it), and the fused add + sample against
   flashbax's flat buffer of stacked observations at C = 200k.
@@ -32,7 +38,9 @@ sizes, a smoke test for the CPU that `tests/test_device_suite.py` runs):
   pixel batches from a disk-tier buffer (`features/bench_storage.py --cases device`).
 
 Run (on the device machine, from the repository root):
-  python benchmarks/device/device_suite.py --out DIR          # about 5 minutes on a GPU
+  python benchmarks/device/device_suite.py --out DIR          # within its parts' budgets, 805 s
+  # issue 41's one command (docs/gpu.md): every variant of every goal
+  timeout 540 python benchmarks/device/device_suite.py --parts launch_floor loops --out DIR
   python benchmarks/device/device_suite.py --smoke --out DIR  # the CPU smoke run
   python benchmarks/device/device_suite.py --parts loops frames
 """
@@ -80,11 +88,19 @@ PARTS = (
     ("flashbax",),
   ),
   Part(
+    "launch_floor",
+    "floors/bench_launch_floor.py",
+    (),
+    ("--smoke",),
+    300,
+    ("flashbax",),
+  ),
+  Part(
     "loops",
     "features/bench_loops.py",
-    ("--num-envs", "1024", "4096"),
-    ("--quick", "--num-envs", "2"),
-    75,
+    ("--num-envs", "1024", "4096", "--kernel-variants", "xla", "pallas_descent", "pallas"),
+    ("--quick", "--num-envs", "2"),  # the Pallas kernels: launch_floor's smoke
+    120,
     ("gymnax",),
   ),
   Part(

@@ -37,17 +37,34 @@ from examples import ppo  # noqa: E402
 from examples import training  # noqa: E402
 
 from benchmarks.common import harness
+from benchmarks.common import hlo_kernels
 import jaxbuf  # noqa: E402
+from jaxbuf._src.core import sum_tree as jaxbuf_sum_tree  # noqa: E402
 
 
 def time_fused(
   module, config, iterations_per_chunk: int, num_chunks: int, num_seeds: int = 1
 ) -> float:
   """Env steps/s of the example's own jitted chunk runner (vmapped over seeds)."""
+  return time_fused_counted(module, config, iterations_per_chunk, num_chunks, num_seeds)[0]
+
+
+def time_fused_counted(
+  module,
+  config,
+  iterations_per_chunk: int,
+  num_chunks: int,
+  num_seeds: int = 1,
+  variant: str | None = None,
+) -> tuple[float, int | None]:
+  """`time_fused`, compiled under the sum tree descent `variant` (None: the
+  backend's), and the kernels one iteration launches (`hlo_kernels.py`)."""
   trainer = module.make_trainer(config)
   runner = training.make_chunk_runner(trainer.step, iterations_per_chunk)
   state = jax.jit(jax.vmap(trainer.init))(jax.random.split(jax.random.key(0), num_seeds))
-  compiled = runner.lower(state).compile()
+  with harness.sum_tree_kernels(variant):
+    compiled = runner.lower(state).compile()
+  kernels = hlo_kernels.kernels_per_iteration(compiled.as_text(), iterations_per_chunk)
   # Warm-up chunks: DQN fills its buffer past learning_starts.
   warmup_chunks = (
     -(-config.learning_starts // (config.num_envs * iterations_per_chunk)) if module is dqn else 1
@@ -61,7 +78,7 @@ def time_fused(
     jax.device_get(metrics)  # as the examples do, to move the progress bar
   seconds = time.perf_counter() - start
   steps_per_iteration = config.num_envs if module is dqn else config.num_envs * config.num_steps
-  return num_seeds * num_chunks * iterations_per_chunk * steps_per_iteration / seconds
+  return num_seeds * num_chunks * iterations_per_chunk * steps_per_iteration / seconds, kernels
 
 
 class NumpyReplay:
@@ -264,12 +281,16 @@ def time_ppo_host(config: ppo.Config, num_updates: int) -> float:
   return num_updates * config.num_steps * config.num_envs / seconds
 
 
-def wide_rows(num_envs: int, scale: int) -> list[tuple[str, float]]:
-  """The fused DQN and PPO loops at N vmapped envs (one seed).
+def wide_rows(
+  num_envs: int, scale: int, variants: tuple[str | None, ...] = (None,)
+) -> list[tuple[str, float]]:
+  """The fused DQN and PPO loops at N vmapped envs (one seed); prioritized
+  DQN once per sum tree kernel variant (None: the backend's default).
 
   DQN: one update of batch 128 per vector step of N envs, a replay buffer of
   100 N steps (at least 10,000) filled past 10 N steps before timing; PPO:
-  N envs x 128 steps per update, 4 epochs of 4 minibatches.
+  N envs x 128 steps per update, 4 epochs of 4 minibatches. Each row's
+  kernels per iteration (from the compiled HLO) are printed as it is timed.
   """
   dqn_config = dataclasses.replace(
     dqn.Config(),
@@ -278,25 +299,36 @@ def wide_rows(num_envs: int, scale: int) -> list[tuple[str, float]]:
     learning_starts=10 * num_envs,
   )
   ppo_config = dataclasses.replace(ppo.Config(), num_envs=num_envs)
-  return [
+  runs = [
     (
-      f"DQN prioritized, fused, {num_envs} envs",
-      time_fused(dqn, dqn_config, iterations_per_chunk=50, num_chunks=2 * scale),
-    ),
+      f"DQN prioritized, fused, {num_envs} envs" + (f" ({variant})" if variant else ""),
+      dqn,
+      dqn_config,
+      50,
+      2 * scale,
+      variant,
+    )
+    for variant in variants
+  ]
+  runs += [
     (
       f"DQN uniform, fused, {num_envs} envs",
-      time_fused(
-        dqn,
-        dataclasses.replace(dqn_config, replay="uniform"),
-        iterations_per_chunk=50,
-        num_chunks=2 * scale,
-      ),
+      dqn,
+      dataclasses.replace(dqn_config, replay="uniform"),
+      50,
+      2 * scale,
+      None,
     ),
-    (
-      f"PPO, fused, {num_envs} envs",
-      time_fused(ppo, ppo_config, iterations_per_chunk=2, num_chunks=scale),
-    ),
+    (f"PPO, fused, {num_envs} envs", ppo, ppo_config, 2, scale, None),
   ]
+  rows = []
+  for name, module, config, iterations, chunks, variant in runs:
+    steps_per_second, kernels = time_fused_counted(
+      module, config, iterations, chunks, variant=variant
+    )
+    print(f"info  {name}: {kernels} kernels per iteration", flush=True)
+    rows.append((name, steps_per_second))
+  return rows
 
 
 def main() -> None:
@@ -310,13 +342,23 @@ def main() -> None:
     help="instead of the default settings: the fused DQN "
     "and PPO loops at each N vmapped envs (wide_rows)",
   )
+  parser.add_argument(
+    "--kernel-variants",
+    nargs="+",
+    choices=jaxbuf_sum_tree.KERNEL_VARIANTS,
+    help="with --num-envs: time prioritized DQN under each sum tree kernel variant",
+  )
   args = parser.parse_args()
   scale = 1 if args.quick else 4
   if args.num_envs:
     harness.print_machine(("jax", "jaxlib", "numpy", "flax", "optax", "gymnax"))
     print_rows(
       f"loop ({ppo.Config.env_name}, N vmapped envs)",
-      [row for num_envs in args.num_envs for row in wide_rows(num_envs, scale)],
+      [
+        row
+        for num_envs in args.num_envs
+        for row in wide_rows(num_envs, scale, tuple(args.kernel_variants or (None,)))
+      ],
     )
     return
   dqn_config = dqn.Config()

@@ -25,7 +25,6 @@ Usage:
 """
 
 import argparse
-import functools
 import json
 import math
 import pathlib
@@ -248,15 +247,12 @@ def fill_case(capacity: int) -> None:
   )
 
 
-def speed_case(capacity: int, repeats: int, parts: bool = False) -> None:
-  print(
-    f"\n== fused add + sample {SAMPLE} stacked transitions, C = "
-    f"{capacity:,}, {NUM_ENVS} envs, 100 steps per call =="
-  )
-  flat = flashbax_buffer(capacity)
-  steps_per_call = 100
+def stack_loop(frames, steps_per_call: int, mode: str = "fused"):
+  """`(state, key) -> (state, checksum)`: `steps_per_call` steps of adding
+  one frame per env and sampling S stacked transitions (`mode` "add" or
+  "sample": that half alone), in one `lax.scan`."""
 
-  def jaxbuf_loop(frames, state, key, mode="fused"):
+  def loop(state, key):
     def body(carry, t):
       state, acc = carry
       step = {
@@ -275,7 +271,13 @@ def speed_case(capacity: int, repeats: int, parts: bool = False) -> None:
     (state, acc), _ = jax.lax.scan(body, (state, jnp.int32(0)), jnp.arange(steps_per_call))
     return state, acc
 
-  def flashbax_loop(state, key, mode="fused"):
+  return loop
+
+
+def stored_stack_loop(flat, steps_per_call: int, mode: str = "fused"):
+  """`stack_loop` for flashbax's flat buffer of stored stacks."""
+
+  def loop(state, key):
     def body(carry, t):
       state, acc = carry
       item = {
@@ -296,6 +298,17 @@ def speed_case(capacity: int, repeats: int, parts: bool = False) -> None:
     (state, acc), _ = jax.lax.scan(body, (state, jnp.int32(0)), jnp.arange(steps_per_call))
     return state, acc
 
+  return loop
+
+
+def speed_case(capacity: int, repeats: int, parts: bool = False) -> None:
+  print(
+    f"\n== fused add + sample {SAMPLE} stacked transitions, C = "
+    f"{capacity:,}, {NUM_ENVS} envs, 100 steps per call =="
+  )
+  flat = flashbax_buffer(capacity)
+  steps_per_call = 100
+
   # Stacks [S, 84, 84, 4] (the layout flashbax stores) and [S, 4, 84, 84]
   # (channels first: no transpose after the gather).
   layouts = {
@@ -303,10 +316,10 @@ def speed_case(capacity: int, repeats: int, parts: bool = False) -> None:
     "jaxbuf stack_axis=0": jaxbuf_buffer(capacity, stack_axis=0),
   }
   runs = {
-    name: jax.jit(functools.partial(jaxbuf_loop, buffer), donate_argnums=0)
+    name: jax.jit(stack_loop(buffer, steps_per_call), donate_argnums=0)
     for name, buffer in layouts.items()
   }
-  runs["flashbax"] = jax.jit(flashbax_loop, donate_argnums=0)
+  runs["flashbax"] = jax.jit(stored_stack_loop(flat, steps_per_call), donate_argnums=0)
   states = {name: buffer.init(frame_step()) for name, buffer in layouts.items()}
   states["flashbax"] = flat.init(stacked_item())
   if parts:
@@ -314,10 +327,10 @@ def speed_case(capacity: int, repeats: int, parts: bool = False) -> None:
     # adds), for jaxbuf's default layout and flashbax.
     for mode in ("add", "sample"):
       runs[f"jaxbuf {mode} only"] = jax.jit(
-        functools.partial(jaxbuf_loop, layouts["jaxbuf"], mode=mode), donate_argnums=0
+        stack_loop(layouts["jaxbuf"], steps_per_call, mode), donate_argnums=0
       )
       runs[f"flashbax {mode} only"] = jax.jit(
-        functools.partial(flashbax_loop, mode=mode), donate_argnums=0
+        stored_stack_loop(flat, steps_per_call, mode), donate_argnums=0
       )
       states[f"jaxbuf {mode} only"] = layouts["jaxbuf"].init(frame_step())
       states[f"flashbax {mode} only"] = flat.init(stacked_item())

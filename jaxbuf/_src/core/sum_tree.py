@@ -18,17 +18,63 @@ Levels are stored bottom-up: `levels[0]` holds the leaves (padded with zeros
 to a multiple of K), `levels[-1]` holds the root alone. Each level below the
 root has length `K * len(next level without padding)`, so `level.reshape(-1, K)`
 lines up every parent's children in one row.
+
+Descents and writes have Pallas kernels beside the XLA operations
+(`sum_tree_kernels.py`), chosen when they are traced (`kernel_variant`):
+"xla", the levels as XLA operations (several kernels per level, one level
+after another); "pallas_descent", the whole descent in one Pallas kernel;
+"pallas", the descent and the leaf writes with their parents in one kernel
+each. On a GPU the XLA form is a chain of dependent launches where the bytes
+take microseconds. Descents return the same leaves in every variant, bit for
+bit. Every backend uses "xla" until a device run has measured the others on
+it (docs/gpu.md); the environment variable `JAXBUF_SUM_TREE_KERNELS` forces
+one (on a CPU the kernels run in Pallas's interpret mode: slow, for tests).
 """
 
 import math
+import os
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxbuf._src.core import sum_tree_kernels
 from jaxbuf._src.core import random
 
 BRANCHING = 8
+
+KERNEL_VARIANTS = ("xla", "pallas_descent", "pallas")
+KERNEL_VARIANT_VARIABLE = "JAXBUF_SUM_TREE_KERNELS"
+# The variant each backend uses unless the variable forces one: a backend
+# missing here, or whose Pallas kernels no device run has measured, uses "xla".
+BACKEND_KERNELS: dict[str, str] = {"cpu": "xla"}
+
+
+def kernel_variant() -> str:
+  """The sum tree kernel variant traced now: `JAXBUF_SUM_TREE_KERNELS` if set, else
+  the default backend's entry in `BACKEND_KERNELS`, else "xla".
+
+  Read while tracing: a function already jitted keeps the variant it was
+  traced with.
+
+  Raises:
+    ValueError: if the variable names no variant.
+  """
+  forced = os.environ.get(KERNEL_VARIANT_VARIABLE, "")
+  if forced and forced not in KERNEL_VARIANTS:
+    raise ValueError(
+      f"{KERNEL_VARIANT_VARIABLE}={forced!r} names no sum tree kernel variant; "
+      f"expected one of {KERNEL_VARIANTS} (or unset, for the backend's default)."
+    )
+  return forced or BACKEND_KERNELS.get(jax.default_backend(), "xla")
+
+
+def _in_manual_mesh(*arrays: jax.Array) -> bool:
+  """Whether any of `arrays` varies over a mesh axis: traced inside
+  `jax.shard_map` (a sharded buffer), where the Pallas kernels are not
+  used (the interpreter refuses their mix of per-device and shared values;
+  untried on a GPU), so the XLA path serves there."""
+  return any(jax.typeof(array).manual_axis_type.varying for array in arrays)
 
 
 @flax.struct.dataclass
@@ -170,6 +216,21 @@ def set_leaves(
     write = valid
   else:
     levels[0], write = claim_last_writes(levels[0], indices, valid)
+  if (
+    len(levels) > 1
+    and indices.shape[0] <= sum_tree_kernels.WRITE_BATCH_MAX
+    and kernel_variant() == "pallas"
+    and not _in_manual_mesh(levels[0], indices, values)
+  ):
+    written = sum_tree_kernels.write_leaves(
+      tuple(levels),
+      indices,
+      values,
+      write,
+      branching=BRANCHING,
+      interpret=jax.default_backend() != "gpu",
+    )
+    return SumTree(tuple(written))
   levels[0] = (
     levels[0]
     .at[jnp.where(write, indices, levels[0].shape[0])]
@@ -357,6 +418,15 @@ def find_prefix_sums_and_leaves(
   node = jnp.zeros(targets.shape, jnp.int32)
   if len(tree.levels) == 1:  # a single leaf, which is also the root
     return node, jnp.broadcast_to(tree.levels[0][0], targets.shape)
+  if kernel_variant() != "xla" and not _in_manual_mesh(tree.levels[0], targets):
+    return sum_tree_kernels.descend(
+      tuple(reversed(tree.levels[:-1])),
+      targets,
+      jnp.asarray(redraws, jnp.float32),
+      branching=BRANCHING,
+      levels_per_target=LEVELS_PER_TARGET,
+      interpret=jax.default_backend() != "gpu",
+    )
   child_position = jnp.arange(BRANCHING, dtype=jnp.int32)[None, :]
   child: jax.Array  # [S]: set by each level, read by the next
   children: jax.Array  # [S, K]: likewise
