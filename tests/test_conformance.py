@@ -51,6 +51,7 @@ class Kind(NamedTuple):
   buffer: jaxbuf.Buffer
   streams: bool  # adds [N, T, ...] with episode ends, else [B, ...]
   values: bool = False  # add takes a value per item (keep-the-best)
+  once: bool = False  # a draw hands each unit out at most once (queue, heap, a budget)
 
 
 KINDS = {
@@ -70,9 +71,9 @@ KINDS = {
   ),
   "episode": Kind(jaxbuf.episode_replay(NUM_ENVS, CAPACITY, CHUNK), True),
   # Selection and eviction rules (issue 42).
-  "queue": Kind(jaxbuf.queue_replay(CAPACITY), False),
-  "uniform_budget": Kind(jaxbuf.uniform_replay(CAPACITY, max_times_sampled=2), False),
-  "heap": Kind(jaxbuf.heap_replay(CAPACITY), False),
+  "queue": Kind(jaxbuf.queue_replay(CAPACITY), False, once=True),
+  "uniform_budget": Kind(jaxbuf.uniform_replay(CAPACITY, max_times_sampled=2), False, once=True),
+  "heap": Kind(jaxbuf.heap_replay(CAPACITY), False, once=True),
   "keep_best": Kind(jaxbuf.keep_best_replay(CAPACITY), False, values=True),
 }
 
@@ -291,20 +292,23 @@ def test_a_bad_add_raises_naming_the_leaf_and_leaves_the_state_intact(name):
 
 
 @every_kind
-def test_can_sample_means_one_held_unit_whatever_the_batch_size(name):
+def test_can_sample_means_a_draw_of_held_data_only(name):
   """One meaning on every kind: `sample(state, key, batch_size)` draws only
-  held data, true once one unit (item, window, piece, transition) is held,
-  whatever the batch size, since every kind samples with replacement. A
-  warm-up is a test of its own on the state: `state.size` (item kinds) or
+  held data, no padding row. Kinds that sample with replacement are ready
+  once one unit (item, window, piece, transition) is held, whatever the
+  batch size; kinds whose draw hands each unit out at most once (a queue, a
+  heap, a sample budget) once `batch_size` units are. A warm-up is a test
+  of its own on the state: `state.size` (item kinds) or
   `state.steps_held.sum()` (stream kinds) counts what was added."""
   buffer = KINDS[name].buffer
   empty = buffer.init(STEP)
   for batch_size in (1, 64):
     assert not bool(buffer.can_sample(empty, batch_size))
   state = filled(name, adds=1)
-  for batch_size in (1, 64):
+  for batch_size in (1, BATCH, 64):
     ready = buffer.can_sample(state, batch_size)
-    assert ready.shape == () and ready.dtype == jnp.bool_ and bool(ready)
+    assert ready.shape == () and ready.dtype == jnp.bool_
+    assert bool(ready) == (batch_size <= BATCH or not KINDS[name].once), batch_size
   held = state.steps_held.sum() if KINDS[name].streams else state.size
   assert int(held) == (NUM_ENVS * CHUNK if KINDS[name].streams else BATCH)
   with pytest.raises(ValueError, match="can_sample: batch_size must be positive, given 0"):

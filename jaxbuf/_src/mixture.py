@@ -1,5 +1,11 @@
 """Mixing buffers: one sample drawn from several buffers in fixed proportions.
 
+Why one module of this size: it holds one rule, how a batch is split over
+parts and put back together, which `sample`, `take` and `update_priorities`
+each apply (rows per part, the parts' checks, the concatenated fields, the
+routing of each part's rows back to its buffer); split, each piece would
+restate that rule.
+
 Shape key: S sample size, S_k rows of part k, K parts (buffers).
 
 RLPD (Ball et al. 2023) draws each batch half from an offline dataset and

@@ -185,12 +185,15 @@ class Buffer(NamedTuple, Generic[StateT, SampleT]):
     None) -> state`: `sample(...).indices` and `.item_ids`; the identity
     for uniform kinds (arguments still validated).
   * `can_sample(state, batch_size: int) -> jax.Array`, bool `()`: whether
-    `sample(state, key, batch_size)` draws only held data. Every kind
-    samples with replacement, so it is true once one unit is held (an item;
-    a complete window, piece, or transition with its stack), whatever
-    `batch_size`; `batch_size` is checked, and decides which parts must
-    hold one in `jaxbuf.mixture` and in `jaxbuf.sharded` with local
-    sampling.
+    `sample(state, key, batch_size)` (and `take`) draws only held data, no
+    padding row. A kind that samples with replacement (every kind but those
+    below) is ready once one unit is held (an item; a complete window,
+    piece, or transition with its stack), whatever `batch_size`; a kind
+    whose draw hands each unit out at most once needs `batch_size` of them:
+    `queue_replay` (items waiting), `heap_replay` (items held), and
+    `max_times_sampled=` (live items, `state.live`). `batch_size` is
+    checked, and decides which parts must hold one in `jaxbuf.mixture` and
+    in `jaxbuf.sharded` with local sampling.
   * `clear(state) -> state`: empty, storage kept.
 
   `can_sample` is not a warm-up. A warm-up ("learn once 1,000 items are
@@ -240,8 +243,9 @@ _FIELD_DOCS = {
   "item_ids [S], from sample(...).",
   "can_sample": "can_sample(state, batch_size: int) -> bool jax.Array of "
   "shape (): whether sample(state, key, batch_size) draws "
-  "only held data (true once one unit is held: sampling is with "
-  "replacement). Not a warm-up: state.size >= min_size (item kinds), "
+  "only held data (with replacement: once one unit is held; queues, heaps "
+  "and max_times_sampled: once batch_size units are). Not a warm-up: "
+  "state.size >= min_size (item kinds), "
   "state.steps_held.sum() >= min_steps (stream kinds).",
   "clear": "clear(state) -> state: empty, the storage kept.",
   "take": "take(state, key, batch_size: int, *, step=None) -> (state, sample): "

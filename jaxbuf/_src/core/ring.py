@@ -262,6 +262,14 @@ def valid_priority_updates(
   return valid
 
 
+def holds_batch(state: ReplayState, batch_size: int) -> jax.Array:
+  """`can_sample` of the kinds whose draw hands each item out at most once
+  (a queue, a heap's S best): whether `batch_size` items are held, so that
+  no row of the draw is padding. bool `()`."""
+  validation.check_batch_size(batch_size, what="can_sample")
+  return state.size >= batch_size
+
+
 def can_sample(state: ReplayState, batch_size: int) -> jax.Array:
   """Whether `sample(state, key, batch_size)` draws only held items: bool
   `()`, true once one item is held (sampling is with replacement, so one

@@ -479,16 +479,14 @@ def check_state_kind(
 
 def check_hyperparameter(value: Any, name: str, *, positive: bool = False) -> None:
   """Raises `ValueError` unless `value` is a finite real, >= 0 (or > 0)."""
-  if isinstance(value, (str, bytes)):
-    # float("0.5") would read it.
+  if isinstance(value, (str, bytes)):  # float("0.5") would read it
     raise TypeError(f"{name} must be a real number, given str {value!r}.")
   try:
     number = float(value)
   except (TypeError, ValueError):
     raise TypeError(f"{name} must be a real number, given {type(value).__name__}.") from None
-  if (
-    isinstance(value, bool) or not math.isfinite(number) or number < 0 or (positive and number == 0)
-  ):
+  invalid = isinstance(value, bool) or not math.isfinite(number) or number < 0
+  if invalid or (positive and number == 0):
     wanted = "positive" if positive else "non-negative"
     raise ValueError(f"{name} must be finite and {wanted}, given {value}.")
 

@@ -200,7 +200,8 @@ def heap_replay(
   return, say), `sample(state, key, S)` returns the S best held, best first
   and deterministic (module notes: `help(jaxbuf.heap)`), `update_priorities`
   changes them. The oldest item is overwritten first, as in uniform replay
-  (for eviction by value, `keep_best_replay`).
+  (for eviction by value, `keep_best_replay`). `can_sample(state, S)`: at
+  least S items held (fewer give weight-0 padding rows).
 
   Args:
     capacity: C, a Python int.
@@ -223,7 +224,7 @@ def heap_replay(
     add=functools.partial(add, order=order, checked=checked),
     sample=functools.partial(sample, order=order, checked=checked),
     update_priorities=functools.partial(update_priorities, order=order, checked=checked),
-    can_sample=ring.can_sample,
+    can_sample=ring.holds_batch,
     clear=clear,
     kind=kind.Kind(
       name="heap_replay",
