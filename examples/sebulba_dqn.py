@@ -57,6 +57,8 @@ class Config(gymnasium_dqn.Config):
   num_actors: int = 2  # K actor threads, N / K envs each
   error_buffer: float = 512.0  # the limiter's slack, in sampled rows
   switch_interval: float = 2e-4  # seconds: sys.setswitchinterval while training
+  updates_per_learn: int = 4  # U optimizer steps (each its own batch) per service.learn:
+  # one dispatch for U updates; the limiter counts U * S rows, the ratio unchanged
   progress: bool = False
 
 
@@ -78,8 +80,10 @@ def samples_per_insert(config: Config) -> float:
 
 
 def make_service(config: Config, agent: gymnasium_dqn.Agent) -> jaxbuf.ReplayService:
+  # Room for a learn's U * S rows and an add on either side of the target.
+  error_buffer = max(config.error_buffer, 2.0 * config.updates_per_learn * config.batch_size)
   limiter = jaxbuf.SampleToInsertRatio(
-    samples_per_insert(config), min_size=config.learning_starts, error_buffer=config.error_buffer
+    samples_per_insert(config), min_size=config.learning_starts, error_buffer=error_buffer
   )
   return jaxbuf.ReplayService(agent.buffer, agent.buffer.init(agent.example), rate_limiter=limiter)
 
@@ -124,14 +128,16 @@ def actor(
 
 def make_train_step(config: Config, agent: gymnasium_dqn.Agent):
   """`train_step(buffer_state, learner, key) -> (buffer_state, (learner,
-  loss))`, jitted: one sample and update, the target copied every
-  `target_period` updates' worth of env steps."""
+  loss))`, jitted: `updates_per_learn` samples and updates in a scan (one
+  dispatch for all: the learner thread's GIL time is what the actors
+  compete for), the target copied every `target_period` updates' worth of
+  env steps."""
   learn = q_learning.td_learner(agent.buffer, agent.optimizer, agent.td_loss, config.batch_size)
   # An update per batch_size / samples_per_insert env steps (8 by default).
   target_updates = config.target_update_interval * samples_per_insert(config) / config.batch_size
 
-  @jax.jit
-  def train_step(buffer_state, learner: q_learning.LearnerState, key):
+  def one_update(carry, key):
+    buffer_state, learner = carry
     learner = learner.replace(buffer_state=buffer_state)
     params, opt_state, buffer_state, loss = learn(learner, key)
     learner = learner.replace(
@@ -143,7 +149,13 @@ def make_train_step(config: Config, agent: gymnasium_dqn.Agent):
         params, learner.target_params, learner.iteration + 1, max(int(target_updates), 1)
       ),
     )
-    return buffer_state, (learner, loss)
+    return (buffer_state, learner), loss
+
+  @jax.jit
+  def train_step(buffer_state, learner: q_learning.LearnerState, key):
+    keys = jax.random.split(key, config.updates_per_learn)
+    (buffer_state, learner), losses = jax.lax.scan(one_update, (buffer_state, learner), keys)
+    return buffer_state, (learner, losses[-1])
 
   return train_step
 
@@ -187,7 +199,11 @@ def train(config: Config) -> dict[str, Any]:
     while service.counts.inserts < config.total_steps:
       try:
         learner, _ = service.learn(
-          train_step, config.batch_size, learner, jax.random.fold_in(key, update), timeout=1.0
+          train_step,
+          config.updates_per_learn * config.batch_size,
+          learner,
+          jax.random.fold_in(key, update),
+          timeout=1.0,
         )
       except TimeoutError:
         if not any(thread.is_alive() for thread in threads):
