@@ -57,6 +57,7 @@ class Config(gymnasium_dqn.Config):
   num_actors: int = 2  # K actor threads, N / K envs each
   error_buffer: float = 512.0  # the limiter's slack, in sampled rows
   switch_interval: float = 2e-4  # seconds: sys.setswitchinterval while training
+  host_policy: bool = True  # actors act in NumPy (else a jitted act on the learner's device)
   updates_per_learn: int = 4  # U optimizer steps (each its own batch) per service.learn:
   # one dispatch for U updates; the limiter counts U * S rows, the ratio unchanged
   progress: bool = False
@@ -71,6 +72,44 @@ class Published:
 
   def __init__(self, params: Any):
     self.latest = (params, 0)
+
+
+class HostPolicy:
+  """The actors' epsilon-greedy policy in NumPy, from the published params.
+
+  On the CPU, XLA runs a computation in the thread that calls it, one at a
+  time per device: a jitted act would queue behind the learner's step and
+  compete for its cores. The network is small (examples/q_learning.py's
+  QNetwork: Dense, relu, Dense, relu, Dense), so NumPy acts in tens of
+  microseconds, with the parameters copied to the host once per version.
+  """
+
+  def __init__(self, config: Config, seed: int):
+    self.config = config
+    self.rng = np.random.default_rng(seed)
+    self.version = -1
+    self.layers: list[tuple[np.ndarray, np.ndarray]] = []
+
+  def epsilon(self, iteration: int) -> float:
+    """q_learning.epsilon_schedule's linear schedule, in Python."""
+    config = self.config
+    steps = max(int(config.epsilon_fraction * config.num_iterations), 1)
+    done = min(iteration, steps) / steps
+    return config.epsilon_start + (config.epsilon_end - config.epsilon_start) * done
+
+  def __call__(self, params: Any, version: int, obs: np.ndarray, iteration: int) -> np.ndarray:
+    if version != self.version:
+      dense = jax.device_get(params["params"])
+      self.layers = [(dense[f"Dense_{i}"]["kernel"], dense[f"Dense_{i}"]["bias"]) for i in range(3)]
+      self.version = version
+    x = np.asarray(obs, np.float32).reshape(len(obs), -1)
+    for i, (kernel, bias) in enumerate(self.layers):
+      x = x @ kernel + bias
+      if i < len(self.layers) - 1:
+        x = np.maximum(x, 0)
+    greedy = x.argmax(axis=-1)
+    explore = self.rng.random(len(obs)) < self.epsilon(iteration)
+    return np.where(explore, self.rng.integers(0, x.shape[-1], len(obs)), greedy)
 
 
 def samples_per_insert(config: Config) -> float:
@@ -102,6 +141,7 @@ def actor(
   recorder = jaxbuf.VectorEnvRecorder(envs, agent.buffer)
   writer = service.writer()
   act = jax.jit(agent.act)
+  host_policy = HostPolicy(config, config.seed + 1000 + index)
   key = jax.random.key(config.seed + 1000 + index)
   obs, _ = envs.reset(seed=config.seed + index)
   recorder.reset(obs)
@@ -111,7 +151,11 @@ def actor(
     while (inserts := service.counts.inserts) < config.total_steps:
       params, version = published.latest
       iteration = inserts // config.num_envs  # epsilon follows all actors' steps
-      actions = np.asarray(act(params, obs, jax.random.fold_in(key, step), iteration)).astype(dtype)
+      if config.host_policy:
+        actions = host_policy(params, version, obs, iteration).astype(dtype)
+      else:
+        actions = np.asarray(act(params, obs, jax.random.fold_in(key, step), iteration))
+        actions = actions.astype(dtype)
       obs, rewards, terminated, truncated, info = envs.step(actions)
       returns.record(inserts, rewards, terminated | truncated)
       writer.add(
