@@ -193,6 +193,15 @@ def example(total_steps: int, num_actors: int) -> dict:
   return dict(single=single, threaded=threaded)
 
 
+def sebulba_settings() -> str:
+  """The example's defaults that shape its speed, for the printed record."""
+  config = sebulba_dqn.Config()
+  names = ("num_envs", "batch_size", "train_frequency", "updates_per_learn", "host_policy")
+  names += ("steps_per_add",)
+  names += ("switch_interval", "error_buffer")
+  return ", ".join(f"{name}={getattr(config, name)}" for name in names)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--calls", type=int, default=1000)
@@ -233,7 +242,8 @@ def main() -> None:
       f"info  {args.total_steps} env steps, 4 envs: single-thread recipe "
       f"{single['steps_per_second']:,.0f} env steps/s; sebulba ({args.actors} actors) "
       f"{threaded['steps_per_second']:,.0f} env steps/s: "
-      f"{threaded['steps_per_second'] / single['steps_per_second']:.2f}x (goal >= 1.5x)"
+      f"{threaded['steps_per_second'] / single['steps_per_second']:.2f}x (goal >= 1.5x); "
+      f"sebulba's config: {sebulba_settings()}"
     )
     achieved, target = threaded["samples_per_insert"], threaded["target_samples_per_insert"]
     print(

@@ -57,6 +57,7 @@ class Config(gymnasium_dqn.Config):
   num_actors: int = 2  # K actor threads, N / K envs each
   error_buffer: float = 512.0  # the limiter's slack, in sampled rows
   switch_interval: float = 2e-4  # seconds: sys.setswitchinterval while training
+  steps_per_add: int = 4  # vector steps an actor gathers per writer.add (fewer, larger adds)
   host_policy: bool = True  # actors act in NumPy (else a jitted act on the learner's device)
   updates_per_learn: int = 4  # U optimizer steps (each its own batch) per service.learn:
   # one dispatch for U updates; the limiter counts U * S rows, the ratio unchanged
@@ -147,6 +148,7 @@ def actor(
   recorder.reset(obs)
   dtype = envs.single_action_space.dtype
   step = 0
+  chunk: list[tuple[Any, int]] = []  # recorded steps not yet added, and their versions
   try:
     while (inserts := service.counts.inserts) < config.total_steps:
       params, version = published.latest
@@ -158,11 +160,14 @@ def actor(
         actions = actions.astype(dtype)
       obs, rewards, terminated, truncated, info = envs.step(actions)
       returns.record(inserts, rewards, terminated | truncated)
-      writer.add(
-        recorder.record(actions, obs, rewards, terminated, truncated, info),
-        policy_version=version,
-        timeout=JOIN,
-      )
+      recorded = recorder.record(actions, obs, rewards, terminated, truncated, info).items
+      if recorded is not None:
+        chunk.append((recorded, version))
+      if len(chunk) == config.steps_per_add:
+        # Tagged with the oldest policy that acted in it (the lag is not understated).
+        items = jax.tree.map(lambda *rows: np.concatenate(rows), *[i for i, _ in chunk])
+        writer.add(items, policy_version=chunk[0][1], timeout=JOIN)
+        chunk = []
       step += 1
   except jaxbuf.ServiceClosed:
     pass  # the learner finished (or failed: it raises that itself)
