@@ -4,8 +4,6 @@ fake devices against a NumPy model, and across 2 processes on localhost
 (tests/service_worker.py), as tests/test_multiprocess.py runs them."""
 
 import os
-import subprocess
-import sys
 import threading
 
 import jax
@@ -14,7 +12,7 @@ import pytest
 
 import jaxbuf
 from tests import devices
-from tests.test_multiprocess import ROOT, free_port
+from tests.test_multiprocess import ROOT, run_workers
 
 devices.skip_module_unless(4)
 
@@ -109,24 +107,7 @@ def test_two_processes_add_their_own_rows_and_sample_in_lockstep(tmp_path):
   slower; both sample in lockstep until the limiter refuses: the same
   batches, counts and timeout in both, and every row held once, on its
   own process's devices."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  port = str(free_port())
-  worker = os.path.join(ROOT, "tests", "service_worker.py")
-  workers = [
-    subprocess.Popen(
-      [sys.executable, worker, str(i), "2", port, str(tmp_path)],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  for process in workers:
-    output, _ = process.communicate(timeout=240)
-    assert process.returncode == 0, output[-3000:]
+  run_workers(tmp_path, worker=os.path.join(ROOT, "tests", "service_worker.py"))
   first, second = (dict(np.load(tmp_path / f"process_{i}.npz")) for i in range(2))
   for name in ("drawn", "storage", "size", "inserts", "samples", "timed_out"):
     np.testing.assert_array_equal(first[name], second[name], err_msg=name)
