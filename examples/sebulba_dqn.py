@@ -57,9 +57,11 @@ class Config(gymnasium_dqn.Config):
   num_actors: int = 2  # K actor threads, N / K envs each
   error_buffer: float = 512.0  # the limiter's slack, in sampled rows
   switch_interval: float = 2e-4  # seconds: sys.setswitchinterval while training
-  steps_per_add: int = 4  # vector steps an actor gathers per writer.add (fewer, larger adds)
+  # Faster, but each fell short of the demo's return in one 5e5-step run
+  # (benchmarks/RESULTS.md): 4 and 4 reached 319, 1 and 4 reached 400.
+  steps_per_add: int = 1  # vector steps an actor gathers per writer.add (fewer, larger adds)
   host_policy: bool = True  # actors act in NumPy (else a jitted act on the learner's device)
-  updates_per_learn: int = 4  # U optimizer steps (each its own batch) per service.learn:
+  updates_per_learn: int = 1  # U optimizer steps (each its own batch) per service.learn:
   # one dispatch for U updates; the limiter counts U * S rows, the ratio unchanged
   progress: bool = False
 
