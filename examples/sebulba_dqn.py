@@ -57,6 +57,12 @@ class Config(gymnasium_dqn.Config):
   num_actors: int = 2  # K actor threads, N / K envs each
   error_buffer: float = 512.0  # the limiter's slack, in sampled rows
   switch_interval: float = 2e-4  # seconds: sys.setswitchinterval while training
+  # Faster, but each fell short of the demo's return in one 5e5-step run
+  # (benchmarks/RESULTS.md): 4 and 4 reached 319, 1 and 4 reached 400.
+  steps_per_add: int = 1  # vector steps an actor gathers per writer.add (fewer, larger adds)
+  host_policy: bool = True  # actors act in NumPy (else a jitted act on the learner's device)
+  updates_per_learn: int = 1  # U optimizer steps (each its own batch) per service.learn:
+  # one dispatch for U updates; the limiter counts U * S rows, the ratio unchanged
   progress: bool = False
 
 
@@ -71,6 +77,44 @@ class Published:
     self.latest = (params, 0)
 
 
+class HostPolicy:
+  """The actors' epsilon-greedy policy in NumPy, from the published params.
+
+  On the CPU, XLA runs a computation in the thread that calls it, one at a
+  time per device: a jitted act would queue behind the learner's step and
+  compete for its cores. The network is small (examples/q_learning.py's
+  QNetwork: Dense, relu, Dense, relu, Dense), so NumPy acts in tens of
+  microseconds, with the parameters copied to the host once per version.
+  """
+
+  def __init__(self, config: Config, seed: int):
+    self.config = config
+    self.rng = np.random.default_rng(seed)
+    self.version = -1
+    self.layers: list[tuple[np.ndarray, np.ndarray]] = []
+
+  def epsilon(self, iteration: int) -> float:
+    """q_learning.epsilon_schedule's linear schedule, in Python."""
+    config = self.config
+    steps = max(int(config.epsilon_fraction * config.num_iterations), 1)
+    done = min(iteration, steps) / steps
+    return config.epsilon_start + (config.epsilon_end - config.epsilon_start) * done
+
+  def __call__(self, params: Any, version: int, obs: np.ndarray, iteration: int) -> np.ndarray:
+    if version != self.version:
+      dense = jax.device_get(params["params"])
+      self.layers = [(dense[f"Dense_{i}"]["kernel"], dense[f"Dense_{i}"]["bias"]) for i in range(3)]
+      self.version = version
+    x = np.asarray(obs, np.float32).reshape(len(obs), -1)
+    for i, (kernel, bias) in enumerate(self.layers):
+      x = x @ kernel + bias
+      if i < len(self.layers) - 1:
+        x = np.maximum(x, 0)
+    greedy = x.argmax(axis=-1)
+    explore = self.rng.random(len(obs)) < self.epsilon(iteration)
+    return np.where(explore, self.rng.integers(0, x.shape[-1], len(obs)), greedy)
+
+
 def samples_per_insert(config: Config) -> float:
   """The single-thread loop's replay ratio: S rows every train period."""
   train_period = max(config.train_frequency // config.num_envs, 1) * config.num_envs
@@ -78,8 +122,10 @@ def samples_per_insert(config: Config) -> float:
 
 
 def make_service(config: Config, agent: gymnasium_dqn.Agent) -> jaxbuf.ReplayService:
+  # Room for a learn's U * S rows and an add on either side of the target.
+  error_buffer = max(config.error_buffer, 2.0 * config.updates_per_learn * config.batch_size)
   limiter = jaxbuf.SampleToInsertRatio(
-    samples_per_insert(config), min_size=config.learning_starts, error_buffer=config.error_buffer
+    samples_per_insert(config), min_size=config.learning_starts, error_buffer=error_buffer
   )
   return jaxbuf.ReplayService(agent.buffer, agent.buffer.init(agent.example), rate_limiter=limiter)
 
@@ -98,23 +144,32 @@ def actor(
   recorder = jaxbuf.VectorEnvRecorder(envs, agent.buffer)
   writer = service.writer()
   act = jax.jit(agent.act)
+  host_policy = HostPolicy(config, config.seed + 1000 + index)
   key = jax.random.key(config.seed + 1000 + index)
   obs, _ = envs.reset(seed=config.seed + index)
   recorder.reset(obs)
   dtype = envs.single_action_space.dtype
   step = 0
+  chunk: list[tuple[Any, int]] = []  # recorded steps not yet added, and their versions
   try:
     while (inserts := service.counts.inserts) < config.total_steps:
       params, version = published.latest
       iteration = inserts // config.num_envs  # epsilon follows all actors' steps
-      actions = np.asarray(act(params, obs, jax.random.fold_in(key, step), iteration)).astype(dtype)
+      if config.host_policy:
+        actions = host_policy(params, version, obs, iteration).astype(dtype)
+      else:
+        actions = np.asarray(act(params, obs, jax.random.fold_in(key, step), iteration))
+        actions = actions.astype(dtype)
       obs, rewards, terminated, truncated, info = envs.step(actions)
       returns.record(inserts, rewards, terminated | truncated)
-      writer.add(
-        recorder.record(actions, obs, rewards, terminated, truncated, info),
-        policy_version=version,
-        timeout=JOIN,
-      )
+      recorded = recorder.record(actions, obs, rewards, terminated, truncated, info).items
+      if recorded is not None:
+        chunk.append((recorded, version))
+      if len(chunk) == config.steps_per_add:
+        # Tagged with the oldest policy that acted in it (the lag is not understated).
+        items = jax.tree.map(lambda *rows: np.concatenate(rows), *[i for i, _ in chunk])
+        writer.add(items, policy_version=chunk[0][1], timeout=JOIN)
+        chunk = []
       step += 1
   except jaxbuf.ServiceClosed:
     pass  # the learner finished (or failed: it raises that itself)
@@ -124,14 +179,16 @@ def actor(
 
 def make_train_step(config: Config, agent: gymnasium_dqn.Agent):
   """`train_step(buffer_state, learner, key) -> (buffer_state, (learner,
-  loss))`, jitted: one sample and update, the target copied every
-  `target_period` updates' worth of env steps."""
+  loss))`, jitted: `updates_per_learn` samples and updates in a scan (one
+  dispatch for all: the learner thread's GIL time is what the actors
+  compete for), the target copied every `target_period` updates' worth of
+  env steps."""
   learn = q_learning.td_learner(agent.buffer, agent.optimizer, agent.td_loss, config.batch_size)
   # An update per batch_size / samples_per_insert env steps (8 by default).
   target_updates = config.target_update_interval * samples_per_insert(config) / config.batch_size
 
-  @jax.jit
-  def train_step(buffer_state, learner: q_learning.LearnerState, key):
+  def one_update(carry, key):
+    buffer_state, learner = carry
     learner = learner.replace(buffer_state=buffer_state)
     params, opt_state, buffer_state, loss = learn(learner, key)
     learner = learner.replace(
@@ -143,7 +200,13 @@ def make_train_step(config: Config, agent: gymnasium_dqn.Agent):
         params, learner.target_params, learner.iteration + 1, max(int(target_updates), 1)
       ),
     )
-    return buffer_state, (learner, loss)
+    return (buffer_state, learner), loss
+
+  @jax.jit
+  def train_step(buffer_state, learner: q_learning.LearnerState, key):
+    keys = jax.random.split(key, config.updates_per_learn)
+    (buffer_state, learner), losses = jax.lax.scan(one_update, (buffer_state, learner), keys)
+    return buffer_state, (learner, losses[-1])
 
   return train_step
 
@@ -187,7 +250,11 @@ def train(config: Config) -> dict[str, Any]:
     while service.counts.inserts < config.total_steps:
       try:
         learner, _ = service.learn(
-          train_step, config.batch_size, learner, jax.random.fold_in(key, update), timeout=1.0
+          train_step,
+          config.updates_per_learn * config.batch_size,
+          learner,
+          jax.random.fold_in(key, update),
+          timeout=1.0,
         )
       except TimeoutError:
         if not any(thread.is_alive() for thread in threads):

@@ -37,8 +37,8 @@ def free_port() -> int:
     return probe.getsockname()[1]
 
 
-def run_workers(out_dir) -> None:
-  """Runs the 2 workers to completion; they write `out_dir/process_<i>.npz`."""
+def run_workers(out_dir, worker: str = WORKER) -> None:
+  """Runs 2 `worker` processes to completion; they write `out_dir/process_<i>.npz`."""
   env = dict(os.environ)
   # The test session's 4 fake devices must not leak into the workers, which
   # ask for 2 each through jax_num_cpu_devices.
@@ -47,7 +47,7 @@ def run_workers(out_dir) -> None:
   port = str(free_port())
   workers = [
     subprocess.Popen(
-      [sys.executable, WORKER, str(i), "2", port, str(out_dir)],
+      [sys.executable, worker, str(i), "2", port, str(out_dir)],
       env=env,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
@@ -55,9 +55,9 @@ def run_workers(out_dir) -> None:
     )
     for i in range(2)
   ]
-  for worker in workers:
-    output, _ = worker.communicate(timeout=240)
-    assert worker.returncode == 0, output[-3000:]
+  for process in workers:
+    output, _ = process.communicate(timeout=240)
+    assert process.returncode == 0, output[-3000:]
 
 
 # The workers' buffer (tests/multiprocess_worker.py), here in one process.

@@ -642,7 +642,7 @@ def sharded(
   where: dict[str, Any] = dict(kind=kind, wrapped=wrapped, mesh=mesh, axis=axis)
   return bind(
     init=functools.partial(init, **where),
-    add=_with_add_signature(functools.partial(add, **where), kind),
+    add=_with_add_signature(functools.partial(add, **where), kind, where),
     sample=functools.partial(sample, sampling=sampling, batch=batch, **where),
     update_priorities=functools.partial(update_priorities, **where),
     can_sample=functools.partial(can_sample, kind=kind, sampling=sampling, num_devices=num_devices),
@@ -663,13 +663,16 @@ def sharded(
   )
 
 
-def _with_add_signature(add_function: Callable, kind: Split) -> Callable:
-  """`add_function`, shown by `help` with the wrapped kind's arguments."""
+def _with_add_signature(add_function: Callable, kind: Split, where: dict) -> Callable:
+  """`add_function`, shown by `help` with the wrapped kind's arguments;
+  its `split_settings` (the per-device kind, mesh and axis) are for host
+  layers that add per device themselves (the replay service's lockstep)."""
 
   @functools.wraps(add)
   def add_to_devices(state, *arguments, **keywords):
     return add_function(state, *arguments, **keywords)
 
+  add_to_devices.split_settings = where  # type: ignore[attr-defined]
   add_to_devices.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
     [inspect.Parameter("state", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     + list(inspect.signature(kind.add_arguments).parameters.values())

@@ -43,7 +43,7 @@ from jaxbuf._src.core.ring import ReplayState
 from jaxbuf._src.items import uniform
 from jaxbuf._src.items.prioritized import PrioritizedReplayState
 from jaxbuf._src.mixture import Mixture
-from jaxbuf._src.service import coalescing
+from jaxbuf._src.service import coalescing, lockstep
 from jaxbuf._src.service.closed import ServiceClosed
 from jaxbuf._src.service.fifo_reads import FifoReads
 from jaxbuf._src.service.limiters import MinSize, RateCounts, RateLimiter
@@ -99,6 +99,12 @@ class ReplayService(Generic[StateT, SampleT]):
       `jaxbuf.Queue` (default `MinSize(1)`). A limiter's units are items
       (item kinds) or env steps, final steps not counted (stream kinds); its
       rows are sampled rows.
+    lockstep_rows: a `jaxbuf.sharded` uniform or prioritized item buffer
+      across processes (`jax.distributed`; one process works too): the rows
+      each process adds per lockstep round (a multiple of its devices).
+      Adds wait on the host until a `learn` / `sample`, which every process
+      calls in the same order and arguments (`update_priorities`, `state`,
+      `checkpoint` too); see the guide. MinSize, SampleToInsertRatio.
 
   >>> import jax, numpy as np, jaxbuf
   >>> buffer = jaxbuf.uniform_replay(64)
@@ -112,7 +118,14 @@ class ReplayService(Generic[StateT, SampleT]):
   >>> service.close()
   """
 
-  def __init__(self, buffer: Buffer[StateT, SampleT] | Mixture, state: StateT, rate_limiter=None):
+  def __init__(
+    self,
+    buffer: Buffer[StateT, SampleT] | Mixture,
+    state: StateT,
+    rate_limiter=None,
+    *,
+    lockstep_rows: int | None = None,
+  ):
     if rate_limiter is None:
       rate_limiter = MinSize(1)
     if not isinstance(rate_limiter, RateLimiter):
@@ -131,6 +144,18 @@ class ReplayService(Generic[StateT, SampleT]):
     )
     self._versions = UnitVersions(state)
     self._fifo = FifoReads(state, int(rate_limiter.max_diff)) if rate_limiter.fifo else None
+    sharded = getattr(getattr(buffer, "add", None), "split_settings", None) is not None
+    if lockstep_rows is None and sharded and jax.process_count() > 1:
+      raise ValueError(
+        "ReplayService: a jaxbuf.sharded buffer across processes needs lockstep_rows= (the "
+        "rows each process adds per lockstep round)."
+      )
+    self._lockstep = (
+      None
+      if lockstep_rows is None
+      else lockstep.Lockstep(buffer, state, rate_limiter, lockstep_rows)
+    )
+    self._global_inserts = 0  # lockstep: the inserts every process agreed on
     self._abstract_state = _abstract(state)  # read without the lock: never donated
     # The state's arrays are the service's own, so its adds donate them (in
     # place on the device); `state` hands out copies.
@@ -211,6 +236,10 @@ class ReplayService(Generic[StateT, SampleT]):
     entry = self._entry(writer, items, version, mask, episode_end, final_steps)
     if entry.units == 0 and not self._streams:
       return
+    if self._lockstep is not None and entry.units > self._lockstep.rows:
+      raise ValueError(
+        f"{what}: an add of {entry.units} rows; lockstep_rows is {self._lockstep.rows}."
+      )
     with self._counts_lock:
       self._largest_insert = max(self._largest_insert, entry.units)
       self.rate_limiter.check_sizes(self._largest_insert, max(self._largest_sample, 1))
@@ -221,6 +250,8 @@ class ReplayService(Generic[StateT, SampleT]):
       self._pending.append(entry)
       self.adds += 1
       self._sampleable.notify_all()
+    if self._lockstep is not None:
+      return  # the learners' lockstep rounds add it
     with self._state_lock:
       self._drain()
     if entry.error is not None:
@@ -231,7 +262,10 @@ class ReplayService(Generic[StateT, SampleT]):
     if not self._streams:
       if mask is not None or episode_end is not None or final_steps is not None:
         raise TypeError("Writer.add: mask, episode_end and final_steps are for the stream kinds.")
-      self._check_signature(items, None, None, None, writer.part)
+      if self._lockstep is not None:
+        self._lockstep.check(items)
+      else:
+        self._check_signature(items, None, None, None, writer.part)
       return coalescing.PendingAdd(
         writer, coalescing.rows_of(items), items, version, None, None, None, 1
       )
@@ -278,7 +312,9 @@ class ReplayService(Generic[StateT, SampleT]):
 
   def _drain(self) -> None:
     """Adds every pending add to the state, in as few device calls as the
-    forms allow. Holds `_state_lock`."""
+    forms allow. Holds `_state_lock`. Lockstep: nothing (rounds add)."""
+    if self._lockstep is not None:
+      return
     with self._counts_lock:
       pending, self._pending = self._pending, []
     if not pending:
@@ -407,6 +443,8 @@ class ReplayService(Generic[StateT, SampleT]):
     timeout = _check_timeout(timeout, what)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
       raise ValueError(f"{what}: batch_size must be an int >= 1; given {batch_size!r}.")
+    if self._lockstep is not None:
+      return lockstep.sampled(self, what, batch_size, timeout, call)
     with self._counts_lock:
       self._largest_sample = max(self._largest_sample, batch_size)
       self.rate_limiter.check_sizes(max(self._largest_insert, 1), self._largest_sample)
