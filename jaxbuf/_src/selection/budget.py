@@ -441,8 +441,11 @@ def with_max_times_sampled(factory: Callable, options: tuple[str, ...]) -> Calla
   takes only `options` of the factory's other keywords (refusing the rest,
   naming them)."""
 
+  # No default in `make`'s own parameters: Sphinx's autodoc_preserve_defaults
+  # reads defaults from the source and would pair them with `__signature__`'s.
   @functools.wraps(factory)
-  def make(capacity, *args, max_times_sampled=None, **keywords):
+  def make(capacity, *args, **keywords):
+    max_times_sampled = keywords.pop("max_times_sampled", None)
     if max_times_sampled is None:
       return factory(capacity, *args, **keywords)
     check_max_times_sampled(max_times_sampled)
