@@ -31,7 +31,7 @@ def source(cell: dict) -> str:
 
 
 def test_there_is_one_notebook_per_workflow():
-  assert len(NOTEBOOKS) >= 9
+  assert len(NOTEBOOKS) >= 11
 
 
 def test_the_suite_runs_the_notebooks_small():
