@@ -51,6 +51,7 @@ class Kind(NamedTuple):
   buffer: jaxbuf.Buffer
   streams: bool  # adds [N, T, ...] with episode ends, else [B, ...]
   values: bool = False  # add takes a value per item (keep-the-best)
+  repeats: bool = True  # a sample may repeat a unit; else it pads past those held
 
 
 KINDS = {
@@ -70,9 +71,11 @@ KINDS = {
   ),
   "episode": Kind(jaxbuf.episode_replay(NUM_ENVS, CAPACITY, CHUNK), True),
   # Selection and eviction rules (issue 42).
-  "queue": Kind(jaxbuf.queue_replay(CAPACITY), False),
-  "uniform_budget": Kind(jaxbuf.uniform_replay(CAPACITY, max_times_sampled=2), False),
-  "heap": Kind(jaxbuf.heap_replay(CAPACITY), False),
+  "queue": Kind(jaxbuf.queue_replay(CAPACITY), False, repeats=False),
+  "uniform_budget": Kind(
+    jaxbuf.uniform_replay(CAPACITY, max_times_sampled=2), False, repeats=False
+  ),
+  "heap": Kind(jaxbuf.heap_replay(CAPACITY), False, repeats=False),
   "keep_best": Kind(jaxbuf.keep_best_replay(CAPACITY), False, values=True),
 }
 
@@ -293,20 +296,23 @@ def test_a_bad_add_raises_naming_the_leaf_and_leaves_the_state_intact(name):
 @every_kind
 def test_can_sample_means_one_held_unit_whatever_the_batch_size(name):
   """One meaning on every kind: `sample(state, key, batch_size)` draws only
-  held data, true once one unit (item, window, piece, transition) is held,
-  whatever the batch size, since every kind samples with replacement. A
-  warm-up is a test of its own on the state: `state.size` (item kinds) or
-  `state.steps_held.sum()` (stream kinds) counts what was added."""
+  held data. A kind that samples with replacement is true once one unit
+  (item, window, piece, transition) is held, whatever the batch size; one
+  that never repeats an item and pads past those held (queue, heap, a
+  budget) once `batch_size` are held. A warm-up is a test of its own on the
+  state: `state.size` (item kinds) or `state.steps_held.sum()` (stream
+  kinds) counts what was added."""
   buffer = KINDS[name].buffer
   empty = buffer.init(STEP)
   for batch_size in (1, 64):
     assert not bool(buffer.can_sample(empty, batch_size))
   state = filled(name, adds=1)
-  for batch_size in (1, 64):
-    ready = buffer.can_sample(state, batch_size)
-    assert ready.shape == () and ready.dtype == jnp.bool_ and bool(ready)
   held = state.steps_held.sum() if KINDS[name].streams else state.size
   assert int(held) == (NUM_ENVS * CHUNK if KINDS[name].streams else BATCH)
+  for batch_size in (1, BATCH, BATCH + 1, 64):
+    ready = buffer.can_sample(state, batch_size)
+    assert ready.shape == () and ready.dtype == jnp.bool_
+    assert bool(ready) == (KINDS[name].repeats or batch_size <= BATCH), batch_size
   with pytest.raises(ValueError, match="can_sample: batch_size must be positive, given 0"):
     buffer.can_sample(state, 0)
 

@@ -185,10 +185,12 @@ class Buffer(NamedTuple, Generic[StateT, SampleT]):
     None) -> state`: `sample(...).indices` and `.item_ids`; the identity
     for uniform kinds (arguments still validated).
   * `can_sample(state, batch_size: int) -> jax.Array`, bool `()`: whether
-    `sample(state, key, batch_size)` draws only held data. Every kind
-    samples with replacement, so it is true once one unit is held (an item;
-    a complete window, piece, or transition with its stack), whatever
-    `batch_size`; `batch_size` is checked, and decides which parts must
+    `sample(state, key, batch_size)` draws only held data. A kind that
+    samples with replacement is true once one unit is held (an item; a
+    complete window, piece, or transition with its stack), whatever
+    `batch_size`; a queue or heap (no repeats, padding past the items held)
+    once `batch_size` items are held, a budgeted buffer once `batch_size`
+    items are live; `batch_size` is checked, and decides which parts must
     hold one in `jaxbuf.mixture` and in `jaxbuf.sharded` with local
     sampling.
   * `clear(state) -> state`: empty, storage kept.

@@ -271,6 +271,14 @@ def can_sample(state: ReplayState, batch_size: int) -> jax.Array:
   return state.size > 0
 
 
+def can_sample_without_repeats(state: ReplayState, batch_size: int) -> jax.Array:
+  """`can_sample` of a kind whose sample never repeats an item and pads the
+  rows past the items held (a queue, a heap): whether at least `batch_size`
+  items are held, bool `()`."""
+  validation.check_batch_size(batch_size, what="can_sample")
+  return state.size >= batch_size
+
+
 def _check_items_to_split(state: ReplayState, arguments: tuple, num_devices: int) -> None:
   """Items `[B, ...]` checked against the whole buffer's item, B by D."""
   (items,) = arguments

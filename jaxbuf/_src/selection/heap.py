@@ -10,7 +10,8 @@ first, deterministic: equal priorities go to the lower slot. The key is
 checked and unused. Asking for more than held gives padding rows past the
 items held (slot 0's item, weight 0, item id 0, index C: outside the items
 held, so `update_priorities` skips it, as for `epoch_batches` padding);
-checked mode raises instead. Cost
+checked mode raises instead, and `can_sample(state, S)` is true once S
+items are held. Cost
 O(S K log(S K) log_K C): a beam of S nodes down the levels of the tree
 (`extreme_tree.top`), never a sort of the buffer.
 
@@ -223,7 +224,7 @@ def heap_replay(
     add=functools.partial(add, order=order, checked=checked),
     sample=functools.partial(sample, order=order, checked=checked),
     update_priorities=functools.partial(update_priorities, order=order, checked=checked),
-    can_sample=ring.can_sample,
+    can_sample=ring.can_sample_without_repeats,
     clear=clear,
     kind=kind.Kind(
       name="heap_replay",

@@ -180,9 +180,10 @@ def clear(state: KeepBestState) -> KeepBestState:
 
 
 def can_sample(state: KeepBestState, batch_size: int) -> jax.Array:
-  """Whether the buffer holds at least `batch_size` items: bool `()`."""
+  """Whether `sample` draws only held items: bool `()`, true once one item
+  is held (sampling is with replacement, as for uniform replay)."""
   validation.check_batch_size(batch_size, what="can_sample")
-  return state.size >= batch_size
+  return state.size > 0
 
 
 def keep_best_replay(

@@ -309,7 +309,7 @@ def queue_replay(
     add=add,
     sample=functools.partial(sample, order=order, checked=checked),
     update_priorities=update_priorities,
-    can_sample=ring.can_sample,
+    can_sample=ring.can_sample_without_repeats,
     clear=clear,
     take=functools.partial(take, order=order, checked=checked),
     kind=kind.Kind(
