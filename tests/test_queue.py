@@ -230,3 +230,21 @@ def test_a_mixture_take_with_a_sharded_part_leaves_the_queue_on_its_device():
   np.testing.assert_array_equal(batch.items, peek.items)
   assert batch.items[2:].tolist() == [0, 1] and int(states[1].size) == 1
   assert states[1].storage.sharding == device
+
+
+def test_a_uniform_draw_of_eligible_rows_refuses_queue_and_heap_states():
+  """The service's max_version_lag draws with sample_eligible: from a queue
+  it handed out nothing, from a heap it ignored the order, silently."""
+  eligible = jnp.ones(CAPACITY, bool)
+  for buffer in (QUEUES["fifo"], jaxbuf.heap_replay(CAPACITY)):
+    state = buffer.add(buffer.init(jnp.int32(0)), jnp.arange(3, dtype=jnp.int32))
+    with pytest.raises(TypeError, match="sample_eligible: expected a ReplayState, given a"):
+      jaxbuf.uniform.sample_eligible(state, KEY, 2, eligible)
+  service = jaxbuf.ReplayService(QUEUES["fifo"], QUEUES["fifo"].init(jnp.int32(0)))
+  try:
+    service.writer().add(jnp.arange(3, dtype=jnp.int32), policy_version=1, timeout=10)
+    with pytest.raises(TypeError, match="given a QueueState"):
+      service.sample(KEY, 2, timeout=10, max_version_lag=3)
+    assert int(service.state.size) == 3 and service.counts.samples == 0
+  finally:
+    service.close()
