@@ -316,6 +316,10 @@ def take(
     `(states, batch)`: the states, each part's after its own `take` (a part
     with no rows as given), a list or a tuple as `states` was; and the
     `MixtureSample` that `sample` would draw from the same states and key.
+    One state given for several parts (`[s, s]`, the same arrays) is taken
+    from by each in turn, each from the state the one before left, and the
+    last is returned for each; inside a jit of your own the parts cannot
+    tell that their states are one, so pass it once there.
   """
   return _drawn(
     states, key, batch_size, buffers=buffers, proportions=proportions, what="mixture.take"
