@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jaxbuf
+from tests import devices
 
 CAPACITY = 5
 KEY = jax.random.key(0)
@@ -199,3 +200,51 @@ def test_a_queue_in_a_mixture_and_a_checkpoint(tmp_path):
   restored = jaxbuf.load(str(tmp_path / "queue"), like=jax.eval_shape(queue.init, jnp.int32(0)))
   restored, batch = queue.take(restored, KEY, 2)
   assert batch.items.tolist() == [2, 0] and batch.mask.tolist() == [True, False]
+
+
+def test_a_queue_given_twice_to_a_mixture_take_hands_each_item_out_once():
+  """[s, s]: one jit would donate the state's arrays twice; each part takes
+  from the state the part before left, and both get the final state."""
+  queue = QUEUES["fifo"]
+  mix = jaxbuf.mixture([queue, queue], [1, 1])
+  state = queue.add(queue.init(jnp.int32(0)), jnp.arange(CAPACITY, dtype=jnp.int32))
+  states, batch = mix.take([state, state], KEY, 4)
+  assert batch.items.tolist() == [0, 1, 2, 3]
+  assert [int(s.size) for s in states] == [1, 1] and states[0] is states[1]
+  _, batch = queue.take(states[0], KEY, 2)
+  assert batch.items.tolist() == [4, 0] and batch.mask.tolist() == [True, False]
+
+
+@devices.needs(2)
+def test_a_mixture_take_with_a_sharded_part_leaves_the_queue_on_its_device():
+  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+  split, queue = jaxbuf.sharded(jaxbuf.uniform_replay(8), mesh), QUEUES["fifo"]
+  mix = jaxbuf.mixture([split, queue], [1, 1])
+  states = [
+    split.add(split.init(jnp.int32(0)), jnp.arange(4, dtype=jnp.int32) + 100),
+    queue.add(queue.init(jnp.int32(0)), jnp.arange(3, dtype=jnp.int32)),
+  ]
+  device = states[1].storage.sharding
+  peek = mix.sample(states, KEY, 4)
+  states, batch = mix.take(states, KEY, 4)
+  np.testing.assert_array_equal(batch.items, peek.items)
+  assert batch.items[2:].tolist() == [0, 1] and int(states[1].size) == 1
+  assert states[1].storage.sharding == device
+
+
+def test_a_uniform_draw_of_eligible_rows_refuses_queue_and_heap_states():
+  """The service's max_version_lag draws with sample_eligible: from a queue
+  it handed out nothing, from a heap it ignored the order, silently."""
+  eligible = jnp.ones(CAPACITY, bool)
+  for buffer in (QUEUES["fifo"], jaxbuf.heap_replay(CAPACITY)):
+    state = buffer.add(buffer.init(jnp.int32(0)), jnp.arange(3, dtype=jnp.int32))
+    with pytest.raises(TypeError, match="sample_eligible: expected a ReplayState, given a"):
+      jaxbuf.uniform.sample_eligible(state, KEY, 2, eligible)
+  service = jaxbuf.ReplayService(QUEUES["fifo"], QUEUES["fifo"].init(jnp.int32(0)))
+  try:
+    service.writer().add(jnp.arange(3, dtype=jnp.int32), policy_version=1, timeout=10)
+    with pytest.raises(TypeError, match="given a QueueState"):
+      service.sample(KEY, 2, timeout=10, max_version_lag=3)
+    assert int(service.state.size) == 3 and service.counts.samples == 0
+  finally:
+    service.close()

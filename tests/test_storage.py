@@ -504,3 +504,18 @@ def test_sharded_disk_tier_keeps_each_devices_rows_in_its_own_files(name, tmp_pa
     assert block.stat().st_size == 32 // devices * (64 if name == "prioritized" else 30)
     assert block.read_bytes().strip(b"\0"), device  # written to
   storage.close()
+
+
+def test_host_tier_refuses_a_device_tier_state_naming_both_types():
+  host, device = jaxbuf.uniform_replay(8, storage="host"), jaxbuf.uniform_replay(8)
+  state = device.add(device.init(jnp.int32(0)), jnp.arange(3, dtype=jnp.int32))
+  key = jax.random.key(0)
+  for call in (
+    lambda: host.take(state, key, 2),
+    lambda: host.sample(state, key, 2),
+    lambda: host.add(state, jnp.arange(2, dtype=jnp.int32)),
+    lambda: host.can_sample(state, 2),
+  ):
+    with pytest.raises(TypeError, match="expected a HostTierState, given a ReplayState"):
+      call()
+  assert int(state.size) == 3  # intact

@@ -8,6 +8,9 @@ restate that rule.
 
 Shape key: S sample size, S_k rows of part k, K parts (buffers).
 
+Why one module of this size: it is one rule, how a batch is split over parts
+and each part's rows sent back to its own buffer (sample, take, update).
+
 RLPD (Ball et al. 2023) draws each batch half from an offline dataset and
 half from online replay; DQfD mixes demonstrations with the agent's own
 experience; multi-task agents draw evenly from each task's buffer. A mixture
@@ -319,6 +322,10 @@ def take(
     `(states, batch)`: the states, each part's after its own `take` (a part
     with no rows as given), a list or a tuple as `states` was; and the
     `MixtureSample` that `sample` would draw from the same states and key.
+    One state given for several parts (`[s, s]`, the same arrays) is taken
+    from by each in turn, each from the state the one before left, and the
+    last is returned for each; inside a jit of your own the parts cannot
+    tell that their states are one, so pass it once there.
   """
   return _drawn(
     states, key, batch_size, buffers=buffers, proportions=proportions, what="mixture.take"
@@ -343,15 +350,20 @@ def _drawn(
   keys = _part_keys(key, len(buffers))
   abstract = _abstract_parts(states, keys, rows, buffers)
   _check_items_agree(abstract, buffers, what=what)
-  consume = what == "mixture.take"
-  drawn = [
-    (buffer.take if consume else _peeked(buffer.sample))(state, part_key, count)
-    if count
-    else (state, _empty_like(shapes))
-    for buffer, state, part_key, count, shapes in zip(buffers, states, keys, rows, abstract)
-  ]
-  parts = tuple(part for _, part in drawn)
-  after = [state for state, _ in drawn]
+  # One state given for several parts (one queue drawn twice) is taken from
+  # by each of them in turn, and returned for each, as an update does.
+  owners = _owners(states) if what == "mixture.take" else list(range(len(states)))
+  current, parts_drawn = list(states), []
+  for k, (buffer, part_key, count, shapes) in enumerate(zip(buffers, keys, rows, abstract)):
+    if not count:
+      parts_drawn.append(_empty_like(shapes))
+    elif what == "mixture.take":
+      current[owners[k]], part = buffer.take(current[owners[k]], part_key, count)
+      parts_drawn.append(part)
+    else:
+      parts_drawn.append(buffer.sample(states[k], part_key, count))
+  parts = _placed_together(parts_drawn, buffers)
+  after = [current[owner] for owner in owners]
   source = np.repeat(np.arange(len(buffers), dtype=np.int32), rows)
   mask, lengths = _joined_masks(parts)
   return (tuple(after) if isinstance(states, tuple) else after), MixtureSample(
@@ -364,9 +376,21 @@ def _drawn(
   )
 
 
-def _peeked(sample_function: Callable) -> Callable:
-  """`sample_function` as a `take` that leaves the state as given."""
-  return lambda state, key, count: (state, sample_function(state, key, count))
+def _placed_together(parts: Sequence[Any], buffers: Sequence[Buffer]) -> tuple:
+  """The parts' samples, where they can be joined: drawn one part at a time
+  (a take with a sharded part), every part's rows are copied onto the
+  sharded part's mesh, whole on every device (rows, not states)."""
+  if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(parts)):
+    return tuple(parts)
+  meshes = [
+    jax.tree.leaves(part)[0].sharding.mesh
+    for part, buffer in zip(parts, buffers)
+    if buffer.kind is not None and "devices" in dict(buffer.kind.settings)
+  ]
+  if not meshes:
+    return tuple(parts)
+  whole = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec())
+  return tuple(jax.device_put(part, whole) for part in parts)
 
 
 def update_priorities(
@@ -599,13 +623,23 @@ def mixture(buffers: Sequence[Buffer], proportions: Sequence[float]) -> Mixture:
     jitted_update = base._explained(  # pylint: disable=protected-access
       "mixture.update_priorities", jax.jit(mixed_update, donate_argnums=0)
     )
-    mixed_take = base._explained(  # pylint: disable=protected-access
+    part_by_part = _updated_part_by_part(buffers)
+    each_part_update, each_part_take = mixed_update, mixed_take
+    jitted_take = base._explained(  # pylint: disable=protected-access
       "mixture.take",
-      jax.jit(mixed_take, static_argnames="batch_size", donate_argnums=0),
+      jax.jit(each_part_take, static_argnames="batch_size", donate_argnums=0),
       batch_size_position=2,
     )
-    part_by_part = _updated_part_by_part(buffers)
-    each_part_update = mixed_update
+
+    @functools.wraps(each_part_take)
+    def mixed_take(states, key, batch_size):
+      # As for an update: a shared state would be donated twice by one jit,
+      # and a sharded part would lay the other parts' states over its mesh.
+      if part_by_part(states):
+        return each_part_take(states, key, batch_size)
+      return jitted_take(states, key, batch_size)
+
+    mixed_take = base.with_jit_tools(mixed_take, jitted_take)
 
     @functools.wraps(mixed_update)
     def mixed_update(states, batch, priorities):

@@ -3,6 +3,9 @@
 The checks read only shapes, dtypes and tree structure, so they run once while
 tracing and cost nothing in the compiled program. Every message names the leaf
 path (as `jax.tree_util.keystr` writes it), the expected and the given value.
+
+Why one module of this size: every kind's entry checks, kept in one place so
+that their messages read alike.
 """
 
 import math

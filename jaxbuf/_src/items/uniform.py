@@ -101,6 +101,9 @@ def sample_eligible(
   >>> bool(jnp.all(batch.items >= 2))
   True
   """
+  # Exact: a queue's or heap's state is a ReplayState too, but a uniform
+  # draw from it would neither hand its items out nor follow its order.
+  validation.check_state_kind(state, ReplayState, what="sample_eligible", exact=True)
   validation.check_sample_args(state.size, key, batch_size, checked=False)
   capacity = ring.capacity_of(state.storage)
   if jnp.shape(eligible) != (capacity,):

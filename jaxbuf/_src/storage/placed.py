@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
 
+from jaxbuf._src.core import validation
 from jaxbuf._src.core.base import Buffer, BufferState
 from jaxbuf._src.core.pytypes import PyTree
 from jaxbuf._src.storage import disk as disk_files
@@ -179,11 +180,13 @@ def _host_space_scatter(column: jax.Array, written: jax.Array, values: jax.Array
     return column.at[at].set(values, mode="drop", unique_indices=True)
 
 
-def _in_host_space(state: HostTierState) -> HostTierState:
-  """`state` with every payload column typed as host memory. A column
+def _in_host_space(state: HostTierState, what: str) -> HostTierState:
+  """`state` (refused, naming both types, if it is not a host tier's) with
+  every payload column typed as host memory. A column
   restored by `jaxbuf.load` has a `pinned_host` sharding but a device-space
   type (JAX 0.10.2), which host-space gathers refuse; `device_put` to the host
   space retypes it (once, after the load; a column typed as host passes as it is)."""
+  validation.check_state_kind(state, HostTierState, what=what, exact=True, stacked=True)
   payload = {
     path: (
       column
@@ -250,6 +253,9 @@ def host_buffer(buffer: Buffer, tier: tiers.Host, layout: tiers.Layout) -> Buffe
   def on_core(function: Callable) -> Callable:
     @functools.wraps(function)
     def wrapped(state: HostTierState, *args: Any, **kwargs: Any) -> Any:
+      validation.check_state_kind(
+        state, HostTierState, what=function.__name__, exact=True, stacked=True
+      )
       result = function(state.core, *args, **kwargs)
       return state.replace(core=result) if isinstance(result, BufferState) else result
 
@@ -261,15 +267,15 @@ def host_buffer(buffer: Buffer, tier: tiers.Host, layout: tiers.Layout) -> Buffe
 
   @functools.wraps(add)
   def add_in_host_space(state: HostTierState, *args: Any, **kwargs: Any) -> HostTierState:
-    return jitted_add(_in_host_space(state), *args, **kwargs)
+    return jitted_add(_in_host_space(state, "add"), *args, **kwargs)
 
   @functools.wraps(sample)
   def sample_in_host_space(state: HostTierState, *args: Any, **kwargs: Any) -> Any:
-    return jitted_sample(_in_host_space(state), *args, **kwargs)
+    return jitted_sample(_in_host_space(state, "sample"), *args, **kwargs)
 
   @functools.wraps(take)
   def take_in_host_space(state: HostTierState, *args: Any, **kwargs: Any) -> Any:
-    return jitted_take(_in_host_space(state), *args, **kwargs)
+    return jitted_take(_in_host_space(state, "take"), *args, **kwargs)
 
   return Buffer(
     init=init,
