@@ -53,6 +53,7 @@ from jaxbuf._src.core import ring
 from jaxbuf._src.core import sum_tree
 from jaxbuf._src.core import validation
 from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, Schedule, bind
+from jaxbuf._src.core.ring import ReplayState
 from jaxbuf._src.items import prioritized
 from jaxbuf._src.items import uniform
 
@@ -485,7 +486,54 @@ def with_max_times_sampled(factory: Callable, options: tuple[str, ...]) -> Calla
   return make
 
 
-uniform_replay = with_max_times_sampled(uniform.uniform_replay, ("checked",))
-prioritized_replay = with_max_times_sampled(
+_uniform_replay = with_max_times_sampled(uniform.uniform_replay, ("checked",))
+_prioritized_replay = with_max_times_sampled(
   prioritized.prioritized_replay, ("alpha", "beta", "eps", "stratified", "checked")
 )
+
+
+def _given_storage(storage: Any) -> dict[str, Any]:
+  """`storage=` as a keyword only when it names a tier (the budgeted
+  buffers refuse it: they live on the device)."""
+  return {} if isinstance(storage, str) and storage == "device" else {"storage": storage}
+
+
+# The public factories, typed: the wrappers above take any keywords, so
+# type checkers would read their results as Any.
+def uniform_replay(
+  capacity: int,
+  *,
+  checked: bool = False,
+  max_times_sampled: int | None = None,
+  storage: Any = "device",
+) -> Buffer[ReplayState, ReplaySample]:
+  return _uniform_replay(
+    capacity, checked=checked, max_times_sampled=max_times_sampled, **_given_storage(storage)
+  )
+
+
+def prioritized_replay(
+  capacity: int,
+  *,
+  alpha: float = 0.6,
+  beta: float | Schedule = 0.4,
+  eps: float = 1e-6,
+  stratified: bool = True,
+  checked: bool = False,
+  max_times_sampled: int | None = None,
+  storage: Any = "device",
+) -> Buffer[prioritized.PrioritizedReplayState, ReplaySample]:
+  return _prioritized_replay(
+    capacity,
+    alpha=alpha,
+    beta=beta,
+    eps=eps,
+    stratified=stratified,
+    checked=checked,
+    max_times_sampled=max_times_sampled,
+    **_given_storage(storage),
+  )
+
+
+uniform_replay.__doc__ = _uniform_replay.__doc__
+prioritized_replay.__doc__ = _prioritized_replay.__doc__
