@@ -57,7 +57,7 @@ The module-level functions take every setting explicitly;
 """
 
 import functools
-from typing import Any, Callable, NamedTuple, Self, TypeVar
+from typing import Any, Callable, NamedTuple, Self, TypeVar, cast
 
 import flax.struct
 import jax
@@ -701,29 +701,42 @@ def add_steps(
   return new_state
 
 
-def gather_windows(
+def window_rows(
   state: SequenceReplayState, window_ids: jax.Array, *, sequence_length: int
+) -> jax.Array:
+  """The rows of windows `[S]` in the storage seen flat as `[N * R, ...]`:
+  int32 `[S * L]`, window by window, each env's ring wrapped."""
+  per_env = steps_per_env(state)
+  starts = window_ids.astype(jnp.int32)
+  firsts = starts - starts % per_env
+  offsets = (starts % per_env)[:, None] + jnp.arange(sequence_length, dtype=jnp.int32)[None, :]
+  # The env's ring: offsets past its end wrap to its first slot.
+  wrapped = jnp.where(offsets >= per_env, offsets - per_env, offsets)
+  return (firsts[:, None] + wrapped).reshape(-1)
+
+
+def gather_windows(
+  state: SequenceReplayState,
+  window_ids: jax.Array,
+  *,
+  sequence_length: int,
+  flat_rows: jax.Array | None = None,
 ) -> tuple[PyTree, jax.Array]:
   """Items `[S, L, ...]` of windows `[S]` and their first-episode mask `[S, L]`.
 
   One gather of S * L rows from each leaf seen flat as `[N * R, ...]`. The
-  row indices are computed once (`random.computed_once`), not inside the
-  gather: fused there, their divisions and remainders were redone for every
-  element of every gathered row.
+  row indices (`window_rows`) are computed once (`random.computed_once`),
+  not inside the gather: fused there, their divisions and remainders were
+  redone for every element of every gathered row. A caller that computed
+  them in its own `computed_once` passes them as `flat_rows`.
   """
   per_env = steps_per_env(state)
   num_rows = num_envs_of(state) * per_env
   num_windows = window_ids.shape[0]
-
-  def rows():
-    starts = window_ids.astype(jnp.int32)
-    firsts = starts - starts % per_env
-    offsets = (starts % per_env)[:, None] + jnp.arange(sequence_length, dtype=jnp.int32)[None, :]
-    # The env's ring: offsets past its end wrap to its first slot.
-    wrapped = jnp.where(offsets >= per_env, offsets - per_env, offsets)
-    return (firsts[:, None] + wrapped).reshape(-1)
-
-  flat_rows = random.computed_once(rows, window_ids[0])
+  if flat_rows is None:
+    flat_rows = random.computed_once(
+      lambda: window_rows(state, window_ids, sequence_length=sequence_length), window_ids[0]
+    )
   gather = lambda column: (
     column.reshape((num_rows,) + column.shape[2:])
     .at[flat_rows]
@@ -765,7 +778,7 @@ def first_window_offsets(
   return sequence_length - 1 + (residue - (sequence_length - 1)) % period
 
 
-def uniform_window_ids(
+def uniform_windows(
   state: SequenceReplayState,
   key: jax.Array,
   batch_size: int,
@@ -774,29 +787,41 @@ def uniform_window_ids(
   sequence_length: int,
   period: int,
   within: bool,
-) -> jax.Array:
-  """Window ids drawn uniformly over every sampleable window: int32 `[S]`.
+) -> tuple[jax.Array, jax.Array]:
+  """Window ids drawn uniformly over every sampleable window, int32 `[S]`,
+  and their storage rows, int32 `[S * L]` (`window_rows`).
 
   Across episodes the windows of env n are every `period`-th start from
   `first_window_offsets`, so one integer drawn exactly in `[0, total)` (64
   random bits scaled by `random.scale_to_span`) picks an env by the prefix
-  sums of `window_counts` and a start within it: O(S log N), no tree. Within
-  episodes the windows are irregular, and a sum tree with leaf 1 per window
-  is descended instead (float32 counts are exact below 2**24 windows).
+  sums of `window_counts` and a start within it: O(S log N), no tree. The
+  draw and the rows are computed in one `random.computed_once`: as two (the
+  draw's, then the rows' in `gather_windows`) the second loop waited on the
+  first, and a fused PureJaxRL DQN step (windows of 2, 3 seeds vmapped) spent
+  35 us in the sample rather than 18 (benchmarks/RESULTS.md, "PureJaxRL's
+  fused DQN"). Within episodes the windows are irregular, and a sum tree
+  with leaf 1 per window is descended instead (float32 counts are exact
+  below 2**24 windows).
   """
   if within:
     assert state.window_tree is not None  # kept within episodes (init)
     found, _ = sum_tree.sample_leaves(state.window_tree, key, batch_size, stratified=False)
-    return jnp.where(total > 0, found, 0)
+    window_ids = jnp.where(total > 0, found, 0)
+    rows = random.computed_once(
+      lambda: window_rows(state, window_ids, sequence_length=sequence_length), window_ids[0]
+    )
+    return window_ids, rows
 
   def draw():
     higher_bits, lower_bits = random.random_bits(key, (2, batch_size))
     span = jnp.maximum(total, 1).astype(jnp.uint32)
     ranks = random.scale_to_span(higher_bits, lower_bits, span).astype(jnp.int32)
     window_ids = window_ids_at_ranks(state, ranks, sequence_length=sequence_length, period=period)
-    return jnp.where(total > 0, window_ids, 0)
+    window_ids = jnp.where(total > 0, window_ids, 0)
+    return window_ids, window_rows(state, window_ids, sequence_length=sequence_length)
 
-  return random.computed_once(draw, total)
+  # computed_once keeps any pytree (its loop carries one); typed for arrays.
+  return cast(tuple[jax.Array, jax.Array], random.computed_once(draw, total))
 
 
 def window_ids_at_ranks(
@@ -847,10 +872,10 @@ def sample(
   """
   validation.check_state_kind(state, SequenceReplayState, what="sample", exact=True)
   total = check_sample(state, key, batch_size, checked=checked)
-  window_ids = uniform_window_ids(
+  window_ids, rows = uniform_windows(
     state, key, batch_size, total, sequence_length=sequence_length, period=period, within=within
   )
-  items, mask = gather_windows(state, window_ids, sequence_length=sequence_length)
+  items, mask = gather_windows(state, window_ids, sequence_length=sequence_length, flat_rows=rows)
   return SequenceSample(
     items=items,
     indices=window_ids,
