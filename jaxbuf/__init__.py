@@ -86,6 +86,8 @@ from jaxbuf._src.mixture import Mixture
 from jaxbuf._src.mixture import MixtureSample
 from jaxbuf._src.mixture import mixture
 from jaxbuf._src.core.spaces import example_from_space
+from jaxbuf._src.streams.pairs import StepPair
+from jaxbuf._src.streams.pairs import step_pairs
 from jaxbuf._src.streams.transitions import NStepTargets
 from jaxbuf._src.streams.transitions import NStepTransitions
 from jaxbuf._src.streams.transitions import burn_in_split
@@ -156,6 +158,7 @@ __all__ = (
   "SequenceSample",
   "ServiceClosed",
   "ServiceSample",
+  "StepPair",
   "Transition",
   "VectorEnvRecorder",
   "Writer",
@@ -205,6 +208,7 @@ __all__ = (
   "sequence_replay",
   "sharded",
   "shuffled_minibatches",
+  "step_pairs",
   "streams",
   "to_minari",
   "to_rlds_steps",

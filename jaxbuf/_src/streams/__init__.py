@@ -2,7 +2,8 @@
 whole episodes: sequence replay (`sequence`) and its prioritized form
 (`prioritized_sequence`), episode (`episode`), frame-stack (`frames`) and
 hindsight (`hindsight`) replay, the n-step transitions read from sampled
-windows (`transitions`), and the stream convention they all follow
+windows (`transitions`), flashbax's flat-buffer pairs of consecutive steps
+(`pairs`), and the stream convention they all follow
 (`convention`, public as `jaxbuf.streams`). Beside the kinds, from the
 bottom up: the rules of their priority updates (`window_priorities`, below
 `sequence`), each kind's split over devices (`device_split`, above the

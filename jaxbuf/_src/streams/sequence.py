@@ -797,8 +797,8 @@ def uniform_windows(
   sums of `window_counts` and a start within it: O(S log N), no tree. The
   draw and the rows are computed in one `random.computed_once`: as two (the
   draw's, then the rows' in `gather_windows`) the second loop waited on the
-  first, and a fused PureJaxRL DQN step (windows of 2, 3 seeds vmapped) spent
-  35 us in the sample rather than 18 (benchmarks/RESULTS.md, "PureJaxRL's
+  first: a sample of 128 windows of 2 at 10k steps, 3 buffers vmapped, took
+  28 us rather than 17 on a 2-core CPU (benchmarks/RESULTS.md, "PureJaxRL's
   fused DQN"). Within episodes the windows are irregular, and a sum tree
   with leaf 1 per window is descended instead (float32 counts are exact
   below 2**24 windows).
