@@ -222,13 +222,7 @@ def _open_format_1(files: Any, manifest: dict[str, Any]) -> None:
   `row + 1` (lap 0) in the state."""
   for leaf in files.leaves:
     crc_path = files.path(leaf)[: -len(".rows")] + ".crc"
-    try:
-      with open(crc_path, "rb") as file:
-        table = file.read()
-    except FileNotFoundError:
-      raise PayloadError(
-        errno.ENOENT, f"disk: the checksum table {crc_path!r} is missing."
-      ) from None
+    table = records.read_file(crc_path, f"the checksum table {crc_path!r} is")
     if hashlib.sha256(table).hexdigest() != manifest["checksums"][leaf] or (
       len(table) != 4 * files.rows
     ):

@@ -149,13 +149,7 @@ def read_tables(
   `[L]`; checked against the manifest's size and SHA-256."""
   entry = manifest["tables"]
   path = os.path.join(directory, entry["file"])
-  try:
-    with open(path, "rb") as file:
-      data = file.read()
-  except FileNotFoundError:
-    raise PayloadError(
-      errno.ENOENT, f"disk: the tables {path!r} that {MANIFEST} names are missing."
-    ) from None
+  data = read_file(path, f"the tables {path!r} that {MANIFEST} names are")
   expected = 4 * rows * (len(leaves) + 1) + 8 * entry["lost"]
   if len(data) != expected or hashlib.sha256(data).hexdigest() != entry["sha256"]:
     raise PayloadError(
@@ -170,6 +164,16 @@ def read_tables(
   if lost.size and (lost.min() < 0 or lost.max() >= rows):
     raise PayloadError(errno.EIO, f"disk: the tables {path!r} list lost rows outside [0, {rows}).")
   return checksums, laps, lost
+
+
+def read_file(path: str, what: str) -> bytes:
+  """The bytes of `path`; a missing file is a `PayloadError` saying `what`
+  ("the tables ... are") is missing."""
+  try:
+    with open(path, "rb") as file:
+      return file.read()
+  except FileNotFoundError:
+    raise PayloadError(errno.ENOENT, f"disk: {what} missing.") from None
 
 
 def read_journal(directory: str, rows: int) -> np.ndarray:
