@@ -277,6 +277,56 @@ def test_a_long_run_between_syncs_keeps_a_short_journal(tmp_path, monkeypatch):
   storage.close()
 
 
+def test_a_full_disk_while_journaling_adds_nothing_and_keeps_the_journal_whole(
+  tmp_path, monkeypatch
+):
+  storage, buffer, state = filled(tmp_path / "payload")
+  storage.sync()
+  jaxbuf.save(tmp_path / "checkpoint", state)
+  state = buffer.add(state, items(CAPACITY, 4))  # rows 0..3, journaled
+  real_write = os.write
+
+  def half_written(fd, data):  # the journal's record cut short by a full disk
+    return real_write(fd, data[: len(data) // 2])
+
+  monkeypatch.setattr(os, "write", half_written)
+  with pytest.raises(OSError, match="No space left on device.*Nothing was added"):
+    buffer.add(state, items(CAPACITY + 4, 4))
+  monkeypatch.undo()
+  assert os.path.getsize(tmp_path / "payload" / records.JOURNAL) == 16  # one whole record
+  state = buffer.add(state, items(CAPACITY + 4, 4))  # rows 4..7: the buffer goes on
+  assert_rows_match_their_items(buffer.sample(state, jax.random.key(0), 64))
+  storage.close()  # no sync: the journal says which rows to check
+  storage = jaxbuf.disk(tmp_path / "payload")
+  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  with pytest.warns(UserWarning, match="8 rows no longer match"):
+    buffer.init(ITEM)
+  np.testing.assert_array_equal(storage.lost_rows(), np.arange(8))
+  storage.close()
+
+
+def test_a_new_run_over_old_files_never_pairs_with_the_old_checkpoint(tmp_path):
+  # A fresh state over files written before (a new run in the old
+  # directory): the files count each row's laps on, so a checkpoint of the
+  # first run never matches the rows the second run wrote.
+  storage, buffer, state = filled(tmp_path / "payload")
+  jaxbuf.save(tmp_path / "first", state)
+  storage.sync()
+  storage.close()
+  storage = jaxbuf.disk(tmp_path / "payload")
+  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  fresh = buffer.add(buffer.init(ITEM), items(5000, 10))  # rows 0..9 again
+  assert_rows_match_their_items(buffer.sample(fresh, jax.random.key(0), 64))
+  storage.sync()
+  storage.close()
+  storage = jaxbuf.disk(tmp_path / "payload")
+  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  first = jaxbuf.load(tmp_path / "first", like=buffer.init(ITEM))
+  with pytest.raises(OSError, match="10 of the 32 rows it holds are not in the files"):
+    buffer.sample(first, jax.random.key(0), BATCH)
+  storage.close()
+
+
 # --- A checkpoint older (or newer) than the files ---------------------------------
 
 

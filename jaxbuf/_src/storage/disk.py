@@ -130,6 +130,7 @@ class PayloadFiles:
     self._lock = threading.RLock()
     self.lock_fd: int | None = None
     self._journal_fd: int | None = None
+    self._journal_size = 0  # bytes, kept here: no stat per add
     self._journal_limit = _JOURNAL_BYTES
     self.fds: dict[str, int] = {}
     self.inodes: dict[str, int] = {}
@@ -149,6 +150,7 @@ class PayloadFiles:
       self._journal_fd = os.open(
         os.path.join(directory, records.JOURNAL), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
       )
+      self._journal_size = os.fstat(self._journal_fd).st_size
     except BaseException:
       self.close()
       raise
@@ -239,17 +241,25 @@ class PayloadFiles:
 
   def _append_journal(self, runs: list[tuple[int, int]]) -> None:
     assert self._journal_fd is not None
-    os.write(self._journal_fd, records.journal_record(runs))
-    if os.fstat(self._journal_fd).st_size > self._journal_limit:
+    record = records.journal_record(runs)
+    try:
+      if os.write(self._journal_fd, record) != len(record):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError:
+      # A record cut short would shift every later one: cut it off.
+      os.ftruncate(self._journal_fd, self._journal_size)
+      raise
+    self._journal_size += len(record)
+    if self._journal_size > self._journal_limit:
       # Compacted to the runs of the rows it names: a long run between syncs
       # keeps a journal of at most a few runs (a ring writes in order).
       rows = records.read_journal(self.directory, self.rows)
       compact = records.journal_record(records.row_runs(rows))
       path = os.path.join(self.directory, records.JOURNAL)
-      records.atomic_write(path + ".compact", compact)
-      os.replace(path + ".compact", path)
+      records.atomic_write(path, compact)
       os.close(self._journal_fd)
       self._journal_fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+      self._journal_size = len(compact)
       self._journal_limit = max(_JOURNAL_BYTES, 2 * len(compact))
 
   def write_rows(
@@ -458,7 +468,7 @@ class PayloadFiles:
       self.commit()
       if self._journal_fd is not None:
         os.ftruncate(self._journal_fd, 0)
-        self._journal_limit = _JOURNAL_BYTES
+        self._journal_size, self._journal_limit = 0, _JOURNAL_BYTES
 
   def commit(self) -> None:
     generation = self.generation + (self.tables_file is not None)
