@@ -26,8 +26,9 @@ from jaxbuf._src.storage import disk as disk_files
 NUM_ENVS, CAPACITY, SAMPLE = 2, 24, 6
 
 ITEM = {"pixels": jnp.zeros((8, 8), jnp.uint8), "vector": jnp.zeros(3, jnp.float32)}
+# Frames of 64 bytes a step: the host tier's payload (rows of 64 bytes or more).
 STEP = {
-  "obs": {"pixels": jnp.zeros((6, 5), jnp.uint8), "position": jnp.zeros(2, jnp.float32)},
+  "obs": {"pixels": jnp.zeros((8, 8), jnp.uint8), "position": jnp.zeros(2, jnp.float32)},
   "action": jnp.int32(0),
   "reward": jnp.float32(0),
   "terminated": jnp.bool_(False),
@@ -183,9 +184,7 @@ def test_host_tier_storage_is_the_payload_in_pinned_host_memory(name, tmp_path):
   # row numbers that would pass for data).
   factory, streams = FACTORIES[name]
   host, device = factory("host"), factory("device")
-  # Frames of 64 bytes a step: the payload by default (min_row_bytes 64).
-  example = {**STEP, "obs": {**STEP["obs"], "pixels": jnp.zeros((8, 8), jnp.uint8)}}
-  example = example if streams else ITEM
+  example = STEP if streams else ITEM
   rng = np.random.default_rng(5)
   states = [buffer.init(example) for buffer in (host, device)]
   for _ in range(3):
@@ -541,7 +540,7 @@ def test_sharded_disk_tier_keeps_each_devices_rows_in_its_own_files(name, tmp_pa
   # Device d's rows are in directory/device-<d>, and only there.
   for device in range(devices):
     (block,) = (tmp_path / "payload" / f"device-{device}").glob("*pixels.rows")
-    assert block.stat().st_size == 32 // devices * (64 if name == "prioritized" else 30)
+    assert block.stat().st_size == 32 // devices * 64
     assert block.read_bytes().strip(b"\0"), device  # written to
   storage.close()
 

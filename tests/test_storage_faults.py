@@ -160,6 +160,27 @@ def test_allocation_checks_free_space_first_and_falls_back_to_writing_zeros(tmp_
   assert not list((tmp_path / "blocks").rglob("*.rows"))
 
 
+def test_a_tier_that_would_hold_nothing_is_refused_at_init(tmp_path):
+  # Every leaf under min_row_bytes stays on the device: a disk tier asked
+  # for would write a manifest and no payload (77 bytes for a buffer of
+  # 1,056), so init says so, naming the leaf and the setting that moves it.
+  small = {"obs": jnp.zeros(8, jnp.float32), "action": jnp.int32(0), "reward": jnp.float32(0)}
+  storage = jaxbuf.disk(tmp_path / "payload")
+  with pytest.raises(
+    ValueError,
+    match=r"would hold nothing: .* the largest that may move, \['obs'\], holds 32 bytes a "
+    r"row. jaxbuf.disk\(directory, min_row_bytes=32\) moves it",
+  ):
+    jaxbuf.uniform_replay(24, storage=storage).init(small)
+  assert storage.files is None and not (tmp_path / "payload").exists()
+  with pytest.raises(ValueError, match=r"storage='host' would hold nothing: .* storage='device'"):
+    jaxbuf.uniform_replay(24, storage="host").init(small)
+  storage = jaxbuf.disk(tmp_path / "payload", min_row_bytes=32)
+  jaxbuf.uniform_replay(24, storage=storage).init(small)
+  assert (tmp_path / "payload" / "obs.rows").stat().st_size == 24 * 32
+  storage.close()
+
+
 # --- A kill between syncs: every row that verifies is kept ----------------------
 
 CHILD = textwrap.dedent("""

@@ -49,6 +49,9 @@ class Host:
 
   min_row_bytes: int = DEFAULT_MIN_ROW_BYTES
 
+  def __repr__(self) -> str:
+    return "'host'"
+
 
 class Disk:
   """Payload leaves in files under `directory` (`jaxbuf.disk`).
@@ -204,13 +207,33 @@ class Layout:
 
 def payload_paths(example: PyTree, tier: Host | Disk, layout: Layout) -> tuple[str, ...]:
   """The paths of `example`'s leaves that go to the tier (per leaf: big
-  enough and eligible), in tree order."""
-  chosen = []
+  enough and eligible), in tree order. None going is refused: the tier
+  asked for would hold nothing (the leaves would all stay on the device)."""
+  chosen, eligible = [], {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(example)[0]:
     name = jax.tree_util.keystr(path)
     row_bytes = int(np.prod(np.shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-    if row_bytes >= tier.min_row_bytes and row_bytes > 0 and layout.eligible(name):
-      chosen.append(name)
+    if layout.eligible(name) and row_bytes > 0:
+      eligible[name] = row_bytes
+      if row_bytes >= tier.min_row_bytes:
+        chosen.append(name)
+  if not chosen:
+    largest = max(eligible, key=eligible.__getitem__, default=None)
+    found = (
+      f"the largest that may move, {largest}, holds {eligible[largest]} bytes a row"
+      if largest is not None
+      else "no leaf of it may move"
+    )
+    smaller = (
+      f"jaxbuf.disk(directory, min_row_bytes={eligible[largest]}) moves it, or "
+      if isinstance(tier, Disk) and largest is not None
+      else ""
+    )
+    raise ValueError(
+      f"init: storage={tier!r} would hold nothing: leaves whose row holds fewer "
+      f"than {tier.min_row_bytes} bytes stay on the device, and {found}. "
+      f"{smaller}storage='device' keeps everything on the device, as this would."
+    )
   return tuple(chosen)
 
 
