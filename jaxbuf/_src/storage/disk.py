@@ -411,16 +411,22 @@ class PayloadFiles:
     shape, dtype = self.leaves[leaf]
     row_bytes = self.row_bytes[leaf]
     rows, laps = np.asarray(rows, np.int64), np.asarray(laps, np.int64)
-    out = np.zeros((len(rows), row_bytes), np.uint8)
+    chunks = [bytes(row_bytes)] * len(rows)
     with self._lock:
       fd = self._check_open(leaf)
       wanted = np.flatnonzero(rows >= 0)
-      current = self.laps[rows[wanted]] == laps[wanted]
+      # Per row, as Python values: the row, whether the files hold it at the
+      # state's lap, and the checksum its bytes must have.
+      held = zip(
+        wanted.tolist(),
+        rows[wanted].tolist(),
+        (self.laps[rows[wanted]] == laps[wanted]).tolist(),
+        self.checksums[leaf][rows[wanted]].tolist(),
+      )
       stale = []
-      for index, is_current in zip(wanted.tolist(), current.tolist()):
-        row = int(rows[index])
+      for index, row, is_current, checksum in held:
         if is_current:
-          data, checksum = os.pread(fd, row_bytes, row * row_bytes), self.checksums[leaf][row]
+          data = os.pread(fd, row_bytes, row * row_bytes)
         else:
           kept = self._retained.get((row, int(laps[index])))
           if kept is None:
@@ -434,10 +440,11 @@ class PayloadFiles:
             f"{'is cut short' if len(data) != row_bytes else 'does not match its checksum'}"
             f" (changed under the buffer, or left by a failed add); it is not sampled.",
           )
-        out[index] = np.frombuffer(data, np.uint8)
+        chunks[index] = data
       if stale:
         raise self._stale(rows[stale], laps[stale])
-    return out.view(dtype).reshape((len(rows),) + shape)
+    out = np.frombuffer(b"".join(chunks), np.uint8).view(dtype)
+    return out.reshape((len(rows),) + shape)
 
   def _stale(self, rows: np.ndarray, laps: np.ndarray) -> PayloadError:
     row, lap = int(rows[0]), int(laps[0])
