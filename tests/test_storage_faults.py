@@ -47,11 +47,15 @@ def assert_rows_match_their_items(batch) -> None:
   assert not mixed.any(), f"{mixed.sum()} rows mix two items: serials {serial[mixed]}"
 
 
-def filled(directory, count=CAPACITY, **options):
+def opened(directory, **options):
+  """A new disk tier and buffer on `directory` (a restart)."""
   storage = jaxbuf.disk(directory, **options)
-  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
-  state = buffer.add(buffer.init(ITEM), items(0, count))
-  return storage, buffer, state
+  return storage, jaxbuf.uniform_replay(CAPACITY, storage=storage)
+
+
+def filled(directory, count=CAPACITY, **options):
+  storage, buffer = opened(directory, **options)
+  return storage, buffer, buffer.add(buffer.init(ITEM), items(0, count))
 
 
 def pixels_file(storage) -> str:
@@ -192,8 +196,7 @@ CHILD = textwrap.dedent("""
     serial = np.arange(first, first + count, dtype=np.int32)
     pixels = (serial[:, None] * 37 + np.arange(64)) % 256
     return {"pixels": pixels.astype(np.uint8).reshape(count, 8, 8), "serial": serial}
-  storage = jaxbuf.disk(directory)
-  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  storage, buffer = opened(directory)
   state = buffer.add(buffer.init(item), items(0, CAPACITY))
   jaxbuf.save(checkpoint, state)
   storage.sync()
@@ -240,8 +243,7 @@ def _run_until_killed(directory, checkpoint, kill_after: int) -> int:
 def test_a_kill_between_syncs_keeps_every_row_that_verifies(tmp_path, kill_after):
   directory, checkpoint = tmp_path / "payload", tmp_path / "checkpoint"
   reported = _run_until_killed(directory, checkpoint, kill_after)
-  storage = jaxbuf.disk(directory)
-  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  storage, buffer = opened(directory)
   with pytest.warns(UserWarning, match=r"did not sync again .* rows no longer match") as caught:
     like = buffer.init(ITEM)
   lost = storage.lost_rows()
@@ -266,8 +268,7 @@ def test_a_kill_between_syncs_keeps_every_row_that_verifies(tmp_path, kill_after
   storage.sync()
   jaxbuf.save(tmp_path / "checkpoint2", state)
   storage.close()
-  storage = jaxbuf.disk(directory)
-  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  storage, buffer = opened(directory)
   state = jaxbuf.load(tmp_path / "checkpoint2", like=buffer.init(ITEM))
   assert set(storage.lost_rows().tolist()) == set(lost.tolist()) - set(range(8))
   batch = buffer.sample(state, jax.random.key(99), 64)
@@ -289,8 +290,7 @@ def test_a_long_run_between_syncs_keeps_a_short_journal(tmp_path, monkeypatch):
       state = buffer.clear(state)
   assert os.path.getsize(tmp_path / "payload" / records.JOURNAL) <= 256 + 16
   storage.close()
-  storage = jaxbuf.disk(tmp_path / "payload")
-  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  storage, buffer = opened(tmp_path / "payload")
   with pytest.warns(UserWarning, match="20 rows no longer match"):
     state = jaxbuf.load(tmp_path / "checkpoint", like=buffer.init(ITEM))
   np.testing.assert_array_equal(storage.lost_rows(), np.arange(20))
@@ -318,8 +318,7 @@ def test_a_full_disk_while_journaling_adds_nothing_and_keeps_the_journal_whole(
   state = buffer.add(state, items(CAPACITY + 4, 4))  # rows 4..7: the buffer goes on
   assert_rows_match_their_items(buffer.sample(state, jax.random.key(0), 64))
   storage.close()  # no sync: the journal says which rows to check
-  storage = jaxbuf.disk(tmp_path / "payload")
-  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  storage, buffer = opened(tmp_path / "payload")
   with pytest.warns(UserWarning, match="8 rows no longer match"):
     buffer.init(ITEM)
   np.testing.assert_array_equal(storage.lost_rows(), np.arange(8))
@@ -334,14 +333,12 @@ def test_a_new_run_over_old_files_never_pairs_with_the_old_checkpoint(tmp_path):
   jaxbuf.save(tmp_path / "first", state)
   storage.sync()
   storage.close()
-  storage = jaxbuf.disk(tmp_path / "payload")
-  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  storage, buffer = opened(tmp_path / "payload")
   fresh = buffer.add(buffer.init(ITEM), items(5000, 10))  # rows 0..9 again
   assert_rows_match_their_items(buffer.sample(fresh, jax.random.key(0), 64))
   storage.sync()
   storage.close()
-  storage = jaxbuf.disk(tmp_path / "payload")
-  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  storage, buffer = opened(tmp_path / "payload")
   first = jaxbuf.load(tmp_path / "first", like=buffer.init(ITEM))
   with pytest.raises(OSError, match="10 of the 32 rows it holds are not in the files"):
     buffer.sample(first, jax.random.key(0), BATCH)
@@ -360,8 +357,7 @@ def test_a_checkpoint_older_than_the_last_sync_is_refused_or_recovered(tmp_path)
   storage.sync()
   storage.close()
 
-  storage = jaxbuf.disk(tmp_path / "payload")
-  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  storage, buffer = opened(tmp_path / "payload")
   older = jaxbuf.load(tmp_path / "older", like=buffer.init(ITEM))
   for call in (
     lambda: buffer.sample(older, jax.random.key(0), BATCH),
@@ -383,8 +379,7 @@ def test_a_checkpoint_older_than_the_last_sync_is_refused_or_recovered(tmp_path)
   storage.close()
 
   # The checkpoint of the last sync loads as it was saved.
-  storage = jaxbuf.disk(tmp_path / "payload")
-  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  storage, buffer = opened(tmp_path / "payload")
   newer = jaxbuf.load(tmp_path / "newer", like=buffer.init(ITEM))
   batch = buffer.sample(newer, jax.random.key(1), 64)
   assert_rows_match_their_items(batch)
@@ -472,8 +467,7 @@ def test_a_deleted_manifest_is_never_a_silent_truncation(tmp_path):
   # is then refused, never sampled as zeros.
   for path in (tmp_path / "payload").iterdir():
     path.unlink()
-  storage = jaxbuf.disk(tmp_path / "payload")
-  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  storage, buffer = opened(tmp_path / "payload")
   state = jaxbuf.load(tmp_path / "checkpoint", like=buffer.init(ITEM))
   with pytest.raises(OSError, match="32 of the 32 rows it holds are not in the files"):
     buffer.sample(state, jax.random.key(0), BATCH)
@@ -519,8 +513,7 @@ def test_files_of_the_older_format_open_and_sync_to_the_new_one(tmp_path):
   (directory / manifest["tables"]["file"]).unlink()
   (directory / records.JOURNAL).unlink()
 
-  storage = jaxbuf.disk(directory)
-  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
+  storage, buffer = opened(directory)
   state = jaxbuf.load(tmp_path / "checkpoint", like=buffer.init(ITEM))
   got = jax.device_get(buffer.sample(state, jax.random.key(4), BATCH))
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
