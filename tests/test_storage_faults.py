@@ -196,7 +196,8 @@ CHILD = textwrap.dedent("""
     serial = np.arange(first, first + count, dtype=np.int32)
     pixels = (serial[:, None] * 37 + np.arange(64)) % 256
     return {"pixels": pixels.astype(np.uint8).reshape(count, 8, 8), "serial": serial}
-  storage, buffer = opened(directory)
+  storage = jaxbuf.disk(directory)
+  buffer = jaxbuf.uniform_replay(CAPACITY, storage=storage)
   state = buffer.add(buffer.init(item), items(0, CAPACITY))
   jaxbuf.save(checkpoint, state)
   storage.sync()
