@@ -26,8 +26,9 @@ from jaxbuf._src.storage import disk as disk_files
 NUM_ENVS, CAPACITY, SAMPLE = 2, 24, 6
 
 ITEM = {"pixels": jnp.zeros((8, 8), jnp.uint8), "vector": jnp.zeros(3, jnp.float32)}
+# Frames of 64 bytes a step: the host tier's payload (rows of 64 bytes or more).
 STEP = {
-  "obs": {"pixels": jnp.zeros((6, 5), jnp.uint8), "position": jnp.zeros(2, jnp.float32)},
+  "obs": {"pixels": jnp.zeros((8, 8), jnp.uint8), "position": jnp.zeros(2, jnp.float32)},
   "action": jnp.int32(0),
   "reward": jnp.float32(0),
   "terminated": jnp.bool_(False),
@@ -174,6 +175,44 @@ def test_host_tier_places_payload_in_pinned_host_memory():
   state = buffer.add(state, _random_like(ITEM, (5,), np.random.default_rng(0)))
   assert state.payload["['pixels']"].sharding.memory_kind == "pinned_host"
   assert int(state.size) == 5
+
+
+@pytest.mark.parametrize("name", ["prioritized", "sequence"])
+def test_host_tier_storage_is_the_payload_in_pinned_host_memory(name, tmp_path):
+  # `state.storage` reads as the device tier's storage, the payload leaves
+  # being the arrays in pinned host memory: never the row proxies (int32
+  # row numbers that would pass for data).
+  factory, streams = FACTORIES[name]
+  host, device = factory("host"), factory("device")
+  example = STEP if streams else ITEM
+  rng = np.random.default_rng(5)
+  states = [buffer.init(example) for buffer in (host, device)]
+  for _ in range(3):
+    data = _random_like(example, (NUM_ENVS, 2) if streams else (7,), rng)
+    states = [buffer.add(state, data) for buffer, state in zip((host, device), states)]
+  state, want = states
+  pixels = (lambda tree: tree["obs"]["pixels"]) if streams else (lambda tree: tree["pixels"])
+  assert pixels(state.storage).sharding.memory_kind == "pinned_host"
+  assert pixels(state.storage) is state.payload["['obs']['pixels']" if streams else "['pixels']"]
+  assert jax.tree.structure(state.storage) == jax.tree.structure(want.storage)
+  for got, expected in zip(jax.tree.leaves(state.storage), jax.tree.leaves(want.storage)):
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    np.testing.assert_array_equal(got, expected)
+  # Bookkeeping stays on the device, in the kind's own state.
+  for leaf in jax.tree.leaves(state.core):
+    assert leaf.sharding.memory_kind == "device"
+  assert pixels(state.core.storage).dtype == jnp.int32  # the proxies, internal
+  # A save and load keeps the layout (the payload shaped as the storage).
+  jaxbuf.save(tmp_path / "checkpoint", state)
+  loaded = jaxbuf.load(tmp_path / "checkpoint", like=host.init(example))
+  np.testing.assert_array_equal(pixels(loaded.storage), pixels(want.storage))
+  assert pixels(loaded.storage).sharding.memory_kind == "pinned_host"
+  key = jax.random.key(1)
+  for a, b in zip(
+    jax.tree.leaves(host.sample(loaded, key, SAMPLE)),
+    jax.tree.leaves(device.sample(want, key, SAMPLE)),
+  ):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_host_tier_runs_inside_jit_scan_and_cond_without_recompiling():
@@ -501,7 +540,7 @@ def test_sharded_disk_tier_keeps_each_devices_rows_in_its_own_files(name, tmp_pa
   # Device d's rows are in directory/device-<d>, and only there.
   for device in range(devices):
     (block,) = (tmp_path / "payload" / f"device-{device}").glob("*pixels.rows")
-    assert block.stat().st_size == 32 // devices * (64 if name == "prioritized" else 30)
+    assert block.stat().st_size == 32 // devices * 64
     assert block.read_bytes().strip(b"\0"), device  # written to
   storage.close()
 

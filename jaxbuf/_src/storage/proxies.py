@@ -5,21 +5,29 @@ N * R for streams), n rows given to one add.
 
 A payload leaf of a tiered buffer is, in the device state, a proxy: int32
 `[*lead, 1, ..., 1]` (the storage's leading axes, then a 1 for each axis of
-the row), holding `row + 1` for a row written and 0 for one never written.
-The kind's `add`, `sample` and the rest run unchanged on that state, so
-everything they decide (which slots an add fills, which rows a sample draws,
-which frames of a stack are padding) is decided on the device by the same
-pure code as for `storage="device"`, and the samples are the same bit for bit:
+the row), holding 0 for a row never written and, for a row written,
 
-* `add`: each payload row given becomes a token `F + 1 + j` (j its position
+    value = 1 + row + F * lap,   lap in [0, K), K = (2**31 - 1) // F,
+
+`lap` counting the row's writes modulo K (`laps_for`). The host tier keeps
+K = 1 (every value is `row + 1`); the disk tier's files keep each row's lap
+too, so a read compares the state's lap with the files' and never pairs a
+state with rows written after it (`disk`). The kind's `add`, `sample` and
+the rest run unchanged on that state, so everything they decide (which slots
+an add fills, which rows a sample draws, which frames of a stack are
+padding) is decided on the device by the same pure code as for
+`storage="device"`, and the samples are the same bit for bit:
+
+* `add`: each payload row given becomes a token `-(1 + j)` (j its position
   among the n rows given); the kind writes the tokens where it writes rows.
   The slots that now hold a token are the rows written, and the token says
-  which row given went there (`written_rows`). The proxies are then set back
-  to `row + 1`. Finding them compares the proxy, 4 bytes a row: O(F) on the
-  device per add, the one cost that follows the capacity (a 10M-row proxy is
-  40 MB, read once per add); the payload itself is touched only at the n rows.
+  which row given went there (`written_rows`). The proxies are then set to
+  their next lap (`settle`). Finding them compares the proxy, 4 bytes a row:
+  O(F) on the device per add, the one cost that follows the capacity (a
+  10M-row proxy is 40 MB, read once per add); the payload itself is touched
+  only at the n rows.
 * `sample`: the kind gathers proxies where it gathers rows, and masks them
-  where it masks rows (padding frames become 0); `row + 1` or 0 comes out
+  where it masks rows (padding frames become 0); the value or 0 comes out
   where each payload row goes, and the tier reads those rows (0: zeros).
 """
 
@@ -32,6 +40,22 @@ import numpy as np
 from jaxbuf._src.core.pytypes import PyTree
 
 PROXY_DTYPE = jnp.int32
+_PROXY_MAX = int(np.iinfo(np.int32).max)
+
+
+def laps_for(rows: int) -> int:
+  """K, the laps a row's proxy value tells apart: the most that keep
+  `1 + row + F * lap` within int32 (1 when F > 2**30)."""
+  return max(1, _PROXY_MAX // max(rows, 1))
+
+
+def decoded(values: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+  """Proxy values (host, any shape) -> (row, lap) each; -1 for a value 0."""
+  values = np.asarray(values).astype(np.int64)
+  held = values > 0
+  row = np.where(held, (values - 1) % max(rows, 1), -1)
+  lap = np.where(held, (values - 1) // max(rows, 1), -1)
+  return row, lap
 
 
 def proxy_example(example: PyTree, paths: tuple[str, ...]) -> PyTree:
@@ -51,25 +75,36 @@ def num_rows(proxy: jax.Array, lead_dims: int) -> int:
 
 
 def tokens_for(leaf: Any, row_rank: int, start: int) -> tuple[jax.Array, tuple[int, ...]]:
-  """Tokens int32 `[*batch, 1, ..., 1]` for a payload leaf `[*batch, *row]`,
-  numbered from `start` in row-major order; and the batch shape."""
+  """Tokens int32 `[*batch, 1, ..., 1]` for a payload leaf `[*batch, *row]`:
+  `-(1 + j)` for j numbered from `start` in row-major order; and the batch
+  shape."""
   batch_shape = tuple(np.shape(leaf)[: np.ndim(leaf) - row_rank])
   count = int(np.prod(batch_shape, dtype=np.int64))
-  tokens = np.arange(start, start + count, dtype=np.int64)
-  if tokens.size and tokens[-1] >= np.iinfo(np.int32).max:
+  if start + count >= _PROXY_MAX:
     raise ValueError(
-      "storage: the buffer has too many rows for int32 row proxies "
-      f"({start + count} rows and tokens); use fewer rows per buffer."
+      f"storage: {start + count} payload rows given to one add; int32 row "
+      f"proxies number at most {_PROXY_MAX - 1}: add fewer rows at a time."
     )
+  tokens = -(1 + np.arange(start, start + count, dtype=np.int64))
   return jnp.asarray(tokens.astype(np.int32).reshape(batch_shape + (1,) * row_rank)), batch_shape
+
+
+def _whole(flat: jax.Array) -> jax.Array:
+  """A sharded buffer's flat proxy (Explicit mesh axes) gathered whole, as
+  `nonzero`'s cumsum and a gather at any row need; 4 bytes a row per add."""
+  sharding = jax.typeof(flat).sharding
+  if any(axis is not None for axis in getattr(sharding, "spec", ())):
+    whole = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.sharding.reshard(flat, whole)
+  return flat
 
 
 def written_rows(after: jax.Array, *, rows: int, given: int) -> tuple[jax.Array, jax.Array]:
   """The rows an add wrote and which given row each holds.
 
   Args:
-    after: a proxy after the add (F elements), holding tokens `F + 1 + j`
-      at the rows written and `row + 1` or 0 elsewhere.
+    after: a proxy after the add (F elements), holding tokens `-(1 + j)`
+      at the rows written and a value or 0 elsewhere.
     rows: F.
     given: n, the rows given to the add (a static bound on those written).
 
@@ -77,22 +112,25 @@ def written_rows(after: jax.Array, *, rows: int, given: int) -> tuple[jax.Array,
     rows written, int32 `[n]`, padded with F (out of range); and for each,
     j, the given row it holds, int32 `[n]` (0 for padding).
   """
-  flat = after.reshape(-1)
-  sharding = jax.typeof(flat).sharding
-  if any(axis is not None for axis in getattr(sharding, "spec", ())):
-    # A sharded buffer's proxies (Explicit mesh axes): searched whole, as
-    # `nonzero`'s cumsum needs; 4 bytes a row gathered per add.
-    whole = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    flat = jax.sharding.reshard(flat, whole)
-  (written,) = jnp.nonzero(flat > rows, size=given, fill_value=rows)
+  flat = _whole(after.reshape(-1))
+  (written,) = jnp.nonzero(flat < 0, size=given, fill_value=rows)
   written = written.astype(jnp.int32)
   held = written < rows
-  tokens = flat.at[written].get(mode="fill", fill_value=rows + 1)
-  return written, jnp.where(held, tokens - (rows + 1), 0)
+  tokens = flat.at[written].get(mode="fill", fill_value=-1)
+  return written, jnp.where(held, -tokens - 1, 0)
 
 
-def settle(proxy: jax.Array, written: jax.Array) -> jax.Array:
-  """The proxy with each written row set back to `row + 1` (padding F dropped)."""
+def next_values(before: jax.Array, written: jax.Array, *, rows: int, laps: int) -> jax.Array:
+  """The values the rows `written [n]` (padding F) take after an add: each
+  row's next lap after the one `before` (the proxy before the add) held;
+  lap 0 for a row never written. int32 `[n]`."""
+  old = _whole(before.reshape(-1)).at[written].get(mode="fill", fill_value=0)
+  lap = jnp.where(old > 0, (old - 1) // rows + 1, 0) % laps
+  return (1 + written + rows * lap).astype(PROXY_DTYPE)
+
+
+def settle(proxy: jax.Array, written: jax.Array, values: jax.Array) -> jax.Array:
+  """The proxy with each written row set to its value (padding F dropped)."""
   shape = proxy.shape
   flat = proxy.reshape(-1)
   sharding = jax.typeof(flat).sharding
@@ -102,7 +140,7 @@ def settle(proxy: jax.Array, written: jax.Array) -> jax.Array:
     if any(axis is not None for axis in getattr(sharding, "spec", ()))
     else None
   )
-  return flat.at[written].set(written + 1, mode="drop", out_sharding=out_sharding).reshape(shape)
+  return flat.at[written].set(values, mode="drop", out_sharding=out_sharding).reshape(shape)
 
 
 def row_axes(proxy_sample: Any, row_rank: int, stack_axis: int | None) -> tuple[int, ...]:
@@ -117,7 +155,7 @@ def row_axes(proxy_sample: Any, row_rank: int, stack_axis: int | None) -> tuple[
 
 
 def rows_of(proxy_sample: Any, axes: tuple[int, ...]) -> Any:
-  """The sampled proxy with its row axes (all 1) dropped: `row + 1` or 0."""
+  """The sampled proxy with its row axes (all 1) dropped: a value or 0."""
   return proxy_sample.reshape(
     [n for axis, n in enumerate(np.shape(proxy_sample)) if axis not in axes]
   )

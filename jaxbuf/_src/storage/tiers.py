@@ -49,28 +49,42 @@ class Host:
 
   min_row_bytes: int = DEFAULT_MIN_ROW_BYTES
 
+  def __repr__(self) -> str:
+    return "'host'"
+
 
 class Disk:
   """Payload leaves in files under `directory` (`jaxbuf.disk`).
 
-  The buffer made with it opens the files at `init` and holds them here:
-  `sync()` makes them durable (call it with `jaxbuf.save` of the state, no
-  add between), `close()` releases them and the lock.
+  The buffer made with it opens the files at `init` and holds them here
+  (one buffer per `Disk`: a second buffer's `init` is refused while the
+  first holds them): `sync()` makes them durable (call it with `jaxbuf.save`
+  of the state, no add between), `close()` releases them and the lock,
+  `recover(state)` keeps the rows of a loaded checkpoint that the files
+  still hold, `lost_rows()` lists the rows a crash left unverifiable.
   """
 
-  def __init__(self, directory: str, min_row_bytes: int = DEFAULT_MIN_ROW_BYTES):
+  def __init__(
+    self, directory: str, min_row_bytes: int = DEFAULT_MIN_ROW_BYTES, sparse: bool = False
+  ):
     self.directory = directory
     self.min_row_bytes = min_row_bytes
+    self.sparse = sparse
     self.files: Any = None  # the open `disk.PayloadFiles`, set by init
+    self.binding: Any = None  # the buffer that opened them (`disk_tier.Binding`)
 
   def __repr__(self) -> str:
-    return f"jaxbuf.disk({self.directory!r}, min_row_bytes={self.min_row_bytes})"
+    sparse = ", sparse=True" if self.sparse else ""
+    return f"jaxbuf.disk({self.directory!r}, min_row_bytes={self.min_row_bytes}{sparse})"
+
+  def _open(self, what: str) -> Any:
+    if self.files is None or self.binding is None:
+      raise ValueError(f"{self!r}.{what}: no payload files are open (call buffer.init first).")
+    return self.files
 
   def sync(self) -> None:
-    """Writes the checksum tables and the manifest and flushes the files."""
-    if self.files is None:
-      raise ValueError(f"{self!r}: no payload files are open (call buffer.init first).")
-    self.files.sync()
+    """Writes the tables and the manifest and flushes the files."""
+    self._open("sync").sync()
 
   def close(self) -> None:
     """Closes the payload files and releases the lock (idempotent, no sync)."""
@@ -78,20 +92,51 @@ class Disk:
       self.files.close()
       self.files = None
 
+  def lost_rows(self) -> np.ndarray:
+    """The rows lost (int64, storage rows in the buffer's flat order): those
+    a process killed between syncs left unverifiable, and those
+    `recover` dropped; never sampled, and no longer lost once rewritten."""
+    return self._open("lost_rows").lost_rows()
 
-def disk(directory: str | os.PathLike, *, min_row_bytes: int = DEFAULT_MIN_ROW_BYTES) -> Disk:
+  def recover(self, state: Any) -> np.ndarray:
+    """Keeps every row of `state` that the files hold as it knows them and
+    drops the others (never sampled; adds overwrite them), so that a
+    checkpoint saved before or after the files' last sync goes on. Call it
+    after `jaxbuf.load`, before the state's first add or sample, which would
+    otherwise refuse that state. Warns, naming the rows dropped.
+
+    Returns:
+      The rows dropped, int64 (empty when the state matches the files).
+    """
+    self._open("recover")
+    return self.binding.recover(state)
+
+
+def disk(
+  directory: str | os.PathLike,
+  *,
+  min_row_bytes: int = DEFAULT_MIN_ROW_BYTES,
+  sparse: bool = False,
+) -> Disk:
   """The disk tier: a buffer's payload leaves in files under `directory`.
 
   Pass it as `storage=` to `uniform_replay`, `prioritized_replay`,
-  `sequence_replay` or `frame_stack_replay`. `buffer.init` creates the
-  directory and one file per payload leaf (or opens the files a buffer of the
-  same layout left there, without copying them), and locks it against a
-  second writer. `add` writes only the rows it adds and `sample` reads only
-  the rows it draws; both run on the host, outside jit.
+  `sequence_replay` or `frame_stack_replay`, one buffer per `disk(...)`.
+  `buffer.init` creates the directory and one file per payload leaf,
+  allocated whole (a disk that cannot hold them fails there, naming the
+  bytes needed and free), or opens the files a buffer of the same layout
+  left there, without copying them; it locks the directory against a second
+  writer. `add` writes only the rows it adds and `sample` reads only the
+  rows it draws; both run on the host, outside jit.
 
   Args:
     directory: where the payload files go.
     min_row_bytes: leaves whose row holds fewer bytes stay on the device.
+    sparse: make the files sparse instead of allocating them at `init`:
+      no free-space check, the disk's blocks taken as rows are written
+      (for file systems that cannot allocate, or a buffer sized for a
+      disk that grows); a disk found full then fails an add, which adds
+      nothing.
 
   Returns:
     A `Disk` storage spec.
@@ -108,7 +153,9 @@ def disk(directory: str | os.PathLike, *, min_row_bytes: int = DEFAULT_MIN_ROW_B
   """
   if not isinstance(min_row_bytes, int) or min_row_bytes < 0:
     raise ValueError(f"disk: min_row_bytes must be an int >= 0, given {min_row_bytes!r}.")
-  return Disk(directory=os.fspath(directory), min_row_bytes=min_row_bytes)
+  if not isinstance(sparse, bool):
+    raise TypeError(f"disk: sparse must be True or False, given {sparse!r}.")
+  return Disk(directory=os.fspath(directory), min_row_bytes=min_row_bytes, sparse=sparse)
 
 
 def resolve(storage: Any, kind_name: str) -> Host | Disk | None:
@@ -160,13 +207,33 @@ class Layout:
 
 def payload_paths(example: PyTree, tier: Host | Disk, layout: Layout) -> tuple[str, ...]:
   """The paths of `example`'s leaves that go to the tier (per leaf: big
-  enough and eligible), in tree order."""
-  chosen = []
+  enough and eligible), in tree order. None going is refused: the tier
+  asked for would hold nothing (the leaves would all stay on the device)."""
+  chosen, eligible = [], {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(example)[0]:
     name = jax.tree_util.keystr(path)
     row_bytes = int(np.prod(np.shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-    if row_bytes >= tier.min_row_bytes and row_bytes > 0 and layout.eligible(name):
-      chosen.append(name)
+    if layout.eligible(name) and row_bytes > 0:
+      eligible[name] = row_bytes
+      if row_bytes >= tier.min_row_bytes:
+        chosen.append(name)
+  if not chosen:
+    largest = max(eligible, key=eligible.__getitem__, default=None)
+    found = (
+      f"the largest that may move, {largest}, holds {eligible[largest]} bytes a row"
+      if largest is not None
+      else "no leaf of it may move"
+    )
+    smaller = (
+      f"jaxbuf.disk(directory, min_row_bytes={eligible[largest]}) moves it, or "
+      if isinstance(tier, Disk) and largest is not None
+      else ""
+    )
+    raise ValueError(
+      f"init: storage={tier!r} would hold nothing: leaves whose row holds fewer "
+      f"than {tier.min_row_bytes} bytes stay on the device, and {found}. "
+      f"{smaller}storage='device' keeps everything on the device, as this would."
+    )
   return tuple(chosen)
 
 
