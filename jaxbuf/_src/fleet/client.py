@@ -1,0 +1,373 @@
+"""The handles remote callers hold: `Served` (what `jaxbuf.ray.serve`
+returns; it pickles, so it is passed to Ray actors and tasks) and
+`RemoteWriter` (what `served.writer()` returns in an actor).
+
+Every call is one request to the broker, answered by the learner's server
+(`broker.py`, `server.py`); the service's own exceptions are raised again
+here. A broker that died (the learner's process was lost) ends a writer's
+add with `ServiceClosed`; calls that open writers, sample, count or read
+parameters find the broker again by `name` (a learner restarted from a
+checkpoint serves under the same one) and wait for it up to their timeout.
+"""
+
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+
+from jaxbuf._src.core.base import ReplaySample
+from jaxbuf._src.core.pytypes import PyTree
+from jaxbuf._src.fleet import wire
+from jaxbuf._src.host.vector_envs import RecordedStep
+from jaxbuf._src.service.closed import ServiceClosed
+from jaxbuf._src.service.limiters import RateCounts
+from jaxbuf._src.service.replay_service import ServiceSample, _check_timeout, _check_version
+
+# Seconds a caller waits for a reply beyond its own timeout (the learner's
+# process got the call in time and is answering it) before giving up on it.
+REPLY_GRACE = 60.0
+FETCH = 60.0  # s to fetch a sample or parameters from Ray's object store
+CONTROL = 60.0  # s for a broker's status
+
+
+class _Lost(Exception):
+  """The broker died: the learner's process (or the broker's) was lost."""
+
+
+class Served:
+  """A `jaxbuf.ReplayService` served through Ray: made by
+  `jaxbuf.ray.serve(service)` in the learner's process; pass it to Ray
+  actors and tasks (it pickles), which call `writer()` and `sample()`.
+
+  In the learner's process `served.service` is the local service (add and
+  sample there directly: no Ray in the path); elsewhere it is None.
+
+  Attributes:
+    name: the name it is served under, or None.
+    namespace: that name's Ray namespace.
+  """
+
+  def __init__(
+    self, broker: Any, channel: int, name: str | None, namespace: str, *, server: Any = None
+  ):
+    self._broker = broker
+    self._channel = channel
+    self.name = name
+    self.namespace = namespace
+    self._server = server  # the learner's process only; never pickled
+    self._served_as = f"jaxbuf.ray service {name!r}" if name else "jaxbuf.ray service"
+
+  def __reduce__(self):
+    return (Served, (self._broker, self._channel, self.name, self.namespace))
+
+  def __repr__(self) -> str:
+    where = "local" if self._server is not None else "remote"
+    return f"Served(name={self.name!r}, namespace={self.namespace!r}, {where})"
+
+  @property
+  def service(self) -> Any:
+    """The served `ReplayService` in the learner's process; None elsewhere."""
+    return None if self._server is None else self._server.service
+
+  # Calls -------------------------------------------------------------------------
+
+  def _call(self, request: dict, timeout: float | None) -> tuple[str, Any]:
+    wait = None if timeout is None else timeout + REPLY_GRACE
+    try:
+      return ray.get(self._broker.call.remote(self._channel, request), timeout=wait)
+    except ray.exceptions.RayActorError as error:
+      raise _Lost() from error
+    except ray.exceptions.GetTimeoutError:
+      raise TimeoutError(
+        f"{self._served_as}: no reply within {wait} s (the call's timeout and "
+        f"{REPLY_GRACE} s more); the learner's process may have taken it."
+      ) from None
+
+  def _request(self, request: dict, timeout: float | None) -> Any:
+    """`request`'s reply value; after a lost broker, found again by name and
+    sent again (calls with no effect before the server took them)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+      try:
+        return wire.raised(self._call(request, _left(deadline)), self._served_as)
+      except _Lost:
+        if self.name is None:
+          raise ServiceClosed(
+            f"{self._served_as}: the learner's process serving it was lost (an unnamed "
+            "service cannot be found again: serve(service, name=...))."
+          ) from None
+        self._broker, self._channel = self._found(deadline), 0
+        if "timeout" in request:
+          request = dict(request, timeout=_left(deadline))
+
+  def _found(self, deadline: float | None) -> Any:
+    """The live broker serving `name` now, waited for until `deadline`."""
+    name = self.name
+    if name is None:
+      raise ServiceClosed(f"{self._served_as}: an unnamed service cannot be found again.")
+    pause = 0.05
+    while True:
+      try:
+        broker = ray.get_actor(name, namespace=self.namespace)
+        ray.get(broker.status.remote(0), timeout=CONTROL)
+        return broker
+      except (ValueError, ray.exceptions.RayActorError):
+        pass  # not (yet) served again
+      if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError(
+          f"{self._served_as}: the learner's process was lost, and no learner served "
+          f"{self.name!r} again within the timeout."
+        )
+      # Ray has no wait for a name to appear: polled, backing off to 1 s.
+      time.sleep(min(pause, _left(deadline) or pause))
+      pause = min(2 * pause, 1.0)
+
+  # The Writer API and sampling ---------------------------------------------------
+
+  def writer(
+    self,
+    envs: Sequence[int] | None = None,
+    *,
+    part: int | None = None,
+    timeout: float | None = None,
+  ) -> "RemoteWriter":
+    """A writer for this thread, with the `jaxbuf.Writer` API: as
+    `service.writer(envs, part=)`, in another process.
+
+    Args:
+      envs: stream kinds: the env rows this writer owns; None: every env.
+      part: a mixture's service: the part this writer adds to.
+      timeout: seconds to wait for the learner (one that is restarting from
+        a checkpoint; env rows held by a writer whose process just died,
+        until Ray reports its death); None: no limit, but a claim of rows a
+        live writer holds fails after a few seconds as `service.writer`'s.
+
+    Raises:
+      ValueError: as `service.writer` (envs out of range or held by another
+        live writer), raised in this process.
+      ServiceClosed: the service is closed.
+      TimeoutError: no learner served within `timeout`.
+    """
+    timeout = _check_timeout(timeout, "served.writer")
+    rows = None if envs is None else [int(env) for env in np.asarray(envs).reshape(-1)]
+    lease = [ray.put(b"jaxbuf.ray writer lease")]  # owned here: fails when this process dies
+    writer_id = self._request(
+      dict(op="open", envs=rows, part=part, lease=lease, timeout=timeout), timeout
+    )
+    return RemoteWriter(self, writer_id, rows, part, lease)
+
+  def sample(
+    self,
+    key: Any,
+    batch_size: int,
+    timeout: float | None = None,
+    max_version_lag: int | None = None,
+  ) -> ServiceSample:
+    """`service.sample` in the learner's process, for a remote sampler (an
+    evaluation process, a second learner).
+
+    Returns:
+      A `ServiceSample` of NumPy arrays (read-only views of Ray's object
+      store: copy a leaf to write into it): `.batch`, the buffer's own
+      sample; `.version_lag`, int32 `[S]`.
+
+    Raises:
+      As `service.sample`, raised in this process: `ServiceClosed`,
+      `TimeoutError`, `ValueError`.
+    """
+    timeout = _check_timeout(timeout, "served.sample")
+    request = dict(
+      op="sample",
+      key=wire.encoded_key(key),
+      batch_size=batch_size,
+      timeout=timeout,
+      max_version_lag=max_version_lag,
+    )
+    refs = self._request(request, timeout)
+    return ray.get(refs[0], timeout=FETCH)
+
+  def update_priorities(self, sample: ServiceSample, priorities: Any) -> None:
+    """`service.update_priorities` for the rows of a sample drawn here."""
+    batch = sample.batch
+    request: dict[str, Any] = dict(op="update", priorities=np.asarray(priorities))
+    if isinstance(batch, ReplaySample):  # its rows are enough; the items stay here
+      request.update(batch=None, indices=np.asarray(batch.indices))
+      request.update(item_ids=np.asarray(batch.item_ids))
+    else:  # a mixture's batch: each part's rows
+      request.update(batch=wire.host_tree(batch))
+    self._request(request, None)
+
+  @property
+  def counts(self) -> RateCounts:
+    """The limiter's counts (`service.counts`)."""
+    return RateCounts(*self._request(dict(op="counts"), None))
+
+  # Parameters ---------------------------------------------------------------------
+
+  def publish(self, params: PyTree, version: int) -> None:
+    """Makes `params` the latest parameters, at `version`: copied to the
+    host and put in Ray's object store once, whatever the number of actors
+    that read them (`params`)."""
+    version = _check_version(version, "served.publish")
+    refs = [ray.put(wire.host_tree(params))]
+    try:
+      ray.get(self._broker.publish.remote(self._channel, version, refs), timeout=CONTROL)
+    except ray.exceptions.RayActorError:
+      raise ServiceClosed(f"{self._served_as}: the serving actor was lost.") from None
+
+  def params(self, newer_than: int = -1, timeout: float | None = None) -> tuple[PyTree, int] | None:
+    """The latest published `(params, version)` once its version is above
+    `newer_than`, waiting up to `timeout` s (0: look, do not wait; None: no
+    limit). None when no newer version came within it. Params are NumPy
+    arrays (read-only views of Ray's object store)."""
+    timeout = _check_timeout(timeout, "served.params")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+      wait = _left(deadline)
+      try:
+        ref = self._broker.params.remote(self._channel, int(newer_than), wait)
+        latest = ray.get(ref, timeout=None if wait is None else wait + REPLY_GRACE)
+        break
+      except ray.exceptions.RayActorError:
+        if self.name is None:
+          raise ServiceClosed(f"{self._served_as}: the serving actor was lost.") from None
+        self._broker, self._channel = self._found(deadline), 0
+    if latest is None:
+      return None
+    version, refs = latest
+    return ray.get(refs[0], timeout=FETCH), version
+
+  # Closing --------------------------------------------------------------------------
+
+  def close(self) -> None:
+    """Closes the service: every remote call in flight or to come, and every
+    local one, raises `ServiceClosed` in its caller. Idempotent."""
+    if self._server is None:
+      try:
+        self._request(dict(op="close"), None)
+      except ServiceClosed:
+        pass
+      return
+    self._server.service.close()
+    self._server.close_broker()
+    self._server.stop()
+
+  def __enter__(self) -> "Served":
+    return self
+
+  def __exit__(self, kind, error, traceback) -> None:
+    if self._server is not None and error is not None:
+      self._server.service.close(cause=error)
+    self.close()
+
+
+def _left(deadline: float | None) -> float | None:
+  if deadline is None:
+    return None
+  return max(deadline - time.monotonic(), 0.0)
+
+
+class RemoteWriter:
+  """A `jaxbuf.Writer` in another process: `served.writer()`.
+
+  Each `add` sends its items as one chunk (inline, or through Ray's object
+  store when larger than a few KiB) and returns once the learner's service
+  took it (the rate limiter may make it wait, as a local add waits), so a
+  killed caller loses at most the chunk of the add it was in.
+
+  Belongs to one thread, as a `Writer`; close it (or use `with`) when done,
+  which frees its env rows; a process that dies frees them too.
+
+  Attributes:
+    envs: the env rows it owns (stream kinds), else None.
+    part: the mixture part it adds to, else None.
+  """
+
+  def __init__(self, served: Served, writer_id: int, envs, part, lease: list):
+    self._served = served
+    self._id = writer_id
+    self.envs = None if envs is None else np.asarray(envs, np.int64)
+    self.part = part
+    self._lease = lease  # kept alive with the writer
+    self._thread: int | None = None
+    self._closed = False
+    self.last_add_bytes = 0  # the array bytes of the last add's chunk
+
+  def __reduce__(self):
+    raise TypeError(
+      "a RemoteWriter belongs to the thread that made it; pass the Served handle and call "
+      "served.writer() where the adds are made."
+    )
+
+  def add(
+    self,
+    items: PyTree | RecordedStep,
+    policy_version: int = 0,
+    timeout: float | None = None,
+    *,
+    mask: Any = None,
+    episode_end: Any = None,
+    final_steps: PyTree | None = None,
+  ) -> None:
+    """As `jaxbuf.Writer.add`, in another process.
+
+    Raises:
+      As `Writer.add`, raised in this process: the buffer's own `TypeError`
+      / `ValueError` naming the leaf (nothing added), `TimeoutError` (the
+      limiter did not allow the add within `timeout`), `ServiceClosed`
+      (closed, or the learner's process was lost: open a new writer),
+      `RuntimeError` (another thread, or closed).
+    """
+    what = "Writer.add"
+    current = threading.get_ident()
+    if self._thread is None:
+      self._thread = current
+    elif self._thread != current:
+      raise RuntimeError(
+        f"{what}: this writer belongs to thread {self._thread}; called from thread {current}. "
+        "Make one writer per thread (served.writer())."
+      )
+    if self._closed:
+      raise RuntimeError(f"{what}: this writer was closed.")
+    timeout = _check_timeout(timeout, what)
+    version = _check_version(policy_version, what)
+    if isinstance(items, RecordedStep):
+      recorded = items
+      items, mask, final_steps = recorded.items, recorded.mask, recorded.final_steps
+      if items is None:
+        return
+    payload = wire.host_tree(
+      dict(items=items, mask=mask, episode_end=episode_end, final_steps=final_steps)
+    )
+    self.last_add_bytes = wire.tree_bytes(payload)
+    request = dict(op="add", writer=self._id, version=version, timeout=timeout)
+    if self.last_add_bytes > wire.INLINE_BYTES:
+      request.update(payload=None, chunk=[ray.put(payload)])
+    else:
+      request.update(payload=payload, chunk=None)
+    try:
+      reply = self._served._call(request, timeout)  # pylint: disable=protected-access
+    except _Lost:
+      raise ServiceClosed(
+        f"{what}: the learner's process serving {self._served.name!r} was lost, and this add "
+        "with it; open a new writer (served.writer())."
+      ) from None
+    wire.raised(reply, self._served._served_as)  # pylint: disable=protected-access
+
+  def close(self) -> None:
+    """Frees the writer's env rows; later adds raise `RuntimeError`. Idempotent."""
+    if self._closed:
+      return
+    self._closed = True
+    try:
+      self._served._call(dict(op="close_writer", writer=self._id), None)  # pylint: disable=protected-access
+    except _Lost:
+      pass  # the learner is gone, and its rows with it
+
+  def __enter__(self) -> "RemoteWriter":
+    return self
+
+  def __exit__(self, kind, error, traceback) -> None:
+    self.close()
