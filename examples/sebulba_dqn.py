@@ -24,8 +24,15 @@ stepping of the actors overlaps the learner's device work.
   python examples/sebulba_dqn.py                      # 2 actors, 5e5 env steps
   python examples/sebulba_dqn.py --num_actors 1 --total_steps 50000
   python examples/sebulba_dqn.py --plot sebulba.png   # returns curve
+  python examples/sebulba_dqn.py --envpool            # envpool's C++ CartPole
 
 Network, loss and hyperparameters are examples/gymnasium_dqn.py's.
+
+`--envpool`: each actor steps an envpool of its N / K CartPole envs (C++,
+outside the GIL; `pip install jaxbuf[envpool]`, gymnasium's NEXT_STEP
+autoreset, whose reset steps the recorder leaves out), seeded by its index.
+Gymnasium's CartPole is Python and holds the GIL while it steps, so its
+actors and the learner take turns on it; envpool's do not.
 """
 
 import dataclasses
@@ -140,13 +147,15 @@ def actor(
 ) -> None:
   """Steps N / K envs until the service has `total_steps` or is closed."""
   per_actor = config.num_envs // config.num_actors
-  envs = gymnasium_dqn.make_envs(dataclasses.replace(config, num_envs=per_actor))
+  envs = gymnasium_dqn.make_envs(
+    dataclasses.replace(config, num_envs=per_actor, seed=config.seed + index)
+  )
   recorder = jaxbuf.VectorEnvRecorder(envs, agent.buffer)
   writer = service.writer()
   act = jax.jit(agent.act)
   host_policy = HostPolicy(config, config.seed + 1000 + index)
   key = jax.random.key(config.seed + 1000 + index)
-  obs, _ = envs.reset(seed=config.seed + index)
+  obs = gymnasium_dqn.reset(envs, config, config.seed + index)
   recorder.reset(obs)
   dtype = envs.single_action_space.dtype
   step = 0
@@ -219,7 +228,7 @@ def train(config: Config) -> dict[str, Any]:
     raise ValueError(f"num_envs {config.num_envs} must divide by num_actors {config.num_actors}.")
   envs = gymnasium_dqn.make_envs(config)
   agent = gymnasium_dqn.make_agent(config, envs)
-  obs, _ = envs.reset(seed=config.seed)
+  obs = gymnasium_dqn.reset(envs, config, config.seed)
   envs.close()
   service = make_service(config, agent)
   key, network_key = jax.random.split(jax.random.key(config.seed))

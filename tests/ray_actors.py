@@ -117,23 +117,36 @@ class Caller:
   def latest(self, served, newer_than, timeout):
     return served.params(newer_than=newer_than, timeout=timeout)
 
-  def logged_adds(self, served, first_id, rows, log_path, envs=None):
+  def logged_adds(self, served, first_id, rows, log_path, envs=None, max_in_flight=0):
     """Adds chunks until killed or closed, logging each chunk before it is
-    sent ("send k") and once it is acknowledged ("ack k"), unbuffered, so
+    sent ("send k") and once it is acknowledged ("ack k": when an add
+    returns, all but the last `max_in_flight` chunks are), unbuffered, so
     the log survives a SIGKILL."""
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
-      writer = served.writer(envs=envs, timeout=CALL)
+      writer = served.writer(envs=envs, timeout=CALL, max_in_flight=max_in_flight)
       index = 0
       while True:
         os.write(log, f"send {index}\n".encode())
         writer.add(chunk(first_id + index * rows, rows), policy_version=index, timeout=CALL)
-        os.write(log, f"ack {index}\n".encode())
+        if index >= max_in_flight:
+          os.write(log, f"ack {index - max_in_flight}\n".encode())
         index += 1
     except jaxbuf.ServiceClosed:
       return index
     finally:
       os.close(log)
+
+  def in_flight_error(self, served, bad_items):
+    """With one chunk in flight, a bad chunk's error comes with the next
+    add; a flush after a good chunk raises nothing."""
+    writer = served.writer(timeout=CALL, max_in_flight=1)
+    first = outcome(writer.add, bad_items, timeout=CALL)
+    second = outcome(writer.add, chunk(500, 2), timeout=CALL)
+    third = outcome(writer.add, chunk(502, 2), timeout=CALL)
+    flushed = outcome(writer.flush)
+    writer.close()
+    return first, second, third, flushed
 
   def reconnecting_adds(self, served, first_id, rows, chunks, log_path):
     """Adds `chunks` acknowledged chunks, opening a new writer whenever the

@@ -20,8 +20,11 @@ makes the last two itself and imports nothing of jaxbuf: it is shipped to
 its worker by value (`server.py`), so that process never imports JAX.
 
 Timeouts. A request with a timeout that the server has not taken within it
-is answered `timeout` here (it never reached the service, nothing was
-added); one it took is answered by the server, which gets the time left.
+is answered `timeout` here (it never reached the service); one it took is
+answered by the server, which gets the time left. Adds are never expired
+here: a writer's chunks must reach the server all, in order (Ray runs an
+async actor's calls out of order, so they carry sequence numbers), and the
+server gives the limiter wait of each the time it has left.
 """
 
 import asyncio
@@ -82,7 +85,9 @@ class Broker:
     state.pending.append((request_id, request, time.monotonic()))
     state.arrived.set()
     timeout = request.get("timeout")
-    if timeout is not None:
+    # A writer's adds are never expired here: the server sees each (in its
+    # writer's order) and gives its limiter wait the time left.
+    if timeout is not None and request["op"] != "add":
       loop.call_later(timeout, self._expire, state, request_id, timeout)
     return await future
 

@@ -10,6 +10,7 @@ parameters find the broker again by `name` (a learner restarted from a
 checkpoint serves under the same one) and wait for it up to their timeout.
 """
 
+import collections
 import threading
 import time
 from typing import Any, Sequence
@@ -73,10 +74,16 @@ class Served:
 
   # Calls -------------------------------------------------------------------------
 
-  def _call(self, request: dict, timeout: float | None) -> tuple[str, Any]:
+  def _submit(self, request: dict) -> Any:
+    """The pending reply of `request` (an object ref)."""
+    return self._broker.call.remote(self._channel, request)
+
+  def _wait(self, reply: Any, timeout: float | None) -> tuple[str, Any]:
+    """The reply, for a call given `timeout` (it may take `REPLY_GRACE` s
+    more: the learner's process got it in time and is answering)."""
     wait = None if timeout is None else timeout + REPLY_GRACE
     try:
-      return ray.get(self._broker.call.remote(self._channel, request), timeout=wait)
+      return ray.get(reply, timeout=wait)
     except ray.exceptions.RayActorError as error:
       raise _Lost() from error
     except ray.exceptions.GetTimeoutError:
@@ -84,6 +91,9 @@ class Served:
         f"{self._served_as}: no reply within {wait} s (the call's timeout and "
         f"{REPLY_GRACE} s more); the learner's process may have taken it."
       ) from None
+
+  def _call(self, request: dict, timeout: float | None) -> tuple[str, Any]:
+    return self._wait(self._submit(request), timeout)
 
   def _request(self, request: dict, timeout: float | None) -> Any:
     """`request`'s reply value; after a lost broker, found again by name and
@@ -132,6 +142,7 @@ class Served:
     *,
     part: int | None = None,
     timeout: float | None = None,
+    max_in_flight: int = 0,
   ) -> "RemoteWriter":
     """A writer for this thread, with the `jaxbuf.Writer` API: as
     `service.writer(envs, part=)`, in another process.
@@ -143,6 +154,12 @@ class Served:
         a checkpoint; env rows held by a writer whose process just died,
         until Ray reports its death); None: no limit, but a claim of rows a
         live writer holds fails after a few seconds as `service.writer`'s.
+      max_in_flight: chunks an `add` may leave unacknowledged (0: each add
+        returns once the learner took it, as a local add). With 1, an add
+        returns once its chunk is sent and the one before it acknowledged,
+        so the actor steps its envs while a chunk travels; errors of a
+        chunk (a bad leaf, the limiter's timeout, a close) are then raised
+        by the next `add` or by `flush`.
 
     Raises:
       ValueError: as `service.writer` (envs out of range or held by another
@@ -151,12 +168,14 @@ class Served:
       TimeoutError: no learner served within `timeout`.
     """
     timeout = _check_timeout(timeout, "served.writer")
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 0:
+      raise ValueError(f"served.writer: max_in_flight must be an int >= 0; given {max_in_flight!r}.")
     rows = None if envs is None else [int(env) for env in np.asarray(envs).reshape(-1)]
     lease = [ray.put(b"jaxbuf.ray writer lease")]  # owned here: fails when this process dies
     writer_id = self._request(
       dict(op="open", envs=rows, part=part, lease=lease, timeout=timeout), timeout
     )
-    return RemoteWriter(self, writer_id, rows, part, lease)
+    return RemoteWriter(self, writer_id, rows, part, lease, max_in_flight)
 
   def sample(
     self,
@@ -273,9 +292,11 @@ class RemoteWriter:
   """A `jaxbuf.Writer` in another process: `served.writer()`.
 
   Each `add` sends its items as one chunk (inline, or through Ray's object
-  store when larger than a few KiB) and returns once the learner's service
-  took it (the rate limiter may make it wait, as a local add waits), so a
-  killed caller loses at most the chunk of the add it was in.
+  store when larger than 64 KiB) and returns once the learner's service
+  took it (the rate limiter may make it wait, as a local add waits), or,
+  with `max_in_flight=k`, once at most k chunks are unacknowledged. A
+  killed caller loses at most its unacknowledged chunks: the one it was
+  adding (and the k in flight), each taken whole or not at all.
 
   Belongs to one thread, as a `Writer`; close it (or use `with`) when done,
   which frees its env rows; a process that dies frees them too.
@@ -283,23 +304,48 @@ class RemoteWriter:
   Attributes:
     envs: the env rows it owns (stream kinds), else None.
     part: the mixture part it adds to, else None.
+    max_in_flight: chunks an add may leave unacknowledged.
+    last_add_bytes: the array bytes of the last chunk sent.
   """
 
-  def __init__(self, served: Served, writer_id: int, envs, part, lease: list):
+  def __init__(self, served: Served, writer_id: int, envs, part, lease: list, max_in_flight=0):
     self._served = served
     self._id = writer_id
     self.envs = None if envs is None else np.asarray(envs, np.int64)
     self.part = part
+    self.max_in_flight = max_in_flight
     self._lease = lease  # kept alive with the writer
     self._thread: int | None = None
     self._closed = False
-    self.last_add_bytes = 0  # the array bytes of the last add's chunk
+    self._sequence = 0  # the next request's number (the server keeps the order)
+    self._in_flight: collections.deque = collections.deque()  # (reply ref, timeout)
+    self.last_add_bytes = 0
 
   def __reduce__(self):
     raise TypeError(
       "a RemoteWriter belongs to the thread that made it; pass the Served handle and call "
       "served.writer() where the adds are made."
     )
+
+  def _send(self, request: dict) -> None:
+    request["writer"], request["seq"] = self._id, self._sequence
+    self._sequence += 1
+    self._in_flight.append((self._served._submit(request), request.get("timeout")))  # pylint: disable=protected-access
+
+  def _collect(self, keep: int) -> None:
+    """Waits for replies until at most `keep` are outstanding; raises the
+    first error among them (the others are still collected)."""
+    served = self._served
+    while len(self._in_flight) > keep:
+      reply, timeout = self._in_flight.popleft()
+      try:
+        wire.raised(served._wait(reply, timeout), served._served_as)  # pylint: disable=protected-access
+      except _Lost:
+        self._in_flight.clear()
+        raise ServiceClosed(
+          f"Writer.add: the learner's process serving {served.name!r} was lost, and the "
+          "unacknowledged adds with it; open a new writer (served.writer())."
+        ) from None
 
   def add(
     self,
@@ -314,10 +360,11 @@ class RemoteWriter:
     """As `jaxbuf.Writer.add`, in another process.
 
     Raises:
-      As `Writer.add`, raised in this process: the buffer's own `TypeError`
-      / `ValueError` naming the leaf (nothing added), `TimeoutError` (the
-      limiter did not allow the add within `timeout`), `ServiceClosed`
-      (closed, or the learner's process was lost: open a new writer),
+      As `Writer.add`, raised in this process (with `max_in_flight`, for an
+      earlier chunk too): the buffer's own `TypeError` / `ValueError`
+      naming the leaf (nothing of that chunk added), `TimeoutError` (the
+      limiter did not allow it within `timeout`), `ServiceClosed` (closed,
+      or the learner's process was lost: open a new writer),
       `RuntimeError` (another thread, or closed).
     """
     what = "Writer.add"
@@ -342,29 +389,36 @@ class RemoteWriter:
       dict(items=items, mask=mask, episode_end=episode_end, final_steps=final_steps)
     )
     self.last_add_bytes = wire.tree_bytes(payload)
-    request = dict(op="add", writer=self._id, version=version, timeout=timeout)
+    request: dict[str, Any] = dict(op="add", version=version, timeout=timeout)
     if self.last_add_bytes > wire.INLINE_BYTES:
       request.update(payload=None, chunk=[ray.put(payload)])
     else:
       request.update(payload=payload, chunk=None)
-    try:
-      reply = self._served._call(request, timeout)  # pylint: disable=protected-access
-    except _Lost:
-      raise ServiceClosed(
-        f"{what}: the learner's process serving {self._served.name!r} was lost, and this add "
-        "with it; open a new writer (served.writer())."
-      ) from None
-    wire.raised(reply, self._served._served_as)  # pylint: disable=protected-access
+    self._send(request)
+    self._collect(self.max_in_flight)
+
+  def flush(self) -> None:
+    """Waits until every chunk sent is acknowledged; raises the first
+    error among them (as `add` would have)."""
+    self._collect(0)
 
   def close(self) -> None:
-    """Frees the writer's env rows; later adds raise `RuntimeError`. Idempotent."""
+    """Waits for the chunks in flight, then frees the writer's env rows;
+    later adds raise `RuntimeError`. Idempotent. Raises what `flush` raises
+    (not `ServiceClosed`: a closed service took back the rows already)."""
     if self._closed:
       return
     self._closed = True
     try:
-      self._served._call(dict(op="close_writer", writer=self._id), None)  # pylint: disable=protected-access
-    except _Lost:
-      pass  # the learner is gone, and its rows with it
+      self.flush()
+    except ServiceClosed:
+      pass
+    finally:
+      try:
+        self._send(dict(op="close_writer"))
+        self._collect(0)
+      except ServiceClosed:
+        pass
 
   def __enter__(self) -> "RemoteWriter":
     return self

@@ -88,16 +88,25 @@ class _WriterThread:
     self.requests.put(None)
 
   def _run(self) -> None:
+    held: dict[int, tuple] = {}  # requests that came before their turn, by sequence
+    turn = 0  # the sequence number of the writer's next request
     try:
       while True:
-        try:
-          entry = self.requests.get(timeout=IDLE)
-        except queue.Empty:
-          if self.server.stopping.is_set():
+        if turn in held:
+          entry = held.pop(turn)
+        else:
+          try:
+            entry = self.requests.get(timeout=IDLE)
+          except queue.Empty:
+            if self.server.stopping.is_set():
+              return
+            continue
+          if entry is None:
             return
-          continue
-        if entry is None:
-          return
+          if entry[1]["seq"] != turn:  # Ray reordered the caller's calls
+            held[entry[1]["seq"]] = entry
+            continue
+        turn += 1
         request_id, request, left = entry
         if request["op"] == "close_writer":
           self.server.reply(request_id, ("ok", None))
