@@ -2,12 +2,12 @@
 
 Shape key: N envs (all actors together), K actor processes, S sample size.
 
-    actor process 0:   envpool of N/K envs --writer.add(chunk)--+
-    actor process 1:   envpool of N/K envs --writer.add(chunk)--+--> served ReplayService --learn-->
-    ...                                                          |    (the learner's process:     learner
-    actor process K-1: ...                  --writer.add(chunk)--+     buffer state, limiter)     (jitted)
-          ^                                                                                        |
-          +--------- served.params(): the latest params, one ray.put per publish -------------------+
+    actor process 0:   envpool (N/K envs) --add(chunk)--+
+    actor process 1:   envpool (N/K envs) --add(chunk)--+--> served ReplayService --learn--> learner
+    ...                                                 |    (the learner's process:       (jitted)
+    actor process K-1: envpool (N/K envs) --add(chunk)--+     buffer state, limiter)            |
+          ^                                                                                     |
+          +------- served.params(): the latest params, one ray.put per publish -----------------+
 
 The learner's process holds the `jaxbuf.ReplayService` and serves it with
 `jaxbuf.ray.serve`; each actor is a Ray actor (its own process, here on the

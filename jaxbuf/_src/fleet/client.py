@@ -169,7 +169,9 @@ class Served:
     """
     timeout = _check_timeout(timeout, "served.writer")
     if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 0:
-      raise ValueError(f"served.writer: max_in_flight must be an int >= 0; given {max_in_flight!r}.")
+      raise ValueError(
+        f"served.writer: max_in_flight must be an int >= 0; given {max_in_flight!r}."
+      )
     rows = None if envs is None else [int(env) for env in np.asarray(envs).reshape(-1)]
     lease = [ray.put(b"jaxbuf.ray writer lease")]  # owned here: fails when this process dies
     writer_id = self._request(
