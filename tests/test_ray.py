@@ -404,3 +404,36 @@ def test_parameters_are_published_to_actors(callers):
   params, version = get(waiting)
   assert version == 2 and params["w"].tolist() == [1.0, 2.0, 3.0]
   served.close()
+
+
+# The example ---------------------------------------------------------------------
+
+
+def test_the_ray_dqn_example_runs():
+  ray_dqn = pytest.importorskip("examples.ray_dqn")
+  config = ray_dqn.Config(
+    total_steps=600,
+    num_envs=4,
+    num_actors=2,
+    buffer_size=256,
+    batch_size=8,
+    learning_starts=64,
+    hidden_size=16,
+    target_update_interval=8,
+    steps_per_add=4,
+    actor_cpus=0.0,
+  )
+  result = ray_dqn.train(config)  # on the module's cluster
+  assert result["env_steps"] >= 600
+  assert result["updates"] > 0
+  assert abs(result["samples_per_insert"] - result["target_samples_per_insert"]) < 0.5
+
+
+@pytest.mark.slow
+def test_the_ray_dqn_example_solves_cartpole():
+  from examples import ray_dqn  # pylint: disable=import-outside-toplevel
+
+  result = ray_dqn.train(ray_dqn.Config())
+  assert result["final_mean_return"] >= 475, result["final_mean_return"]
+  achieved, target = result["samples_per_insert"], result["target_samples_per_insert"]
+  assert abs(achieved - target) / target < 0.01
