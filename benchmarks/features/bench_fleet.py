@@ -110,7 +110,8 @@ def fleets(total_steps: int, warm_up: bool) -> dict[str, dict]:
         result["env_steps"] - config.learning_starts
       ) / config.batch_size / seconds  # fmt: skip
     results[name] = result
-    print(f"info  ran {name} ({result['seconds']:.0f} s); load {harness.load_average()}", flush=True)
+    load = harness.load_average()
+    print(f"info  ran {name} ({result['seconds']:.0f} s); load average {load}", flush=True)
   return results
 
 
