@@ -8,6 +8,7 @@ the optional extra `jaxbuf[ray]` and `import jaxbuf` never imports it.
     writer = served.writer()                            # in a Ray actor: the Writer API
     writer.add(items, policy_version=7, timeout=10.0)
     sample = served.sample(key, 256, timeout=10.0)      # a remote sampler
+    served = jaxbuf.ray.connect("replay")                # any process: found by name
 
 The rate limiter, versions, `close()` and checkpoints mean what they mean
 in one process. Guide: `docs/guides/ray.md`.
@@ -15,10 +16,12 @@ in one process. Guide: `docs/guides/ray.md`.
 
 from jaxbuf._src.fleet.client import RemoteWriter
 from jaxbuf._src.fleet.client import Served
+from jaxbuf._src.fleet.client import connect
 from jaxbuf._src.fleet.server import serve
 
 __all__ = (
   "RemoteWriter",
   "Served",
+  "connect",
   "serve",
 )

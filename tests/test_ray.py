@@ -35,6 +35,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
   path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+  if ray.is_initialized():  # a cluster another test left behind (it failed)
+    ray.shutdown()
   with warnings.catch_warnings():
     # JAX warns that forking its multithreaded process may deadlock; Ray
     # forks only to exec its own processes at once.
@@ -133,6 +135,19 @@ def test_the_handle_pickles_and_a_writer_does_not(callers):
   assert name == "TypeError" and "belongs to the thread" in message
   name, message = get(callers[0].from_two_threads.remote(served))
   assert name == "RuntimeError" and "belongs to thread" in message
+  served.close()
+
+
+def test_connect_finds_a_served_service_by_name():
+  service = items_service()
+  service.writer().add(ray_actors.chunk(0, 3))
+  served = jaxbuf.ray.serve(service, name="found-by-name")
+  found = jaxbuf.ray.connect("found-by-name", timeout=WAIT)
+  assert found.service is None and found.counts == service.counts
+  with pytest.raises(TimeoutError):
+    jaxbuf.ray.connect("served-by-nobody", timeout=0.5)
+  with pytest.raises(ValueError, match="served already"):
+    jaxbuf.ray.serve(items_service(), name="found-by-name")
   served.close()
 
 
@@ -375,6 +390,69 @@ def test_a_learner_restarted_from_a_checkpoint_takes_its_actors_back(callers, tm
   assert restored.counts.inserts == len(ids)
   served_again.close()
   served.close()
+
+
+def start_learner(folder: pathlib.Path, name: str, mode: str) -> subprocess.Popen:
+  """tests/ray_learner.py in its own process, joined to this cluster."""
+  context = ray.get_runtime_context()
+  path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+  script = str(ROOT / "tests" / "ray_learner.py")
+  arguments = [context.gcs_address, context.namespace, name, str(folder), mode]
+  process = subprocess.Popen(
+    [sys.executable, script, *arguments], env=dict(os.environ, PYTHONPATH=path)
+  )
+  wait_for_file(folder / f"{mode}.ready", process)
+  return process
+
+
+def wait_for_file(path: pathlib.Path, process: subprocess.Popen) -> None:
+  deadline = time.monotonic() + WAIT
+  while not path.exists():
+    assert process.poll() is None, f"the learner exited with {process.returncode}"
+    assert time.monotonic() < deadline, f"no {path.name} within {WAIT} s"
+    time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_learner_process_restarts_from_its_checkpoint(callers, tmp_path):
+  """The learner in its own process, SIGKILLed after a checkpoint while an
+  actor adds; a new learner process restores the checkpoint and serves the
+  same name; the actor's writer reconnects and every chunk acknowledged by
+  the new learner is held, once, beside the checkpoint's."""
+  name = "sigkilled-learner"
+  first = start_learner(tmp_path, name, "first")
+  served = jaxbuf.ray.connect(name, timeout=WAIT)
+  log = tmp_path / "adds.log"
+  adding = callers[0].reconnecting_adds.remote(served, 0, 4, 60, str(log))
+  deadline = time.monotonic() + WAIT
+  while len(read_log(log)[0]) < 10:
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+  before = max(read_log(log)[0])  # acknowledged before the checkpoint began
+  (tmp_path / "checkpoint.now").touch()
+  wait_for_file(tmp_path / "checkpoint.done", first)
+  time.sleep(0.3)  # adds after the checkpoint: lost with the learner
+  first.send_signal(signal.SIGKILL)
+  first.wait(WAIT)
+  second = start_learner(tmp_path, name, "restore")
+  try:
+    assert get(adding) >= 1  # reconnected
+    (tmp_path / "stop.now").touch()
+    second.wait(WAIT)
+  finally:
+    if second.poll() is None:
+      second.kill()
+  restored = set(np.load(tmp_path / "restored_ids.npy").tolist())
+  final = np.load(tmp_path / "final_ids.npy")
+  assert len(final) == len(set(final.tolist())), "an id twice"
+  held = set(final.tolist())
+  acked, _ = read_log(log)
+  assert acked == set(range(60))
+  for index in range(before + 1):  # acknowledged before the checkpoint: in it
+    assert chunk_ids(0, index, 4) <= restored
+  assert restored <= held and held <= set(range(240))
+  assert chunk_ids(0, 59, 4) <= held  # acknowledged by the restored learner
+  assert int(np.load(tmp_path / "final_counts.npy")[0]) == len(final)
 
 
 # Remote samplers and parameters ----------------------------------------------------

@@ -284,6 +284,30 @@ class Served:
     self.close()
 
 
+def connect(name: str, *, namespace: str | None = None, timeout: float | None = None) -> Served:
+  """The handle of the service served under `name`, from any process of the
+  cluster (one that did not get the handle from the learner: a driver on
+  another host, an evaluation job).
+
+  Args:
+    name: the name given to `jaxbuf.ray.serve`.
+    namespace: its Ray namespace (default: this job's).
+    timeout: seconds to wait for a learner to serve it (None: no limit).
+
+  Raises:
+    RuntimeError: Ray is not initialised here.
+    TimeoutError: nothing served `name` within `timeout`.
+  """
+  if not ray.is_initialized():
+    raise RuntimeError("connect: Ray is not initialised; call ray.init(address=...) first.")
+  timeout = _check_timeout(timeout, "connect")
+  namespace = ray.get_runtime_context().namespace if namespace is None else namespace
+  served = Served(None, 0, name, namespace)
+  deadline = None if timeout is None else time.monotonic() + timeout
+  served._broker = served._found(deadline)  # pylint: disable=protected-access
+  return served
+
+
 def _left(deadline: float | None) -> float | None:
   if deadline is None:
     return None

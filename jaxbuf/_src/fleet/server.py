@@ -130,6 +130,8 @@ class _WriterThread:
     except _DEAD as error:
       # The caller died with the chunk unacknowledged: it is dropped whole.
       return _error_reply(error), False
+    except Exception as error:  # pylint: disable=broad-exception-caught
+      return _error_reply(error), True  # not fetched (its node slow): not added
     try:
       items = wire.checked_arrays(what, "items", payload["items"])
       final_steps = wire.checked_arrays(what, "final_steps", payload.get("final_steps"))
