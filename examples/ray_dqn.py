@@ -205,25 +205,17 @@ def train(config: Config) -> dict[str, Any]:
   try:
     served.publish(params, version=0)
     running = [actor.run.remote(served) for actor in actors]
+
+    def publish(learner: q_learning.LearnerState, update: int) -> None:
+      if update % config.publish_every == 0:
+        served.publish(learner.params, version=update)
+
+    def stopped() -> bool:  # an actor ended (failed): its error is raised below
+      return bool(ray.wait(running, timeout=0)[0])
+
     start = time.perf_counter()
-    update = 0
     with served:  # an exception here closes it, and the actors stop
-      while service.counts.inserts < config.total_steps:
-        try:
-          learner, _ = service.learn(
-            train_step,
-            config.updates_per_learn * config.batch_size,
-            learner,
-            jax.random.fold_in(key, update),
-            timeout=1.0,
-          )
-        except TimeoutError:
-          if ray.wait(running, timeout=0)[0]:
-            break  # an actor ended (failed): its error is raised below
-          continue
-        update += 1
-        if update % config.publish_every == 0:
-          served.publish(learner.params, version=update)
+      sebulba_dqn.learn_until_done(config, service, train_step, learner, key, stopped, publish)
       seconds = time.perf_counter() - start
     results = ray.get(running, timeout=JOIN)
   finally:

@@ -220,6 +220,37 @@ def make_train_step(config: Config, agent: gymnasium_dqn.Agent):
   return train_step
 
 
+def learn_until_done(
+  config: Config,
+  service: jaxbuf.ReplayService,
+  train_step: Any,
+  learner: q_learning.LearnerState,
+  key: jax.Array,
+  stopped: Any,
+  publish: Any,
+) -> q_learning.LearnerState:
+  """The learner's loop: `service.learn` until `total_steps` units are
+  inserted, or until `stopped()` while the limiter holds it back;
+  `publish(learner, update)` after each learn. Returns the learner."""
+  update = 0
+  while service.counts.inserts < config.total_steps:
+    try:
+      learner, _ = service.learn(
+        train_step,
+        config.updates_per_learn * config.batch_size,
+        learner,
+        jax.random.fold_in(key, update),
+        timeout=1.0,
+      )
+    except TimeoutError:
+      if stopped():
+        break
+      continue
+    update += 1
+    publish(learner, update)
+  return learner
+
+
 def train(config: Config) -> dict[str, Any]:
   """Trains one agent; returns what gymnasium_dqn.train returns, and
   "samples_per_insert" (achieved), "target_samples_per_insert",
@@ -255,24 +286,16 @@ def train(config: Config) -> dict[str, Any]:
   with service:  # an exception here closes it, and the actors stop
     for thread in threads:
       thread.start()
-    update = 0
-    while service.counts.inserts < config.total_steps:
-      try:
-        learner, _ = service.learn(
-          train_step,
-          config.updates_per_learn * config.batch_size,
-          learner,
-          jax.random.fold_in(key, update),
-          timeout=1.0,
-        )
-      except TimeoutError:
-        if not any(thread.is_alive() for thread in threads):
-          break  # the actors stopped (the total reached while waiting)
-        continue
-      update += 1
+
+    def publish(learner: q_learning.LearnerState, update: int) -> None:
       # Published once computed: an actor acting on parameters still being
       # computed would wait for the learner's step, and not overlap it.
       published.latest = (jax.block_until_ready(learner.params), update)
+
+    def stopped() -> bool:  # the actors stopped (the total reached while waiting)
+      return not any(thread.is_alive() for thread in threads)
+
+    learner = learn_until_done(config, service, train_step, learner, key, stopped, publish)
   for thread in threads:
     thread.join(JOIN)
   seconds = time.perf_counter() - start

@@ -16,6 +16,9 @@ of a remote add.
   included; a warm-up run of each first fills JAX's persistent compilation
   cache, so later runs load their programs), samples per insert achieved
   against the target (goal: within 1%), and the final mean return.
+* Kills (`--parts kills --kills 1000`, a slow run): remote writers killed
+  mid-add, each one's log of chunks sent and acknowledged checked against
+  the state every 50 kills (acknowledged inserts lost: goal 0).
 * Remote add: `writer.add` of a CartPole chunk (64 transitions, inline; and
   4096, through Ray's object store) from a Ray actor process, with 0 and 1
   chunks in flight, against a local `writer.add` of the same items: time
@@ -183,6 +186,97 @@ def remote_add(adds: int) -> list[tuple]:
   return rows
 
 
+@ray.remote(num_cpus=0)
+class Killed:
+  """A remote writer adding chunks of unique ids until it is killed, each
+  chunk logged before it is sent and once acknowledged (unbuffered, so the
+  log survives a SIGKILL)."""
+
+  def pid(self) -> int:
+    return os.getpid()
+
+  def add_until_killed(self, served, first_id: int, rows: int, log_path: str, in_flight: int):
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    writer = served.writer(timeout=WAIT, max_in_flight=in_flight)
+    index = 0
+    try:
+      while True:
+        os.write(log, f"send {index}\n".encode())
+        ids = np.arange(first_id + index * rows, first_id + (index + 1) * rows, dtype=np.int32)
+        writer.add({"id": ids}, timeout=WAIT)
+        if index >= in_flight:
+          os.write(log, f"ack {index - in_flight}\n".encode())
+        index += 1
+    except jaxbuf.ServiceClosed:
+      return index
+    finally:
+      os.close(log)
+
+
+def logged(path: pathlib.Path) -> tuple[set, set]:
+  lines = path.read_text().split("\n") if path.exists() else []
+  sent = {int(line.split()[1]) for line in lines if line.startswith("send")}
+  acked = {int(line.split()[1]) for line in lines if line.startswith("ack")}
+  return acked, sent - acked
+
+
+def kills(count: int, folder: pathlib.Path, seed: int = 0) -> None:
+  """`count` writers killed mid-add (ray.kill and SIGKILL in turn, 0 or 1
+  chunks in flight, random chunk sizes and moments), each log checked
+  against the service's state every 50 kills: acknowledged inserts lost,
+  chunks held in part, ids held twice or never sent (all must be 0)."""
+  rng = np.random.default_rng(seed)
+  buffer = jaxbuf.uniform_replay(2**23)
+  service = jaxbuf.ReplayService(buffer, buffer.init({"id": np.int32(0)}))
+  served = jaxbuf.ray.serve(service)
+  runs = []
+  start = time.perf_counter()
+  for index in range(count):
+    first_id, rows, in_flight = 4096 * index, int(rng.integers(1, 65)), index % 2
+    log = folder / f"killed{index}.log"
+    runs.append((first_id, rows, log, in_flight))
+    actor = Killed.remote()
+    actor.add_until_killed.remote(served, first_id, rows, str(log), in_flight)
+    deadline = time.monotonic() + WAIT
+    while not logged(log)[0]:
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"writer {index}: no add acknowledged within {WAIT} s")
+      time.sleep(0.02)
+    time.sleep(float(rng.uniform(0.0, 0.1)))
+    if index % 4 < 2:
+      ray.kill(actor)
+    else:
+      os.kill(ray.get(actor.pid.remote(), timeout=WAIT), 9)
+    if (index + 1) % 50 == 0 or index + 1 == count:
+      state = service.state
+      ids = np.asarray(state.storage["id"])[: int(state.size)]
+      held = set(ids.tolist())
+      lost = partial = 0
+      expected = set()
+      acked_chunks = acked_ids = 0
+      for first, size, path, _ in runs:
+        acked, unacked = logged(path)
+        for chunk in acked:
+          chunk_ids = set(range(first + chunk * size, first + (chunk + 1) * size))
+          lost += len(chunk_ids - held)
+          expected |= chunk_ids
+          acked_chunks, acked_ids = acked_chunks + 1, acked_ids + size
+        for chunk in unacked:
+          chunk_ids = set(range(first + chunk * size, first + (chunk + 1) * size))
+          part = chunk_ids & held
+          partial += part not in (set(), chunk_ids)
+          expected |= part
+      print(
+        f"info  kills {index + 1}: {acked_chunks} chunks ({acked_ids} inserts) acknowledged, "
+        f"acknowledged inserts lost {lost}, chunks held in part {partial}, ids twice "
+        f"{len(ids) - len(held)}, ids never sent {len(held - expected)}, counted "
+        f"{service.counts.inserts} for {len(ids)} held; {time.perf_counter() - start:.0f} s, "
+        f"load average {harness.load_average()}",
+        flush=True,
+      )
+  served.close()
+
+
 def jax_tree_first(items: dict) -> dict:
   return {name: leaf[0] for name, leaf in items.items()}
 
@@ -206,7 +300,8 @@ def main() -> None:
   parser.add_argument("--total-steps", type=int, default=500_000)
   parser.add_argument("--adds", type=int, default=300)
   parser.add_argument("--no-warm-up", action="store_true")
-  parser.add_argument("--parts", nargs="+", default=["remote_add", "fleets"])
+  parser.add_argument("--kills", type=int, default=1000)
+  parser.add_argument("--parts", nargs="+", default=["remote_add", "fleets"])  # also "kills"
   args = parser.parse_args()
   harness.print_machine(PACKAGES)
   start_ray()
@@ -218,6 +313,9 @@ def main() -> None:
         for what, seconds, size, pickled in remote_add(args.adds)
       ],
     )
+  if "kills" in args.parts:
+    with tempfile.TemporaryDirectory() as folder:
+      kills(args.kills, pathlib.Path(folder))
   if "fleets" in args.parts:
     results = fleets(args.total_steps, not args.no_warm_up)
     single = results["single"]["steps_per_second"]
