@@ -38,6 +38,7 @@ import dataclasses
 import os
 import pathlib
 import pickle
+import signal
 import statistics
 import sys
 import tempfile
@@ -231,11 +232,16 @@ def kills(count: int, folder: pathlib.Path, seed: int = 0) -> None:
   served = jaxbuf.ray.serve(service)
   runs = []
   start = time.perf_counter()
+  # The next writers' processes start while this one adds (a process and
+  # its imports take seconds; the kills do not wait for them one by one).
+  starting = [Killed.remote() for _ in range(2)]
   for index in range(count):
     first_id, rows, in_flight = 4096 * index, int(rng.integers(1, 65)), index % 2
     log = folder / f"killed{index}.log"
     runs.append((first_id, rows, log, in_flight))
-    actor = Killed.remote()
+    actor = starting.pop(0)
+    starting.append(Killed.remote())
+    pid = ray.get(actor.pid.remote(), timeout=WAIT)  # asked first: it adds from then on
     actor.add_until_killed.remote(served, first_id, rows, str(log), in_flight)
     deadline = time.monotonic() + WAIT
     while not logged(log)[0]:
@@ -246,7 +252,7 @@ def kills(count: int, folder: pathlib.Path, seed: int = 0) -> None:
     if index % 4 < 2:
       ray.kill(actor)
     else:
-      os.kill(ray.get(actor.pid.remote(), timeout=WAIT), 9)
+      os.kill(pid, signal.SIGKILL)
     if (index + 1) % 50 == 0 or index + 1 == count:
       state = service.state
       ids = np.asarray(state.storage["id"])[: int(state.size)]
@@ -274,6 +280,8 @@ def kills(count: int, folder: pathlib.Path, seed: int = 0) -> None:
         f"load average {harness.load_average()}",
         flush=True,
       )
+  for actor in starting:
+    ray.kill(actor)
   served.close()
 
 

@@ -164,7 +164,7 @@ class Served:
     Raises:
       ValueError: as `service.writer` (envs out of range or held by another
         live writer), raised in this process.
-      ServiceClosed: the service is closed.
+      jaxbuf.ServiceClosed: the service is closed.
       TimeoutError: no learner served within `timeout`.
     """
     timeout = _check_timeout(timeout, "served.writer")
@@ -195,8 +195,10 @@ class Served:
       sample; `.version_lag`, int32 `[S]`.
 
     Raises:
-      As `service.sample`, raised in this process: `ServiceClosed`,
-      `TimeoutError`, `ValueError`.
+      jaxbuf.ServiceClosed: the service is closed (raised in this process, as
+        `service.sample` raises it).
+      TimeoutError: the limiter did not allow the sample within `timeout`.
+      ValueError: a bad argument, or sizes that could deadlock.
     """
     timeout = _check_timeout(timeout, "served.sample")
     request = dict(
@@ -385,13 +387,16 @@ class RemoteWriter:
   ) -> None:
     """As `jaxbuf.Writer.add`, in another process.
 
+    Each is raised in this process, as `Writer.add` raises it (with
+    `max_in_flight`, for an earlier chunk too).
+
     Raises:
-      As `Writer.add`, raised in this process (with `max_in_flight`, for an
-      earlier chunk too): the buffer's own `TypeError` / `ValueError`
-      naming the leaf (nothing of that chunk added), `TimeoutError` (the
-      limiter did not allow it within `timeout`), `ServiceClosed` (closed,
-      or the learner's process was lost: open a new writer),
-      `RuntimeError` (another thread, or closed).
+      TypeError, ValueError: the buffer's own errors naming the leaf
+        (nothing of that chunk added).
+      TimeoutError: the limiter did not allow it within `timeout`.
+      jaxbuf.ServiceClosed: the service is closed, or the learner's process was
+        lost (open a new writer).
+      RuntimeError: another thread, or a closed writer.
     """
     what = "Writer.add"
     current = threading.get_ident()
