@@ -500,6 +500,7 @@ def test_the_ray_dqn_example_runs():
     target_update_interval=8,
     steps_per_add=4,
     actor_cpus=0.0,
+    error_buffer=64.0,
   )
   result = ray_dqn.train(config)  # on the module's cluster
   assert result["env_steps"] >= 600
