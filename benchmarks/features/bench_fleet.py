@@ -254,6 +254,15 @@ def kills(count: int, folder: pathlib.Path, seed: int = 0) -> None:
     else:
       os.kill(pid, signal.SIGKILL)
     if (index + 1) % 50 == 0 or index + 1 == count:
+      # Read once the dead writer's last chunk is settled (taken or
+      # dropped): no writer adds now, so the counts stop moving.
+      settled = time.monotonic() + WAIT
+      before = service.counts
+      while time.monotonic() < settled:
+        time.sleep(1.0)
+        if service.counts == before:
+          break
+        before = service.counts
       state = service.state
       ids = np.asarray(state.storage["id"])[: int(state.size)]
       held = set(ids.tolist())
