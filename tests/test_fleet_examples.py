@@ -1,13 +1,10 @@
 """The envpool modes of the host-loop examples (issue 51) at tiny sizes:
 examples/gymnasium_dqn.py's recipe and examples/sebulba_dqn.py's actor
-threads on envpool's CartPole (gymnasium's NEXT_STEP autoreset)."""
+threads on envpool's CartPole (gymnasium's NEXT_STEP autoreset). envpool is in the test extra: run,
+never skipped."""
 
-import pytest
-
-pytest.importorskip("envpool")
-
-from examples import gymnasium_dqn  # noqa: E402
-from examples import sebulba_dqn  # noqa: E402
+from examples import gymnasium_dqn
+from examples import sebulba_dqn
 
 TINY = dict(
   total_steps=400,
