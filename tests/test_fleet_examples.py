@@ -1,7 +1,7 @@
 """The envpool modes of the host-loop examples (issue 51) at tiny sizes:
 examples/gymnasium_dqn.py's recipe and examples/sebulba_dqn.py's actor
-threads on envpool's CartPole (gymnasium's NEXT_STEP autoreset). envpool is in the test extra: run,
-never skipped."""
+threads on envpool's CartPole (gymnasium's NEXT_STEP autoreset). envpool
+is in the test extra: these run, never skipped."""
 
 from examples import gymnasium_dqn
 from examples import sebulba_dqn
