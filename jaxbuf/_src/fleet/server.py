@@ -7,7 +7,9 @@ Threads, all in the learner's process:
 * the dispatcher long-polls the broker, answers what is quick (counts, a
   close) and hands the rest on; it also notices a service closed locally
   (`service.close()`) and closes the broker, so remote calls end with
-  `ServiceClosed`, and reaps the writers of processes that died;
+  `ServiceClosed`;
+* the reaper checks the remote writers' leases and reaps the writers of
+  processes that died;
 * one writer thread per remote writer owns that writer's local `Writer`
   (a writer belongs to one thread): it fetches each chunk from Ray's object
   store and calls `writer.add`, which waits for the rate limiter exactly as
@@ -18,7 +20,7 @@ Threads, all in the learner's process:
 Dead callers. A remote writer sends a lease, an object ref its own process
 owns; Ray fails it once that process dies (killed, SIGKILL, its node lost).
 A chunk whose fetch fails so is dropped (its caller never got an
-acknowledgement), and the dispatcher checks every writer's lease every
+acknowledgement), and the reaper checks every writer's lease every
 `SWEEP` s: a dead writer's thread closes its local writer, which frees its
 env rows for the actor that replaces it. So a killed actor loses at most
 its unacknowledged chunk, and never holds env rows or a thread forever.
@@ -45,6 +47,7 @@ from jaxbuf._src.service.writer import Writer
 
 POLL = 0.25  # s: the dispatcher's long poll; also how soon it notices a local close
 SWEEP = 1.0  # s between checks of the remote writers' leases
+LEASE = 10.0  # s a lease check may take (a dead owner's fails within seconds)
 IDLE = 1.0  # s: how often an idle writer thread looks whether the server stopped
 CLAIM = 5.0  # s a writer claim waits for env rows held by a dying writer, by default
 FETCH = 60.0  # s to fetch a chunk whose owner is alive (Ray reports a dead one)
@@ -165,7 +168,11 @@ class Server:
     self._dispatcher = threading.Thread(
       target=self._dispatch, name=f"jaxbuf.ray server {served_as}", daemon=True
     )
+    self._reaper = threading.Thread(
+      target=self._reap, name=f"jaxbuf.ray reaper {served_as}", daemon=True
+    )
     self._dispatcher.start()
+    self._reaper.start()
 
   # Replies and bookkeeping -----------------------------------------------------
 
@@ -188,7 +195,6 @@ class Server:
   # The dispatcher ----------------------------------------------------------------
 
   def _dispatch(self) -> None:
-    swept = time.monotonic()
     while not self.stopping.is_set():
       try:
         taken = ray.get(self.broker.poll.remote(self.channel, POLL), timeout=POLL + CONTROL)
@@ -202,9 +208,6 @@ class Server:
       if self.service.closed:
         self.close_broker()
         break
-      if time.monotonic() - swept > SWEEP:
-        self._sweep()
-        swept = time.monotonic()
     self.stopping.set()
 
   def close_broker(self) -> None:
@@ -241,22 +244,25 @@ class Server:
     else:
       self.reply(request_id, ("error", ValueError(f"unknown request {op!r}.")))
 
-  def _sweep(self) -> None:
-    """Reaps the writers whose processes died (their leases failed)."""
-    with self._writers_lock:
-      writers = list(self._writers.values())
-    for writer in writers:
-      if not self._alive(writer):
-        writer.reap()
+  def _reap(self) -> None:
+    """The reaper thread: every `SWEEP` s, reaps the writers whose processes
+    died (their leases failed). Its own thread: a dead owner's lease can
+    take seconds to fail, which the dispatcher must not wait for."""
+    while not self.stopping.wait(SWEEP):
+      with self._writers_lock:
+        writers = list(self._writers.values())
+      for writer in writers:
+        if not self._alive(writer, LEASE):
+          writer.reap()
 
   @staticmethod
-  def _alive(writer: _WriterThread) -> bool:
+  def _alive(writer: _WriterThread, timeout: float = 1.0) -> bool:
     try:
-      ray.get(writer.lease[0], timeout=1.0)
+      ray.get(writer.lease[0], timeout=timeout)
     except _DEAD:
       return False
-    except ray.exceptions.GetTimeoutError:
-      pass  # its node is slow to answer: not known dead
+    except Exception:  # pylint: disable=broad-exception-caught
+      pass  # not answered in time (its node slow), or Ray shut down: not known dead
     return True
 
   # Requests that may wait ---------------------------------------------------------
@@ -329,7 +335,8 @@ class Server:
       writers = list(self._writers.values())
     for writer in writers:
       writer.reap()
-    for thread in [self._dispatcher] + [w.thread for w in writers] + list(self._workers):
+    threads = [self._dispatcher, self._reaper] + [w.thread for w in writers]
+    for thread in threads + list(self._workers):
       if thread is not threading.current_thread():
         thread.join(JOIN)
 
