@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import jaxbuf  # noqa: E402
+import jaxbuf.ray  # noqa: E402  (the optional extra [ray]: documented too)
 
 project = "jaxbuf"
 author = "the jaxbuf authors"
@@ -153,6 +154,8 @@ def _public_name(target: str) -> str | None:
   if not target.startswith("jaxbuf._src."):
     return None
   name = target.rsplit(".", 1)[-1]
+  if target.startswith("jaxbuf._src.fleet.") and name in jaxbuf.ray.__all__:
+    return f"jaxbuf.ray.{name}"  # the optional submodule's names
   return f"jaxbuf.{name}" if name in jaxbuf.__all__ else None
 
 

@@ -23,6 +23,7 @@ CleanRL's network and hyperparameters) in two ways:
   python examples/gymnasium_dqn.py --natural        # plain calls
   python examples/gymnasium_dqn.py --replay prioritized
   python examples/gymnasium_dqn.py --plot gymnasium_dqn.png  # returns curve
+  python examples/gymnasium_dqn.py --envpool        # envpool's C++ CartPole
 
 Autoreset: `jaxbuf.VectorEnvRecorder` turns each env step into the add, in
 either of gymnasium's autoreset modes, so no reset is stored as a
@@ -35,6 +36,12 @@ CartPole-v1's 500-step time limit is bootstrapped.
 
 The TD target is CleanRL's (the target network's max) with a squared error,
 gradients clipped at norm 10; the network is examples/dqn.py's (120, 84).
+
+`--envpool` steps envpool's CartPole-v1 (C++, `pip install jaxbuf[envpool]`)
+instead of gymnasium's: the same dynamics, 500-step limit and gymnasium
+API, in gymnasium's default NEXT_STEP autoreset mode, whose reset steps the
+recorder leaves out (so the jitted step sees fewer than N transitions now
+and then: one compilation per count).
 """
 
 import dataclasses
@@ -42,6 +49,7 @@ import functools
 import pathlib
 import sys
 import time
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import gymnasium as gym
@@ -71,6 +79,8 @@ class Config(q_learning.ReplayConfig, q_learning.QLearningConfig):
   num_envs: int = 4  # N
   seed: int = 0
   natural: bool = False  # plain add / sample / learner calls
+  envpool: bool = False  # envpool's C++ envs (NEXT_STEP autoreset) instead of gymnasium's
+  envpool_threads: int = 1  # threads of each envpool (1: fastest for a few CartPoles)
   train_frequency: int = 8  # env steps per learner update
   progress: bool = True  # the tqdm bar
 
@@ -91,13 +101,37 @@ class Agent(NamedTuple):
 
 
 def make_envs(config: Config) -> gym.vector.VectorEnv:
-  """N synchronous envs that reset an ended episode in the same step."""
+  """N synchronous envs that reset an ended episode in the same step (or,
+  `config.envpool`, envpool's N envs: a gymnasium VectorEnv that resets on
+  the next step)."""
+  if config.envpool:
+    import envpool  # pylint: disable=import-outside-toplevel  (an optional extra)
+
+    with warnings.catch_warnings():
+      # envpool's spaces, made on first use (and kept): gymnasium warns that
+      # their float64 bounds become float32.
+      warnings.simplefilter("ignore", UserWarning)
+      envs = envpool.make(
+        config.env_id,
+        env_type="gymnasium",
+        num_envs=config.num_envs,
+        seed=config.seed,  # envpool seeds at make, not at reset
+        num_threads=config.envpool_threads,
+      )
+      _ = (envs.single_observation_space, envs.single_action_space)
+      return envs
   return gym.make_vec(
     config.env_id,
     num_envs=config.num_envs,
     vectorization_mode="sync",
     vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
   )
+
+
+def reset(envs: gym.vector.VectorEnv, config: Config, seed: int) -> Any:
+  """`envs.reset(seed=seed)`'s observations (envpool: seeded by make_envs)."""
+  obs, _ = envs.reset() if config.envpool else envs.reset(seed=seed)
+  return obs
 
 
 def make_agent(
@@ -184,7 +218,7 @@ def train(config: Config, *, buffer: jaxbuf.Buffer | None = None) -> dict[str, A
   agent = make_agent(config, envs, buffer)
   recorder = jaxbuf.VectorEnvRecorder(envs, agent.buffer)
   returns = training.EpisodeReturns(config.num_envs)
-  obs, _ = envs.reset(seed=config.seed)
+  obs = reset(envs, config, config.seed)
   recorder.reset(obs)
   key = jax.random.key(config.seed)
   action_dtype = envs.single_action_space.dtype

@@ -24,8 +24,15 @@ stepping of the actors overlaps the learner's device work.
   python examples/sebulba_dqn.py                      # 2 actors, 5e5 env steps
   python examples/sebulba_dqn.py --num_actors 1 --total_steps 50000
   python examples/sebulba_dqn.py --plot sebulba.png   # returns curve
+  python examples/sebulba_dqn.py --envpool            # envpool's C++ CartPole
 
 Network, loss and hyperparameters are examples/gymnasium_dqn.py's.
+
+`--envpool`: each actor steps an envpool of its N / K CartPole envs (C++,
+outside the GIL; `pip install jaxbuf[envpool]`, gymnasium's NEXT_STEP
+autoreset, whose reset steps the recorder leaves out), seeded by its index.
+Gymnasium's CartPole is Python and holds the GIL while it steps, so its
+actors and the learner take turns on it; envpool's do not.
 """
 
 import dataclasses
@@ -140,13 +147,15 @@ def actor(
 ) -> None:
   """Steps N / K envs until the service has `total_steps` or is closed."""
   per_actor = config.num_envs // config.num_actors
-  envs = gymnasium_dqn.make_envs(dataclasses.replace(config, num_envs=per_actor))
+  envs = gymnasium_dqn.make_envs(
+    dataclasses.replace(config, num_envs=per_actor, seed=config.seed + index)
+  )
   recorder = jaxbuf.VectorEnvRecorder(envs, agent.buffer)
   writer = service.writer()
   act = jax.jit(agent.act)
   host_policy = HostPolicy(config, config.seed + 1000 + index)
   key = jax.random.key(config.seed + 1000 + index)
-  obs, _ = envs.reset(seed=config.seed + index)
+  obs = gymnasium_dqn.reset(envs, config, config.seed + index)
   recorder.reset(obs)
   dtype = envs.single_action_space.dtype
   step = 0
@@ -211,6 +220,37 @@ def make_train_step(config: Config, agent: gymnasium_dqn.Agent):
   return train_step
 
 
+def learn_until_done(
+  config: Config,
+  service: jaxbuf.ReplayService,
+  train_step: Any,
+  learner: q_learning.LearnerState,
+  key: jax.Array,
+  stopped: Any,
+  publish: Any,
+) -> q_learning.LearnerState:
+  """The learner's loop: `service.learn` until `total_steps` units are
+  inserted, or until `stopped()` while the limiter holds it back;
+  `publish(learner, update)` after each learn. Returns the learner."""
+  update = 0
+  while service.counts.inserts < config.total_steps:
+    try:
+      learner, _ = service.learn(
+        train_step,
+        config.updates_per_learn * config.batch_size,
+        learner,
+        jax.random.fold_in(key, update),
+        timeout=1.0,
+      )
+    except TimeoutError:
+      if stopped():
+        break
+      continue
+    update += 1
+    publish(learner, update)
+  return learner
+
+
 def train(config: Config) -> dict[str, Any]:
   """Trains one agent; returns what gymnasium_dqn.train returns, and
   "samples_per_insert" (achieved), "target_samples_per_insert",
@@ -219,7 +259,7 @@ def train(config: Config) -> dict[str, Any]:
     raise ValueError(f"num_envs {config.num_envs} must divide by num_actors {config.num_actors}.")
   envs = gymnasium_dqn.make_envs(config)
   agent = gymnasium_dqn.make_agent(config, envs)
-  obs, _ = envs.reset(seed=config.seed)
+  obs = gymnasium_dqn.reset(envs, config, config.seed)
   envs.close()
   service = make_service(config, agent)
   key, network_key = jax.random.split(jax.random.key(config.seed))
@@ -246,24 +286,16 @@ def train(config: Config) -> dict[str, Any]:
   with service:  # an exception here closes it, and the actors stop
     for thread in threads:
       thread.start()
-    update = 0
-    while service.counts.inserts < config.total_steps:
-      try:
-        learner, _ = service.learn(
-          train_step,
-          config.updates_per_learn * config.batch_size,
-          learner,
-          jax.random.fold_in(key, update),
-          timeout=1.0,
-        )
-      except TimeoutError:
-        if not any(thread.is_alive() for thread in threads):
-          break  # the actors stopped (the total reached while waiting)
-        continue
-      update += 1
+
+    def publish(learner: q_learning.LearnerState, update: int) -> None:
       # Published once computed: an actor acting on parameters still being
       # computed would wait for the learner's step, and not overlap it.
       published.latest = (jax.block_until_ready(learner.params), update)
+
+    def stopped() -> bool:  # the actors stopped (the total reached while waiting)
+      return not any(thread.is_alive() for thread in threads)
+
+    learner = learn_until_done(config, service, train_step, learner, key, stopped, publish)
   for thread in threads:
     thread.join(JOIN)
   seconds = time.perf_counter() - start

@@ -11,9 +11,11 @@ observation is the true one (`tests/stored_transitions.py`), so a snippet
 that stores `next_obs = obs`, or a stale next observation, fails here.
 """
 
+import importlib
 import pathlib
 import re
 import textwrap
+import warnings
 
 import jax
 import pytest
@@ -36,13 +38,19 @@ PAGES_WITH_CODE = [page for page in PAGES if python_blocks(page)]
 
 
 def referenced_names() -> set[str]:
-  """Names the API pages document: autosummary entries, auto* directives."""
+  """Names the API pages document: autosummary entries, auto* directives;
+  those of the submodule `jaxbuf.ray` (its own `__all__`, never imported
+  by `import jaxbuf`) as "ray.NAME", under `.. currentmodule:: jaxbuf.ray`."""
   names = set()
   for page in API.glob("*.md"):
     lines = page.read_text().splitlines()
     in_summary = False
+    prefix = ""
     for line in lines:
       stripped = line.strip()
+      module = re.match(r"\.\. currentmodule:: (\S+)", stripped)
+      if module:
+        prefix = "ray." if module.group(1) == "jaxbuf.ray" else ""
       if stripped.startswith(".. autosummary::"):
         in_summary = True
         continue
@@ -50,17 +58,23 @@ def referenced_names() -> set[str]:
         if not stripped or stripped.startswith(":"):
           continue
         if line.startswith("   ") and re.fullmatch(r"[A-Za-z_]\w*", stripped):
-          names.add(stripped)
+          names.add(prefix + stripped)
           continue
         in_summary = False
-      match = re.match(r"\.\. auto\w+:: jaxbuf\.(\w+)", stripped)
+      match = re.match(r"\.\. auto\w+:: jaxbuf\.(ray\.\w+|\w+)", stripped)
       if match:
         names.add(match.group(1))
   return names
 
 
+def public_names() -> set[str]:
+  """`jaxbuf.__all__`, and `jaxbuf.ray.__all__` as "ray.NAME"."""
+  served = importlib.import_module("jaxbuf.ray")  # the optional extra: imported here only
+  return set(jaxbuf.__all__) | {f"ray.{name}" for name in served.__all__}
+
+
 def test_every_public_name_is_in_the_api_reference():
-  missing = sorted(set(jaxbuf.__all__) - referenced_names())
+  missing = sorted(public_names() - referenced_names())
   assert not missing, (
     f"public names without an entry in docs/api/*.md: {missing}; add each "
     "to the autosummary list of its group"
@@ -68,8 +82,10 @@ def test_every_public_name_is_in_the_api_reference():
 
 
 def test_the_api_reference_names_only_public_names():
-  unknown = sorted(referenced_names() - set(jaxbuf.__all__))
-  assert not unknown, f"docs/api/*.md lists names not in jaxbuf.__all__: {unknown}"
+  unknown = sorted(referenced_names() - public_names())
+  assert not unknown, (
+    f"docs/api/*.md lists names not in jaxbuf.__all__ (nor jaxbuf.ray.__all__): {unknown}"
+  )
 
 
 def test_every_python_fence_is_run():
@@ -86,7 +102,11 @@ def test_docs_have_runnable_code():
 
 def run_blocks(blocks: list[str], where: str) -> None:
   namespace = {"__name__": "__docs__"}
-  with jax.numpy_rank_promotion("allow"):
+  with jax.numpy_rank_promotion("allow"), warnings.catch_warnings():
+    # docs/guides/ray.md starts a Ray cluster in this process, which ran
+    # JAX before: JAX warns on any fork, and Ray forks only to exec its
+    # processes at once.
+    warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
     for block in blocks:
       exec(compile(block, where, "exec"), namespace)  # noqa: S102
 

@@ -30,9 +30,10 @@ SRC = PACKAGE / "_src"
 # eviction rules (queues, sample budgets, heaps, keep-the-best), which build
 # on item and episode replay; sharding, checkpoints,
 # offline datasets and mixtures of any buffers above them; host loops (which
-# write the offline forms) on top of those, and the replay service (threads
-# around one buffer state, which takes the recorder's steps) above. The
-# package `jaxbuf` is above them all.
+# write the offline forms) on top of those, the replay service (threads
+# around one buffer state, which takes the recorder's steps) above, and the
+# fleet (the service served to Ray actors in other processes, `jaxbuf.ray`)
+# on top. The package `jaxbuf` is above them all.
 LAYERS = (
   ("core",),
   ("storage",),
@@ -42,6 +43,7 @@ LAYERS = (
   ("sharded", "checkpoint", "offline", "mixture"),
   ("host",),
   ("service",),
+  ("fleet",),
 )
 
 
