@@ -31,8 +31,10 @@ it (docs/gpu.md); the environment variable `JAXBUF_SUM_TREE_KERNELS` forces
 one (on a CPU the kernels run in Pallas's interpret mode: slow, for tests).
 """
 
+import functools
 import math
 import os
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -45,17 +47,20 @@ BRANCHING = 8
 
 KERNEL_VARIANTS = ("xla", "pallas_descent", "pallas")
 KERNEL_VARIANT_VARIABLE = "JAXBUF_SUM_TREE_KERNELS"
-# The variant each backend uses unless the variable forces one: a backend
-# missing here, or whose Pallas kernels no device run has measured, uses "xla".
-BACKEND_KERNELS: dict[str, str] = {"cpu": "xla"}
+# The variant each compile target uses unless the variable forces one, keyed
+# by the platform the program is lowered for: a GPU program compiled in a
+# process whose default backend is the CPU (a deviceless compile) still gets
+# the GPU's kernels. A platform missing here uses "xla"; on a TPU the Pallas
+# kernels (written for Triton) are not used.
+BACKEND_KERNELS: dict[str, str] = {"cpu": "xla", "cuda": "pallas"}
 
 
-def kernel_variant() -> str:
-  """The sum tree kernel variant traced now: `JAXBUF_SUM_TREE_KERNELS` if set, else
-  the default backend's entry in `BACKEND_KERNELS`, else "xla".
+def forced_kernel_variant() -> str | None:
+  """The variant `JAXBUF_SUM_TREE_KERNELS` forces on every platform, or None.
 
   Read while tracing: a function already jitted keeps the variant it was
-  traced with.
+  traced with. Forced Pallas kernels run in Pallas's interpret mode unless
+  the default backend is a GPU (slow: for tests and benchmarks).
 
   Raises:
     ValueError: if the variable names no variant.
@@ -64,16 +69,53 @@ def kernel_variant() -> str:
   if forced and forced not in KERNEL_VARIANTS:
     raise ValueError(
       f"{KERNEL_VARIANT_VARIABLE}={forced!r} names no sum tree kernel variant; "
-      f"expected one of {KERNEL_VARIANTS} (or unset, for the backend's default)."
+      f"expected one of {KERNEL_VARIANTS} (or unset, for each platform's default)."
     )
-  return forced or BACKEND_KERNELS.get(jax.default_backend(), "xla")
+  return forced or None
+
+
+def kernel_variant(platform: str | None = None) -> str:
+  """The sum tree kernel variant a program lowered for `platform` (default:
+  the default backend's) uses: the forced one, else `BACKEND_KERNELS`'s."""
+  platform = platform or jax.default_backend()
+  return forced_kernel_variant() or BACKEND_KERNELS.get(platform, "xla")
+
+
+def choose_kernel(
+  xla: Callable[..., Any],
+  kernel: Callable[..., Any],
+  *operands: Any,
+  kernel_variants: tuple[str, ...],
+) -> Any:
+  """`kernel(*operands, interpret=...)` where the compile target's variant is
+  one of `kernel_variants`, else `xla(*operands)`; both return the same.
+
+  The choice is made when the program is lowered (`lax.platform_dependent`),
+  so one traced function serves a CPU and a GPU, and only the chosen branch
+  is compiled. Inside `jax.shard_map` (operands varying over a mesh axis)
+  the XLA form serves: the interpreter refuses the kernels' mix of
+  per-device and shared values, and they are untried on a GPU mesh.
+  """
+  if _in_manual_mesh(*jax.tree.leaves(operands)):
+    return xla(*operands)
+  forced = forced_kernel_variant()
+  if forced is not None:
+    if forced not in kernel_variants:
+      return xla(*operands)
+    return kernel(*operands, interpret=jax.default_backend() != "gpu")
+  branches = {
+    platform: functools.partial(kernel, interpret=False)
+    for platform, variant in BACKEND_KERNELS.items()
+    if variant in kernel_variants
+  }
+  if not branches:
+    return xla(*operands)
+  return jax.lax.platform_dependent(*operands, default=xla, **branches)
 
 
 def _in_manual_mesh(*arrays: jax.Array) -> bool:
   """Whether any of `arrays` varies over a mesh axis: traced inside
-  `jax.shard_map` (a sharded buffer), where the Pallas kernels are not
-  used (the interpreter refuses their mix of per-device and shared values;
-  untried on a GPU), so the XLA path serves there."""
+  `jax.shard_map` (a sharded buffer)."""
   return any(jax.typeof(array).manual_axis_type.varying for array in arrays)
 
 
@@ -216,45 +258,52 @@ def set_leaves(
     write = valid
   else:
     levels[0], write = claim_last_writes(levels[0], indices, valid)
-  if (
-    len(levels) > 1
-    and indices.shape[0] <= sum_tree_kernels.WRITE_BATCH_MAX
-    and kernel_variant() == "pallas"
-    and not _in_manual_mesh(levels[0], indices, values)
-  ):
-    written = sum_tree_kernels.write_leaves(
-      tuple(levels),
-      indices,
-      values,
-      write,
-      branching=BRANCHING,
-      interpret=jax.default_backend() != "gpu",
-    )
-    return SumTree(tuple(written))
-  levels[0] = (
-    levels[0]
-    .at[jnp.where(write, indices, levels[0].shape[0])]
+  if len(levels) == 1 or indices.shape[0] > sum_tree_kernels.WRITE_BATCH_MAX:
+    return SumTree(tuple(_write_levels(tuple(levels), indices, values, write)))
+  written = choose_kernel(
+    _write_levels,
+    functools.partial(sum_tree_kernels.write_leaves, branching=BRANCHING),
+    tuple(levels),
+    indices,
+    values,
+    write,
+    kernel_variants=("pallas",),
+  )
+  return SumTree(tuple(written))
+
+
+def _write_levels(
+  levels: tuple[jax.Array, ...], indices: jax.Array, values: jax.Array, write: jax.Array
+) -> tuple[jax.Array, ...]:
+  """`set_leaves`'s writes as XLA operations, level by level: the leaves
+  where `write` (distinct indices there), then their ancestors."""
+  levels_list = list(levels)
+  levels_list[0] = (
+    levels_list[0]
+    .at[jnp.where(write, indices, levels_list[0].shape[0])]
     .set(values, mode="drop", unique_indices=True)
   )
   # Skipped entries may point anywhere; send them to node 0 so every gather
   # below is in bounds, and drop their scatters.
   node = jnp.where(write, indices, 0)
-  for depth in range(len(levels) - 1):
+  for depth in range(len(levels_list) - 1):
     node = node // BRANCHING
-    children = levels[depth].reshape(-1, BRANCHING)
-    parent_level = levels[depth + 1]
+    children = levels_list[depth].reshape(-1, BRANCHING)
+    parent_level = levels_list[depth + 1]
     if children.size <= DENSE_LEVEL_MAX:
       # A small level is cheaper summed whole, in one kernel, than gathered
       # and scattered B rows at a time; only the lowest levels are not small.
-      levels[depth + 1] = jax.lax.dynamic_update_slice(parent_level, children.sum(axis=1), (0,))
+      levels_list[depth + 1] = jax.lax.dynamic_update_slice(
+        parent_level, children.sum(axis=1), (0,)
+      )
       continue
     sums = children.at[node].get(mode="promise_in_bounds").sum(axis=1)
     # Siblings written in one batch share a parent; each of them writes the
     # same sum of the already-updated children, so the scatter is exact.
-    levels[depth + 1] = parent_level.at[jnp.where(write, node, parent_level.shape[0])].set(
+    levels_list[depth + 1] = parent_level.at[jnp.where(write, node, parent_level.shape[0])].set(
       sums, mode="drop"
     )
-  return SumTree(tuple(levels))
+  return tuple(levels_list)
 
 
 # A float32 target places itself to within about 2**-24 of the total: fine
@@ -418,19 +467,27 @@ def find_prefix_sums_and_leaves(
   node = jnp.zeros(targets.shape, jnp.int32)
   if len(tree.levels) == 1:  # a single leaf, which is also the root
     return node, jnp.broadcast_to(tree.levels[0][0], targets.shape)
-  if kernel_variant() != "xla" and not _in_manual_mesh(tree.levels[0], targets):
-    return sum_tree_kernels.descend(
-      tuple(reversed(tree.levels[:-1])),
-      targets,
-      jnp.asarray(redraws, jnp.float32),
-      branching=BRANCHING,
-      levels_per_target=LEVELS_PER_TARGET,
-      interpret=jax.default_backend() != "gpu",
-    )
+  return choose_kernel(
+    _descend_levels,
+    functools.partial(
+      sum_tree_kernels.descend, branching=BRANCHING, levels_per_target=LEVELS_PER_TARGET
+    ),
+    tuple(reversed(tree.levels[:-1])),
+    targets,
+    jnp.asarray(redraws, jnp.float32),
+    kernel_variants=("pallas_descent", "pallas"),
+  )
+
+
+def _descend_levels(
+  levels_top_down: tuple[jax.Array, ...], targets: jax.Array, redraws: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """`find_prefix_sums_and_leaves`'s descent as XLA operations, level by level."""
+  node = jnp.zeros(targets.shape, jnp.int32)
   child_position = jnp.arange(BRANCHING, dtype=jnp.int32)[None, :]
   child: jax.Array  # [S]: set by each level, read by the next
   children: jax.Array  # [S, K]: likewise
-  for depth, level in enumerate(reversed(tree.levels[:-1])):
+  for depth, level in enumerate(levels_top_down):
     if depth and depth % LEVELS_PER_TARGET == 0:
       node_value = jnp.sum(
         jnp.where(child_position == child[:, None], children, 0.0),  # noqa: F821
