@@ -1,10 +1,21 @@
 """Doctest and test session settings: four fake CPU devices, strict rank promotion."""
 
+import glob
 import os
 import shutil
 import tempfile
 
 # Must be set before JAX initialises its backends.
+# The test extra installs the CUDA plugin and libtpu, for the deviceless
+# compiles of tests/test_kernel_counts.py. On a machine with no accelerator
+# JAX would try both at every start (an error logged, and libtpu's lock
+# taken by one process at a time): the CPU alone is asked for instead, and
+# the counts compile for their targets all the same. A GPU or TPU machine
+# keeps JAX's own choice.
+if "JAX_PLATFORMS" not in os.environ and not (
+  glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
+):
+  os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 )

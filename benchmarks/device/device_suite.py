@@ -11,6 +11,10 @@ is listed as skipped with the reason, and the suite goes on.
 Parts (full sizes; `--smoke` runs the same scripts and code paths at tiny
 sizes, a smoke test for the CPU that `tests/test_device_suite.py` runs):
 
+* kernels: kernels per fused iteration of every benchmark loop, compiled
+  for the device itself (`device/kernel_counts.py --on-device`), beside the
+  counts compiled for an H100 without one (`benchmarks/results/kernel_counts.json`).
+
 * replay_fused: fused add 128 + sample 256 (+ priority update) at C = 1M and
   10M, uniform and prioritized, jaxbuf against flashbax.
 * sequence: sequence replay, windows of 40 over 128 envs of 7840 steps,
@@ -38,9 +42,11 @@ sizes, a smoke test for the CPU that `tests/test_device_suite.py` runs):
   pixel batches from a disk-tier buffer (`features/bench_storage.py --cases device`).
 
 Run (on the device machine, from the repository root):
-  python benchmarks/device/device_suite.py --out DIR          # within its parts' budgets, 805 s
+  python benchmarks/device/device_suite.py --out DIR          # within its parts' budgets, 1045 s
   # issue 41's one command (docs/gpu.md): every variant of every goal
   timeout 540 python benchmarks/device/device_suite.py --parts launch_floor loops --out DIR
+  # issue 49's: the card's own kernel counts, then the launch floor timed
+  timeout 330 python benchmarks/device/device_suite.py --parts kernels launch_floor --out DIR
   python benchmarks/device/device_suite.py --smoke --out DIR  # the CPU smoke run
   python benchmarks/device/device_suite.py --parts loops frames
 """
@@ -71,6 +77,15 @@ class Part:
 
 
 PARTS = (
+  Part(
+    # Kernels per fused iteration compiled for the card itself, to check
+    # against the deviceless H100/H200 counts (issue 49).
+    "kernels",
+    "device/kernel_counts.py",
+    ("--on-device", "--groups", "items", "windows", "streams", "selection", "training"),
+    ("--on-device", "--groups", "items"),
+    240,
+  ),
   Part(
     "replay_fused",
     "peers/bench_replay_fused.py",

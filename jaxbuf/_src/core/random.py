@@ -259,6 +259,24 @@ def short_permutation(bits: jax.Array) -> jax.Array:
   return (lax.sort(packed) & index_mask).astype(jnp.int32)
 
 
+def rank_keys(bits: jax.Array) -> jax.Array:
+  """The position of each index in `short_permutation(bits)`'s order: int32
+  `[n]`, itself a uniformly random permutation of `range(n)`.
+
+  Lane i's rank is the number of keys below its own, the keys packed with
+  their index as `short_permutation` packs them (so no two tie): what a
+  GPU kernel counts lane against lane (`sum_tree_kernels.draw`), computed
+  here as the inverse of the sorted order, the same integers.
+  """
+  num_items = bits.shape[0]
+  order = short_permutation(bits)
+  return (
+    jnp.zeros(num_items, jnp.int32)
+    .at[order]
+    .set(lax.iota(jnp.int32, num_items), unique_indices=True)
+  )
+
+
 def permutation(key: jax.Array, num_items: int) -> jax.Array:
   """A uniformly random permutation of `range(num_items)`, int32 `[num_items]`.
 

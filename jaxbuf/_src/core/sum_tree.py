@@ -19,22 +19,25 @@ to a multiple of K), `levels[-1]` holds the root alone. Each level below the
 root has length `K * len(next level without padding)`, so `level.reshape(-1, K)`
 lines up every parent's children in one row.
 
-Descents and writes have Pallas kernels beside the XLA operations
-(`sum_tree_kernels.py`), chosen when they are traced (`kernel_variant`):
-"xla", the levels as XLA operations (several kernels per level, one level
-after another); "pallas_descent", the whole descent in one Pallas kernel;
-"pallas", the descent and the leaf writes with their parents in one kernel
-each. On a GPU the XLA form is a chain of dependent launches where the bytes
-take microseconds. Descents return the same leaves in every variant, bit for
-bit. Every backend uses "xla" until a device run has measured the others on
-it (docs/gpu.md); the environment variable `JAXBUF_SUM_TREE_KERNELS` forces
-one (on a CPU the kernels run in Pallas's interpret mode: slow, for tests).
+Draws, descents and writes have Pallas kernels beside the XLA operations
+(`sum_tree_kernels.py`), chosen when a program is lowered, by the platform
+it is lowered for (`choose_kernel`, `BACKEND_KERNELS`): on a GPU the XLA
+form is a chain of dependent launches, several per level, where the bytes
+take microseconds; a draw (`draw_leaves`: random targets, strata order,
+descent, fallback and smallest value) and a write (`write_leaves`:
+duplicates resolved, leaves, parents and a running maximum) are one kernel
+each there. Variants: "xla", the levels as XLA operations; "pallas_descent",
+the draw and descent kernels alone; "pallas", those and the write kernel.
+The CPU uses "xla" and CUDA "pallas"; the environment variable
+`JAXBUF_SUM_TREE_KERNELS` forces one everywhere (on a CPU the kernels then
+run in Pallas's interpret mode: slow, for tests, which check every kernel
+against its XLA twin bit for bit).
 """
 
 import functools
 import math
 import os
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -93,8 +96,10 @@ def choose_kernel(
   The choice is made when the program is lowered (`lax.platform_dependent`),
   so one traced function serves a CPU and a GPU, and only the chosen branch
   is compiled. Inside `jax.shard_map` (operands varying over a mesh axis)
-  the XLA form serves: the interpreter refuses the kernels' mix of
-  per-device and shared values, and they are untried on a GPU mesh.
+  or over operands typed with an explicit mesh the XLA form serves: the
+  interpreter refuses the kernels' mix of per-device and shared values,
+  Pallas's batching rule a vmap over a mesh axis, and they are untried on a
+  GPU mesh.
   """
   if _in_manual_mesh(*jax.tree.leaves(operands)):
     return xla(*operands)
@@ -114,9 +119,13 @@ def choose_kernel(
 
 
 def _in_manual_mesh(*arrays: jax.Array) -> bool:
-  """Whether any of `arrays` varies over a mesh axis: traced inside
-  `jax.shard_map` (a sharded buffer)."""
-  return any(jax.typeof(array).manual_axis_type.varying for array in arrays)
+  """Whether any of `arrays` varies over a mesh axis (traced inside
+  `jax.shard_map`: a sharded buffer) or is typed with a mesh (explicit
+  sharding, whose vmap the Pallas batching rule does not follow)."""
+  return any(
+    jax.typeof(array).manual_axis_type.varying or not jax.typeof(array).sharding.mesh.empty
+    for array in arrays
+  )
 
 
 @flax.struct.dataclass
@@ -243,33 +252,95 @@ def set_leaves(
     The updated tree. Cost O(B * K * log_K C), plus summing the levels of at
     most `DENSE_LEVEL_MAX` nodes whole.
   """
+  return write_leaves(tree, indices, values, valid, unique_indices=unique_indices)[0]
+
+
+def write_leaves(
+  tree: SumTree,
+  indices: jax.Array,
+  values: jax.Array,
+  valid: jax.Array | None = None,
+  *,
+  unique_indices: bool = False,
+  largest_of: tuple[jax.Array, jax.Array] | None = None,
+  leaf_values: Callable[[jax.Array], jax.Array] | None = None,
+) -> tuple[SumTree, jax.Array | None]:
+  """`set_leaves`, and with `largest_of = (running, candidates [B])` the
+  largest of `running` and of the non-negative `candidates` (else None).
+
+  `values` may be `()`, one value for every write; `leaf_values`, an
+  elementwise function, turns `values` into the leaves written (computed in
+  the kernel on a GPU, not in a launch of its own).
+
+  On a GPU the writes, their duplicates' resolution and that maximum are one
+  kernel (`sum_tree_kernels.write_leaves`), where the XLA operations are a
+  few kernels per level.
+  """
   indices = jnp.asarray(indices, jnp.int32)
   values = jnp.asarray(values, jnp.float32)
-  if valid is None:
-    valid = jnp.ones(indices.shape, bool)
-  if not unique_indices and indices.shape[0] > MARKED_BATCH_MAX:
-    # Writes applied chunk after chunk keep the last-occurrence-wins order.
-    for start in range(0, indices.shape[0], MARKED_BATCH_MAX):
-      chunk = slice(start, start + MARKED_BATCH_MAX)
-      tree = set_leaves(tree, indices[chunk], values[chunk], valid[chunk])
-    return tree
-  levels = list(tree.levels)
-  if unique_indices:
-    write = valid
-  else:
-    levels[0], write = claim_last_writes(levels[0], indices, valid)
-  if len(levels) == 1 or indices.shape[0] > sum_tree_kernels.WRITE_BATCH_MAX:
-    return SumTree(tuple(_write_levels(tuple(levels), indices, values, write)))
-  written = choose_kernel(
-    _write_levels,
-    functools.partial(sum_tree_kernels.write_leaves, branching=BRANCHING),
-    tuple(levels),
-    indices,
-    values,
-    write,
-    kernel_variants=("pallas",),
+  batch_size = indices.shape[0]
+  as_leaves = lambda values: (
+    jnp.broadcast_to(values if leaf_values is None else leaf_values(values), indices.shape)
   )
-  return SumTree(tuple(written))
+  if largest_of is not None:
+    largest_of = (
+      jnp.asarray(largest_of[0], jnp.float32),
+      jnp.asarray(largest_of[1], jnp.float32),
+    )
+  if not unique_indices and batch_size > MARKED_BATCH_MAX:
+    # Writes applied chunk after chunk keep the last-occurrence-wins order.
+    valid = jnp.ones(indices.shape, bool) if valid is None else valid
+    for start in range(0, batch_size, MARKED_BATCH_MAX):
+      chunk = slice(start, start + MARKED_BATCH_MAX)
+      tree = set_leaves(tree, indices[chunk], as_leaves(values)[chunk], valid[chunk])
+    return tree, None if largest_of is None else _largest(*largest_of)
+  levels = tuple(tree.levels)
+  xla = functools.partial(_write_levels_resolving, unique_indices=unique_indices)
+  if len(levels) == 1 or not 0 < batch_size <= sum_tree_kernels.WRITE_BATCH_MAX:
+    written, largest = xla(levels, indices, as_leaves(values), valid, largest_of)
+  else:
+    written, largest = choose_kernel(
+      lambda levels, indices, values, valid, largest_of: xla(
+        levels, indices, as_leaves(values), valid, largest_of
+      ),
+      functools.partial(
+        sum_tree_kernels.write_leaves,
+        branching=BRANCHING,
+        unique_indices=unique_indices,
+        leaf_values=leaf_values,
+      ),
+      levels,
+      indices,
+      values,
+      valid,
+      largest_of,
+      kernel_variants=("pallas",),
+    )
+  return SumTree(tuple(written)), largest
+
+
+def _largest(running: jax.Array, candidates: jax.Array) -> jax.Array:
+  return jnp.maximum(running, jnp.max(candidates, initial=0.0))
+
+
+def _write_levels_resolving(
+  levels: tuple[jax.Array, ...],
+  indices: jax.Array,
+  values: jax.Array,
+  valid: jax.Array | None,
+  largest_of: tuple[jax.Array, jax.Array] | None,
+  *,
+  unique_indices: bool,
+) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
+  """`write_leaves` as XLA operations (`sum_tree_kernels.write_leaves`'s
+  twin): duplicates resolved (`claim_last_writes`) unless `unique_indices`,
+  then `_write_levels`."""
+  largest = None if largest_of is None else _largest(*largest_of)
+  valid = jnp.ones(indices.shape, bool) if valid is None else valid
+  if unique_indices:
+    return _write_levels(levels, indices, values, valid), largest
+  leaf_level, write = claim_last_writes(levels[0], indices, valid)
+  return _write_levels((leaf_level, *levels[1:]), indices, values, write), largest
 
 
 def _write_levels(
@@ -323,25 +394,116 @@ def num_redraws(tree: SumTree) -> int:
   return max(0, -(-descent_levels // LEVELS_PER_TARGET) - 1)
 
 
+class LeafDraw(NamedTuple):
+  """Leaves drawn in proportion to their values (`draw_leaves`)."""
+
+  indices: jax.Array  # int32 [S]
+  values: jax.Array  # float32 [S]: each leaf's value; 0 where the tree is empty
+  smallest: jax.Array  # float32 (): the smallest of `values`
+
+
+def draw_bits(key: jax.Array, batch_size: int, num_redraws: int) -> jax.Array:
+  """A draw's random bits, uint32 `[3 + R, S]`, from one call to the generator.
+
+  Row 0 places the targets (it is `random_uniform(key, (S,))`'s bits), rows
+  1 to R are the redraws, row R + 1 orders the strata, row R + 2 is the low
+  word of the uniform fallback's 64-bit index (row 0 its high word).
+  """
+  return random.random_bits(key, (3 + num_redraws, batch_size))
+
+
+def draw_leaves(
+  tree: SumTree,
+  key: jax.Array,
+  batch_size: int,
+  *,
+  stratified: bool,
+  fallback_size: jax.Array | int = 0,
+) -> LeafDraw:
+  """Draws `batch_size` leaves, leaf i with probability `leaves[i] / total`.
+
+  Should the total be zero, the leaves are drawn uniformly from
+  `[0, fallback_size)` instead (leaf 0 if that is 0), with values 0. On a
+  GPU the whole draw (targets, strata order, descent, fallback, smallest
+  value) is one kernel (`sum_tree_kernels.draw`).
+
+  Args:
+    tree: the tree.
+    key: a PRNG key.
+    batch_size: S.
+    stratified: one target in each of S equal strata of `[0, total)`, the
+      strata in a uniformly random order (`random_strata_targets`);
+      otherwise S independent targets.
+    fallback_size: int32, the items to draw among when the total is zero.
+
+  Returns:
+    A `LeafDraw`.
+  """
+  bits = draw_bits(key, batch_size, num_redraws(tree))
+  levels_top_down = tuple(reversed(tree.levels))
+  fallback_size = jnp.asarray(fallback_size, jnp.int32)
+  # On CPU the draw is kept in buffers of its own (`random.computed_once`):
+  # fused into a gather of the rows drawn, its hash would be redone for
+  # every element of every row.
+  xla = lambda levels_top_down, bits, fallback_size: random.computed_once(
+    lambda: _draw_levels(levels_top_down, bits, fallback_size, stratified=stratified),
+    fallback_size,
+  )
+  if len(tree.levels) == 1 or not 0 < batch_size <= sum_tree_kernels.DRAW_BATCH_MAX:
+    indices, values, smallest = xla(levels_top_down, bits, fallback_size)
+  else:
+    indices, values, smallest = choose_kernel(
+      xla,
+      functools.partial(
+        sum_tree_kernels.draw,
+        branching=BRANCHING,
+        levels_per_target=LEVELS_PER_TARGET,
+        stratified=stratified,
+      ),
+      levels_top_down,
+      bits,
+      fallback_size,
+      kernel_variants=("pallas_descent", "pallas"),
+    )
+  return LeafDraw(indices, values, smallest)
+
+
+def _draw_levels(
+  levels_top_down: tuple[jax.Array, ...],
+  bits: jax.Array,
+  fallback_size: jax.Array,
+  *,
+  stratified: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`draw_leaves` as XLA operations (`sum_tree_kernels.draw`'s twin)."""
+  batch_size = bits.shape[1]
+  total = levels_top_down[0][0]
+  uniforms = random.uniform_from_bits(bits[0])
+  if stratified:
+    targets = random_strata_targets(uniforms, bits[-2], total)
+  else:
+    targets = uniforms * total
+  if len(levels_top_down) == 1:  # a single leaf, which is also the root
+    found = jnp.zeros((batch_size,), jnp.int32)
+    values = jnp.broadcast_to(total, (batch_size,))
+  else:
+    found, values = _descend_levels(
+      levels_top_down[1:], targets, random.uniform_from_bits(bits[1:-2])
+    )
+  span = jnp.maximum(fallback_size, 1).astype(jnp.uint32)
+  fallback = random.scale_to_span(bits[0], bits[-1], span).astype(jnp.int32)
+  has_mass = total > 0
+  values = jnp.where(has_mass, values, 0.0)
+  return jnp.where(has_mass, found, fallback), values, jnp.min(values)
+
+
 def sample_leaves(
   tree: SumTree, key: jax.Array, batch_size: int, *, stratified: bool
 ) -> tuple[jax.Array, jax.Array]:
-  """Draws `batch_size` leaves, leaf i with probability `leaves[i] / total`.
-
-  Args:
-    tree: the tree; its total should be positive (an empty tree gives leaf 0).
-    key: a PRNG key.
-    batch_size: S.
-    stratified: one target in each of S equal strata of `[0, total)`,
-      the strata in a random order; otherwise S independent targets.
-
-  Returns:
-    int32 `[S]` leaf indices and float32 `[S]` their leaf values.
-  """
-  targets, redraws = draw_targets(
-    key, batch_size, total(tree), num_redraws(tree), stratified=stratified
-  )
-  return find_prefix_sums_and_leaves(tree, targets, redraws)
+  """`draw_leaves` with no fallback: int32 `[S]` leaf indices (leaf 0 from an
+  empty tree) and float32 `[S]` their leaf values."""
+  drawn = draw_leaves(tree, key, batch_size, stratified=stratified)
+  return drawn.indices, drawn.values
 
 
 def draw_targets(
@@ -349,16 +511,16 @@ def draw_targets(
 ) -> tuple[jax.Array, jax.Array]:
   """S descent targets in `[0, total_mass)` and the R redraws they need.
 
-  One call to the generator for the targets, every redraw and (stratified)
-  the order of the strata; its first row gives `random_uniform(key, (S,))`.
+  The rows of `draw_bits`, as `draw_leaves` uses them, so a sharded draw
+  (which descends each device's tree) places its targets as one tree would.
 
   Returns:
     float32 `[S]` targets and float32 `[R, S]` uniforms in `[0, 1)`.
   """
-  bits = random.random_bits(key, (1 + num_redraws + int(stratified), batch_size))
+  bits = draw_bits(key, batch_size, num_redraws)
   uniforms = random.uniform_from_bits(bits[: 1 + num_redraws])
   if stratified:
-    targets = random_strata_targets(uniforms[0], bits[-1], total_mass)
+    targets = random_strata_targets(uniforms[0], bits[-2], total_mass)
   else:
     targets = uniforms[0] * total_mass
   return targets, uniforms[1:]
@@ -376,7 +538,8 @@ def random_strata_targets(
   rows came in strips of 8 of one item, so a minibatch cut from a sample
   (or a device's block of a sharded one) was far less varied than it
   looked. The strata are therefore put in a uniformly random order
-  (`random.short_permutation`: one sort of S packed keys).
+  (`random.rank_keys`: each stratum at the rank of its random key among
+  the batch's, which a GPU kernel counts lane against lane).
 
   Args:
     uniforms: float32 `[S]` in `[0, 1)`, the position within each stratum.
@@ -388,7 +551,7 @@ def random_strata_targets(
     float32 `[S]` targets.
   """
   batch_size = uniforms.shape[0]
-  strata = random.short_permutation(order_bits)
+  strata = random.rank_keys(order_bits)
   return (strata.astype(jnp.float32) + uniforms) * (total_mass / batch_size)
 
 

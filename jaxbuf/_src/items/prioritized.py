@@ -98,12 +98,14 @@ def add(state: PrioritizedReplayState, items: PyTree, *, alpha: float) -> Priori
   """Adds `items [B, ...]` in ring order at the running maximum priority."""
   validation.check_state_kind(state, PrioritizedReplayState, what="add")
   state, slots = ring.add_to_ring(state, items)
-  new_leaves = jnp.full(
-    slots.shape, capped_leaf_values(state.max_priority, alpha, state.sum_tree), jnp.float32
+  tree, _ = sum_tree.write_leaves(
+    state.sum_tree,
+    slots,
+    state.max_priority,
+    unique_indices=True,
+    leaf_values=lambda priority: capped_leaf_values(priority, alpha, state.sum_tree),
   )
-  return state.replace(
-    sum_tree=sum_tree.set_leaves(state.sum_tree, slots, new_leaves, unique_indices=True)
-  )
+  return state.replace(sum_tree=tree)
 
 
 def beta_at(beta: float | Schedule, step: jax.Array, *, checked: bool = False) -> jax.Array:
@@ -150,24 +152,22 @@ def sample(
   """
   validation.check_state_kind(state, PrioritizedReplayState, what="sample")
   validation.check_sample_args(state.size, key, batch_size, checked=checked)
-  total = sum_tree.total(state.sum_tree)
-  # One key serves the descent and the uniform fallback without a split: the
-  # fallback's indices are used only when the descent's are not.
-  has_mass = total > 0
-  found, leaf_values = sum_tree.sample_leaves(
-    state.sum_tree, key, batch_size, stratified=stratified
+  # One draw serves the descent and the uniform fallback of an all-zero
+  # tree (every priority underflowed): no cond, which on a GPU would copy
+  # its predicate to the host.
+  has_mass = sum_tree.total(state.sum_tree) > 0
+  drawn = sum_tree.draw_leaves(
+    state.sum_tree, key, batch_size, stratified=stratified, fallback_size=state.size
   )
-  # A cond, not a where: the fallback's random draw runs only when needed
-  # (under vmap both branches run, as with a where).
-  indices = jax.lax.cond(
-    has_mass, lambda: found, lambda: random.uniform_indices(key, state.size, batch_size)
+  indices = drawn.indices
+  # (N * P(i)) ** -beta over its largest in the sample is
+  # (smallest leaf drawn / leaf i) ** beta: N and the total cancel.
+  beta_now = beta_at(beta, state.beta_step, checked=checked)
+  weights = jnp.where(
+    has_mass,
+    (drawn.smallest / jnp.where(has_mass, drawn.values, 1.0)) ** beta_now,
+    (state.size > 0).astype(jnp.float32),
   )
-  probabilities = leaf_values / total
-  log_weights = -beta_at(beta, state.beta_step, checked=checked) * jnp.log(
-    state.size.astype(jnp.float32) * probabilities
-  )
-  weights = jnp.exp(log_weights - jnp.max(log_weights))
-  weights = jnp.where(has_mass, weights, (state.size > 0).astype(jnp.float32))
   return ReplaySample(
     items=ring.gather(state.storage, indices),
     indices=indices,
@@ -203,12 +203,18 @@ def update_priorities(
   valid = ring.valid_priority_updates(state, indices, priorities, item_ids, checked=checked)
   indices = indices.astype(jnp.int32)
   new_priorities = jnp.where(valid, jnp.abs(priorities.astype(jnp.float32)) + eps, 0.0)
+  # The running maximum comes from the write (one kernel on a GPU); an empty
+  # update leaves it as it is.
+  tree, max_priority = sum_tree.write_leaves(
+    state.sum_tree,
+    indices,
+    capped_leaf_values(new_priorities, alpha, state.sum_tree),
+    valid,
+    largest_of=(state.max_priority, new_priorities),
+  )
   return state.replace(
-    sum_tree=sum_tree.set_leaves(
-      state.sum_tree, indices, capped_leaf_values(new_priorities, alpha, state.sum_tree), valid
-    ),
-    # `initial`: an empty update leaves the maximum as it is.
-    max_priority=jnp.maximum(state.max_priority, jnp.max(new_priorities, initial=0.0)),
+    sum_tree=tree,
+    max_priority=max_priority,
     beta_step=jnp.minimum(state.beta_step, _INT32_MAX - 1) + 1,
   )
 
