@@ -19,8 +19,13 @@ libraries run there (cpprb stays on the host). On a small shared CPU machine
 `taskset -c 0 .venv/bin/python benchmarks/peers/bench_replay_fused.py` runs every
 library on one core, which shows the work without the thread-pool hand-offs.
 
+`--against REVISION` adds jaxbuf as it was at that git revision
+(`common/revisions.py`), timed interleaved with today's: before and after in
+one run.
+
 Usage:
   .venv/bin/python benchmarks/peers/bench_replay_fused.py           # several minutes
+  .venv/bin/python benchmarks/peers/bench_replay_fused.py --libraries jaxbuf --against d471062
   .venv/bin/python benchmarks/peers/bench_replay_fused.py --quick   # seconds
 """
 
@@ -34,6 +39,7 @@ import jax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
 from benchmarks.common import harness
 from benchmarks.common import replay_adapters as replay
+from benchmarks.common import revisions
 
 PRIORITIZED_VS_FLASHBAX = 10.0
 PRIORITIZED_VS_CPPRB = 3.0
@@ -152,6 +158,16 @@ def report(results: dict, settings: Settings) -> list[str]:
         f"{add_only[(largest, kind)] / add_only[(smallest, kind)]:.2f}x "
         "(no dispatch; cache effects, not copies)"
       )
+  for row in results["rows"]:
+    times = row["seconds"]
+    for name in times:
+      if name.startswith("jaxbuf@") and times.get("jaxbuf"):
+        verdicts.info(
+          f"{row['kind']} {row['mode']}, C={row['capacity']}, {name}/jaxbuf: "
+          f"{harness.ratio_text(harness.ratio(times[name], times['jaxbuf']))} "
+          f"({harness.microseconds(times[name])} us before, "
+          f"{harness.microseconds(times['jaxbuf'])} us now)"
+        )
   verdicts.print("Targets (ratios are library time / jaxbuf time, so higher is better):")
   return verdicts.lines
 
@@ -162,10 +178,20 @@ def main():
     "--quick", action="store_true", help="small sizes and few repeats: a smoke test"
   )
   replay.add_common_arguments(parser)
+  parser.add_argument(
+    "--against",
+    metavar="REVISION",
+    help="also time jaxbuf as it was at this git revision (jaxbuf@REVISION), interleaved",
+  )
   args = parser.parse_args()
   settings = harness.override(
     QUICK if args.quick else FULL, args, ("capacities", "libraries", "kinds")
   )
+  if args.against:
+    name = revisions.contender_name(args.against)
+    old = revisions.jaxbuf_at(args.against)
+    replay.ADAPTERS[name] = revisions.against(replay, old, replay.jaxbuf_adapter)
+    settings = dataclasses.replace(settings, libraries=(*settings.libraries, name))
   harness.write_json(args.json, run_benchmark(settings))
 
 

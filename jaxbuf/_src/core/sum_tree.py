@@ -442,13 +442,7 @@ def draw_leaves(
   bits = draw_bits(key, batch_size, num_redraws(tree))
   levels_top_down = tuple(reversed(tree.levels))
   fallback_size = jnp.asarray(fallback_size, jnp.int32)
-  # On CPU the draw is kept in buffers of its own (`random.computed_once`):
-  # fused into a gather of the rows drawn, its hash would be redone for
-  # every element of every row.
-  xla = lambda levels_top_down, bits, fallback_size: random.computed_once(
-    lambda: _draw_levels(levels_top_down, bits, fallback_size, stratified=stratified),
-    fallback_size,
-  )
+  xla = functools.partial(_draw_levels, stratified=stratified)
   if len(tree.levels) == 1 or not 0 < batch_size <= sum_tree_kernels.DRAW_BATCH_MAX:
     indices, values, smallest = xla(levels_top_down, bits, fallback_size)
   else:
@@ -491,10 +485,18 @@ def _draw_levels(
       levels_top_down[1:], targets, random.uniform_from_bits(bits[1:-2])
     )
   span = jnp.maximum(fallback_size, 1).astype(jnp.uint32)
-  fallback = random.scale_to_span(bits[0], bits[-1], span).astype(jnp.int32)
   has_mass = total > 0
+  # A cond, not a where (the same values): the fallback's indices, an
+  # elementwise function of the random bits, would otherwise be fused into
+  # a gather of the rows drawn and their hash redone for every element of
+  # every row (on CPU, where this path runs).
+  indices = jax.lax.cond(
+    has_mass,
+    lambda: found,
+    lambda: random.scale_to_span(bits[0], bits[-1], span).astype(jnp.int32),
+  )
   values = jnp.where(has_mass, values, 0.0)
-  return jnp.where(has_mass, found, fallback), values, jnp.min(values)
+  return indices, values, jnp.min(values)
 
 
 def sample_leaves(
