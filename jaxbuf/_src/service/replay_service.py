@@ -20,8 +20,18 @@ mask. A thread that finds its add already drained by another returns at
 once. So under contention many small adds become one dispatch, and with
 one actor nothing waits for a second.
 
-Samples drain the pending adds first too, so a sample sees every add the
-limiter counted. They draw with `buffer.take` (consuming kinds retire what
+Counts. `counts` holds what is true of the state: units in it, rows taken
+from it (Reverb counts under the table's mutex, beside the insert or sample
+itself). Beside it, `_adding` and `_sampling` hold what callers the limiter
+admitted have reserved and not yet done. An add is admitted against the
+units in the state or reserved and the rows taken (not the rows reserved:
+under `Queue` a writer so never overwrites a row a sampler is about to
+read); a sample against the units in the state and the rows taken or
+reserved (never rows an add may still fail to write). Under `Queue` every
+item is thus read exactly once, in order, for any capacity >= max_size.
+
+Samples drain the pending adds first too, so a sample sees every add
+admitted before it. They draw with `buffer.take` (consuming kinds retire what
 they hand out), under `Queue` with the core's FIFO rule (`fifo_reads`), and
 with `max_version_lag` with `uniform.sample_eligible`.
 """
@@ -167,7 +177,9 @@ class ReplayService(Generic[StateT, SampleT]):
     self._counts_lock = threading.Lock()
     self._insertable = threading.Condition(self._counts_lock)
     self._sampleable = threading.Condition(self._counts_lock)
-    self._counts = RateCounts(0, 0)
+    self._counts = RateCounts(0, 0)  # units in the state, rows taken from it
+    self._adding = 0  # units of admitted adds not yet in the state
+    self._sampling = 0  # rows of admitted samples not yet taken
     self._largest_insert = 0
     self._largest_sample = 0
     self._pending: list[coalescing.PendingAdd] = []
@@ -243,10 +255,8 @@ class ReplayService(Generic[StateT, SampleT]):
     with self._counts_lock:
       self._largest_insert = max(self._largest_insert, entry.units)
       self.rate_limiter.check_sizes(self._largest_insert, max(self._largest_sample, 1))
-      self._wait(
-        self._insertable, lambda: self.rate_limiter.can_insert(self._counts, entry.units), timeout
-      )
-      self._counts = self._counts._replace(inserts=self._counts.inserts + entry.units)
+      self._wait(self._insertable, lambda: self._may_insert(entry.units), timeout)
+      self._adding += entry.units
       self._pending.append(entry)
       self.adds += 1
       self._sampleable.notify_all()
@@ -332,9 +342,11 @@ class ReplayService(Generic[StateT, SampleT]):
         # error, and their units are handed back to the limiter.
         for entry in group:
           entry.error = error
+    units = sum(entry.units for entry in pending)
     failed = sum(entry.units for entry in pending if entry.error is not None)
-    with self._counts_lock:
-      self._counts = self._counts._replace(inserts=self._counts.inserts - failed)
+    with self._counts_lock:  # in the state now (or handed back, when failed)
+      self._adding -= units
+      self._counts = self._counts._replace(inserts=self._counts.inserts + units - failed)
       self._sampleable.notify_all()
       self._insertable.notify_all()
 
@@ -448,22 +460,35 @@ class ReplayService(Generic[StateT, SampleT]):
     with self._counts_lock:
       self._largest_sample = max(self._largest_sample, batch_size)
       self.rate_limiter.check_sizes(max(self._largest_insert, 1), self._largest_sample)
-      self._wait(
-        self._sampleable, lambda: self.rate_limiter.can_sample(self._counts, batch_size), timeout
-      )
-      self._counts = self._counts._replace(samples=self._counts.samples + batch_size)
-      self._insertable.notify_all()
+      self._wait(self._sampleable, lambda: self._may_sample(batch_size), timeout)
+      self._sampling += batch_size
+    taken = False
     try:
       with self._state_lock:
         self._drain()
         state, result = call(self._state)
         self._state = state
+        taken = True
       return result
-    except BaseException:
-      with self._counts_lock:
-        self._counts = self._counts._replace(samples=self._counts.samples - batch_size)
+    finally:
+      with self._counts_lock:  # taken now (or handed back, when the call failed)
+        self._sampling -= batch_size
+        if taken:
+          self._counts = self._counts._replace(samples=self._counts.samples + batch_size)
         self._sampleable.notify_all()
-      raise
+        self._insertable.notify_all()
+
+  def _may_insert(self, units: int) -> bool:
+    """The limiter over the units in the state or reserved, and the rows
+    taken (module docstring). Holds `_counts_lock`."""
+    inserts = self._counts.inserts + self._adding
+    return self.rate_limiter.can_insert(self._counts._replace(inserts=inserts), units)
+
+  def _may_sample(self, rows: int) -> bool:
+    """The limiter over the units in the state, and the rows taken or
+    reserved (module docstring). Holds `_counts_lock`."""
+    samples = self._counts.samples + self._sampling
+    return self.rate_limiter.can_sample(self._counts._replace(samples=samples), rows)
 
   def update_priorities(self, sample: ServiceSample, priorities: Any) -> None:
     """`buffer.update_priorities` for the rows of `sample` (`.batch.indices`,
@@ -494,7 +519,8 @@ class ReplayService(Generic[StateT, SampleT]):
 
   @property
   def counts(self) -> RateCounts:
-    """The limiter's counts (units inserted, rows sampled so far)."""
+    """The limiter's counts: units in the state, rows taken from it so far
+    (adds and samples admitted and still under way are not counted yet)."""
     with self._counts_lock:
       return self._counts
 
@@ -566,7 +592,7 @@ class ReplayService(Generic[StateT, SampleT]):
     if not condition.wait_for(lambda: self.closed or allowed(), timeout):
       raise TimeoutError(
         f"the rate limiter did not allow it within {timeout} s: {self.rate_limiter!r}, "
-        f"counts {self._counts}."
+        f"counts {self._counts} ({self._adding} units and {self._sampling} rows under way)."
       )
     if self.closed:
       raise ServiceClosed("the replay service was closed while waiting.") from self._cause

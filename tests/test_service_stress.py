@@ -1,0 +1,225 @@
+"""The replay service under concurrency (issue 50): unique ids through many
+writer and sampler threads, random sizes and timeouts, close() at a random
+moment, and a model that accounts for every id.
+
+Every wait has a timeout (`JOIN` seconds for a thread, the service's own
+`timeout=` for a blocking call), so a deadlock fails a test instead of
+hanging the suite.
+"""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import jaxbuf
+
+JOIN = 60.0  # seconds any test waits for a thread
+
+
+def run_threads(targets):
+  """Runs each callable in its own thread; returns the exceptions raised."""
+  errors: list = []
+
+  def wrapped(target):
+    try:
+      target()
+    except BaseException as error:  # pylint: disable=broad-exception-caught
+      errors.append(error)
+
+  threads = [threading.Thread(target=wrapped, args=(target,)) for target in targets]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(JOIN)
+    assert not thread.is_alive(), "a thread did not finish: deadlock?"
+  return errors
+
+
+def queue_service(capacity, max_size):
+  buffer = jaxbuf.uniform_replay(capacity)
+  return jaxbuf.ReplayService(buffer, buffer.init(np.int32(0)), rate_limiter=jaxbuf.Queue(max_size))
+
+
+class Model:
+  """What the threads saw: the ids each writer had accepted (in order) and
+  the ids each sample call returned (per sampler, in call order)."""
+
+  def __init__(self, writers, samplers):
+    self.accepted = [[] for _ in range(writers)]
+    self.taken = [[] for _ in range(samplers)]
+
+  def check(self, service, closed: bool) -> None:
+    accepted = [i for ids in self.accepted for i in ids]
+    taken = [i for calls in self.taken for batch in calls for i in batch]
+    assert len(set(accepted)) == len(accepted)
+    duplicates = sorted({i for i in taken if taken.count(i) > 1}) if len(set(taken)) < len(taken) else []
+    assert not duplicates, f"handed out twice: {duplicates[:10]}"
+    invented = sorted(set(taken) - set(accepted))
+    assert not invented, f"never added: {invented[:10]}"
+    unread = sorted(set(accepted) - set(taken))
+    counts = service.counts
+    assert counts.inserts == len(accepted) and counts.samples == len(taken), counts
+    if not closed:
+      assert not unread, f"never handed out: {unread[:10]}"
+    else:
+      # Accepted, not read, because the service closed: they are the newest
+      # items held, the ones a next sample would have read, none overwritten.
+      state = service.state
+      held = np.asarray(state.storage)
+      capacity = held.shape[0]
+      newest = [int(held[(int(state.insert_position) - k - 1) % capacity]) for k in range(len(unread))]
+      assert sorted(newest) == unread
+    # FIFO per writer: within each sampler's calls, in order, each writer's
+    # ids come oldest first.
+    for calls in self.taken:
+      seen: dict = {}
+      for batch in calls:
+        for i in batch:
+          writer, sequence = divmod(i, 10**6)
+          assert sequence > seen.get(writer, -1), (writer, sequence, seen.get(writer))
+          seen[writer] = sequence
+
+
+def queue_stress(
+  *, seed, capacity, max_size, writers, adds, samplers, add_sizes, sample_sizes, close_at=None
+):
+  """`writers` threads each make `adds` adds of random sizes (unique ids:
+  writer * 10**6 + sequence), `samplers` threads draw random sizes until
+  every id is read or the service closes (after `close_at` accepted adds
+  over all writers, if given); random timeouts on both sides."""
+  rng = np.random.default_rng(seed)
+  service = queue_service(capacity, max_size)
+  model = Model(writers, samplers)
+  plans = [rng.choice(add_sizes, adds) for _ in range(writers)]
+  total = sum(int(p.sum()) for p in plans)
+  lock = threading.Lock()
+  accepted_adds = [0]
+  read = [0]
+  done = threading.Event()  # every id read, or a thread failed
+  deadline = time.monotonic() + JOIN / 2  # items lost: samplers stop, the model says which
+
+  def writer(index):
+    local = np.random.default_rng((seed, index))
+    own = service.writer()
+    sequence = 0
+    for size in plans[index]:
+      ids = (index * 10**6 + sequence + np.arange(size)).astype(np.int32)
+      while True:
+        try:
+          own.add(ids, timeout=float(local.uniform(0.0, 0.05)))
+          break
+        except TimeoutError:
+          if time.monotonic() > deadline:  # the samplers stopped
+            return
+          continue  # not accepted: the same ids again
+        except jaxbuf.ServiceClosed:
+          return
+      model.accepted[index].extend(ids.tolist())
+      sequence += int(size)
+      with lock:
+        accepted_adds[0] += 1
+        if close_at is not None and accepted_adds[0] == close_at:
+          service.close()
+
+  def sampler(index):
+    local = np.random.default_rng((seed, 1000 + index))
+    key = jax.random.key(index)
+    while not done.is_set() and time.monotonic() < deadline:
+      size = int(local.choice(sample_sizes))
+      try:
+        sample = service.sample(key, size, timeout=float(local.uniform(0.0, 0.05)))
+      except TimeoutError:
+        with lock:
+          if read[0] == total:
+            done.set()
+        continue
+      except jaxbuf.ServiceClosed:
+        return
+      mask = np.asarray(sample.batch.mask)
+      if not mask.all():
+        done.set()
+        raise AssertionError(f"padding rows handed out: {mask.tolist()}")
+      model.taken[index].append(np.asarray(sample.batch.items).tolist())
+      with lock:
+        read[0] += size
+        if read[0] == total:
+          done.set()
+
+  errors = run_threads(
+    [lambda i=i: writer(i) for i in range(writers)]
+    + [lambda i=i: sampler(i) for i in range(samplers)]
+  )
+  assert not errors, errors
+  model.check(service, closed=service.closed)
+  service.close()
+  return model
+
+
+# The issue's cases ---------------------------------------------------------------
+
+
+def test_queue_6_over_8_three_writers_one_sampler_of_3_exactly_once():
+  model = queue_stress(
+    seed=0, capacity=8, max_size=6, writers=3, adds=20, samplers=1, add_sizes=[2], sample_sizes=[3]
+  )
+  assert sum(len(batch) for batch in model.taken[0]) == 120
+
+
+def test_queue_8_over_8_one_writer_two_samplers_of_1_exactly_once():
+  model = queue_stress(
+    seed=1, capacity=8, max_size=8, writers=1, adds=600, samplers=2, add_sizes=[1], sample_sizes=[1]
+  )
+  assert sum(len(calls) for calls in model.taken) == 600
+
+
+# Many writers and samplers, random sizes and timeouts, close at random ------------
+
+
+@pytest.mark.parametrize("capacity, max_size", [(8, 8), (12, 8), (64, 16)])
+def test_queue_stress_every_item_exactly_once(capacity, max_size):
+  queue_stress(
+    seed=capacity,
+    capacity=capacity,
+    max_size=max_size,
+    writers=8,
+    adds=60,
+    samplers=4,
+    add_sizes=[1, 2, 4],
+    sample_sizes=[1, 2, 4],
+  )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_queue_stress_closed_at_a_random_moment_accounts_for_every_item(seed):
+  close_at = int(np.random.default_rng(seed).integers(50, 400))
+  queue_stress(
+    seed=seed,
+    capacity=16,
+    max_size=12,
+    writers=8,
+    adds=60,
+    samplers=4,
+    add_sizes=[1, 2, 4],
+    sample_sizes=[1, 2, 4],
+    close_at=close_at,
+  )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_queue_stress_long(seed):
+  rng = np.random.default_rng(seed)
+  queue_stress(
+    seed=seed,
+    capacity=int(rng.choice([16, 24, 32])),
+    max_size=16,
+    writers=12,
+    adds=300,
+    samplers=6,
+    add_sizes=[1, 2, 3, 4],
+    sample_sizes=[1, 2, 3, 4],
+    close_at=None if seed % 2 == 0 else int(rng.integers(500, 3000)),
+  )
