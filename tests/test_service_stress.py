@@ -10,6 +10,8 @@ hanging the suite.
 import threading
 import time
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import numpy as np
 import pytest
@@ -55,7 +57,9 @@ class Model:
     accepted = [i for ids in self.accepted for i in ids]
     taken = [i for calls in self.taken for batch in calls for i in batch]
     assert len(set(accepted)) == len(accepted)
-    duplicates = sorted({i for i in taken if taken.count(i) > 1}) if len(set(taken)) < len(taken) else []
+    duplicates = (
+      sorted({i for i in taken if taken.count(i) > 1}) if len(set(taken)) < len(taken) else []
+    )
     assert not duplicates, f"handed out twice: {duplicates[:10]}"
     invented = sorted(set(taken) - set(accepted))
     assert not invented, f"never added: {invented[:10]}"
@@ -70,7 +74,9 @@ class Model:
       state = service.state
       held = np.asarray(state.storage)
       capacity = held.shape[0]
-      newest = [int(held[(int(state.insert_position) - k - 1) % capacity]) for k in range(len(unread))]
+      newest = [
+        int(held[(int(state.insert_position) - k - 1) % capacity]) for k in range(len(unread))
+      ]
       assert sorted(newest) == unread
     # FIFO per writer: within each sampler's calls, in order, each writer's
     # ids come oldest first.
@@ -223,3 +229,92 @@ def test_queue_stress_long(seed):
     sample_sizes=[1, 2, 3, 4],
     close_at=None if seed % 2 == 0 else int(rng.integers(500, 3000)),
   )
+
+
+# Refusals only where a deadlock is reachable with the sizes used -------------------
+
+
+@pytest.mark.parametrize("max_size, size", [(4, 4), (2, 2), (8, 4), (6, 3)])
+def test_the_on_policy_queue_adds_b_and_samples_b(max_size, size):
+  """Adds of B and samples of B (one rollout in, one out) move the unread
+  count in steps of B: it is 0, B, 2B, ..., where one side can always move."""
+  service = queue_service(capacity=max_size, max_size=max_size)
+  rollouts = 12
+
+  def actor():
+    own = service.writer()
+    for rollout in range(rollouts):
+      own.add(np.full(size, rollout, np.int32), timeout=JOIN)
+
+  taken: list = []
+
+  def learner():
+    for step in range(rollouts):
+      batch = service.sample(jax.random.key(step), size, timeout=JOIN).batch
+      assert np.asarray(batch.mask).all()
+      taken.append(np.asarray(batch.items).tolist())
+
+  assert not run_threads([actor, learner])
+  assert taken == [[rollout] * size for rollout in range(rollouts)]
+  service.close()
+
+
+def test_a_sample_of_4_then_adds_of_2_run_in_one_thread():
+  """Queue(4), samples of 4, adds of 2: the unread count stays even (0, 2,
+  4), where an add of 2 or a sample of 4 can always move."""
+  service = queue_service(capacity=4, max_size=4)
+  with pytest.raises(TimeoutError):
+    service.sample(jax.random.key(0), 4, timeout=0.01)
+  own = service.writer()
+  for step in range(3):
+    own.add(np.arange(2, dtype=np.int32) + 4 * step, timeout=1.0)
+    own.add(np.arange(2, dtype=np.int32) + 4 * step + 2, timeout=1.0)
+    batch = service.sample(jax.random.key(step), 4, timeout=1.0).batch
+    assert np.asarray(batch.items).tolist() == list(range(4 * step, 4 * step + 4))
+  service.close()
+
+
+def test_sizes_that_reach_a_deadlock_are_refused_naming_the_sizes_and_the_fix():
+  """Queue(4), a sample of 4 then an add of 3: after the add 3 are unread,
+  where an add of 3 (needs <= 1) and a sample of 4 (needs >= 4) both wait."""
+  service = queue_service(capacity=4, max_size=4)
+  with pytest.raises(TimeoutError):
+    service.sample(jax.random.key(0), 4, timeout=0.01)
+  own = service.writer()
+  with pytest.raises(ValueError, match=r"adds of \[3\] units and samples of \[4\] rows") as error:
+    own.add(np.arange(3, dtype=np.int32), timeout=1.0)
+  assert "3 units unread" in str(error.value) and "max_size" in str(error.value)
+  assert service.counts == jaxbuf.RateCounts(0, 0)
+  own.add(np.arange(4, dtype=np.int32), timeout=1.0)  # the sizes that fit still run
+  service.close()
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+  max_size=st.integers(1, 12),
+  add_sizes=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+  sample_sizes=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+  choices=st.lists(st.integers(0, 5), min_size=1, max_size=200),
+)
+def test_accepted_sizes_never_reach_a_diff_where_all_wait(
+  max_size, add_sizes, sample_sizes, choices
+):
+  """Any interleaving of adds and samples of sizes `check_sizes` accepts
+  (as sets) always leaves a move for the largest of each side."""
+  limiter = jaxbuf.Queue(max_size)
+  try:
+    limiter.check_sizes(add_sizes, sample_sizes)
+  except ValueError:
+    return
+  counts = jaxbuf.RateCounts(0, 0)
+  largest_add, largest_sample = max(add_sizes), max(sample_sizes)
+  for choice in choices:
+    assert limiter.can_insert(counts, largest_add) or limiter.can_sample(counts, largest_sample)
+    add = add_sizes[choice % len(add_sizes)]
+    sample = sample_sizes[choice % len(sample_sizes)]
+    if choice % 2 and limiter.can_insert(counts, add):
+      counts = counts._replace(inserts=counts.inserts + add)
+    elif limiter.can_sample(counts, sample):
+      counts = counts._replace(samples=counts.samples + sample)
+    elif limiter.can_insert(counts, add):
+      counts = counts._replace(inserts=counts.inserts + add)

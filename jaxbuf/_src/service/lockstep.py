@@ -190,8 +190,7 @@ def sampled(service: Any, what: str, batch_size: int, timeout, call: Callable) -
   with self._state_lock:
     while True:
       with self._counts_lock:
-        self._largest_sample = max(self._largest_sample, batch_size)
-        self.rate_limiter.check_sizes(max(self._largest_insert, 1), self._largest_sample)
+        self._check_sizes(sample=batch_size)
         taken = self._lockstep.taking(self._pending)
         del self._pending[: len(taken)]
         closed = self.closed

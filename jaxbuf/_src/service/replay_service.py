@@ -180,8 +180,9 @@ class ReplayService(Generic[StateT, SampleT]):
     self._counts = RateCounts(0, 0)  # units in the state, rows taken from it
     self._adding = 0  # units of admitted adds not yet in the state
     self._sampling = 0  # rows of admitted samples not yet taken
-    self._largest_insert = 0
-    self._largest_sample = 0
+    self._insert_sizes: set[int] = set()  # the sizes used, for `check_sizes`
+    self._sample_sizes: set[int] = set()
+    self._start = RateCounts(0, 0)  # the counts the diff started from
     self._pending: list[coalescing.PendingAdd] = []
     self._owned_envs: set[int] = set()
     self._checked: set = set()  # add signatures the buffer accepted
@@ -253,8 +254,7 @@ class ReplayService(Generic[StateT, SampleT]):
         f"{what}: an add of {entry.units} rows; lockstep_rows is {self._lockstep.rows}."
       )
     with self._counts_lock:
-      self._largest_insert = max(self._largest_insert, entry.units)
-      self.rate_limiter.check_sizes(self._largest_insert, max(self._largest_sample, 1))
+      self._check_sizes(insert=entry.units)
       self._wait(self._insertable, lambda: self._may_insert(entry.units), timeout)
       self._adding += entry.units
       self._pending.append(entry)
@@ -458,8 +458,7 @@ class ReplayService(Generic[StateT, SampleT]):
     if self._lockstep is not None:
       return lockstep.sampled(self, what, batch_size, timeout, call)
     with self._counts_lock:
-      self._largest_sample = max(self._largest_sample, batch_size)
-      self.rate_limiter.check_sizes(max(self._largest_insert, 1), self._largest_sample)
+      self._check_sizes(sample=batch_size)
       self._wait(self._sampleable, lambda: self._may_sample(batch_size), timeout)
       self._sampling += batch_size
     taken = False
@@ -477,6 +476,14 @@ class ReplayService(Generic[StateT, SampleT]):
           self._counts = self._counts._replace(samples=self._counts.samples + batch_size)
         self._sampleable.notify_all()
         self._insertable.notify_all()
+
+  def _check_sizes(self, *, insert: int = 0, sample: int = 0) -> None:
+    """`check_sizes` over the sizes used and the new one, which is kept only
+    when accepted (a refused call changes nothing). Holds `_counts_lock`."""
+    inserts = self._insert_sizes | ({insert} if insert else set())
+    samples = self._sample_sizes | ({sample} if sample else set())
+    self.rate_limiter.check_sizes(inserts, samples, self._start)
+    self._insert_sizes, self._sample_sizes = inserts, samples
 
   def _may_insert(self, units: int) -> bool:
     """The limiter over the units in the state or reserved, and the rows
@@ -563,6 +570,7 @@ class ReplayService(Generic[StateT, SampleT]):
     service._counts = service.rate_limiter.restored(
       RateCounts(int(record["inserts"]), int(record["samples"]))
     )
+    service._start = service._counts
     return service
 
   def close(self, cause: BaseException | None = None) -> None:
