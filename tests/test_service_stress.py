@@ -318,3 +318,82 @@ def test_accepted_sizes_never_reach_a_diff_where_all_wait(
       counts = counts._replace(samples=counts.samples + sample)
     elif limiter.can_insert(counts, add):
       counts = counts._replace(inserts=counts.inserts + add)
+
+
+# Consuming kinds: a sample never returns a retired or padding row ---------------------
+
+
+def test_retired_items_are_never_returned_and_count_toward_no_min_size():
+  buffer = jaxbuf.uniform_replay(16, max_times_sampled=1)
+  service = jaxbuf.ReplayService(buffer, buffer.init(np.int32(0)), rate_limiter=jaxbuf.MinSize(1))
+  service.writer().add(np.arange(1, 5, dtype=np.int32))
+  batch = service.sample(jax.random.key(0), 4, timeout=1.0).batch
+  assert sorted(np.asarray(batch.items).tolist()) == [1, 2, 3, 4]
+  with pytest.raises(TimeoutError):
+    service.sample(jax.random.key(1), 1, timeout=1.0)
+  assert service.counts == jaxbuf.RateCounts(4, 4)
+  service.writer().add(np.array([5], np.int32))  # a live item again: the sample runs
+  assert np.asarray(service.sample(jax.random.key(2), 1, timeout=1.0).batch.items).tolist() == [5]
+  service.close()
+
+
+def test_a_sample_waiting_for_live_items_raises_service_closed_when_closed():
+  buffer = jaxbuf.queue_replay(8)
+  service = jaxbuf.ReplayService(buffer, buffer.init(np.int32(0)))
+  service.writer().add(np.arange(2, dtype=np.int32))
+  closer = threading.Timer(0.2, service.close)
+  closer.start()
+  with pytest.raises(jaxbuf.ServiceClosed):
+    service.sample(jax.random.key(0), 3, timeout=JOIN)  # 2 waiting: it would pad
+  closer.join(JOIN)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "prioritized", "queue"])
+def test_consuming_kinds_hand_out_every_item_once_across_samplers(kind):
+  make = {
+    "uniform": lambda: jaxbuf.uniform_replay(4096, max_times_sampled=1),
+    "prioritized": lambda: jaxbuf.prioritized_replay(4096, max_times_sampled=1),
+    "queue": lambda: jaxbuf.queue_replay(4096),
+  }[kind]
+  buffer = make()
+  service = jaxbuf.ReplayService(buffer, buffer.init(np.int32(0)))
+  writers, adds, samplers = 8, 40, 4
+  total = writers * adds * 2
+  taken: list = [[] for _ in range(samplers)]
+  lock = threading.Lock()
+  count = [0]
+  done = threading.Event()
+  deadline = time.monotonic() + JOIN / 2
+
+  def writer(index):
+    own = service.writer()
+    for add in range(adds):
+      own.add(np.array([index * 10**6 + 2 * add, index * 10**6 + 2 * add + 1], np.int32))
+
+  def sampler(index):
+    local = np.random.default_rng(index)
+    key = jax.random.key(index)
+    while not done.is_set() and time.monotonic() < deadline:
+      size = int(local.choice([1, 2, 3]))
+      key, draw = jax.random.split(key)
+      try:
+        batch = service.sample(draw, size, timeout=float(local.uniform(0.0, 0.05))).batch
+      except TimeoutError:
+        continue
+      assert np.asarray(batch.weights).min() > 0, "a retired or padding row handed out"
+      taken[index].extend(np.asarray(batch.items).tolist())
+      with lock:
+        count[0] += size
+        if count[0] >= total - 2:  # fewer left than the largest size may be
+          done.set()
+
+  errors = run_threads(
+    [lambda i=i: writer(i) for i in range(writers)]
+    + [lambda i=i: sampler(i) for i in range(samplers)]
+  )
+  assert not errors, errors
+  everything = [i for ids in taken for i in ids]
+  assert len(everything) == len(set(everything)), "an item handed out twice"
+  added = {w * 10**6 + k for w in range(writers) for k in range(2 * adds)}
+  assert set(everything) <= added and len(everything) >= total - 2
+  service.close()

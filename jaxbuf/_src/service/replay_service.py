@@ -41,6 +41,7 @@ import math
 import os
 import pathlib
 import threading
+import time
 from typing import Any, Callable, Generic, NamedTuple, Sequence
 
 import jax
@@ -53,6 +54,8 @@ from jaxbuf._src.core.ring import ReplayState
 from jaxbuf._src.items import uniform
 from jaxbuf._src.items.prioritized import PrioritizedReplayState
 from jaxbuf._src.mixture import Mixture
+from jaxbuf._src.selection.budget import BudgetedReplayState
+from jaxbuf._src.selection.queue import QueueState
 from jaxbuf._src.service import coalescing, lockstep
 from jaxbuf._src.service.closed import ServiceClosed
 from jaxbuf._src.service.fifo_reads import FifoReads
@@ -78,6 +81,11 @@ def _check_timeout(timeout: float | None, what: str) -> float | None:
   if math.isnan(timeout) or timeout < 0:
     raise ValueError(f"{what}: timeout must be >= 0 seconds or None; given {timeout}.")
   return None if math.isinf(timeout) else float(timeout)
+
+
+def _left(deadline: float | None) -> float | None:
+  """Seconds left until `deadline` (a `time.monotonic` time), or None."""
+  return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _check_version(version: Any, what: str) -> int:
@@ -154,6 +162,8 @@ class ReplayService(Generic[StateT, SampleT]):
     )
     self._versions = UnitVersions(state)
     self._fifo = FifoReads(state, int(rate_limiter.max_diff)) if rate_limiter.fifo else None
+    # Kinds whose take retires what it hands out: a sample waits for live items.
+    self._consuming = isinstance(state, (BudgetedReplayState, QueueState))
     sharded = getattr(getattr(buffer, "add", None), "split_settings", None) is not None
     if lockstep_rows is None and sharded and jax.process_count() > 1:
       raise ValueError(
@@ -457,25 +467,49 @@ class ReplayService(Generic[StateT, SampleT]):
       raise ValueError(f"{what}: batch_size must be an int >= 1; given {batch_size!r}.")
     if self._lockstep is not None:
       return lockstep.sampled(self, what, batch_size, timeout, call)
-    with self._counts_lock:
-      self._check_sizes(sample=batch_size)
-      self._wait(self._sampleable, lambda: self._may_sample(batch_size), timeout)
-      self._sampling += batch_size
-    taken = False
-    try:
-      with self._state_lock:
-        self._drain()
-        state, result = call(self._state)
-        self._state = state
-        taken = True
-      return result
-    finally:
-      with self._counts_lock:  # taken now (or handed back, when the call failed)
-        self._sampling -= batch_size
-        if taken:
-          self._counts = self._counts._replace(samples=self._counts.samples + batch_size)
-        self._sampleable.notify_all()
-        self._insertable.notify_all()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+      with self._counts_lock:
+        self._check_sizes(sample=batch_size)
+        self._wait(self._sampleable, lambda: self._may_sample(batch_size), _left(deadline))
+        self._sampling += batch_size
+        inserts_seen = self._counts.inserts
+      taken = False
+      try:
+        with self._state_lock:
+          self._drain()
+          if self._live_items(self._state, batch_size):
+            state, result = call(self._state)
+            self._state = state
+            taken = True
+      finally:
+        with self._counts_lock:  # taken now (or handed back: the call failed or found too few)
+          self._sampling -= batch_size
+          if taken:
+            self._counts = self._counts._replace(samples=self._counts.samples + batch_size)
+          self._sampleable.notify_all()
+          self._insertable.notify_all()
+      if taken:
+        return result
+      with self._counts_lock:  # a consuming kind with too few live items: wait for an add
+        self._wait(
+          self._sampleable,
+          lambda: self._counts.inserts != inserts_seen,
+          _left(deadline),
+          f"{what}: fewer than {batch_size} live items held within {timeout} s (the others "
+          f"were handed out and retired; a take would return padding rows): add more, or "
+          f"sample fewer.",
+        )
+
+  def _live_items(self, state: Any, rows: int) -> bool:
+    """A consuming kind (`max_times_sampled`, `queue_replay`) holds `rows`
+    live items (and `min_size` under `MinSize`): a take then returns no
+    retired or padding row. Other kinds: True. Holds `_state_lock`."""
+    if not self._consuming:
+      return True
+    if math.isinf(self.rate_limiter.min_diff):  # MinSize counts live items, as Reverb's table
+      rows = max(rows, self.rate_limiter.min_size)
+    return bool(self.buffer.can_sample(state, rows))
 
   def _check_sizes(self, *, insert: int = 0, sample: int = 0) -> None:
     """`check_sizes` over the sizes used and the new one, which is kept only
@@ -595,11 +629,14 @@ class ReplayService(Generic[StateT, SampleT]):
     if self.closed:
       raise ServiceClosed(f"{what}: the replay service is closed.") from self._cause
 
-  def _wait(self, condition: threading.Condition, allowed: Callable[[], bool], timeout) -> None:
+  def _wait(
+    self, condition: threading.Condition, allowed: Callable[[], bool], timeout, why: str = ""
+  ) -> None:
     """Waits on `condition` (its lock held) until `allowed()` or closed."""
     if not condition.wait_for(lambda: self.closed or allowed(), timeout):
       raise TimeoutError(
-        f"the rate limiter did not allow it within {timeout} s: {self.rate_limiter!r}, "
+        why
+        or f"the rate limiter did not allow it within {timeout} s: {self.rate_limiter!r}, "
         f"counts {self._counts} ({self._adding} units and {self._sampling} rows under way)."
       )
     if self.closed:
