@@ -454,3 +454,34 @@ def test_checkpoints_while_writers_add_are_one_consistent_cut(tmp_path, monkeypa
   assert not errors, errors
   assert service.counts.inserts == 4 + 8 * len(writers)
   service.close()
+
+
+# learn() under Queue ------------------------------------------------------------------
+
+
+def test_learn_under_a_queue_hands_the_step_the_fifo_rows_and_moves_the_cursor():
+  service = queue_service(capacity=16, max_size=16)
+  service.writer().add(np.arange(12, dtype=np.int32))
+
+  def step(state, batch, scale):
+    assert np.asarray(batch.mask).all()
+    return state, (np.asarray(batch.items) * scale).tolist()
+
+  assert service.learn(step, 4, 1, timeout=1.0) == [0, 1, 2, 3]
+
+  def failing(state, batch, scale):
+    raise FloatingPointError("the loss was NaN")
+
+  with pytest.raises(FloatingPointError):
+    service.learn(failing, 4, 1, timeout=1.0)  # nothing read: the cursor stays
+  assert service.learn(step, 4, 10, timeout=1.0) == [40, 50, 60, 70]
+  assert np.asarray(service.sample(jax.random.key(0), 4, timeout=1.0).batch.items).tolist() == [
+    8,
+    9,
+    10,
+    11,
+  ]
+  with pytest.raises(TimeoutError):  # every item read once: none twice, none never
+    service.learn(step, 1, 1, timeout=0.01)
+  assert service.counts == jaxbuf.RateCounts(12, 12)
+  service.close()

@@ -449,8 +449,13 @@ class ReplayService(Generic[StateT, SampleT]):
     sample of `batch_size` rows: the batch is taken inside `step` (e.g. a
     jitted train step that samples, learns and updates priorities).
 
+    Under `jaxbuf.Queue` the rows are the service's to choose (the oldest
+    unread, each once): `step(state, batch, *args)` gets them as `batch`, a
+    `QueueSample`, and the FIFO cursor moves past them, as `sample` does.
+
     Args:
-      step: `step(state, *args) -> (state, result)`.
+      step: `step(state, *args) -> (state, result)`; under `Queue`,
+        `step(state, batch, *args)`.
       batch_size: the rows `step` samples, counted by the limiter.
       *args: passed to `step`.
       timeout: seconds to wait for the limiter (None: no limit).
@@ -459,6 +464,18 @@ class ReplayService(Generic[StateT, SampleT]):
       `step`'s result. If `step` raises, the state stays as it was (a step
       must not donate the state it may fail on) and the error propagates.
     """
+    if self._fifo is not None:
+      fifo = self._fifo
+
+      def fifo_step(state):  # under the state lock: the cursor moves only if step returns
+        cursor = fifo.read_count
+        try:
+          return step(state, fifo.take(state, batch_size), *args)
+        except BaseException:
+          fifo.read_count = cursor
+          raise
+
+      return self._sampled("ReplayService.learn", batch_size, timeout, fifo_step)
     return self._sampled("ReplayService.learn", batch_size, timeout, lambda s: step(s, *args))
 
   def _sampled(self, what: str, batch_size: int, timeout, call: Callable) -> Any:
