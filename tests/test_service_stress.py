@@ -485,3 +485,21 @@ def test_learn_under_a_queue_hands_the_step_the_fifo_rows_and_moves_the_cursor()
     service.learn(step, 1, 1, timeout=0.01)
   assert service.counts == jaxbuf.RateCounts(12, 12)
   service.close()
+
+
+def test_a_min_size_checkpoint_restored_under_a_queue_agrees_with_the_cursor(tmp_path):
+  buffer = jaxbuf.uniform_replay(128)
+  like = buffer.init(np.int32(0))
+  service = jaxbuf.ReplayService(buffer, like, rate_limiter=jaxbuf.MinSize(1))
+  service.writer().add(np.arange(100, dtype=np.int32))
+  service.sample(jax.random.key(0), 5, timeout=1.0)
+  service.checkpoint(tmp_path / "cut")
+  service.close()
+  restored = jaxbuf.ReplayService.restore(tmp_path / "cut", buffer, like, jaxbuf.Queue(4))
+  assert restored.counts == jaxbuf.RateCounts(100, 100)  # every held item read
+  with pytest.raises(TimeoutError):  # no padding row handed out
+    restored.sample(jax.random.key(1), 4, timeout=0.01)
+  restored.writer().add(np.arange(200, 204, dtype=np.int32), timeout=1.0)
+  batch = restored.sample(jax.random.key(2), 4, timeout=1.0).batch
+  assert np.asarray(batch.items).tolist() == [200, 201, 202, 203]
+  restored.close()

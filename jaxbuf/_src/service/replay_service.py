@@ -610,7 +610,9 @@ class ReplayService(Generic[StateT, SampleT]):
     """A service from `checkpoint(path)`: the state (`jaxbuf.load(..., like=)`),
     the counts and versions. The counts go through `rate_limiter.restored`:
     kept unless they would block both inserts and samples, when the sample
-    count is raised so that inserts may go on (never a deadlock)."""
+    count is raised so that inserts may go on (never a deadlock). Under
+    `jaxbuf.Queue` the rows sampled are those the FIFO cursor read: a
+    checkpoint of another limiter restores with every held item read."""
     path = pathlib.Path(path)
     state = saving.load(path / "state", like=like)
     record = json.loads((path / "service.json").read_text())
@@ -618,9 +620,14 @@ class ReplayService(Generic[StateT, SampleT]):
     service._versions.restore(np.load(path / "versions.npy"), record["newest"])
     if service._fifo is not None and record.get("read_count") is not None:
       service._fifo.read_count = jnp.uint32(record["read_count"])
-    service._counts = service.rate_limiter.restored(
-      RateCounts(int(record["inserts"]), int(record["samples"]))
-    )
+    counts = RateCounts(int(record["inserts"]), int(record["samples"]))
+    if service._fifo is not None:
+      # Under Queue the cursor says what is unread (a checkpoint of another
+      # limiter has none: every item held counts as read, as when a Queue
+      # service starts); the counts are made to agree with it.
+      unread = int(np.uint32(state.add_count) - np.uint32(service._fifo.read_count))
+      counts = RateCounts(counts.inserts, counts.inserts - unread)
+    service._counts = service.rate_limiter.restored(counts)
     service._start = service._counts
     return service
 
