@@ -503,3 +503,32 @@ def test_a_min_size_checkpoint_restored_under_a_queue_agrees_with_the_cursor(tmp
   batch = restored.sample(jax.random.key(2), 4, timeout=1.0).batch
   assert np.asarray(batch.items).tolist() == [200, 201, 202, 203]
   restored.close()
+
+
+# Settings refused when made ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "make, rule",
+  [
+    (lambda: jaxbuf.heap_replay(16), "heap_replay"),
+    (lambda: jaxbuf.queue_replay(16, order="lifo"), "LIFO"),
+    (lambda: jaxbuf.uniform_replay(16, max_times_sampled=1), "max_times_sampled"),
+    (lambda: jaxbuf.prioritized_replay(16, max_times_sampled=2), "max_times_sampled"),
+  ],
+)
+def test_a_queue_over_a_kind_with_its_own_rule_is_refused_when_made(make, rule):
+  buffer = make()
+  with pytest.raises(ValueError, match=f"replace this buffer's own rule: .*{rule}"):
+    jaxbuf.ReplayService(buffer, buffer.init(np.int32(0)), rate_limiter=jaxbuf.Queue(8))
+  fifo = jaxbuf.queue_replay(16)  # a FIFO queue: its own rule is the Queue's
+  jaxbuf.ReplayService(fifo, fifo.init(np.int32(0)), rate_limiter=jaxbuf.Queue(8)).close()
+
+
+@pytest.mark.parametrize("value", [2**31, 2**40, 2**63])
+def test_max_times_sampled_past_int32_is_refused_at_construction(value):
+  with pytest.raises(ValueError, match=r"max_times_sampled.*2\*\*31 - 1"):
+    jaxbuf.uniform_replay(16, max_times_sampled=value)
+  with pytest.raises(ValueError, match=r"max_times_sampled.*2\*\*31 - 1"):
+    jaxbuf.prioritized_replay(16, max_times_sampled=value)
+  jaxbuf.uniform_replay(16, max_times_sampled=2**31 - 1)  # the largest int32 count

@@ -161,7 +161,7 @@ class ReplayService(Generic[StateT, SampleT]):
       int(np.size(state.write_heads)) if isinstance(state, SequenceReplayState) else 0
     )
     self._versions = UnitVersions(state)
-    self._fifo = FifoReads(state, int(rate_limiter.max_diff)) if rate_limiter.fifo else None
+    self._fifo = FifoReads(state, int(rate_limiter.max_diff), buffer) if rate_limiter.fifo else None
     # Kinds whose take retires what it hands out: a sample waits for live items.
     self._consuming = isinstance(state, (BudgetedReplayState, QueueState))
     sharded = getattr(getattr(buffer, "add", None), "split_settings", None) is not None
