@@ -532,3 +532,13 @@ def test_max_times_sampled_past_int32_is_refused_at_construction(value):
   with pytest.raises(ValueError, match=r"max_times_sampled.*2\*\*31 - 1"):
     jaxbuf.prioritized_replay(16, max_times_sampled=value)
   jaxbuf.uniform_replay(16, max_times_sampled=2**31 - 1)  # the largest int32 count
+
+
+def test_a_disk_tier_buffer_is_refused_when_the_service_is_made(tmp_path):
+  buffer = jaxbuf.uniform_replay(16, storage=jaxbuf.disk(tmp_path / "payload"))
+  state = buffer.init({"obs": np.zeros(64, np.float32)})
+  with pytest.raises(ValueError, match=r"storage=jaxbuf.disk\(.*storage='host'"):
+    jaxbuf.ReplayService(buffer, state)
+  host = jaxbuf.uniform_replay(16, storage="host")
+  service = jaxbuf.ReplayService(host, host.init({"obs": np.zeros(64, np.float32)}))
+  service.close()

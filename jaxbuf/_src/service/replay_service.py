@@ -56,6 +56,7 @@ from jaxbuf._src.items.prioritized import PrioritizedReplayState
 from jaxbuf._src.mixture import Mixture
 from jaxbuf._src.selection.budget import BudgetedReplayState
 from jaxbuf._src.selection.queue import QueueState
+from jaxbuf._src.storage.tiers import Disk
 from jaxbuf._src.service import coalescing, lockstep
 from jaxbuf._src.service.closed import ServiceClosed
 from jaxbuf._src.service.fifo_reads import FifoReads
@@ -150,6 +151,15 @@ class ReplayService(Generic[StateT, SampleT]):
       raise TypeError(
         "ReplayService: rate_limiter must be jaxbuf.MinSize, SampleToInsertRatio or Queue; "
         f"given {type(rate_limiter).__name__}."
+      )
+    tiered = getattr(getattr(buffer, "init", None), "tiered", None)
+    if tiered is not None and isinstance(tiered.tier, Disk):
+      raise ValueError(
+        f"ReplayService: this buffer keeps its payload in files "
+        f"(storage=jaxbuf.disk({tiered.tier.directory!r})), read and written on the host, "
+        f"while the service adds inside jit with the state donated. Use storage='host' "
+        f"(payload in pinned host memory) or 'device' with the service, or drive the "
+        f"disk-tier buffer's add and sample from one loop without it."
       )
     self.buffer: Any = buffer  # a Buffer, or a Mixture
     self.rate_limiter = rate_limiter
