@@ -2,6 +2,11 @@
 that add and learner threads that sample. Host code: threads and locks
 around the buffer's own pure functions, which it calls unchanged.
 
+Why one module of this size: it is one object, whose every method reads or
+writes the same state, counts and reservations under the two locks below;
+split, the lock rules would span files. What does not touch them is in
+modules of its own (limiters, coalescing, FIFO reads, versions, lockstep).
+
 Locks. `_state_lock` guards the state and is held across a device call
 (the only thing done while holding it; donation happens under it).
 `_counts_lock` guards the limiter's counts, the pending adds and `closed`,
