@@ -122,7 +122,7 @@ class RateLimiter:
     self,
     insert_sizes: int | Iterable[int],
     sample_sizes: int | Iterable[int],
-    start: RateCounts = RateCounts(0, 0),
+    start: RateCounts | None = None,
   ) -> None:
     """Refuses sizes with which inserts and samples can block each other.
 
@@ -140,13 +140,15 @@ class RateLimiter:
         the largest one.
       sample_sizes: the sizes of the samples used (rows in one call), or the
         largest one.
-      start: the counts the diff started from (a restored service's).
+      start: the counts the diff started from (a restored service's);
+        None: no counts.
 
     Raises:
       ValueError: a reachable diff blocks both the largest insert and the
         largest sample, or an insert could not reach `min_size`; the
         message names the sizes, the diff and the fix.
     """
+    start = start or RateCounts(0, 0)
     inserts = sorted({insert_sizes} if isinstance(insert_sizes, int) else set(insert_sizes))
     samples = sorted({sample_sizes} if isinstance(sample_sizes, int) else set(sample_sizes))
     ratio = fractions.Fraction(self.samples_per_insert)
