@@ -85,10 +85,16 @@ _NOT_SPLIT = (
 
 
 def check_max_times_sampled(value: Any) -> None:
-  """Raises unless `value` is a Python int >= 1."""
+  """Raises unless `value` is a Python int in [1, 2**31 - 1]."""
   validation.check_positive_int(
     value, "max_times_sampled", reason=" (draws of an item before it is retired)"
   )
+  if value > 2**31 - 1:  # times_sampled is int32 on the device
+    raise ValueError(
+      f"max_times_sampled must be at most 2**31 - 1 = {2**31 - 1} (each item's draws are "
+      f"counted in int32); given {value}. Use max_times_sampled=None for items drawn "
+      f"however often."
+    )
 
 
 def init(example_item: PyTree, *, capacity: int) -> BudgetedReplayState:

@@ -20,13 +20,51 @@ Liveness. Inserts of `n` units and samples of `b` rows are both blocked
 when the diff lies in `(max_diff - n * samples_per_insert, min_diff + b)`
 (neither may move). A limiter whose window is too
 narrow for even one unit and one row is refused when made, and the service
-refuses a call whose size, with the largest size seen on the other side,
-could block both sides (`check_sizes`).
+refuses a call whose size, with the sizes used so far, could reach a diff
+where the largest of each side both wait (`check_sizes`: the diff moves on
+the lattice the sizes generate, so adds of B and samples of B under
+`Queue(B)` run).
 """
 
 import dataclasses
+import fractions
 import math
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
+
+
+_MOST_DIFFS = 100_000  # diffs walked to find the reachable ones; past it, the lattice
+
+
+def _reachable_blocked(
+  origin: int,
+  insert_steps: list[int],
+  sample_steps: list[int],
+  window: tuple[int, int],
+  waits: tuple[int, int],
+  lattice: int,
+) -> int | None:
+  """A diff (scaled to an integer) reachable from `origin` by the steps,
+  inserts never past `window[1]` nor samples below `window[0]`, where both
+  wait (strictly between `waits`); None when there is none. Walks the
+  reachable diffs; a window too wide for that takes every lattice point in
+  it as reachable (refuses more, never less)."""
+  low, high = window
+  above, below = waits
+  if (high - low) // lattice > _MOST_DIFFS:
+    first = above + 1 + (origin - above - 1) % lattice  # the first lattice point > above
+    return first if first < below else None
+  seen, frontier = {origin}, [origin]
+  while frontier:
+    diff = frontier.pop()
+    if above < diff < below:
+      return diff
+    moves = [diff + step for step in insert_steps if diff + step <= high]
+    moves += [diff - step for step in sample_steps if diff - step >= low]
+    for move in moves:
+      if move not in seen:
+        seen.add(move)
+        frontier.append(move)
+  return None
 
 
 class RateCounts(NamedTuple):
@@ -80,35 +118,102 @@ class RateLimiter:
       return False
     return counts.inserts * self.samples_per_insert - counts.samples - rows >= self.min_diff
 
-  def check_sizes(self, insert_units: int, sample_rows: int) -> None:
-    """Refuses sizes that could block inserts and samples at once.
+  def check_sizes(
+    self,
+    insert_sizes: int | Iterable[int],
+    sample_sizes: int | Iterable[int],
+    start: RateCounts | None = None,
+  ) -> None:
+    """Refuses sizes with which inserts and samples can block each other.
+
+    The diff moves by `n * samples_per_insert` per insert of `n` units and
+    by `-b` per sample of `b` rows, so from the counts at `start` it only
+    takes values on the lattice those steps generate (their greatest common
+    divisor apart). Sizes are refused when a lattice point lies where the
+    largest insert and the largest sample both wait (module docstring):
+    adds of B and samples of B under `Queue(B)` keep the diff on 0, B, ...
+    and run; adds of 3 and samples of 4 under `Queue(4)` reach 3 unread,
+    where neither may move.
 
     Args:
-      insert_units: the largest insert (units in one add).
-      sample_rows: the largest sample (rows in one call).
+      insert_sizes: the sizes of the inserts used (units in one add), or
+        the largest one.
+      sample_sizes: the sizes of the samples used (rows in one call), or the
+        largest one.
+      start: the counts the diff started from (a restored service's);
+        None: no counts.
 
     Raises:
-      ValueError: some reachable diff blocks both an insert of
-        `insert_units` and a sample of `sample_rows` (module docstring), or
-        an insert of `insert_units` could not reach `min_size`.
+      ValueError: a reachable diff blocks both the largest insert and the
+        largest sample, or an insert could not reach `min_size`; the
+        message names the sizes, the diff and the fix.
     """
+    start = start or RateCounts(0, 0)
+    inserts = sorted({insert_sizes} if isinstance(insert_sizes, int) else set(insert_sizes))
+    samples = sorted({sample_sizes} if isinstance(sample_sizes, int) else set(sample_sizes))
+    ratio = fractions.Fraction(self.samples_per_insert)
+    name = self._name()
     if math.isinf(self.max_diff) or math.isinf(self.min_diff):
       return
-    ratio = self.samples_per_insert
-    above = self.max_diff - insert_units * ratio  # inserts blocked above this diff
-    below = self.min_diff + sample_rows  # samples blocked below this diff
-    if ratio.is_integer():  # the diff is an integer: only integers between count
-      both_blocked = math.floor(above) + 1 <= math.ceil(below) - 1
-    else:
-      both_blocked = above < below
-    starved = (insert_units - 1) * ratio > self.max_diff - self.min_size * ratio
-    if both_blocked or starved:
+    if (
+      inserts
+      and (inserts[-1] - 1) * ratio > fractions.Fraction(self.max_diff) - self.min_size * ratio
+    ):
       raise ValueError(
-        f"{self!r}: adds of {insert_units} units and samples of {sample_rows} rows could "
-        f"block each other forever (the window max_diff - min_diff = "
-        f"{self.max_diff - self.min_diff} is too narrow for them). Use smaller adds or "
-        f"samples, or a larger error_buffer / max_size."
+        f"{name}: an add of {inserts[-1]} units can never be inserted before min_size = "
+        f"{self.min_size} units are in (it would pass max_diff = {self.max_diff}). Use adds "
+        f"of at most {self._largest_first_insert()} units, or a larger error_buffer / max_size."
       )
+    if not inserts or not samples:
+      return
+    largest_insert, largest_sample = inserts[-1], samples[-1]
+    # Scaled by q, the diff's steps and bounds are integers (floats are exact).
+    steps = [n * ratio for n in inserts] + [fractions.Fraction(b) for b in samples]
+    q = math.lcm(*(step.denominator for step in steps))
+    q = math.lcm(q, fractions.Fraction(self.max_diff).denominator)
+    q = math.lcm(q, fractions.Fraction(self.min_diff).denominator)
+    q = math.lcm(q, (start.inserts * ratio).denominator)
+    lattice = math.gcd(*(int(step * q) for step in steps))
+    origin = int((start.inserts * ratio - start.samples) * q)
+    # Inserts of the largest wait above `above`, samples of the largest below
+    # `below` (scaled): both wait on the integers strictly between.
+    above = int((fractions.Fraction(self.max_diff) - largest_insert * ratio) * q)
+    below = int((fractions.Fraction(self.min_diff) + largest_sample) * q)
+    blocked = _reachable_blocked(
+      origin,
+      [int(n * ratio * q) for n in inserts],
+      [b * q for b in samples],
+      (int(fractions.Fraction(self.min_diff) * q), int(fractions.Fraction(self.max_diff) * q)),
+      (above, below),
+      lattice,
+    )
+    if blocked is not None:
+      diff = fractions.Fraction(blocked, q)
+      where = (
+        f"{diff} units unread"
+        if self.fifo
+        else f"the diff inserts * samples_per_insert - samples = {float(diff)}"
+      )
+      raise ValueError(
+        f"{name}: adds of {inserts} units and samples of {samples} rows can block each other "
+        f"forever: they can reach {where}, where an add of {largest_insert} waits (it needs "
+        f"the diff at most {self.max_diff - largest_insert * self.samples_per_insert}) and a "
+        f"sample of {largest_sample} waits (it needs at least "
+        f"{self.min_diff + largest_sample}). Use sizes that divide one another (adds of B "
+        f"and samples of B, or of B / 2), or a larger error_buffer / max_size."
+      )
+
+  def _name(self) -> str:
+    if self.fifo:
+      return f"Queue({int(self.max_diff)})"
+    if math.isinf(self.min_diff):
+      return f"MinSize({self.min_size})"
+    return repr(self)
+
+  def _largest_first_insert(self) -> int:
+    """The largest insert that can still reach `min_size` units."""
+    room = self.max_diff - self.min_size * self.samples_per_insert
+    return int(math.floor(room / self.samples_per_insert)) + 1
 
   def restored(self, counts: RateCounts) -> RateCounts:
     """The counts to restore a checkpoint's `counts` with, never blocked.

@@ -190,8 +190,7 @@ def sampled(service: Any, what: str, batch_size: int, timeout, call: Callable) -
   with self._state_lock:
     while True:
       with self._counts_lock:
-        self._largest_sample = max(self._largest_sample, batch_size)
-        self.rate_limiter.check_sizes(max(self._largest_insert, 1), self._largest_sample)
+        self._check_sizes(sample=batch_size)
         taken = self._lockstep.taking(self._pending)
         del self._pending[: len(taken)]
         closed = self.closed
@@ -202,9 +201,10 @@ def sampled(service: Any, what: str, batch_size: int, timeout, call: Callable) -
       self.device_adds += 1
       with self._counts_lock:
         self._global_inserts += added
-        # Local counts: the agreed inserts, and this process's still pending.
-        local = sum(entry.units for entry in taken)
-        self._counts = self._counts._replace(inserts=self._counts.inserts + added - local)
+        # The agreed inserts are in the state; this process's taken adds are
+        # no longer under way (those still pending are).
+        self._adding -= sum(entry.units for entry in taken)
+        self._counts = self._counts._replace(inserts=self._counts.inserts + added)
         agreed = RateCounts(self._global_inserts, self._counts.samples)
         if any_closed:
           self.closed = True

@@ -2,6 +2,11 @@
 that add and learner threads that sample. Host code: threads and locks
 around the buffer's own pure functions, which it calls unchanged.
 
+Why one module of this size: it is one object, whose every method reads or
+writes the same state, counts and reservations under the two locks below;
+split, the lock rules would span files. What does not touch them is in
+modules of its own (limiters, coalescing, FIFO reads, versions, lockstep).
+
 Locks. `_state_lock` guards the state and is held across a device call
 (the only thing done while holding it; donation happens under it).
 `_counts_lock` guards the limiter's counts, the pending adds and `closed`,
@@ -20,8 +25,18 @@ mask. A thread that finds its add already drained by another returns at
 once. So under contention many small adds become one dispatch, and with
 one actor nothing waits for a second.
 
-Samples drain the pending adds first too, so a sample sees every add the
-limiter counted. They draw with `buffer.take` (consuming kinds retire what
+Counts. `counts` holds what is true of the state: units in it, rows taken
+from it (Reverb counts under the table's mutex, beside the insert or sample
+itself). Beside it, `_adding` and `_sampling` hold what callers the limiter
+admitted have reserved and not yet done. An add is admitted against the
+units in the state or reserved and the rows taken (not the rows reserved:
+under `Queue` a writer so never overwrites a row a sampler is about to
+read); a sample against the units in the state and the rows taken or
+reserved (never rows an add may still fail to write). Under `Queue` every
+item is thus read exactly once, in order, for any capacity >= max_size.
+
+Samples drain the pending adds first too, so a sample sees every add
+admitted before it. They draw with `buffer.take` (consuming kinds retire what
 they hand out), under `Queue` with the core's FIFO rule (`fifo_reads`), and
 with `max_version_lag` with `uniform.sample_eligible`.
 """
@@ -31,6 +46,7 @@ import math
 import os
 import pathlib
 import threading
+import time
 from typing import Any, Callable, Generic, NamedTuple, Sequence
 
 import jax
@@ -43,6 +59,9 @@ from jaxbuf._src.core.ring import ReplayState
 from jaxbuf._src.items import uniform
 from jaxbuf._src.items.prioritized import PrioritizedReplayState
 from jaxbuf._src.mixture import Mixture
+from jaxbuf._src.selection.budget import BudgetedReplayState
+from jaxbuf._src.selection.queue import QueueState
+from jaxbuf._src.storage.tiers import Disk
 from jaxbuf._src.service import coalescing, lockstep
 from jaxbuf._src.service.closed import ServiceClosed
 from jaxbuf._src.service.fifo_reads import FifoReads
@@ -68,6 +87,11 @@ def _check_timeout(timeout: float | None, what: str) -> float | None:
   if math.isnan(timeout) or timeout < 0:
     raise ValueError(f"{what}: timeout must be >= 0 seconds or None; given {timeout}.")
   return None if math.isinf(timeout) else float(timeout)
+
+
+def _left(deadline: float | None) -> float | None:
+  """Seconds left until `deadline` (a `time.monotonic` time), or None."""
+  return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _check_version(version: Any, what: str) -> int:
@@ -133,6 +157,15 @@ class ReplayService(Generic[StateT, SampleT]):
         "ReplayService: rate_limiter must be jaxbuf.MinSize, SampleToInsertRatio or Queue; "
         f"given {type(rate_limiter).__name__}."
       )
+    tiered = getattr(getattr(buffer, "init", None), "tiered", None)
+    if tiered is not None and isinstance(tiered.tier, Disk):
+      raise ValueError(
+        f"ReplayService: this buffer keeps its payload in files "
+        f"(storage=jaxbuf.disk({tiered.tier.directory!r})), read and written on the host, "
+        f"while the service adds inside jit with the state donated. Use storage='host' "
+        f"(payload in pinned host memory) or 'device' with the service, or drive the "
+        f"disk-tier buffer's add and sample from one loop without it."
+      )
     self.buffer: Any = buffer  # a Buffer, or a Mixture
     self.rate_limiter = rate_limiter
     self._state: Any = state  # a mixture's: the list of its parts' states
@@ -143,7 +176,9 @@ class ReplayService(Generic[StateT, SampleT]):
       int(np.size(state.write_heads)) if isinstance(state, SequenceReplayState) else 0
     )
     self._versions = UnitVersions(state)
-    self._fifo = FifoReads(state, int(rate_limiter.max_diff)) if rate_limiter.fifo else None
+    self._fifo = FifoReads(state, int(rate_limiter.max_diff), buffer) if rate_limiter.fifo else None
+    # Kinds whose take retires what it hands out: a sample waits for live items.
+    self._consuming = isinstance(state, (BudgetedReplayState, QueueState))
     sharded = getattr(getattr(buffer, "add", None), "split_settings", None) is not None
     if lockstep_rows is None and sharded and jax.process_count() > 1:
       raise ValueError(
@@ -167,9 +202,12 @@ class ReplayService(Generic[StateT, SampleT]):
     self._counts_lock = threading.Lock()
     self._insertable = threading.Condition(self._counts_lock)
     self._sampleable = threading.Condition(self._counts_lock)
-    self._counts = RateCounts(0, 0)
-    self._largest_insert = 0
-    self._largest_sample = 0
+    self._counts = RateCounts(0, 0)  # units in the state, rows taken from it
+    self._adding = 0  # units of admitted adds not yet in the state
+    self._sampling = 0  # rows of admitted samples not yet taken
+    self._insert_sizes: set[int] = set()  # the sizes used, for `check_sizes`
+    self._sample_sizes: set[int] = set()
+    self._start = RateCounts(0, 0)  # the counts the diff started from
     self._pending: list[coalescing.PendingAdd] = []
     self._owned_envs: set[int] = set()
     self._checked: set = set()  # add signatures the buffer accepted
@@ -241,12 +279,9 @@ class ReplayService(Generic[StateT, SampleT]):
         f"{what}: an add of {entry.units} rows; lockstep_rows is {self._lockstep.rows}."
       )
     with self._counts_lock:
-      self._largest_insert = max(self._largest_insert, entry.units)
-      self.rate_limiter.check_sizes(self._largest_insert, max(self._largest_sample, 1))
-      self._wait(
-        self._insertable, lambda: self.rate_limiter.can_insert(self._counts, entry.units), timeout
-      )
-      self._counts = self._counts._replace(inserts=self._counts.inserts + entry.units)
+      self._check_sizes(insert=entry.units)
+      self._wait(self._insertable, lambda: self._may_insert(entry.units), timeout)
+      self._adding += entry.units
       self._pending.append(entry)
       self.adds += 1
       self._sampleable.notify_all()
@@ -332,9 +367,11 @@ class ReplayService(Generic[StateT, SampleT]):
         # error, and their units are handed back to the limiter.
         for entry in group:
           entry.error = error
+    units = sum(entry.units for entry in pending)
     failed = sum(entry.units for entry in pending if entry.error is not None)
-    with self._counts_lock:
-      self._counts = self._counts._replace(inserts=self._counts.inserts - failed)
+    with self._counts_lock:  # in the state now (or handed back, when failed)
+      self._adding -= units
+      self._counts = self._counts._replace(inserts=self._counts.inserts + units - failed)
       self._sampleable.notify_all()
       self._insertable.notify_all()
 
@@ -427,8 +464,13 @@ class ReplayService(Generic[StateT, SampleT]):
     sample of `batch_size` rows: the batch is taken inside `step` (e.g. a
     jitted train step that samples, learns and updates priorities).
 
+    Under `jaxbuf.Queue` the rows are the service's to choose (the oldest
+    unread, each once): `step(state, batch, *args)` gets them as `batch`, a
+    `QueueSample`, and the FIFO cursor moves past them, as `sample` does.
+
     Args:
-      step: `step(state, *args) -> (state, result)`.
+      step: `step(state, *args) -> (state, result)`; under `Queue`,
+        `step(state, batch, *args)`.
       batch_size: the rows `step` samples, counted by the limiter.
       *args: passed to `step`.
       timeout: seconds to wait for the limiter (None: no limit).
@@ -437,6 +479,18 @@ class ReplayService(Generic[StateT, SampleT]):
       `step`'s result. If `step` raises, the state stays as it was (a step
       must not donate the state it may fail on) and the error propagates.
     """
+    if self._fifo is not None:
+      fifo = self._fifo
+
+      def fifo_step(state):  # under the state lock: the cursor moves only if step returns
+        cursor = fifo.read_count
+        try:
+          return step(state, fifo.take(state, batch_size), *args)
+        except BaseException:
+          fifo.read_count = cursor
+          raise
+
+      return self._sampled("ReplayService.learn", batch_size, timeout, fifo_step)
     return self._sampled("ReplayService.learn", batch_size, timeout, lambda s: step(s, *args))
 
   def _sampled(self, what: str, batch_size: int, timeout, call: Callable) -> Any:
@@ -445,25 +499,69 @@ class ReplayService(Generic[StateT, SampleT]):
       raise ValueError(f"{what}: batch_size must be an int >= 1; given {batch_size!r}.")
     if self._lockstep is not None:
       return lockstep.sampled(self, what, batch_size, timeout, call)
-    with self._counts_lock:
-      self._largest_sample = max(self._largest_sample, batch_size)
-      self.rate_limiter.check_sizes(max(self._largest_insert, 1), self._largest_sample)
-      self._wait(
-        self._sampleable, lambda: self.rate_limiter.can_sample(self._counts, batch_size), timeout
-      )
-      self._counts = self._counts._replace(samples=self._counts.samples + batch_size)
-      self._insertable.notify_all()
-    try:
-      with self._state_lock:
-        self._drain()
-        state, result = call(self._state)
-        self._state = state
-      return result
-    except BaseException:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
       with self._counts_lock:
-        self._counts = self._counts._replace(samples=self._counts.samples - batch_size)
-        self._sampleable.notify_all()
-      raise
+        self._check_sizes(sample=batch_size)
+        self._wait(self._sampleable, lambda: self._may_sample(batch_size), _left(deadline))
+        self._sampling += batch_size
+        inserts_seen = self._counts.inserts
+      taken = False
+      try:
+        with self._state_lock:
+          self._drain()
+          if self._live_items(self._state, batch_size):
+            state, result = call(self._state)
+            self._state = state
+            taken = True
+      finally:
+        with self._counts_lock:  # taken now (or handed back: the call failed or found too few)
+          self._sampling -= batch_size
+          if taken:
+            self._counts = self._counts._replace(samples=self._counts.samples + batch_size)
+          self._sampleable.notify_all()
+          self._insertable.notify_all()
+      if taken:
+        return result
+      with self._counts_lock:  # a consuming kind with too few live items: wait for an add
+        self._wait(
+          self._sampleable,
+          lambda: self._counts.inserts != inserts_seen,
+          _left(deadline),
+          f"{what}: fewer than {batch_size} live items held within {timeout} s (the others "
+          f"were handed out and retired; a take would return padding rows): add more, or "
+          f"sample fewer.",
+        )
+
+  def _live_items(self, state: Any, rows: int) -> bool:
+    """A consuming kind (`max_times_sampled`, `queue_replay`) holds `rows`
+    live items (and `min_size` under `MinSize`): a take then returns no
+    retired or padding row. Other kinds: True. Holds `_state_lock`."""
+    if not self._consuming:
+      return True
+    if math.isinf(self.rate_limiter.min_diff):  # MinSize counts live items, as Reverb's table
+      rows = max(rows, self.rate_limiter.min_size)
+    return bool(self.buffer.can_sample(state, rows))
+
+  def _check_sizes(self, *, insert: int = 0, sample: int = 0) -> None:
+    """`check_sizes` over the sizes used and the new one, which is kept only
+    when accepted (a refused call changes nothing). Holds `_counts_lock`."""
+    inserts = self._insert_sizes | ({insert} if insert else set())
+    samples = self._sample_sizes | ({sample} if sample else set())
+    self.rate_limiter.check_sizes(inserts, samples, self._start)
+    self._insert_sizes, self._sample_sizes = inserts, samples
+
+  def _may_insert(self, units: int) -> bool:
+    """The limiter over the units in the state or reserved, and the rows
+    taken (module docstring). Holds `_counts_lock`."""
+    inserts = self._counts.inserts + self._adding
+    return self.rate_limiter.can_insert(self._counts._replace(inserts=inserts), units)
+
+  def _may_sample(self, rows: int) -> bool:
+    """The limiter over the units in the state, and the rows taken or
+    reserved (module docstring). Holds `_counts_lock`."""
+    samples = self._counts.samples + self._sampling
+    return self.rate_limiter.can_sample(self._counts._replace(samples=samples), rows)
 
   def update_priorities(self, sample: ServiceSample, priorities: Any) -> None:
     """`buffer.update_priorities` for the rows of `sample` (`.batch.indices`,
@@ -494,7 +592,8 @@ class ReplayService(Generic[StateT, SampleT]):
 
   @property
   def counts(self) -> RateCounts:
-    """The limiter's counts (units inserted, rows sampled so far)."""
+    """The limiter's counts: units in the state, rows taken from it so far
+    (adds and samples admitted and still under way are not counted yet)."""
     with self._counts_lock:
       return self._counts
 
@@ -526,7 +625,9 @@ class ReplayService(Generic[StateT, SampleT]):
     """A service from `checkpoint(path)`: the state (`jaxbuf.load(..., like=)`),
     the counts and versions. The counts go through `rate_limiter.restored`:
     kept unless they would block both inserts and samples, when the sample
-    count is raised so that inserts may go on (never a deadlock)."""
+    count is raised so that inserts may go on (never a deadlock). Under
+    `jaxbuf.Queue` the rows sampled are those the FIFO cursor read: a
+    checkpoint of another limiter restores with every held item read."""
     path = pathlib.Path(path)
     state = saving.load(path / "state", like=like)
     record = json.loads((path / "service.json").read_text())
@@ -534,9 +635,15 @@ class ReplayService(Generic[StateT, SampleT]):
     service._versions.restore(np.load(path / "versions.npy"), record["newest"])
     if service._fifo is not None and record.get("read_count") is not None:
       service._fifo.read_count = jnp.uint32(record["read_count"])
-    service._counts = service.rate_limiter.restored(
-      RateCounts(int(record["inserts"]), int(record["samples"]))
-    )
+    counts = RateCounts(int(record["inserts"]), int(record["samples"]))
+    if service._fifo is not None:
+      # Under Queue the cursor says what is unread (a checkpoint of another
+      # limiter has none: every item held counts as read, as when a Queue
+      # service starts); the counts are made to agree with it.
+      unread = int(np.uint32(state.add_count) - np.uint32(service._fifo.read_count))
+      counts = RateCounts(counts.inserts, counts.inserts - unread)
+    service._counts = service.rate_limiter.restored(counts)
+    service._start = service._counts
     return service
 
   def close(self, cause: BaseException | None = None) -> None:
@@ -561,12 +668,15 @@ class ReplayService(Generic[StateT, SampleT]):
     if self.closed:
       raise ServiceClosed(f"{what}: the replay service is closed.") from self._cause
 
-  def _wait(self, condition: threading.Condition, allowed: Callable[[], bool], timeout) -> None:
+  def _wait(
+    self, condition: threading.Condition, allowed: Callable[[], bool], timeout, why: str = ""
+  ) -> None:
     """Waits on `condition` (its lock held) until `allowed()` or closed."""
     if not condition.wait_for(lambda: self.closed or allowed(), timeout):
       raise TimeoutError(
-        f"the rate limiter did not allow it within {timeout} s: {self.rate_limiter!r}, "
-        f"counts {self._counts}."
+        why
+        or f"the rate limiter did not allow it within {timeout} s: {self.rate_limiter!r}, "
+        f"counts {self._counts} ({self._adding} units and {self._sampling} rows under way)."
       )
     if self.closed:
       raise ServiceClosed("the replay service was closed while waiting.") from self._cause

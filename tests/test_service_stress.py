@@ -1,0 +1,544 @@
+"""The replay service under concurrency (issue 50): unique ids through many
+writer and sampler threads, random sizes and timeouts, close() at a random
+moment, and a model that accounts for every id.
+
+Every wait has a timeout (`JOIN` seconds for a thread, the service's own
+`timeout=` for a blocking call), so a deadlock fails a test instead of
+hanging the suite.
+"""
+
+import json
+import threading
+import time
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import numpy as np
+import pytest
+
+import jaxbuf
+
+JOIN = 60.0  # seconds any test waits for a thread
+
+
+def run_threads(targets):
+  """Runs each callable in its own thread; returns the exceptions raised."""
+  errors: list = []
+
+  def wrapped(target):
+    try:
+      target()
+    except BaseException as error:  # pylint: disable=broad-exception-caught
+      errors.append(error)
+
+  threads = [threading.Thread(target=wrapped, args=(target,)) for target in targets]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(JOIN)
+    assert not thread.is_alive(), "a thread did not finish: deadlock?"
+  return errors
+
+
+def queue_service(capacity, max_size):
+  buffer = jaxbuf.uniform_replay(capacity)
+  return jaxbuf.ReplayService(buffer, buffer.init(np.int32(0)), rate_limiter=jaxbuf.Queue(max_size))
+
+
+class Model:
+  """What the threads saw: the ids each writer had accepted (in order) and
+  the ids each sample call returned (per sampler, in call order)."""
+
+  def __init__(self, writers, samplers):
+    self.accepted = [[] for _ in range(writers)]
+    self.taken = [[] for _ in range(samplers)]
+
+  def check(self, service, closed: bool) -> None:
+    accepted = [i for ids in self.accepted for i in ids]
+    taken = [i for calls in self.taken for batch in calls for i in batch]
+    assert len(set(accepted)) == len(accepted)
+    duplicates = (
+      sorted({i for i in taken if taken.count(i) > 1}) if len(set(taken)) < len(taken) else []
+    )
+    assert not duplicates, f"handed out twice: {duplicates[:10]}"
+    invented = sorted(set(taken) - set(accepted))
+    assert not invented, f"never added: {invented[:10]}"
+    unread = sorted(set(accepted) - set(taken))
+    counts = service.counts
+    assert counts.inserts == len(accepted) and counts.samples == len(taken), counts
+    if not closed:
+      assert not unread, f"never handed out: {unread[:10]}"
+    else:
+      # Accepted, not read, because the service closed: they are the newest
+      # items held, the ones a next sample would have read, none overwritten.
+      state = service.state
+      held = np.asarray(state.storage)
+      capacity = held.shape[0]
+      newest = [
+        int(held[(int(state.insert_position) - k - 1) % capacity]) for k in range(len(unread))
+      ]
+      assert sorted(newest) == unread
+    # FIFO per writer: within each sampler's calls, in order, each writer's
+    # ids come oldest first.
+    for calls in self.taken:
+      seen: dict = {}
+      for batch in calls:
+        for i in batch:
+          writer, sequence = divmod(i, 10**6)
+          assert sequence > seen.get(writer, -1), (writer, sequence, seen.get(writer))
+          seen[writer] = sequence
+
+
+def queue_stress(
+  *, seed, capacity, max_size, writers, adds, samplers, add_sizes, sample_sizes, close_at=None
+):
+  """`writers` threads each make `adds` adds of random sizes (unique ids:
+  writer * 10**6 + sequence), `samplers` threads draw random sizes until
+  every id is read or the service closes (after `close_at` accepted adds
+  over all writers, if given); random timeouts on both sides."""
+  rng = np.random.default_rng(seed)
+  service = queue_service(capacity, max_size)
+  model = Model(writers, samplers)
+  plans = [rng.choice(add_sizes, adds) for _ in range(writers)]
+  total = sum(int(p.sum()) for p in plans)
+  lock = threading.Lock()
+  accepted_adds = [0]
+  read = [0]
+  done = threading.Event()  # every id read, or a thread failed
+  deadline = time.monotonic() + JOIN / 2  # items lost: samplers stop, the model says which
+
+  def writer(index):
+    local = np.random.default_rng((seed, index))
+    own = service.writer()
+    sequence = 0
+    for size in plans[index]:
+      ids = (index * 10**6 + sequence + np.arange(size)).astype(np.int32)
+      while True:
+        try:
+          own.add(ids, timeout=float(local.uniform(0.0, 0.05)))
+          break
+        except TimeoutError:
+          if time.monotonic() > deadline:  # the samplers stopped
+            return
+          continue  # not accepted: the same ids again
+        except jaxbuf.ServiceClosed:
+          return
+      model.accepted[index].extend(ids.tolist())
+      sequence += int(size)
+      with lock:
+        accepted_adds[0] += 1
+        if close_at is not None and accepted_adds[0] == close_at:
+          service.close()
+
+  def sampler(index):
+    local = np.random.default_rng((seed, 1000 + index))
+    key = jax.random.key(index)
+    while not done.is_set() and time.monotonic() < deadline:
+      size = int(local.choice(sample_sizes))
+      try:
+        sample = service.sample(key, size, timeout=float(local.uniform(0.0, 0.05)))
+      except TimeoutError:
+        with lock:
+          if read[0] == total:
+            done.set()
+        continue
+      except jaxbuf.ServiceClosed:
+        return
+      mask = np.asarray(sample.batch.mask)
+      if not mask.all():
+        done.set()
+        raise AssertionError(f"padding rows handed out: {mask.tolist()}")
+      model.taken[index].append(np.asarray(sample.batch.items).tolist())
+      with lock:
+        read[0] += size
+        if read[0] == total:
+          done.set()
+
+  errors = run_threads(
+    [lambda i=i: writer(i) for i in range(writers)]
+    + [lambda i=i: sampler(i) for i in range(samplers)]
+  )
+  assert not errors, errors
+  model.check(service, closed=service.closed)
+  service.close()
+  return model
+
+
+# The issue's cases ---------------------------------------------------------------
+
+
+def test_queue_6_over_8_three_writers_one_sampler_of_3_exactly_once():
+  model = queue_stress(
+    seed=0, capacity=8, max_size=6, writers=3, adds=20, samplers=1, add_sizes=[2], sample_sizes=[3]
+  )
+  assert sum(len(batch) for batch in model.taken[0]) == 120
+
+
+def test_queue_8_over_8_one_writer_two_samplers_of_1_exactly_once():
+  model = queue_stress(
+    seed=1, capacity=8, max_size=8, writers=1, adds=600, samplers=2, add_sizes=[1], sample_sizes=[1]
+  )
+  assert sum(len(calls) for calls in model.taken) == 600
+
+
+# Many writers and samplers, random sizes and timeouts, close at random ------------
+
+
+@pytest.mark.parametrize("capacity, max_size", [(8, 8), (12, 8), (64, 16)])
+def test_queue_stress_every_item_exactly_once(capacity, max_size):
+  queue_stress(
+    seed=capacity,
+    capacity=capacity,
+    max_size=max_size,
+    writers=8,
+    adds=60,
+    samplers=4,
+    add_sizes=[1, 2, 4],
+    sample_sizes=[1, 2, 4],
+  )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_queue_stress_closed_at_a_random_moment_accounts_for_every_item(seed):
+  close_at = int(np.random.default_rng(seed).integers(50, 400))
+  queue_stress(
+    seed=seed,
+    capacity=16,
+    max_size=12,
+    writers=8,
+    adds=60,
+    samplers=4,
+    add_sizes=[1, 2, 4],
+    sample_sizes=[1, 2, 4],
+    close_at=close_at,
+  )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_queue_stress_long(seed):
+  rng = np.random.default_rng(seed)
+  queue_stress(
+    seed=seed,
+    capacity=int(rng.choice([16, 24, 32])),
+    max_size=16,
+    writers=12,
+    adds=300,
+    samplers=6,
+    add_sizes=[1, 2, 3, 4],
+    sample_sizes=[1, 2, 3, 4],
+    close_at=None if seed % 2 == 0 else int(rng.integers(500, 3000)),
+  )
+
+
+# Refusals only where a deadlock is reachable with the sizes used -------------------
+
+
+@pytest.mark.parametrize("max_size, size", [(4, 4), (2, 2), (8, 4), (6, 3)])
+def test_the_on_policy_queue_adds_b_and_samples_b(max_size, size):
+  """Adds of B and samples of B (one rollout in, one out) move the unread
+  count in steps of B: it is 0, B, 2B, ..., where one side can always move."""
+  service = queue_service(capacity=max_size, max_size=max_size)
+  rollouts = 12
+
+  def actor():
+    own = service.writer()
+    for rollout in range(rollouts):
+      own.add(np.full(size, rollout, np.int32), timeout=JOIN)
+
+  taken: list = []
+
+  def learner():
+    for step in range(rollouts):
+      batch = service.sample(jax.random.key(step), size, timeout=JOIN).batch
+      assert np.asarray(batch.mask).all()
+      taken.append(np.asarray(batch.items).tolist())
+
+  assert not run_threads([actor, learner])
+  assert taken == [[rollout] * size for rollout in range(rollouts)]
+  service.close()
+
+
+def test_a_sample_of_4_then_adds_of_2_run_in_one_thread():
+  """Queue(4), samples of 4, adds of 2: the unread count stays even (0, 2,
+  4), where an add of 2 or a sample of 4 can always move."""
+  service = queue_service(capacity=4, max_size=4)
+  with pytest.raises(TimeoutError):
+    service.sample(jax.random.key(0), 4, timeout=0.01)
+  own = service.writer()
+  for step in range(3):
+    own.add(np.arange(2, dtype=np.int32) + 4 * step, timeout=1.0)
+    own.add(np.arange(2, dtype=np.int32) + 4 * step + 2, timeout=1.0)
+    batch = service.sample(jax.random.key(step), 4, timeout=1.0).batch
+    assert np.asarray(batch.items).tolist() == list(range(4 * step, 4 * step + 4))
+  service.close()
+
+
+def test_sizes_that_reach_a_deadlock_are_refused_naming_the_sizes_and_the_fix():
+  """Queue(4), a sample of 4 then an add of 3: after the add 3 are unread,
+  where an add of 3 (needs <= 1) and a sample of 4 (needs >= 4) both wait."""
+  service = queue_service(capacity=4, max_size=4)
+  with pytest.raises(TimeoutError):
+    service.sample(jax.random.key(0), 4, timeout=0.01)
+  own = service.writer()
+  with pytest.raises(ValueError, match=r"adds of \[3\] units and samples of \[4\] rows") as error:
+    own.add(np.arange(3, dtype=np.int32), timeout=1.0)
+  assert "3 units unread" in str(error.value) and "max_size" in str(error.value)
+  assert service.counts == jaxbuf.RateCounts(0, 0)
+  own.add(np.arange(4, dtype=np.int32), timeout=1.0)  # the sizes that fit still run
+  service.close()
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+  max_size=st.integers(1, 12),
+  add_sizes=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+  sample_sizes=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+  choices=st.lists(st.integers(0, 5), min_size=1, max_size=200),
+)
+def test_accepted_sizes_never_reach_a_diff_where_all_wait(
+  max_size, add_sizes, sample_sizes, choices
+):
+  """Any interleaving of adds and samples of sizes `check_sizes` accepts
+  (as sets) always leaves a move for the largest of each side."""
+  limiter = jaxbuf.Queue(max_size)
+  try:
+    limiter.check_sizes(add_sizes, sample_sizes)
+  except ValueError:
+    return
+  counts = jaxbuf.RateCounts(0, 0)
+  largest_add, largest_sample = max(add_sizes), max(sample_sizes)
+  for choice in choices:
+    assert limiter.can_insert(counts, largest_add) or limiter.can_sample(counts, largest_sample)
+    add = add_sizes[choice % len(add_sizes)]
+    sample = sample_sizes[choice % len(sample_sizes)]
+    if choice % 2 and limiter.can_insert(counts, add):
+      counts = counts._replace(inserts=counts.inserts + add)
+    elif limiter.can_sample(counts, sample):
+      counts = counts._replace(samples=counts.samples + sample)
+    elif limiter.can_insert(counts, add):
+      counts = counts._replace(inserts=counts.inserts + add)
+
+
+# Consuming kinds: a sample never returns a retired or padding row ---------------------
+
+
+def test_retired_items_are_never_returned_and_count_toward_no_min_size():
+  buffer = jaxbuf.uniform_replay(16, max_times_sampled=1)
+  service = jaxbuf.ReplayService(buffer, buffer.init(np.int32(0)), rate_limiter=jaxbuf.MinSize(1))
+  service.writer().add(np.arange(1, 5, dtype=np.int32))
+  batch = service.sample(jax.random.key(0), 4, timeout=1.0).batch
+  assert sorted(np.asarray(batch.items).tolist()) == [1, 2, 3, 4]
+  with pytest.raises(TimeoutError):
+    service.sample(jax.random.key(1), 1, timeout=1.0)
+  assert service.counts == jaxbuf.RateCounts(4, 4)
+  service.writer().add(np.array([5], np.int32))  # a live item again: the sample runs
+  assert np.asarray(service.sample(jax.random.key(2), 1, timeout=1.0).batch.items).tolist() == [5]
+  service.close()
+
+
+def test_a_sample_waiting_for_live_items_raises_service_closed_when_closed():
+  buffer = jaxbuf.queue_replay(8)
+  service = jaxbuf.ReplayService(buffer, buffer.init(np.int32(0)))
+  service.writer().add(np.arange(2, dtype=np.int32))
+  closer = threading.Timer(0.2, service.close)
+  closer.start()
+  with pytest.raises(jaxbuf.ServiceClosed):
+    service.sample(jax.random.key(0), 3, timeout=JOIN)  # 2 waiting: it would pad
+  closer.join(JOIN)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "prioritized", "queue"])
+def test_consuming_kinds_hand_out_every_item_once_across_samplers(kind):
+  make = {
+    "uniform": lambda: jaxbuf.uniform_replay(4096, max_times_sampled=1),
+    "prioritized": lambda: jaxbuf.prioritized_replay(4096, max_times_sampled=1),
+    "queue": lambda: jaxbuf.queue_replay(4096),
+  }[kind]
+  buffer = make()
+  service = jaxbuf.ReplayService(buffer, buffer.init(np.int32(0)))
+  writers, adds, samplers = 8, 40, 4
+  total = writers * adds * 2
+  taken: list = [[] for _ in range(samplers)]
+  lock = threading.Lock()
+  count = [0]
+  done = threading.Event()
+  deadline = time.monotonic() + JOIN / 2
+
+  def writer(index):
+    own = service.writer()
+    for add in range(adds):
+      own.add(np.array([index * 10**6 + 2 * add, index * 10**6 + 2 * add + 1], np.int32))
+
+  def sampler(index):
+    local = np.random.default_rng(index)
+    key = jax.random.key(index)
+    while not done.is_set() and time.monotonic() < deadline:
+      size = int(local.choice([1, 2, 3]))
+      key, draw = jax.random.split(key)
+      try:
+        batch = service.sample(draw, size, timeout=float(local.uniform(0.0, 0.05))).batch
+      except TimeoutError:
+        continue
+      assert np.asarray(batch.weights).min() > 0, "a retired or padding row handed out"
+      taken[index].extend(np.asarray(batch.items).tolist())
+      with lock:
+        count[0] += size
+        if count[0] >= total - 2:  # fewer left than the largest size may be
+          done.set()
+
+  errors = run_threads(
+    [lambda i=i: writer(i) for i in range(writers)]
+    + [lambda i=i: sampler(i) for i in range(samplers)]
+  )
+  assert not errors, errors
+  everything = [i for ids in taken for i in ids]
+  assert len(everything) == len(set(everything)), "an item handed out twice"
+  added = {w * 10**6 + k for w in range(writers) for k in range(2 * adds)}
+  assert set(everything) <= added and len(everything) >= total - 2
+  service.close()
+
+
+# Checkpoints are one consistent cut ------------------------------------------------
+
+
+def test_checkpoints_while_writers_add_are_one_consistent_cut(tmp_path, monkeypatch):
+  """A writer admitted while the checkpoint saves (fault injection: the save
+  lets one in) is not in the saved state, so it is not in its counts."""
+  from jaxbuf._src.checkpoint import saving  # pylint: disable=import-outside-toplevel
+
+  service = queue_service(capacity=64, max_size=64)
+  buffer = jaxbuf.uniform_replay(64)
+  like = buffer.init(np.int32(0))
+  real_save = saving.save
+  errors: list = []
+
+  def add_from_another_thread(values):
+    def add():
+      try:
+        service.writer().add(values, timeout=JOIN)
+      except BaseException as error:  # pylint: disable=broad-exception-caught
+        errors.append(error)
+
+    thread = threading.Thread(target=add)
+    thread.start()
+    return thread
+
+  def save_while_a_writer_adds(path, state):
+    real_save(path, state)
+    adds = service.adds
+    writers.append(add_from_another_thread(np.arange(8, dtype=np.int32) + 100 * len(writers)))
+    deadline = time.monotonic() + JOIN
+    while service.adds == adds and time.monotonic() < deadline:  # admitted, waiting for the lock
+      time.sleep(0.001)
+
+  writers: list = []
+  monkeypatch.setattr(saving, "save", save_while_a_writer_adds)
+  service.writer().add(np.arange(4, dtype=np.int32))
+  for round_ in range(3):
+    path = tmp_path / f"cut{round_}"
+    service.checkpoint(path)
+    record = json.loads((path / "service.json").read_text())
+    saved = jaxbuf.load(path / "state", like=like)
+    assert record["inserts"] == int(saved.add_count), (record, int(saved.add_count))
+    restored = jaxbuf.ReplayService.restore(path, buffer, like, rate_limiter=jaxbuf.Queue(64))
+    unread = record["inserts"] - record["samples"]
+    batch = restored.sample(jax.random.key(0), unread, timeout=1.0).batch
+    assert np.asarray(batch.mask).all()  # every unread item, none a padding row
+    with pytest.raises(TimeoutError):
+      restored.sample(jax.random.key(0), 1, timeout=0.01)
+    restored.close()
+  for thread in writers:
+    thread.join(JOIN)
+  assert not errors, errors
+  assert service.counts.inserts == 4 + 8 * len(writers)
+  service.close()
+
+
+# learn() under Queue ------------------------------------------------------------------
+
+
+def test_learn_under_a_queue_hands_the_step_the_fifo_rows_and_moves_the_cursor():
+  service = queue_service(capacity=16, max_size=16)
+  service.writer().add(np.arange(12, dtype=np.int32))
+
+  def step(state, batch, scale):
+    assert np.asarray(batch.mask).all()
+    return state, (np.asarray(batch.items) * scale).tolist()
+
+  assert service.learn(step, 4, 1, timeout=1.0) == [0, 1, 2, 3]
+
+  def failing(state, batch, scale):
+    raise FloatingPointError("the loss was NaN")
+
+  with pytest.raises(FloatingPointError):
+    service.learn(failing, 4, 1, timeout=1.0)  # nothing read: the cursor stays
+  assert service.learn(step, 4, 10, timeout=1.0) == [40, 50, 60, 70]
+  assert np.asarray(service.sample(jax.random.key(0), 4, timeout=1.0).batch.items).tolist() == [
+    8,
+    9,
+    10,
+    11,
+  ]
+  with pytest.raises(TimeoutError):  # every item read once: none twice, none never
+    service.learn(step, 1, 1, timeout=0.01)
+  assert service.counts == jaxbuf.RateCounts(12, 12)
+  service.close()
+
+
+def test_a_min_size_checkpoint_restored_under_a_queue_agrees_with_the_cursor(tmp_path):
+  buffer = jaxbuf.uniform_replay(128)
+  like = buffer.init(np.int32(0))
+  service = jaxbuf.ReplayService(buffer, like, rate_limiter=jaxbuf.MinSize(1))
+  service.writer().add(np.arange(100, dtype=np.int32))
+  service.sample(jax.random.key(0), 5, timeout=1.0)
+  service.checkpoint(tmp_path / "cut")
+  service.close()
+  restored = jaxbuf.ReplayService.restore(tmp_path / "cut", buffer, like, jaxbuf.Queue(4))
+  assert restored.counts == jaxbuf.RateCounts(100, 100)  # every held item read
+  with pytest.raises(TimeoutError):  # no padding row handed out
+    restored.sample(jax.random.key(1), 4, timeout=0.01)
+  restored.writer().add(np.arange(200, 204, dtype=np.int32), timeout=1.0)
+  batch = restored.sample(jax.random.key(2), 4, timeout=1.0).batch
+  assert np.asarray(batch.items).tolist() == [200, 201, 202, 203]
+  restored.close()
+
+
+# Settings refused when made ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "make, rule",
+  [
+    (lambda: jaxbuf.heap_replay(16), "heap_replay"),
+    (lambda: jaxbuf.queue_replay(16, order="lifo"), "LIFO"),
+    (lambda: jaxbuf.uniform_replay(16, max_times_sampled=1), "max_times_sampled"),
+    (lambda: jaxbuf.prioritized_replay(16, max_times_sampled=2), "max_times_sampled"),
+  ],
+)
+def test_a_queue_over_a_kind_with_its_own_rule_is_refused_when_made(make, rule):
+  buffer = make()
+  with pytest.raises(ValueError, match=f"replace this buffer's own rule: .*{rule}"):
+    jaxbuf.ReplayService(buffer, buffer.init(np.int32(0)), rate_limiter=jaxbuf.Queue(8))
+  fifo = jaxbuf.queue_replay(16)  # a FIFO queue: its own rule is the Queue's
+  jaxbuf.ReplayService(fifo, fifo.init(np.int32(0)), rate_limiter=jaxbuf.Queue(8)).close()
+
+
+@pytest.mark.parametrize("value", [2**31, 2**40, 2**63])
+def test_max_times_sampled_past_int32_is_refused_at_construction(value):
+  with pytest.raises(ValueError, match=r"max_times_sampled.*2\*\*31 - 1"):
+    jaxbuf.uniform_replay(16, max_times_sampled=value)
+  with pytest.raises(ValueError, match=r"max_times_sampled.*2\*\*31 - 1"):
+    jaxbuf.prioritized_replay(16, max_times_sampled=value)
+  jaxbuf.uniform_replay(16, max_times_sampled=2**31 - 1)  # the largest int32 count
+
+
+def test_a_disk_tier_buffer_is_refused_when_the_service_is_made(tmp_path):
+  buffer = jaxbuf.uniform_replay(16, storage=jaxbuf.disk(tmp_path / "payload"))
+  state = buffer.init({"obs": np.zeros(64, np.float32)})
+  with pytest.raises(ValueError, match=r"storage=jaxbuf.disk\(.*storage='host'"):
+    jaxbuf.ReplayService(buffer, state)
+  host = jaxbuf.uniform_replay(16, storage="host")
+  service = jaxbuf.ReplayService(host, host.init({"obs": np.zeros(64, np.float32)}))
+  service.close()
