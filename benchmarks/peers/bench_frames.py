@@ -22,6 +22,7 @@ stacks of 4.
 Usage:
   python benchmarks/peers/bench_frames.py                  # bytes, fill, speed
   python benchmarks/peers/bench_frames.py --cases speed --parts   # + add, sample alone
+  python benchmarks/peers/bench_frames.py --cases speed --against d471062  # + jaxbuf then
 """
 
 import argparse
@@ -36,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
 from benchmarks.common import harness
+from benchmarks.common import revisions
 import jaxbuf
 
 FRAME = (84, 84)
@@ -301,7 +303,9 @@ def stored_stack_loop(flat, steps_per_call: int, mode: str = "fused"):
   return loop
 
 
-def speed_case(capacity: int, repeats: int, parts: bool = False) -> None:
+def speed_case(
+  capacity: int, repeats: int, parts: bool = False, against: str | None = None
+) -> None:
   print(
     f"\n== fused add + sample {SAMPLE} stacked transitions, C = "
     f"{capacity:,}, {NUM_ENVS} envs, 100 steps per call =="
@@ -315,6 +319,9 @@ def speed_case(capacity: int, repeats: int, parts: bool = False) -> None:
     "jaxbuf": jaxbuf_buffer(capacity),
     "jaxbuf stack_axis=0": jaxbuf_buffer(capacity, stack_axis=0),
   }
+  if against:  # jaxbuf as it was at that revision, its default layout
+    with revisions.bound(sys.modules[__name__], revisions.jaxbuf_at(against)):
+      layouts[revisions.contender_name(against)] = jaxbuf_buffer(capacity)
   runs = {
     name: jax.jit(stack_loop(buffer, steps_per_call), donate_argnums=0)
     for name, buffer in layouts.items()
@@ -387,6 +394,11 @@ def main() -> None:
   parser.add_argument(
     "--parts", action="store_true", help="also time the add alone and the sample alone"
   )
+  parser.add_argument(
+    "--against",
+    metavar="REVISION",
+    help="speed: also time jaxbuf as it was at this git revision (jaxbuf@REVISION), interleaved",
+  )
   args = parser.parse_args()
   harness.print_machine()
   if "bytes" in args.cases:
@@ -394,7 +406,7 @@ def main() -> None:
   if "fill" in args.cases:
     fill_case(args.fill_capacity)
   if "speed" in args.cases:
-    speed_case(args.speed_capacity, args.repeats, args.parts)
+    speed_case(args.speed_capacity, args.repeats, args.parts, args.against)
 
 
 if __name__ == "__main__":

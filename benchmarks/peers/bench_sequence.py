@@ -36,8 +36,12 @@ computed from the sampled windows as a learner's sequence TD errors are).
 The same env step and adapters as `probe_sequence_floor.py`:
 `sequence_adapters.py`.
 
+`--against REVISION` adds jaxbuf as it was at that git revision
+(`common/revisions.py`), timed interleaved with today's.
+
 Usage:
   .venv/bin/python benchmarks/peers/bench_sequence.py           # several minutes
+  .venv/bin/python benchmarks/peers/bench_sequence.py --libraries jaxbuf floor_slices --no-memory --against d471062
   .venv/bin/python benchmarks/peers/bench_sequence.py --quick   # smoke run
   # on a loaded shared machine: short loops, many repeats, their minimum
   taskset -c 0 .venv/bin/python benchmarks/peers/bench_sequence.py --periods 20 \
@@ -58,6 +62,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root
 from benchmarks.common import harness
+from benchmarks.common import revisions
 import jaxbuf
 from benchmarks.common import sequence_adapters as sequence
 
@@ -187,6 +192,11 @@ def main():
   parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
   parser.add_argument("--json", help="also write the results to this file")
   parser.add_argument(
+    "--against",
+    metavar="REVISION",
+    help="also time jaxbuf as it was at this git revision (jaxbuf@REVISION), interleaved",
+  )
+  parser.add_argument(
     "--child",
     nargs=4,
     metavar=("LIBRARY", "KIND", "STEPS_PER_ENV", "PERIOD"),
@@ -205,6 +215,11 @@ def main():
       settings = dataclasses.replace(settings, **{name: getattr(args, name)})
   if args.no_memory:
     settings = dataclasses.replace(settings, memory=False)
+  if args.against:
+    name = revisions.contender_name(args.against)
+    old = revisions.jaxbuf_at(args.against)
+    sequence.ADAPTERS[name] = revisions.against(sequence, old, sequence.jaxbuf_adapter)
+    settings = dataclasses.replace(settings, libraries=(*settings.libraries, name))
   harness.write_json(args.json, run(settings))
 
 
@@ -242,6 +257,11 @@ def run(settings: Settings) -> dict:
           verdicts.judge(name, ratio, VS_FLOOR[kind], higher_is_better=False)
         else:
           verdicts.info(f"{name}: {harness.ratio_text(ratio)}")
+      for before in [library for library in seconds if library.startswith("jaxbuf@")]:
+        verdicts.info(
+          f"{kind} fused, period {period}, C={capacity:,}, {before}/jaxbuf: "
+          f"{harness.ratio_text(harness.ratio(seconds[before], seconds.get('jaxbuf')))}"
+        )
       if "jaxbuf" in seconds and "flashbax" in seconds:
         name = f"{kind} fused, period {period}, C={capacity:,}, flashbax/jaxbuf"
         ratio = harness.ratio(seconds["flashbax"], seconds["jaxbuf"])
@@ -300,7 +320,11 @@ def run(settings: Settings) -> dict:
         BYTES_PER_TRANSITION_RATIO,
         higher_is_better=False,
       )
-  memory_libraries = [library for library in settings.libraries if library not in sequence.FLOORS]
+  memory_libraries = [
+    library
+    for library in settings.libraries
+    if library not in sequence.FLOORS and not library.startswith("jaxbuf@")
+  ]
   for library in memory_libraries if settings.memory else ():
     for kind in settings.kinds:
       print(f"memory: {library} {kind}", flush=True)
