@@ -31,9 +31,10 @@ Triton, and a TPU runs the XLA path. Goals (H100):
   count at every depth (`levels`: C from 8**4 to 8**7).
 
 Usage (needs `pip install -e ".[compile-targets]"`; about 10 minutes on 2 cores):
-  JAX_PLATFORMS=cpu python benchmarks/device/kernel_counts.py --json benchmarks/results/kernel_counts.json
+  python benchmarks/device/kernel_counts.py --json benchmarks/results/kernel_counts.json
   python benchmarks/device/kernel_counts.py --targets h100 --groups items selection
   python benchmarks/device/kernel_counts.py --on-device     # the visible device (a GPU run)
+  python benchmarks/device/kernel_counts.py --table benchmarks/results/kernel_counts.json
 """
 
 import argparse
@@ -215,9 +216,7 @@ def training_loops() -> list[Loop]:
       del key
       return jax.lax.scan(lambda carry, _: step(carry), state, None, length=ITERATIONS)
 
-    loops.append(
-      Loop("training", name, functools.partial(trainer.init, jax.random.key(0)), loop)
-    )
+    loops.append(Loop("training", name, functools.partial(trainer.init, jax.random.key(0)), loop))
   return loops
 
 
@@ -242,9 +241,7 @@ def target_device(target: str) -> jax.Device:
     return jax.devices()[0]
   if target in GPU_TARGETS:
     spec = (TARGETS_DIR / GPU_TARGETS[target]).read_text()
-    topology = topologies.get_topology_desc(
-      platform="cuda", target_config=spec, topology="1x1x1"
-    )
+    topology = topologies.get_topology_desc(platform="cuda", target_config=spec, topology="1x1x1")
   else:
     topology = topologies.get_topology_desc(topology_name=TPU_TARGETS[target], platform="tpu")
   return topology.devices[0]
@@ -260,9 +257,7 @@ def count(loop: Loop, device: jax.Device) -> dict[str, Any]:
   start = time.perf_counter()
   state = placed(jax.eval_shape(loop.state), device)
   key = placed(jax.eval_shape(lambda: jax.random.key(0)), device)
-  compiled = (
-    jax.jit(loop.loop, donate_argnums=0 if loop.donate else ()).lower(state, key).compile()
-  )
+  compiled = jax.jit(loop.loop, donate_argnums=0 if loop.donate else ()).lower(state, key).compile()
   memory = compiled.memory_analysis()
   return dict(
     kernels=hlo_kernels.kernels_per_iteration(compiled.as_text(), ITERATIONS),
@@ -370,6 +365,24 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
   harness.print_table(columns, rows)
 
 
+def markdown_table(results: dict[str, dict[str, Any]]) -> str:
+  """The counts as a markdown table (docs/gpu.md, RESULTS.md), levels left out."""
+  targets = [target for target in results if "error" not in results[target]]
+  names = [
+    name
+    for name in dict.fromkeys(name for target in targets for name in results[target])
+    if results[targets[0]].get(name, {}).get("group") != "levels"
+  ]
+  header = ["fused loop", *[f"{target} kernels" for target in targets], f"{targets[0]} temp bytes"]
+  lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+  for name in names:
+    counts = [str(results[target].get(name, {}).get("kernels", "error")) for target in targets]
+    row = [name, *counts]
+    row.append(f"{results[targets[0]].get(name, {}).get('temp_bytes', 0):,}")
+    lines.append("| " + " | ".join(row) + " |")
+  return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--targets", nargs="+", choices=TARGETS, default=TARGETS)
@@ -378,7 +391,13 @@ def main(argv: list[str] | None = None) -> None:
     "--on-device", action="store_true", help="count for the visible device instead"
   )
   parser.add_argument("--json", help="write the counts here")
+  parser.add_argument(
+    "--table", metavar="JSON", help="print the counts a --json run wrote as markdown, and stop"
+  )
   args = parser.parse_args(argv)
+  if args.table:
+    print(markdown_table(json.loads(pathlib.Path(args.table).read_text())["counts"]))
+    return
   machine = harness.print_machine(("jax", "jaxlib", "jax-cuda12-plugin", "libtpu", "numpy"))
   targets = ("device",) if args.on_device else tuple(args.targets)
   results = count_all(targets, tuple(args.groups))

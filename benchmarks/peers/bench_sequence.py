@@ -41,7 +41,8 @@ The same env step and adapters as `probe_sequence_floor.py`:
 
 Usage:
   .venv/bin/python benchmarks/peers/bench_sequence.py           # several minutes
-  .venv/bin/python benchmarks/peers/bench_sequence.py --libraries jaxbuf floor_slices --no-memory --against d471062
+  .venv/bin/python benchmarks/peers/bench_sequence.py --libraries jaxbuf floor_slices \
+    --no-memory --against d471062
   .venv/bin/python benchmarks/peers/bench_sequence.py --quick   # smoke run
   # on a loaded shared machine: short loops, many repeats, their minimum
   taskset -c 0 .venv/bin/python benchmarks/peers/bench_sequence.py --periods 20 \

@@ -279,8 +279,8 @@ def write_leaves(
   indices = jnp.asarray(indices, jnp.int32)
   values = jnp.asarray(values, jnp.float32)
   batch_size = indices.shape[0]
-  as_leaves = lambda values: (
-    jnp.broadcast_to(values if leaf_values is None else leaf_values(values), indices.shape)
+  as_leaves = lambda values: jnp.broadcast_to(
+    values if leaf_values is None else leaf_values(values), indices.shape
   )
   if largest_of is not None:
     largest_of = (

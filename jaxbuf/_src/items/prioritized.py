@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from jaxbuf._src.core import kind
-from jaxbuf._src.core import random
 from jaxbuf._src.core import sum_tree
 from jaxbuf._src.core import ring
 from jaxbuf._src.core import validation
