@@ -6,6 +6,7 @@ cond, one trace, a bad add leaving the state intact).
 
 import dataclasses
 import inspect
+import os
 import pydoc
 import re
 
@@ -22,6 +23,7 @@ import pytest
 import scipy.stats
 
 import jaxbuf
+from jaxbuf._src.core import sum_tree
 from tests import devices
 from tests.reference import ReferenceReplay
 
@@ -506,9 +508,11 @@ def _fused_computations_with(text: str, opcode: str) -> list[str]:
 
 
 @pytest.mark.skipif(
-  jax.default_backend() != "cpu" or jaxbuf._src.core.random.plain_random(),
+  jax.default_backend() != "cpu"
+  or jaxbuf._src.core.random.plain_random()
+  or os.environ.get(sum_tree.KERNEL_VARIANT_VARIABLE, "xla") != "xla",
   reason="computed_once is a CPU trick (off elsewhere, and "
-  "with JAXBUF_PLAIN_RANDOM=1); reads CPU program text",
+  "with JAXBUF_PLAIN_RANDOM=1); reads the CPU program text of the XLA path",
 )
 @pytest.mark.parametrize("kind", ["uniform", "prioritized"])
 def test_sampled_rows_are_gathered_with_indices_computed_once(kind):
