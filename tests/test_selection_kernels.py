@@ -13,6 +13,8 @@ import jaxbuf
 from jaxbuf._src.core import sum_tree
 from jaxbuf._src.selection import extreme_tree
 from jaxbuf._src.selection import extreme_tree_kernels
+from jaxbuf._src.selection import keep_best
+from jaxbuf._src.selection import keep_best_kernels
 
 
 def _run(monkeypatch, variant, function, *args):
@@ -180,3 +182,33 @@ def test_the_max_tree_kernels_lower_for_a_gpu_as_one_triton_call_each():
   text = lowered.as_text()
   assert text.count("__gpu$xla.gpu.triton") == 2
   assert 'name = "max_tree_write"' in text and 'name = "max_tree_top"' in text
+
+
+@pytest.mark.parametrize(
+  "capacity, held_count, batch_size",
+  [
+    (6, 0, 3),  # an empty buffer
+    (6, 4, 5),  # fills, then evicts
+    (300, 300, 100),  # full: every kept item evicts one
+    (300, 299, 128),  # one empty slot, S a power of two
+    (40, 40, 70),  # a batch larger than the buffer
+  ],
+)
+def test_keep_best_choice_kernel_gives_the_xla_choice_bit_for_bit(
+  monkeypatch, capacity, held_count, batch_size
+):
+  rng = np.random.default_rng(capacity + batch_size)
+  tree = extreme_tree.init(capacity)
+  held_values = rng.choice(np.float32([-1.0, 0.0, 2.0, 5.0]), held_count)
+  tree = extreme_tree.set_leaves(tree, jnp.arange(held_count), -jnp.asarray(held_values))
+  choose = lambda *operands: keep_best.choose_slots(*operands, capacity=capacity)
+  kernel = lambda *operands: keep_best_kernels.choose_slots(
+    *operands, capacity=capacity, interpret=True
+  )
+  for _ in range(3):
+    values = rng.choice(np.float32([-1.0, -0.0, 0.0, 2.0, 5.0, 9.0, np.nan, np.inf]), batch_size)
+    held_slots, negated = extreme_tree.top(tree, batch_size)
+    operands = (jnp.asarray(values), held_slots, negated, jnp.int32(held_count))
+    expected = jax.jit(choose)(*operands)
+    _assert_same(jax.jit(kernel)(*operands), expected)
+    assert int(jnp.sum(expected[1])) <= batch_size  # something is kept or not, each once

@@ -54,11 +54,20 @@ def largest(tree: MaxTree) -> jax.Array:
 
 
 def set_leaves(
-  tree: MaxTree, indices: jax.Array, values: jax.Array, valid: jax.Array | None = None
+  tree: MaxTree,
+  indices: jax.Array,
+  values: jax.Array,
+  valid: jax.Array | None = None,
+  *,
+  unique_indices: bool = False,
 ) -> MaxTree:
   """Sets `leaves[indices] = values` (float32, finite or -inf) where `valid`,
   the last valid occurrence of a duplicate index winning, and recomputes
-  their ancestors. Cost O(B K log_K C)."""
+  their ancestors. Cost O(B K log_K C).
+
+  `unique_indices`: the caller promises the valid indices are distinct (ring
+  slots, the slots an add fills), which skips the duplicate resolution.
+  """
   indices = jnp.asarray(indices, jnp.int32)
   values = jnp.asarray(values, jnp.float32)
   if valid is None:
@@ -67,7 +76,10 @@ def set_leaves(
   levels = list(tree.levels)
   # The sum tree's marker pass resolves duplicates: each marked slot is then
   # overwritten by its last writer (markers exceed every finite leaf).
-  levels[0], write = sum_tree.claim_last_writes(levels[0], indices, valid)
+  if unique_indices:
+    write = valid
+  else:
+    levels[0], write = sum_tree.claim_last_writes(levels[0], indices, valid)
   if len(levels) == 1 or indices.shape[0] > extreme_tree_kernels.WRITE_BATCH_MAX:
     return MaxTree(_write_levels(tuple(levels), indices, values, write))
   written = sum_tree.choose_kernel(
