@@ -212,3 +212,45 @@ def test_keep_best_choice_kernel_gives_the_xla_choice_bit_for_bit(
     expected = jax.jit(choose)(*operands)
     _assert_same(jax.jit(kernel)(*operands), expected)
     assert int(jnp.sum(expected[1])) <= batch_size  # something is kept or not, each once
+
+
+@pytest.mark.parametrize("alpha", [None, 0.6])
+@pytest.mark.parametrize(
+  "capacity, fill, batch_size",
+  [
+    (300, 300, 64),  # the pool suffices
+    (300, 40, 64),  # few items live: rows in sequence, then padding
+    (50, 10, 16),  # fewer live than asked from the first take
+  ],
+)
+def test_budget_draw_kernel_gives_the_xla_takes_bit_for_bit(
+  monkeypatch, alpha, capacity, fill, batch_size
+):
+  if alpha is None:
+    buffer = jaxbuf.uniform_replay(capacity, max_times_sampled=2)
+  else:
+    buffer = jaxbuf.prioritized_replay(capacity, alpha=alpha, max_times_sampled=2)
+  state = buffer.init({"obs": jnp.zeros(2)})
+  state = buffer.add(state, {"obs": jnp.arange(fill * 2.0).reshape(fill, 2)})
+
+  def takes(state, key):
+    batches = []
+    for step in range(3):  # budgets spent within and across takes
+      state, batch = buffer.take(state, jax.random.fold_in(key, step), batch_size)
+      if alpha is not None:
+        state = buffer.update_priorities(
+          state, batch.indices, batch.items["obs"][:, 0] % 5 + 0.5, batch.item_ids
+        )
+      batches.append(batch)
+    return state, batches
+
+  key = jax.random.key(fill)
+  _assert_same(
+    _run(monkeypatch, "pallas", takes, state, key), _run(monkeypatch, "xla", takes, state, key)
+  )
+  states = jax.tree.map(lambda leaf: jnp.stack([leaf, leaf]), state)
+  keys = jax.random.split(key, 2)
+  _assert_same(
+    _run(monkeypatch, "pallas", jax.vmap(takes), states, keys),
+    _run(monkeypatch, "xla", jax.vmap(takes), states, keys),
+  )

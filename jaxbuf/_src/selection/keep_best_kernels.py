@@ -127,7 +127,9 @@ def _choose_kernel(*refs: Any, batch_size: int, capacity: int, interpret: bool) 
     (
       jnp.where(
         in_batch,
-        jnp.where(finite, _value_keys(values), _value_keys(jnp.full((padded,), -jnp.inf))),
+        jnp.where(
+          finite, _value_keys(values), _value_keys(jnp.full((padded,), -jnp.inf, jnp.float32))
+        ),
         inf_key,
       ),
       jnp.where(in_batch, jnp.where(finite, 0, -1), 2),
