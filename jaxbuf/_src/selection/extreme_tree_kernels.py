@@ -226,7 +226,7 @@ def _top_kernel(*refs: Any, num_levels: int, count: int, branching: int, interpr
   indices_ref, values_ref, nodes_ref, keys_ref = refs[num_levels:]
   padded = indices_ref.shape[0]
   lanes = jax.lax.broadcasted_iota(jnp.int32, (padded,), 0)
-  nodes = jnp.where(lanes == 0, 0, -1)  # the root alone, then padding
+  nodes = jnp.where(lanes == 0, 0, -1).astype(jnp.int32)  # the root alone, then padding
   for level_ref in level_refs:
     real = nodes >= 0
     first = jnp.maximum(nodes, 0) * branching
@@ -252,7 +252,9 @@ def _top_kernel(*refs: Any, num_levels: int, count: int, branching: int, interpr
       # A lane that stores nothing aims past the kept nodes, where no lane
       # stores (the interpreter writes a masked lane's old value back).
       target = jnp.where(chosen[position], slots[position], padded + lanes)
-      pallas_triton.store(nodes_ref.at[target], first + position, mask=chosen[position])
+      pallas_triton.store(
+        nodes_ref.at[target], (first + position).astype(jnp.int32), mask=chosen[position]
+      )
     _barrier(interpret)
     nodes = nodes_ref[lanes]
     _barrier(interpret)
@@ -272,5 +274,5 @@ def _top_kernel(*refs: Any, num_levels: int, count: int, branching: int, interpr
   # Leaves kept fill lanes [0, n) and rank among themselves; padding keeps
   # its lane, so every lane stores to a distinct position.
   rank = jnp.where(real, rank, lanes)
-  indices_ref[rank] = jnp.where(real, nodes, 0)
+  indices_ref[rank] = jnp.where(real, nodes, 0).astype(jnp.int32)
   values_ref[rank] = leaf_values

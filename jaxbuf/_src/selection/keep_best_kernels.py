@@ -179,10 +179,10 @@ def _choose_kernel(*refs: Any, batch_size: int, capacity: int, interpret: bool) 
     # A lane that stores nothing aims past the free slots, where no lane
     # stores (the interpreter writes a masked lane's old value back).
     target = jnp.where(usable[half], positions[half], 2 * padded + half * padded + lanes)
-    pallas_triton.store(free_ref.at[target], free[half], mask=usable[half])
+    pallas_triton.store(free_ref.at[target], free[half].astype(jnp.int32), mask=usable[half])
   _barrier(interpret)
   kept_count = kept.astype(jnp.int32)
   rank = jax.lax.cumsum(kept_count, axis=0) - kept_count
-  slots_ref[lanes] = jnp.where(kept, free_ref[jnp.where(kept, rank, 0)], capacity)
+  slots_ref[lanes] = jnp.where(kept, free_ref[jnp.where(kept, rank, 0)], capacity).astype(jnp.int32)
   kept_ref[lanes] = kept_count
   evicted_ref[lanes] = evicted.astype(jnp.int32)
