@@ -25,11 +25,11 @@ raises on a buffer with no live item. Prioritized weights are
 How. Drawing from the items live after the earlier rows' retirements is
 drawing from all of them and rejecting what the earlier rows spent: a take
 makes 2S draws in one batched descent, accepts an item's k-th draw when k is
-below its budget left, and keeps the first S accepted (`_pooled_draws`,
+below its budget left, and keeps the first S accepted (`_accept_pool`,
 O(S log C) and a sort of 2S). Only when that pool holds fewer than S
 accepted draws (few items live, or fewer draws left than S) do the rows
 after them run in sequence over the tree as it was, with what the call
-retired kept in a small overlay beside it (`_sequential_draws`,
+retired kept in a small overlay beside it (`draw_rows`,
 O(S^2 K log_K C) elementwise). Both are exact. The tree is written once,
 O(S log C).
 
@@ -56,6 +56,7 @@ from jaxbuf._src.core.base import Buffer, PyTree, ReplaySample, Schedule, bind
 from jaxbuf._src.core.ring import ReplayState
 from jaxbuf._src.items import prioritized
 from jaxbuf._src.items import uniform
+from jaxbuf._src.selection import budget_kernels
 
 
 @flax.struct.dataclass
@@ -125,142 +126,128 @@ def add(
   )
 
 
-def _pooled_draws(
-  state: BudgetedReplayState, key: jax.Array, batch_size: int, max_times_sampled: int
-) -> tuple[jax.Array, ...]:
-  """The draws of `_sequential_draws` by rejection, all at once.
+def _accept_pool(
+  times_sampled: jax.Array,
+  found: jax.Array,
+  valid: jax.Array,
+  batch_size: int,
+  max_times_sampled: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The pool's accepted draws (`_draws`): drawing from the live items after
+  the earlier draws' retirements is drawing from them all (in proportion to
+  their leaves before the call) and rejecting a draw of an item whose budget
+  the earlier accepted draws spent. An item's k-th draw in the pool is
+  accepted when k is below its budget left (a stable sort by item ranks
+  them); the first S accepted are the rows.
 
-  Drawing from the live items after the earlier draws' retirements is the
-  same as drawing from them all (in proportion to their leaves, as they
-  stand before the call) and rejecting a draw of an item whose budget the
-  earlier accepted draws spent. So 2S draws are made in one batched descent,
-  and an item's k-th draw in the pool is accepted when k is below its budget
-  left (a stable sort by item ranks them); the first S accepted are the
-  rows. Returns `_sequential_draws`'s values for the first `count` rows
-  (the accepted draws, at most S) and `count`: the accepted draws are an
-  exact first `count` rows, which `_sequential_draws` continues when fewer
-  than S.
+  Returns:
+    int32 `[S]` the pool positions of the rows (0 past `count`), int32 `()`
+    count (at most S), bool `[2S]` spends: the accepted draws that spend
+    their item's last sample.
   """
-  pool = 2 * batch_size
-  found, values = sum_tree.sample_leaves(state.sum_tree, key, pool, stratified=False)
-  mass = sum_tree.total(state.sum_tree)
-  valid = (mass > 0) & (values > 0)
-  found = jnp.where(valid, found, 0)
+  pool = found.shape[0]
   order = jnp.argsort(found, stable=True)
   grouped = found[order]
   position = jnp.arange(pool, dtype=jnp.int32)
   starts = jax.lax.cummax(jnp.where(grouped != jnp.roll(grouped, 1), position, 0))
   rank = jnp.zeros(pool, jnp.int32).at[order].set(position - starts, unique_indices=True)
-  budget_left = max_times_sampled - state.times_sampled[found]
+  budget_left = max_times_sampled - times_sampled[found]
   accepted = valid & (rank < budget_left)
   picked = accepted & (jnp.cumsum(accepted) <= batch_size)
   spends = picked & (rank == budget_left - 1)
-  # The live mass each row is drawn from: less what earlier rows retired.
-  retired_before = jnp.cumsum(jnp.where(spends, values, 0.0)) - jnp.where(spends, values, 0.0)
-  share = values / jnp.maximum(mass - retired_before, jnp.finfo(jnp.float32).tiny)
   (rows,) = jnp.nonzero(picked, size=batch_size, fill_value=0)
-  count = jnp.sum(picked, dtype=jnp.int32)
+  return rows.astype(jnp.int32), jnp.sum(picked, dtype=jnp.int32), spends
+
+
+def draw_rows(
+  levels: tuple[jax.Array, ...],
+  times_sampled: jax.Array,
+  found: jax.Array,
+  valid: jax.Array,
+  uniforms: jax.Array,
+  *,
+  batch_size: int,
+  max_times_sampled: int,
+) -> tuple[jax.Array, ...]:
+  """A take's S rows, each from the items live after the rows before: the
+  pool's accepted draws first (`_accept_pool`), then, when fewer than S,
+  rows in sequence over the tree (`budget_kernels.sequence_step`, O(S^2 K
+  log_K C) elementwise: few items live, or fewer draws left than S). Exact
+  either way: the pool's accepted draws are the first rows of a sequential
+  draw. The XLA form of `budget_kernels.draw_rows`.
+
+  Args:
+    levels: the sum tree's levels bottom-up (only read).
+    times_sampled: int32 `[C]`.
+    found: int32 `[2S]`, the pool's slots (0 where not valid).
+    valid: bool `[2S]`, the pool draws of a positive leaf.
+    uniforms: float32 `[S, D]` for rows in sequence, D = max(L - 1, 1).
+    batch_size: S.
+    max_times_sampled: N.
+
+  Returns:
+    rows int32 `[S]` (pool positions of the accepted rows), count int32
+    `()`, spends bool `[2S]`, then per row: slots int32 `[S]` (0 where
+    nothing was drawn), drawn bool, retired bool (True at the draw that
+    spent an item's last sample), and for rows in sequence the leaf value
+    and the live mass it was drawn from, float32 (1 on the pool's rows).
+  """
+  rows, count, spends = _accept_pool(times_sampled, found, valid, batch_size, max_times_sampled)
   kept = jnp.arange(batch_size) < count
-  return (
-    jnp.where(kept, found[rows], 0),
-    kept,
-    jnp.where(kept, share[rows], 1.0),
-    kept & spends[rows],
-    count,
+  given_slots = jnp.where(kept, found[rows], 0)
+  given_retired = kept & spends[rows]
+  carry = budget_kernels.initial_carry(batch_size, len(levels), count, given_slots, given_retired)
+  step = functools.partial(
+    budget_kernels.sequence_step,
+    load=lambda level, node: levels[level][node],
+    times_sampled_at=lambda slot: times_sampled[slot],
+    uniform_at=lambda row, level: uniforms[row, level],
+    num_levels=len(levels),
+    branching=sum_tree.BRANCHING,
+    max_times_sampled=max_times_sampled,
+    count=count,
+    given_slots=given_slots,
+    given_retired=given_retired,
   )
+  carry = jax.lax.cond(
+    count >= batch_size,
+    lambda carry: carry,
+    lambda carry: jax.lax.fori_loop(0, batch_size, step, carry),
+    carry,
+  )
+  slots, drawn, retired, values, masses = carry[2 * len(levels) + 1 :]
+  return rows, count, spends, slots, drawn != 0, retired != 0, values, masses
 
 
 def _draws(
   state: BudgetedReplayState, key: jax.Array, batch_size: int, max_times_sampled: int
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """S draws, each from the items live after the ones before: by rejection
-  from a pool (`_pooled_draws`) when the pool holds S accepted draws (most
-  items live, their budgets left), else in sequence after the pool's
-  accepted rows (`_sequential_draws`, S^2 work: few items live, or fewer
-  draws left than S). Exact either way: the pool's accepted draws are the
-  first rows of a sequential draw."""
-  pooled = _pooled_draws(state, key, batch_size, max_times_sampled)
-  return jax.lax.cond(
-    pooled[-1] >= batch_size,
-    lambda: pooled[:-1],
-    lambda: _sequential_draws(state, random.fold_in(key, 1), batch_size, max_times_sampled, pooled),
-  )
-
-
-def _sequential_draws(
-  state: BudgetedReplayState,
-  key: jax.Array,
-  batch_size: int,
-  max_times_sampled: int,
-  given: tuple[jax.Array, ...],
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """S draws in sequence, each from the items live after the ones before.
-
-  The tree is only read. What the earlier draws of this call changed (the
-  mass of an item retired, taken off its leaf and every ancestor) sits in a
-  small overlay per level, S entries, added to what is read; a draw
-  descends level by level, picking a child in proportion to its (patched)
-  value with a fresh uniform per level, so leaf i is drawn with probability
-  `leaf_i / total` exactly. Carrying the tree itself through the loop would
-  copy it on every draw. Cost O(S^2 K log_K C) elementwise.
-
-  `given`: the first rows, already drawn (`_pooled_draws`: slots, drawn,
-  shares, retired and their count), taken as they are.
-
-  Returns:
-    slots int32 `[S]` (0 where nothing was drawn), drawn bool `[S]`, each
-    row's share of the live mass float32 `[S]`, and retired bool `[S]`
-    (True at the draw that spent an item's last sample).
-  """
-  given_slots, _, given_shares, given_retired, given_count = given
+  """S draws, each from the items live after the ones before (`draw_rows`):
+  slots int32 `[S]` (0 where nothing was drawn), drawn bool `[S]`, each
+  row's share of the live mass float32 `[S]`, retired bool `[S]`."""
+  pool = 2 * batch_size
+  found, values = sum_tree.sample_leaves(state.sum_tree, key, pool, stratified=False)
+  mass = sum_tree.total(state.sum_tree)
+  valid = (mass > 0) & (values > 0)
+  found = jnp.where(valid, found, 0)
   levels = state.sum_tree.levels
-  depth = len(levels) - 1
-  uniforms = random.uniform_from_bits(random.random_bits(key, (batch_size, max(depth, 1))))
-  child_position = jnp.arange(sum_tree.BRANCHING, dtype=jnp.int32)
-
-  def read(overlay, level, nodes):
-    """Values of `nodes` at `level`, less the mass retired this call."""
-    overlay_nodes, overlay_deltas = overlay[level]
-    matched = overlay_nodes[None, :] == nodes[:, None]
-    return levels[level][nodes] + jnp.sum(jnp.where(matched, overlay_deltas[None, :], 0.0), axis=1)
-
-  def draw(carry, step):
-    overlay, slots = carry
-    mass = read(overlay, depth, jnp.zeros(1, jnp.int32))[0]
-    node = jnp.zeros((), jnp.int32)
-    for level in reversed(range(depth)):
-      children = jnp.maximum(read(overlay, level, node * sum_tree.BRANCHING + child_position), 0.0)
-      prefix = jnp.cumsum(children)
-      target = uniforms[step, level] * prefix[-1]
-      passed = (prefix > target) & (children > 0)
-      last_positive = sum_tree.BRANCHING - 1 - jnp.argmax((children > 0)[::-1])
-      child = jnp.where(jnp.any(passed), jnp.argmax(passed), last_positive)
-      node = node * sum_tree.BRANCHING + child.astype(jnp.int32)
-    is_given = step < given_count
-    node = jnp.where(is_given, given_slots[step], node)
-    value = read(overlay, 0, node[None])[0]
-    drawn = is_given | ((mass > 0) & (value > 0))
-    slot = jnp.where(drawn, node, 0)
-    earlier = jnp.sum((slots == slot) & (jnp.arange(batch_size) < step), dtype=jnp.int32)
-    retired = drawn & (state.times_sampled[slot] + earlier + 1 >= max_times_sampled)
-    retired = jnp.where(is_given, given_retired[step], retired)
-    overlay = tuple(
-      (
-        nodes.at[step].set(slot // sum_tree.BRANCHING**level),
-        deltas.at[step].set(jnp.where(retired, -value, 0.0)),
-      )
-      for level, (nodes, deltas) in enumerate(overlay)
-    )
-    share = jnp.where(drawn, value / jnp.where(mass > 0, mass, 1.0), 1.0)
-    share = jnp.where(is_given, given_shares[step], share)
-    return (overlay, slots.at[step].set(jnp.where(drawn, slot, -1))), (slot, drawn, share, retired)
-
-  empty = tuple(
-    (jnp.full(batch_size, -1, jnp.int32), jnp.zeros(batch_size, jnp.float32)) for _ in levels
+  uniforms = random.uniform_from_bits(
+    random.random_bits(random.fold_in(key, 1), (batch_size, max(len(levels) - 1, 1)))
   )
-  _, (slots, drawn, shares, retired) = jax.lax.scan(
-    draw, (empty, jnp.full(batch_size, -1, jnp.int32)), jnp.arange(batch_size)
+  operands = (levels, state.times_sampled, found, valid, uniforms)
+  settings: dict[str, Any] = dict(batch_size=batch_size, max_times_sampled=max_times_sampled)
+  rows, count, spends, slots, drawn, retired, row_values, row_masses = sum_tree.choose_kernel(
+    functools.partial(draw_rows, **settings),
+    functools.partial(budget_kernels.draw_rows, branching=sum_tree.BRANCHING, **settings),
+    *operands,
+    kernel_variants=("pallas",),
   )
+  # The live mass each pool row is drawn from: less what earlier rows retired.
+  spent = jnp.where(spends, values, 0.0)
+  retired_before = jnp.cumsum(spent) - spent
+  pool_shares = values / jnp.maximum(mass - retired_before, jnp.finfo(jnp.float32).tiny)
+  in_sequence = jnp.where(drawn, row_values / jnp.where(row_masses > 0, row_masses, 1.0), 1.0)
+  shares = jnp.where(jnp.arange(batch_size) < count, pool_shares[rows], in_sequence)
   return slots, drawn, shares, retired
 
 

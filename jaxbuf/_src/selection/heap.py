@@ -103,7 +103,7 @@ def add(
     given = jnp.where(jnp.isfinite(given), given, state.max_priority)
   kept = given[batch_size - slots.shape[0] :]  # a batch past C keeps its newest C
   return added.replace(
-    heap=extreme_tree.set_leaves(state.heap, slots, _signed(kept, order)),
+    heap=extreme_tree.set_leaves(state.heap, slots, _signed(kept, order), unique_indices=True),
     max_priority=jnp.maximum(state.max_priority, jnp.max(given)),
   )
 

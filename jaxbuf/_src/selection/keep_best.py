@@ -34,10 +34,12 @@ from jax.experimental import checkify
 
 from jaxbuf._src.core import kind
 from jaxbuf._src.core import random
+from jaxbuf._src.core import sum_tree
 from jaxbuf._src.core import ring
 from jaxbuf._src.core import validation
 from jaxbuf._src.core.base import Buffer, BufferState, PyTree, ReplaySample, bind
 from jaxbuf._src.selection import extreme_tree
+from jaxbuf._src.selection import keep_best_kernels
 
 
 @flax.struct.dataclass
@@ -89,33 +91,20 @@ def add(
       jnp.all(jnp.isfinite(values)), "add: values must be finite; given {values}", values=values
     )
   capacity = ring.capacity_of(state.storage)
-  finite = jnp.isfinite(values)
   positions = jnp.arange(batch_size, dtype=jnp.int32)
   # The B lowest held (empty slots are not in the tree's ranking): the only
   # held items a batch of B can evict.
   held_slots, negated = extreme_tree.top(state.lowest_first, batch_size)
-  held = negated > -jnp.inf
-  # Candidates, worst first: value, then batch items before held ones, later
-  # batch items before earlier ones, lower slots before higher ones.
-  value = jnp.concatenate([jnp.where(finite, values, -jnp.inf), jnp.where(held, -negated, jnp.inf)])
-  group = jnp.concatenate([jnp.where(finite, 0, -1), jnp.ones(batch_size, jnp.int32)])
-  secondary = jnp.concatenate([-positions, held_slots])
-  order = jnp.lexsort((secondary, group, value))
-  num_finite = jnp.sum(finite, dtype=jnp.int32)
-  surplus = jnp.maximum(state.size + num_finite - capacity, 0)
-  dropped = (
-    jnp.zeros(2 * batch_size, bool)
-    .at[order]
-    .set(jnp.arange(2 * batch_size) < surplus + batch_size - num_finite, unique_indices=True)
-  )
-  kept = ~dropped[:batch_size]
-  evicted = dropped[batch_size:] & held
-  # Free slots, in order: the empty ones past `size`, then those evicted.
-  empty_slots = state.size + positions
-  free = jnp.concatenate([empty_slots, held_slots])
-  usable = jnp.concatenate([empty_slots < capacity, evicted])
-  (free_at,) = jnp.nonzero(usable, size=batch_size, fill_value=0)
-  slots = jnp.where(kept, free[free_at[jnp.cumsum(kept) - 1]], capacity)
+  operands = (values, held_slots, negated, state.size)
+  if batch_size > keep_best_kernels.BATCH_MAX:
+    slots, kept, evicted = choose_slots(*operands, capacity=capacity)
+  else:
+    slots, kept, evicted = sum_tree.choose_kernel(
+      functools.partial(choose_slots, capacity=capacity),
+      functools.partial(keep_best_kernels.choose_slots, capacity=capacity),
+      *operands,
+      kernel_variants=("pallas",),
+    )
   storage = jax.tree.map(
     lambda column, new: column.at[slots].set(jnp.asarray(new), mode="drop"), state.storage, items
   )
@@ -124,7 +113,7 @@ def add(
   return state.replace(
     storage=storage,
     lowest_first=extreme_tree.set_leaves(
-      state.lowest_first, jnp.minimum(slots, capacity - 1), -values, kept
+      state.lowest_first, jnp.minimum(slots, capacity - 1), -values, kept, unique_indices=True
     ),
     size=state.size + num_kept - num_evicted,
     add_count=state.add_count + jnp.uint32(batch_size % 2**32),
@@ -133,6 +122,55 @@ def add(
     ),
     dropped=state.dropped + (batch_size - num_kept + num_evicted).astype(jnp.uint32),
   )
+
+
+def choose_slots(
+  values: jax.Array,
+  held_slots: jax.Array,
+  negated: jax.Array,
+  size: jax.Array,
+  *,
+  capacity: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """What an add keeps and where (the XLA form of `keep_best_kernels`').
+
+  Args:
+    values: float32 `[B]`, the batch's values.
+    held_slots: int32 `[B]`, the slots of the B lowest held.
+    negated: float32 `[B]`, their negated values (-inf past those held).
+    size: int32 `()`, items held.
+    capacity: C.
+
+  Returns:
+    int32 `[B]` slots (C for batch items not kept), bool `[B]` kept (batch
+    items), bool `[B]` evicted (of the held candidates).
+  """
+  batch_size = values.shape[0]
+  finite = jnp.isfinite(values)
+  positions = jnp.arange(batch_size, dtype=jnp.int32)
+  held = negated > -jnp.inf
+  # Candidates, worst first: value, then batch items before held ones, later
+  # batch items before earlier ones, lower slots before higher ones.
+  value = jnp.concatenate([jnp.where(finite, values, -jnp.inf), jnp.where(held, -negated, jnp.inf)])
+  group = jnp.concatenate([jnp.where(finite, 0, -1), jnp.ones(batch_size, jnp.int32)])
+  secondary = jnp.concatenate([-positions, held_slots])
+  order = jnp.lexsort((secondary, group, value))
+  num_finite = jnp.sum(finite, dtype=jnp.int32)
+  surplus = jnp.maximum(size + num_finite - capacity, 0)
+  dropped = (
+    jnp.zeros(2 * batch_size, bool)
+    .at[order]
+    .set(jnp.arange(2 * batch_size) < surplus + batch_size - num_finite, unique_indices=True)
+  )
+  kept = ~dropped[:batch_size]
+  evicted = dropped[batch_size:] & held
+  # Free slots, in order: the empty ones past `size`, then those evicted.
+  empty_slots = size + positions
+  free = jnp.concatenate([empty_slots, held_slots])
+  usable = jnp.concatenate([empty_slots < capacity, evicted])
+  (free_at,) = jnp.nonzero(usable, size=batch_size, fill_value=0)
+  slots = jnp.where(kept, free[free_at[jnp.cumsum(kept) - 1]], capacity)
+  return slots, kept, evicted
 
 
 def sample(
