@@ -400,6 +400,10 @@ class LeafDraw(NamedTuple):
   indices: jax.Array  # int32 [S]
   values: jax.Array  # float32 [S]: each leaf's value; 0 where the tree is empty
   smallest: jax.Array  # float32 (): the smallest of `values`
+  # float32 (): the tree's total, as the draw read it. Read here rather than
+  # from the tree: on a GPU a read of the root beside a later in-place write
+  # of the tree would cost a copy of the root, a launch of its own.
+  total: jax.Array
 
 
 def draw_bits(key: jax.Array, batch_size: int, num_redraws: int) -> jax.Array:
@@ -444,9 +448,9 @@ def draw_leaves(
   fallback_size = jnp.asarray(fallback_size, jnp.int32)
   xla = functools.partial(_draw_levels, stratified=stratified)
   if len(tree.levels) == 1 or not 0 < batch_size <= sum_tree_kernels.DRAW_BATCH_MAX:
-    indices, values, smallest = xla(levels_top_down, bits, fallback_size)
+    indices, values, smallest, total_read = xla(levels_top_down, bits, fallback_size)
   else:
-    indices, values, smallest = choose_kernel(
+    indices, values, smallest, total_read = choose_kernel(
       xla,
       functools.partial(
         sum_tree_kernels.draw,
@@ -459,7 +463,7 @@ def draw_leaves(
       fallback_size,
       kernel_variants=("pallas_descent", "pallas"),
     )
-  return LeafDraw(indices, values, smallest)
+  return LeafDraw(indices, values, smallest, total_read)
 
 
 def _draw_levels(
@@ -468,7 +472,7 @@ def _draw_levels(
   fallback_size: jax.Array,
   *,
   stratified: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """`draw_leaves` as XLA operations (`sum_tree_kernels.draw`'s twin)."""
   batch_size = bits.shape[1]
   total = levels_top_down[0][0]
@@ -496,7 +500,7 @@ def _draw_levels(
     lambda: random.scale_to_span(bits[0], bits[-1], span).astype(jnp.int32),
   )
   values = jnp.where(has_mass, values, 0.0)
-  return indices, values, jnp.min(values)
+  return indices, values, jnp.min(values), total
 
 
 def sample_leaves(

@@ -180,7 +180,8 @@ def draw(
 
   Returns:
     int32 `[S]` leaves, float32 `[S]` their values, float32 `()` the smallest
-    value drawn, as `sum_tree.draw_leaves` computes them.
+    value drawn and float32 `()` the total, as `sum_tree.draw_leaves`
+    computes them.
   """
   num_rows, batch_size = bits.shape
   assert batch_size <= DRAW_BATCH_MAX, batch_size
@@ -197,21 +198,22 @@ def draw(
     levels_per_target=levels_per_target,
     stratified=stratified,
   )
-  nodes, values, smallest = pl.pallas_call(
+  nodes, values, smallest, total = pl.pallas_call(
     kernel,
     out_shape=(
       jax.ShapeDtypeStruct((padded,), jnp.int32),
       jax.ShapeDtypeStruct((padded,), jnp.float32),
       jax.ShapeDtypeStruct((padded,), jnp.float32),
+      jax.ShapeDtypeStruct((padded,), jnp.float32),
     ),
     grid=(1,),
     in_specs=[pl.no_block_spec] * (len(levels_top_down) + 2),
-    out_specs=(pl.no_block_spec,) * 3,
+    out_specs=(pl.no_block_spec,) * 4,
     interpret=interpret,
     compiler_params=pallas_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
     name="sum_tree_draw",
   )(*levels_top_down, jnp.reshape(fallback_size.astype(jnp.int32), (1,)), bit_rows)
-  return nodes[:batch_size], values[:batch_size], smallest[0]
+  return nodes[:batch_size], values[:batch_size], smallest[0], total[0]
 
 
 def uniform_of(bits: jax.Array) -> jax.Array:
@@ -249,7 +251,7 @@ def _draw_kernel(
 ) -> None:
   root_ref, level_refs = refs[0], refs[1:num_levels]
   fallback_size_ref, bits_ref = refs[num_levels], refs[num_levels + 1]
-  nodes_ref, values_ref, smallest_ref = refs[-3:]
+  nodes_ref, values_ref, smallest_ref, total_ref = refs[-4:]
   padded = nodes_ref.shape[0]
   row = lambda index: bits_ref[pl.ds(index * padded, padded)]
   lanes = jax.lax.broadcasted_iota(jnp.int32, (padded,), 0)
@@ -287,6 +289,7 @@ def _draw_kernel(
   values_ref[...] = jnp.where(has_mass, values, 0.0)
   drawn = jnp.where(lanes < batch_size, jnp.where(has_mass, values, 0.0), jnp.inf)
   smallest_ref[...] = jnp.broadcast_to(jnp.min(drawn), (padded,))
+  total_ref[...] = total
 
 
 def _ranks(bits_ref: Any, offset: int, padded: int, batch_size: int) -> jax.Array:

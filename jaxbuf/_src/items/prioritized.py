@@ -154,10 +154,10 @@ def sample(
   # One draw serves the descent and the uniform fallback of an all-zero
   # tree (every priority underflowed): no cond, which on a GPU would copy
   # its predicate to the host.
-  has_mass = sum_tree.total(state.sum_tree) > 0
   drawn = sum_tree.draw_leaves(
     state.sum_tree, key, batch_size, stratified=stratified, fallback_size=state.size
   )
+  has_mass = drawn.total > 0
   indices = drawn.indices
   # (N * P(i)) ** -beta over its largest in the sample is
   # (smallest leaf drawn / leaf i) ** beta: N and the total cancel.
@@ -197,19 +197,39 @@ def update_priorities(
   (`capped_leaf_values`) so that the total stays finite. Cost O(S log C).
   """
   validation.check_state_kind(state, PrioritizedReplayState, what="update_priorities")
+  return updated_priorities(
+    state, indices, priorities, item_ids, alpha=alpha, eps=eps, checked=checked
+  )
+
+
+def updated_priorities(
+  state: PrioritizedReplayState,
+  indices: jax.Array,
+  priorities: jax.Array,
+  item_ids: jax.Array | None = None,
+  *,
+  alpha: float,
+  eps: float,
+  checked: bool = False,
+  kept_out: jax.Array | None = None,
+) -> PrioritizedReplayState:
+  """`update_priorities`, leaving the leaves of entries with `kept_out`
+  (bool `[S]`) as they are; their priorities still count toward the running
+  maximum (a budgeted buffer's retired items, which stay retired)."""
   indices = jnp.asarray(validation.host_indices(indices))
   priorities = jnp.asarray(priorities)
   valid = ring.valid_priority_updates(state, indices, priorities, item_ids, checked=checked)
   indices = indices.astype(jnp.int32)
   new_priorities = jnp.where(valid, jnp.abs(priorities.astype(jnp.float32)) + eps, 0.0)
-  # The running maximum comes from the write (one kernel on a GPU); an empty
-  # update leaves it as it is.
+  # The leaves, from the priorities, and the running maximum come from the
+  # write (one kernel on a GPU); an empty update leaves the maximum as it is.
   tree, max_priority = sum_tree.write_leaves(
     state.sum_tree,
     indices,
-    capped_leaf_values(new_priorities, alpha, state.sum_tree),
-    valid,
+    new_priorities,
+    valid if kept_out is None else valid & ~kept_out,
     largest_of=(state.max_priority, new_priorities),
+    leaf_values=lambda priority: capped_leaf_values(priority, alpha, state.sum_tree),
   )
   return state.replace(
     sum_tree=tree,

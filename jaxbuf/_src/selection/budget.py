@@ -116,11 +116,15 @@ def add(
   validation.check_state_kind(state, BudgetedReplayState, what="add", exact=True)
   added, slots = ring.add_to_ring(state, items)
   was_live = (slots < state.size) & (state.times_sampled[slots] < max_times_sampled)
-  leaf = prioritized.capped_leaf_values(state.max_priority, alpha, state.sum_tree)
+  tree, _ = sum_tree.write_leaves(
+    state.sum_tree,
+    slots,
+    state.max_priority,
+    unique_indices=True,
+    leaf_values=lambda priority: prioritized.capped_leaf_values(priority, alpha, state.sum_tree),
+  )
   return added.replace(
-    sum_tree=sum_tree.set_leaves(
-      state.sum_tree, slots, jnp.full(slots.shape, leaf, jnp.float32), unique_indices=True
-    ),
+    sum_tree=tree,
     times_sampled=state.times_sampled.at[slots].set(0, unique_indices=True),
     live=state.live + slots.shape[0] - jnp.sum(was_live, dtype=jnp.int32),
   )
@@ -226,8 +230,8 @@ def _draws(
   slots int32 `[S]` (0 where nothing was drawn), drawn bool `[S]`, each
   row's share of the live mass float32 `[S]`, retired bool `[S]`."""
   pool = 2 * batch_size
-  found, values = sum_tree.sample_leaves(state.sum_tree, key, pool, stratified=False)
-  mass = sum_tree.total(state.sum_tree)
+  drawn_from_pool = sum_tree.draw_leaves(state.sum_tree, key, pool, stratified=False)
+  found, values, mass = drawn_from_pool.indices, drawn_from_pool.values, drawn_from_pool.total
   valid = (mass > 0) & (values > 0)
   found = jnp.where(valid, found, 0)
   levels = state.sum_tree.levels
@@ -345,16 +349,20 @@ def update_priorities(
     validation.check_priority_update_args(indices, priorities, item_ids)
     return state
   indices = jnp.asarray(validation.host_indices(indices))
-  updated: BudgetedReplayState = prioritized.update_priorities(  # type: ignore[assignment]
-    state, indices, priorities, item_ids, alpha=alpha, eps=eps, checked=checked
-  )
   slots = jnp.clip(indices.astype(jnp.int32), 0, ring.capacity_of(state.storage) - 1)
-  retired = sum_tree.leaves(state.sum_tree)[slots] == 0
-  return updated.replace(
-    sum_tree=sum_tree.set_leaves(
-      updated.sum_tree, slots, jnp.zeros(slots.shape, jnp.float32), retired
-    )
+  # A retired item's leaf is 0 and stays 0: its updates are kept out of the
+  # write (every occurrence of its slot), in the one write of the update.
+  updated: BudgetedReplayState = prioritized.updated_priorities(  # type: ignore[assignment]
+    state,
+    indices,
+    priorities,
+    item_ids,
+    alpha=alpha,
+    eps=eps,
+    checked=checked,
+    kept_out=sum_tree.leaves(state.sum_tree)[slots] == 0,
   )
+  return updated
 
 
 def can_sample(state: BudgetedReplayState, batch_size: int) -> jax.Array:
