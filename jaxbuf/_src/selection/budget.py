@@ -166,8 +166,8 @@ def _accept_pool(
 def draw_rows(
   levels: tuple[jax.Array, ...],
   times_sampled: jax.Array,
-  found: jax.Array,
-  valid: jax.Array,
+  pool_found: jax.Array,
+  pool_values: jax.Array,
   uniforms: jax.Array,
   *,
   batch_size: int,
@@ -183,19 +183,22 @@ def draw_rows(
   Args:
     levels: the sum tree's levels bottom-up (only read).
     times_sampled: int32 `[C]`.
-    found: int32 `[2S]`, the pool's slots (0 where not valid).
-    valid: bool `[2S]`, the pool draws of a positive leaf.
+    pool_found: int32 `[2S]`, the pool's slots, drawn from the tree.
+    pool_values: float32 `[2S]`, their leaves (a draw of a zero leaf, from an
+      empty tree, is not a valid draw).
     uniforms: float32 `[S, D]` for rows in sequence, D = max(L - 1, 1).
     batch_size: S.
     max_times_sampled: N.
 
   Returns:
-    rows int32 `[S]` (pool positions of the accepted rows), count int32
-    `()`, spends bool `[2S]`, then per row: slots int32 `[S]` (0 where
-    nothing was drawn), drawn bool, retired bool (True at the draw that
-    spent an item's last sample), and for rows in sequence the leaf value
-    and the live mass it was drawn from, float32 (1 on the pool's rows).
+    Per row: slots int32 `[S]` (0 where nothing was drawn), drawn bool,
+    retired bool (True at the draw that spent an item's last sample), the
+    row's share of the live mass it was drawn from float32 (`row_shares`);
+    and the rows retired, int32 `()`.
   """
+  mass = levels[-1][0]
+  valid = (mass > 0) & (pool_values > 0)
+  found = jnp.where(valid, pool_found, 0)
   rows, count, spends = _accept_pool(times_sampled, found, valid, batch_size, max_times_sampled)
   kept = jnp.arange(batch_size) < count
   given_slots = jnp.where(kept, found[rows], 0)
@@ -220,39 +223,31 @@ def draw_rows(
     carry,
   )
   slots, drawn, retired, values, masses = carry[2 * len(levels) + 1 :]
-  return rows, count, spends, slots, drawn != 0, retired != 0, values, masses
+  pool_shares = budget_kernels.pool_shares(pool_values, mass, spends)
+  shares = budget_kernels.row_shares(pool_shares[rows], count, drawn != 0, values, masses)
+  return slots, drawn != 0, retired != 0, shares, jnp.sum(retired != 0, dtype=jnp.int32)
 
 
 def _draws(
   state: BudgetedReplayState, key: jax.Array, batch_size: int, max_times_sampled: int
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
   """S draws, each from the items live after the ones before (`draw_rows`):
-  slots int32 `[S]` (0 where nothing was drawn), drawn bool `[S]`, each
-  row's share of the live mass float32 `[S]`, retired bool `[S]`."""
-  pool = 2 * batch_size
-  drawn_from_pool = sum_tree.draw_leaves(state.sum_tree, key, pool, stratified=False)
-  found, values, mass = drawn_from_pool.indices, drawn_from_pool.values, drawn_from_pool.total
-  valid = (mass > 0) & (values > 0)
-  found = jnp.where(valid, found, 0)
+  slots int32 `[S]` (0 where nothing was drawn), drawn bool `[S]`, retired
+  bool `[S]`, each row's share of the live mass float32 `[S]`, and the
+  count retired int32 `()`."""
+  pool = sum_tree.draw_leaves(state.sum_tree, key, 2 * batch_size, stratified=False)
   levels = state.sum_tree.levels
   uniforms = random.uniform_from_bits(
     random.random_bits(random.fold_in(key, 1), (batch_size, max(len(levels) - 1, 1)))
   )
-  operands = (levels, state.times_sampled, found, valid, uniforms)
+  operands = (levels, state.times_sampled, pool.indices, pool.values, uniforms)
   settings: dict[str, Any] = dict(batch_size=batch_size, max_times_sampled=max_times_sampled)
-  rows, count, spends, slots, drawn, retired, row_values, row_masses = sum_tree.choose_kernel(
+  return sum_tree.choose_kernel(
     functools.partial(draw_rows, **settings),
     functools.partial(budget_kernels.draw_rows, branching=sum_tree.BRANCHING, **settings),
     *operands,
     kernel_variants=("pallas",),
   )
-  # The live mass each pool row is drawn from: less what earlier rows retired.
-  spent = jnp.where(spends, values, 0.0)
-  retired_before = jnp.cumsum(spent) - spent
-  pool_shares = values / jnp.maximum(mass - retired_before, jnp.finfo(jnp.float32).tiny)
-  in_sequence = jnp.where(drawn, row_values / jnp.where(row_masses > 0, row_masses, 1.0), 1.0)
-  shares = jnp.where(jnp.arange(batch_size) < count, pool_shares[rows], in_sequence)
-  return slots, drawn, shares, retired
 
 
 def take(
@@ -290,13 +285,13 @@ def take(
       "take: no live item (every item held was retired by max_times_sampled, or "
       "none was added); add items first (guard with can_sample).",
     )
-  slots, drawn, shares, retired = _draws(state, key, batch_size, max_times_sampled)
+  slots, drawn, retired, shares, retired_count = _draws(state, key, batch_size, max_times_sampled)
   # The take's counts and retirements, written once: O(S log C).
-  tree = sum_tree.set_leaves(
-    state.sum_tree, slots, jnp.zeros(batch_size, jnp.float32), retired, unique_indices=True
+  tree, _ = sum_tree.write_leaves(
+    state.sum_tree, slots, jnp.float32(0), retired, unique_indices=True
   )
   times_sampled = state.times_sampled.at[slots].add(drawn.astype(jnp.int32))
-  live = state.live - jnp.sum(retired, dtype=jnp.int32)
+  live = state.live - retired_count
   if beta is None:
     weights = drawn.astype(jnp.float32)
   else:

@@ -140,6 +140,33 @@ def sequence_step(
   )
 
 
+# float32's smallest normal, as a Python float: a kernel takes no NumPy scalar.
+TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+def pool_shares(pool_values: jax.Array, mass: jax.Array, spends: jax.Array) -> jax.Array:
+  """Each pool draw's share of the live mass it was drawn from: its leaf over
+  the total less what the accepted draws before it retired, float32 `[P]`."""
+  spent = jnp.where(spends, pool_values, 0.0)
+  retired_before = jax.lax.cumsum(spent, axis=0) - spent
+  return pool_values / jnp.maximum(mass - retired_before, TINY)
+
+
+def row_shares(
+  given_shares: jax.Array,
+  count: jax.Array,
+  drawn: jax.Array,
+  row_values: jax.Array,
+  row_masses: jax.Array,
+) -> jax.Array:
+  """Each row's share: the pool's for the `count` rows it gave
+  (`given_shares`), else the leaf over the live mass it was drawn from
+  (1 where nothing was drawn), float32 `[S]`."""
+  lanes = jax.lax.broadcasted_iota(jnp.int32, given_shares.shape, 0)
+  in_sequence = jnp.where(drawn, row_values / jnp.where(row_masses > 0, row_masses, 1.0), 1.0)
+  return jnp.where(lanes < count, given_shares, in_sequence)
+
+
 def initial_carry(
   num_rows: int, num_levels: int, count: jax.Array, given_slots: jax.Array, given_retired: jax.Array
 ) -> tuple[jax.Array, ...]:
@@ -163,8 +190,8 @@ def initial_carry(
 def draw_rows(
   levels: tuple[jax.Array, ...],
   times_sampled: jax.Array,
-  found: jax.Array,
-  valid: jax.Array,
+  pool_found: jax.Array,
+  pool_values: jax.Array,
   uniforms: jax.Array,
   *,
   batch_size: int,
@@ -177,8 +204,8 @@ def draw_rows(
   Args:
     levels: the sum tree's levels bottom-up.
     times_sampled: int32 `[C]`.
-    found: int32 `[2S]`, the pool's slots (0 where not valid).
-    valid: bool `[2S]`, the pool draws of a positive leaf.
+    pool_found: int32 `[2S]`, the pool's slots.
+    pool_values: float32 `[2S]`, their leaves.
     uniforms: float32 `[S, D]`, D = max(L - 1, 1), for rows in sequence.
     batch_size: S.
     max_times_sampled: N.
@@ -188,7 +215,7 @@ def draw_rows(
   Returns:
     As `budget.draw_rows`.
   """
-  pool = found.shape[0]
+  pool = pool_found.shape[0]
   pool_padded = max(pl.next_power_of_2(pool), RANK_CHUNK)
   rows_padded = pl.next_power_of_2(batch_size)
   pad = lambda array, size: jnp.pad(array, (0, size - array.shape[0]))
@@ -203,44 +230,40 @@ def draw_rows(
   )
   int_rows = jax.ShapeDtypeStruct((rows_padded,), jnp.int32)
   float_rows = jax.ShapeDtypeStruct((rows_padded,), jnp.float32)
-  rows, count, spends, slots, drawn, retired, values, masses, _ = pl.pallas_call(
+  slots, drawn, retired, shares, retired_count, *_ = pl.pallas_call(
     kernel,
     out_shape=(
       int_rows,
       int_rows,
+      int_rows,
+      float_rows,
+      int_rows,
+      # Scratch: the spends, the pool's shares, the accepted pool draws
+      # compacted (with a region for lanes that store nothing).
       jax.ShapeDtypeStruct((pool_padded,), jnp.int32),
-      int_rows,
-      int_rows,
-      int_rows,
-      float_rows,
-      float_rows,
-      # Scratch: the accepted pool draws compacted (with a region for
-      # lanes that store nothing).
+      jax.ShapeDtypeStruct((pool_padded,), jnp.float32),
       jax.ShapeDtypeStruct((rows_padded + pool_padded,), jnp.int32),
     ),
     grid=(1,),
     in_specs=[pl.no_block_spec] * (len(levels) + 4),
-    out_specs=tuple(pl.no_block_spec for _ in range(9)),
+    out_specs=tuple(pl.no_block_spec for _ in range(8)),
     interpret=interpret,
     compiler_params=pallas_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
     name="budget_draws",
   )(
     *levels,
     times_sampled.astype(jnp.int32),
-    pad(found.astype(jnp.int32), pool_padded),
-    pad(valid.astype(jnp.int32), pool_padded),
+    pad(pool_found.astype(jnp.int32), pool_padded),
+    pad(pool_values.astype(jnp.float32), pool_padded),
     uniforms.astype(jnp.float32).reshape(-1),
   )
   rows_of = lambda array: array[:batch_size]
   return (
-    rows_of(rows),
-    count[0],
-    spends[:pool] != 0,
     rows_of(slots),
     rows_of(drawn) != 0,
     rows_of(retired) != 0,
-    rows_of(values),
-    rows_of(masses),
+    rows_of(shares),
+    retired_count[0],
   )
 
 
@@ -259,18 +282,27 @@ def _draw_kernel(
   interpret: bool,
 ) -> None:
   level_refs = refs[:num_levels]
-  times_ref, found_ref, valid_ref, uniforms_ref = refs[num_levels : num_levels + 4]
-  rows_ref, count_ref, spends_ref, *row_refs, compacted_ref = refs[num_levels + 4 :]
+  times_ref, found_ref, values_ref, uniforms_ref = refs[num_levels : num_levels + 4]
+  outputs = refs[num_levels + 4 :]
+  slots_ref, drawn_ref, retired_ref, shares_ref, retired_count_ref = outputs[:5]
+  spends_ref, pool_shares_ref, compacted_ref = outputs[5:]
   pool_padded = found_ref.shape[0]
-  rows_padded = rows_ref.shape[0]
+  rows_padded = slots_ref.shape[0]
   pool_lanes = jax.lax.broadcasted_iota(jnp.int32, (pool_padded,), 0)
   lanes = jax.lax.broadcasted_iota(jnp.int32, (rows_padded,), 0)
-  # The pool: each draw's rank among the earlier draws of its slot.
-  found = found_ref[pool_lanes]
-  valid = valid_ref[pool_lanes] != 0
+  # The pool: its valid draws (of a positive leaf, from a tree with mass,
+  # others slot 0), and each draw's rank among the earlier draws of its slot.
+  mass = jnp.max(level_refs[-1][jnp.zeros((pool_padded,), jnp.int32)])
+  pool_values = values_ref[pool_lanes]
+  valid = (mass > 0) & (pool_values > 0)
+  found = jnp.where(valid, found_ref[pool_lanes], 0)
   rank = jnp.zeros((pool_padded,), jnp.int32)
   for start in range(0, pool_padded, RANK_CHUNK):
-    others = found_ref[pl.ds(start, RANK_CHUNK)][None, :]
+    others = jnp.where(
+      (mass > 0) & (values_ref[pl.ds(start, RANK_CHUNK)] > 0),
+      found_ref[pl.ds(start, RANK_CHUNK)],
+      0,
+    )[None, :]
     other_lanes = start + jax.lax.broadcasted_iota(jnp.int32, (1, RANK_CHUNK), 1)
     earlier = (others == found[:, None]) & (other_lanes < pool_lanes[:, None])
     rank = rank + jnp.sum(earlier.astype(jnp.int32), axis=1, dtype=jnp.int32)
@@ -281,6 +313,7 @@ def _draw_kernel(
   spends = picked & (rank == budget_left - 1)
   count = jnp.sum(picked.astype(jnp.int32), dtype=jnp.int32)
   spends_ref[pool_lanes] = spends.astype(jnp.int32)
+  pool_shares_ref[pool_lanes] = pool_shares(pool_values, mass, spends)
   compacted_ref[lanes] = jnp.zeros((rows_padded,), jnp.int32)
   _barrier(interpret)
   # A lane that stores nothing aims past the rows, where no lane stores
@@ -290,7 +323,7 @@ def _draw_kernel(
   _barrier(interpret)
   rows = compacted_ref[lanes]
   kept = lanes < count
-  given_slots = jnp.where(kept, found_ref[rows], 0)
+  given_slots = jnp.where(kept, found_ref[rows], 0)  # accepted draws are valid
   # Integer flags: Pallas's Triton lowering of a loop mistypes bool values
   # read from outside it.
   given_retired = (kept & (spends_ref[rows] != 0)).astype(jnp.int32)
@@ -317,7 +350,11 @@ def _draw_kernel(
     lambda state: (state[0] + 1, state[1], step(state[0], state[2])),
     (jnp.int32(0), stop, carry),
   )
-  rows_ref[lanes] = rows
-  count_ref[lanes] = jnp.broadcast_to(count, (rows_padded,))
-  for ref, value in zip(row_refs, carry[2 * num_levels + 1 :], strict=True):
-    ref[lanes] = value.astype(ref.dtype)
+  slots, drawn, retired, values, masses = carry[2 * num_levels + 1 :]
+  slots_ref[lanes] = slots
+  drawn_ref[lanes] = drawn
+  retired_ref[lanes] = retired
+  shares_ref[lanes] = row_shares(pool_shares_ref[rows], count, drawn != 0, values, masses)
+  retired_count_ref[lanes] = jnp.broadcast_to(
+    jnp.sum(jnp.where(lanes < batch_size, retired, 0), dtype=jnp.int32), (rows_padded,)
+  )
