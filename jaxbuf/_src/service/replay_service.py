@@ -35,12 +35,19 @@ read); a sample against the units in the state and the rows taken or
 reserved (never rows an add may still fail to write). Under `Queue` every
 item is thus read exactly once, in order, for any capacity >= max_size.
 
+The service's thread. Every donated device call (a drain, a consuming
+kind's take, `update_priorities`) and the storing of its result run on one
+thread the service owns (`_owned`), callers waiting for it: an exception
+raised in a caller's thread (an actor killed by an async exception) can
+then never land between a donated call and the assignment of its result.
+
 Samples drain the pending adds first too, so a sample sees every add
 admitted before it. They draw with `buffer.take` (consuming kinds retire what
 they hand out), under `Queue` with the core's FIFO rule (`fifo_reads`), and
 with `max_version_lag` with `uniform.sample_eligible`.
 """
 
+import concurrent.futures
 import json
 import math
 import os
@@ -105,6 +112,11 @@ def _check_version(version: Any, what: str) -> int:
 def _signature(tree: PyTree) -> tuple:
   leaves, treedef = jax.tree.flatten(tree)
   return (treedef, tuple((np.shape(leaf), np.result_type(leaf)) for leaf in leaves))
+
+
+def _consumed(tree: PyTree) -> bool:
+  """Whether an array of `tree` was donated (deleted)."""
+  return any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(tree))
 
 
 def _abstract(tree: PyTree) -> PyTree:
@@ -198,6 +210,18 @@ class ReplayService(Generic[StateT, SampleT]):
     self._part_adds: list[Callable] = [jax.jit(part.add, donate_argnums=0) for part in self._parts]
     if not isinstance(buffer, Mixture):
       self._donating_add = jax.jit(buffer.add, donate_argnums=0)
+    # An add whose computation has effects (a host callback) can fail while
+    # it runs, after a donated state was consumed: such adds keep the state
+    # alive instead (`_check_signature` finds them; pure XLA fails at run
+    # time only with its device).
+    self._may_fail_running = False
+    self._parts_undonated: list[Callable] = [jax.jit(part.add) for part in self._parts]
+    if not isinstance(buffer, Mixture):
+      self._undonated_add = jax.jit(buffer.add)
+    # The thread that makes every donated device call and stores its result,
+    # so an exception raised in a caller's thread (an actor killed by an
+    # async exception) never lands between the two (`_owned`).
+    self._owner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxbuf-service")
     self._state_lock = threading.Lock()
     self._counts_lock = threading.Lock()
     self._insertable = threading.Condition(self._counts_lock)
@@ -287,10 +311,27 @@ class ReplayService(Generic[StateT, SampleT]):
       self._sampleable.notify_all()
     if self._lockstep is not None:
       return  # the learners' lockstep rounds add it
-    with self._state_lock:
-      self._drain()
+    self._owned(self._drain_locked)
     if entry.error is not None:
       raise entry.error
+
+  def _owned(self, job: Callable[[], Any]) -> Any:
+    """`job()` run on the service's own thread, its result (or error)
+    returned here. A caller interrupted while it waits leaves the job to
+    finish: a donated call and the storing of its result are never split."""
+    return self._owner.submit(job).result()
+
+  def _drain_locked(self) -> None:
+    with self._state_lock:
+      self._drain()
+
+  def _drained(self) -> None:
+    """Every add admitted so far in the state (drained on the service's
+    thread if any is pending; see `_sampled`)."""
+    with self._counts_lock:
+      pending = bool(self._pending)
+    if pending:
+      self._owned(self._drain_locked)
 
   def _entry(self, writer, items, version, mask, episode_end, final_steps) -> coalescing.PendingAdd:
     """The add, checked against the buffer (once per shape signature)."""
@@ -337,12 +378,13 @@ class ReplayService(Generic[StateT, SampleT]):
       self.buffer.add if part is None else self._parts[part].add,
       self._abstract_state,
     )
-    jax.eval_shape(
-      lambda state, items, kwargs: add(state, items, **kwargs),
+    traced = jax.make_jaxpr(lambda state, items, kwargs: add(state, items, **kwargs))(
       state if part is None else state[part],
       _abstract(items),
       _abstract(kwargs),
     )
+    if traced.effects:
+      self._may_fail_running = True
     self._checked.add(key)
 
   def _drain(self) -> None:
@@ -362,11 +404,16 @@ class ReplayService(Generic[StateT, SampleT]):
           self._add_items(group)
         self.device_adds += 1
       except BaseException as error:  # pylint: disable=broad-exception-caught
-        # The call failed before running (adds were checked; an interrupt),
-        # so the state is the one before: each writer of the group gets the
-        # error, and their units are handed back to the limiter.
+        # The call failed before running (adds were checked), or while
+        # running an add that was not donated (`_may_fail_running`), so the
+        # state is the one before: each writer of the group gets the error,
+        # and their units are handed back to the limiter.
         for entry in group:
           entry.error = error
+        if _consumed(self._state):
+          # Only a device fault consumes a donated state and fails (the
+          # device is then lost too): nothing to go on with.
+          self.close(cause=error)
     units = sum(entry.units for entry in pending)
     failed = sum(entry.units for entry in pending if entry.error is not None)
     with self._counts_lock:  # in the state now (or handed back, when failed)
@@ -380,17 +427,20 @@ class ReplayService(Generic[StateT, SampleT]):
     if self._mixture:
       part = group[0].writer.part
       states = list(self._state)
-      states[part] = self._part_adds[part](states[part], items)
+      adds = self._parts_undonated if self._may_fail_running else self._part_adds
+      states[part] = adds[part](states[part], items)
       self._state = type(self._state)(states)
     else:
-      self._state = self._donating_add(self._state, items)
+      add = self._undonated_add if self._may_fail_running else self._donating_add
+      self._state = add(self._state, items)
     self._versions.added_items(versions)
 
   def _add_steps(self, group: list[coalescing.PendingAdd]) -> None:
     (items, mask, episode_end, final_steps), steps_per_env, versions = coalescing.merged_steps(
       group, self._num_envs
     )
-    self._state = self._donating_add(
+    add = self._undonated_add if self._may_fail_running else self._donating_add
+    self._state = add(
       self._state, items, mask=mask, episode_end=episode_end, final_steps=final_steps
     )
     self._versions.added_steps(steps_per_env, versions)
@@ -457,7 +507,7 @@ class ReplayService(Generic[StateT, SampleT]):
       rows = batch.weights if self._mixture else batch.indices  # a mixture: untracked
       return state, ServiceSample(batch, self._versions.lags(rows))
 
-    return self._sampled(what, batch_size, timeout, draw)
+    return self._sampled(what, batch_size, timeout, draw, True)
 
   def learn(self, step: Callable, batch_size: int, *args: Any, timeout: float | None = None) -> Any:
     """Runs the learner's own step on the state once the limiter allows a
@@ -490,10 +540,15 @@ class ReplayService(Generic[StateT, SampleT]):
           fifo.read_count = cursor
           raise
 
-      return self._sampled("ReplayService.learn", batch_size, timeout, fifo_step)
-    return self._sampled("ReplayService.learn", batch_size, timeout, lambda s: step(s, *args))
+      return self._sampled("ReplayService.learn", batch_size, timeout, fifo_step, False)
+    return self._sampled(
+      "ReplayService.learn", batch_size, timeout, lambda s: step(s, *args), False
+    )
 
-  def _sampled(self, what: str, batch_size: int, timeout, call: Callable) -> Any:
+  def _sampled(self, what: str, batch_size: int, timeout, call: Callable, owned: bool) -> Any:
+    """Waits for the limiter, then `call(state) -> (state, result)` under
+    the state lock; `owned`: a call that may donate (a consuming kind's
+    take), made on the service's thread (`_owned`) when it does."""
     timeout = _check_timeout(timeout, what)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
       raise ValueError(f"{what}: batch_size must be an int >= 1; given {batch_size!r}.")
@@ -506,21 +561,41 @@ class ReplayService(Generic[StateT, SampleT]):
         self._wait(self._sampleable, lambda: self._may_sample(batch_size), _left(deadline))
         self._sampling += batch_size
         inserts_seen = self._counts.inserts
-      taken = False
-      try:
-        with self._state_lock:
-          self._drain()
-          if self._live_items(self._state, batch_size):
-            state, result = call(self._state)
-            self._state = state
-            taken = True
-      finally:
-        with self._counts_lock:  # taken now (or handed back: the call failed or found too few)
-          self._sampling -= batch_size
-          if taken:
-            self._counts = self._counts._replace(samples=self._counts.samples + batch_size)
-          self._sampleable.notify_all()
-          self._insertable.notify_all()
+        # Adds admitted before this sample are pending (drained on the
+        # service's thread) or in the state, or in a drain holding the state
+        # lock: with none pending a sample that donates nothing needs no drain.
+        drain = bool(self._pending)
+
+      def taking(drain: bool) -> tuple[bool, Any]:
+        taken, result = False, None
+        try:
+          with self._state_lock:
+            if drain:
+              self._drain()
+            if self._live_items(self._state, batch_size):
+              state, result = call(self._state)
+              self._state = state
+              taken = True
+        finally:
+          with self._counts_lock:  # taken now (or handed back: failed, or too few live)
+            self._sampling -= batch_size
+            if taken:
+              self._counts = self._counts._replace(samples=self._counts.samples + batch_size)
+            self._sampleable.notify_all()
+            self._insertable.notify_all()
+        return taken, result
+
+      if owned and (drain or self._consuming):  # a donated take or drain: the service's thread
+        taken, result = self._owned(lambda: taking(True))
+      else:  # the learner's own step on its own thread, the adds drained before
+        if drain:
+          try:
+            self._owned(self._drain_locked)
+          except BaseException:
+            with self._counts_lock:
+              self._sampling -= batch_size
+            raise
+        taken, result = taking(False)
       if taken:
         return result
       with self._counts_lock:  # a consuming kind with too few live items: wait for an add
@@ -567,13 +642,17 @@ class ReplayService(Generic[StateT, SampleT]):
     """`buffer.update_priorities` for the rows of `sample` (`.batch.indices`,
     `.batch.item_ids`)."""
     self._raise_if_closed("ReplayService.update_priorities")
-    with self._state_lock:
-      if self._mixture:
-        self._state = self.buffer.update_priorities(self._state, sample.batch, priorities)
-      else:
-        self._state = self.buffer.update_priorities(
-          self._state, sample.batch.indices, priorities, sample.batch.item_ids
-        )
+
+    def update() -> None:  # donated: on the service's thread
+      with self._state_lock:
+        if self._mixture:
+          self._state = self.buffer.update_priorities(self._state, sample.batch, priorities)
+        else:
+          self._state = self.buffer.update_priorities(
+            self._state, sample.batch.indices, priorities, sample.batch.item_ids
+          )
+
+    self._owned(update)
 
   # State, checkpoints, closing ---------------------------------------------
 
@@ -584,8 +663,13 @@ class ReplayService(Generic[StateT, SampleT]):
     A copy, valid while writers go on adding (the service's own arrays are
     donated by the next add).
     """
-    with self._state_lock:
-      self._drain()
+    self._drained()
+    with self._state_lock:  # adds let in since are pending: in neither state nor counts
+      if _consumed(self._state):
+        raise ServiceClosed(
+          "ReplayService.state: a device call failed after consuming the donated state; "
+          "restore the service from its last checkpoint."
+        ) from self._cause
       return jax.tree.map(
         lambda leaf: leaf.copy() if isinstance(leaf, jax.Array) else leaf, self._state
       )
@@ -602,8 +686,8 @@ class ReplayService(Generic[StateT, SampleT]):
     counts and the units' versions (`path/service.json`, `path/versions.npy`)."""
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    with self._state_lock:
-      self._drain()
+    self._drained()
+    with self._state_lock:  # adds let in since are pending: in neither state nor counts
       saving.save(path / "state", self._state)
       with self._counts_lock:
         counts = self._counts
