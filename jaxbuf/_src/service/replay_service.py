@@ -683,39 +683,57 @@ class ReplayService(Generic[StateT, SampleT]):
 
   def checkpoint(self, path: str | os.PathLike) -> None:
     """Saves the state (`jaxbuf.save` under `path/state`) and the limiter's
-    counts and the units' versions (`path/service.json`, `path/versions.npy`)."""
+    counts and the units' versions (`path/service.json`, `path/versions.npy`):
+    one cut, every add taken before the call in both, none after in either.
+    Lockstep: every process calls it in the same order (as `sample`); it
+    runs the rounds that add the adds pending on each host."""
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     self._drained()
     with self._state_lock:  # adds let in since are pending: in neither state nor counts
+      if self._lockstep is not None:
+        lockstep.flush(self)
       saving.save(path / "state", self._state)
       with self._counts_lock:
         counts = self._counts
-      np.save(path / "versions.npy", np.asarray(self._versions.versions))
+      # Lockstep: every process writes the same files (the counts agreed),
+      # each through a file of its own, replaced whole.
+      process = jax.process_index()
+      with open(path / f"versions.npy.tmp{process}", "wb") as file:
+        np.save(file, np.asarray(self._versions.versions))
+      os.replace(path / f"versions.npy.tmp{process}", path / "versions.npy")
       record = {
         "inserts": counts.inserts,
         "samples": counts.samples,
         "newest": self._versions.newest,
         "read_count": None if self._fifo is None else int(self._fifo.read_count),
       }
-      temporary = path / "service.json.tmp"
+      temporary = path / f"service.json.tmp{process}"
       temporary.write_text(json.dumps(record))
       os.replace(temporary, path / "service.json")
 
   @classmethod
   def restore(
-    cls, path: str | os.PathLike, buffer: Buffer, like: Any, rate_limiter=None
+    cls,
+    path: str | os.PathLike,
+    buffer: Buffer,
+    like: Any,
+    rate_limiter=None,
+    *,
+    lockstep_rows: int | None = None,
   ) -> "ReplayService":
     """A service from `checkpoint(path)`: the state (`jaxbuf.load(..., like=)`),
     the counts and versions. The counts go through `rate_limiter.restored`:
     kept unless they would block both inserts and samples, when the sample
     count is raised so that inserts may go on (never a deadlock). Under
     `jaxbuf.Queue` the rows sampled are those the FIFO cursor read: a
-    checkpoint of another limiter restores with every held item read."""
+    checkpoint of another limiter restores with every held item read.
+    `lockstep_rows`: as `ReplayService` takes it (a lockstep service; every
+    process restores its own checkpoint)."""
     path = pathlib.Path(path)
     state = saving.load(path / "state", like=like)
     record = json.loads((path / "service.json").read_text())
-    service = cls(buffer, state, rate_limiter=rate_limiter)
+    service = cls(buffer, state, rate_limiter=rate_limiter, lockstep_rows=lockstep_rows)
     service._versions.restore(np.load(path / "versions.npy"), record["newest"])
     if service._fifo is not None and record.get("read_count") is not None:
       service._fifo.read_count = jnp.uint32(record["read_count"])
@@ -728,6 +746,7 @@ class ReplayService(Generic[StateT, SampleT]):
       counts = RateCounts(counts.inserts, counts.inserts - unread)
     service._counts = service.rate_limiter.restored(counts)
     service._start = service._counts
+    service._global_inserts = service._counts.inserts  # lockstep: what every process agreed
     return service
 
   def close(self, cause: BaseException | None = None) -> None:
