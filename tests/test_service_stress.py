@@ -277,18 +277,71 @@ def test_a_sample_of_4_then_adds_of_2_run_in_one_thread():
   service.close()
 
 
-def test_sizes_that_reach_a_deadlock_are_refused_naming_the_sizes_and_the_fix():
-  """Queue(4), a sample of 4 then an add of 3: after the add 3 are unread,
-  where an add of 3 (needs <= 1) and a sample of 4 (needs >= 4) both wait."""
+def test_a_sample_of_4_then_adds_of_3_run_in_one_thread():
+  """Queue(4), a sample of 4 then adds of 3 in one thread: 3 unread would
+  block both an add of 3 and a sample of 4, but with one thread nothing
+  waits on another (the issue's false refusal): each call runs or times out."""
   service = queue_service(capacity=4, max_size=4)
   with pytest.raises(TimeoutError):
     service.sample(jax.random.key(0), 4, timeout=0.01)
   own = service.writer()
-  with pytest.raises(ValueError, match=r"adds of \[3\] units and samples of \[4\] rows") as error:
-    own.add(np.arange(3, dtype=np.int32), timeout=1.0)
-  assert "3 units unread" in str(error.value) and "max_size" in str(error.value)
+  own.add(np.arange(3, dtype=np.int32), timeout=1.0)
+  with pytest.raises(TimeoutError):
+    own.add(np.arange(3, 6, dtype=np.int32), timeout=0.01)
+  with pytest.raises(TimeoutError):
+    service.sample(jax.random.key(0), 4, timeout=0.01)
+  batch = service.sample(jax.random.key(0), 3, timeout=1.0).batch
+  assert np.asarray(batch.items).tolist() == [0, 1, 2]
+  assert service.counts == jaxbuf.RateCounts(3, 3)
+  service.close()
+
+
+def test_callers_that_all_wait_on_each_other_are_told_naming_the_sizes_and_the_fix():
+  """Queue(4), one thread adding 3s, one sampling 4s: after the first add 3
+  are unread, where the add (needs <= 1) and the sample (needs >= 4) both
+  wait and no call is under way. Both are told at once, not at their 5 s
+  timeouts."""
+  service = queue_service(capacity=8, max_size=4)
+  errors: dict = {}
+
+  def actor():
+    own = service.writer()
+    try:
+      for step in range(4):
+        own.add(np.arange(3, dtype=np.int32) + 3 * step, timeout=5.0)
+    except ValueError as error:
+      errors["add"] = error
+
+  def learner():
+    try:
+      for step in range(4):
+        service.sample(jax.random.key(step), 4, timeout=5.0)
+    except ValueError as error:
+      errors["sample"] = error
+
+  started = time.monotonic()
+  assert not run_threads([actor, learner])
+  assert time.monotonic() - started < 2.0
+  assert set(errors) == {"add", "sample"}, errors
+  for error in errors.values():
+    message = str(error)
+    assert "Queue(4)" in message and "3 units unread" in message, message
+    assert "adds of [3] units" in message and "samples of [4] rows" in message, message
+    assert "max_size" in message, message
+  assert service.counts == jaxbuf.RateCounts(3, 0)
+  own = service.writer()
+  own.add(np.arange(1, dtype=np.int32), timeout=1.0)  # the service goes on: 4 unread
+  assert service.sample(jax.random.key(9), 4, timeout=1.0).batch.mask.all()
+  service.close()
+
+
+def test_a_size_that_can_never_run_is_refused_before_waiting():
+  service = queue_service(capacity=8, max_size=4)
+  with pytest.raises(ValueError, match=r"Queue\(4\): a sample of 5 rows can never run"):
+    service.sample(jax.random.key(0), 5, timeout=1.0)
+  with pytest.raises(ValueError, match=r"Queue\(4\): an add of 5 units can never"):
+    service.writer().add(np.arange(5, dtype=np.int32), timeout=1.0)
   assert service.counts == jaxbuf.RateCounts(0, 0)
-  own.add(np.arange(4, dtype=np.int32), timeout=1.0)  # the sizes that fit still run
   service.close()
 
 

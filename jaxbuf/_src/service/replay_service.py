@@ -229,9 +229,14 @@ class ReplayService(Generic[StateT, SampleT]):
     self._counts = RateCounts(0, 0)  # units in the state, rows taken from it
     self._adding = 0  # units of admitted adds not yet in the state
     self._sampling = 0  # rows of admitted samples not yet taken
-    self._insert_sizes: set[int] = set()  # the sizes used, for `check_sizes`
+    self._insert_sizes: set[int] = set()  # the sizes used, for `_deadlock`
     self._sample_sizes: set[int] = set()
-    self._start = RateCounts(0, 0)  # the counts the diff started from
+    # Callers waiting for the limiter: ("insert", units) or ("sample", rows)
+    # by a token per wait; the message for those told of a deadlock; the
+    # waits for something else (live items), any of which may still move.
+    self._waiting: dict[object, tuple[str, int]] = {}
+    self._deadlocked: dict[object, str] = {}
+    self._other_waits = 0
     self._pending: list[coalescing.PendingAdd] = []
     self._owned_envs: set[int] = set()
     self._checked: set = set()  # add signatures the buffer accepted
@@ -304,7 +309,12 @@ class ReplayService(Generic[StateT, SampleT]):
       )
     with self._counts_lock:
       self._check_sizes(insert=entry.units)
-      self._wait(self._insertable, lambda: self._may_insert(entry.units), timeout)
+      self._wait(
+        self._insertable,
+        lambda: self._may_insert(entry.units),
+        timeout,
+        waiting=("insert", entry.units),
+      )
       self._adding += entry.units
       self._pending.append(entry)
       self.adds += 1
@@ -473,8 +483,9 @@ class ReplayService(Generic[StateT, SampleT]):
     Raises:
       ServiceClosed: the service is closed, or was closed while waiting.
       TimeoutError: the limiter did not allow the sample within `timeout`.
-      ValueError: a size that could deadlock with the adds seen
-        (`RateLimiter.check_sizes`), or a bad argument.
+      ValueError: a size that can never run (`RateLimiter.check_size`);
+        every caller waiting on the others, none under way (the message
+        names the sizes and the fix); or a bad argument.
     """
     what = "ReplayService.sample"
     if max_version_lag is not None:
@@ -558,7 +569,12 @@ class ReplayService(Generic[StateT, SampleT]):
     while True:
       with self._counts_lock:
         self._check_sizes(sample=batch_size)
-        self._wait(self._sampleable, lambda: self._may_sample(batch_size), _left(deadline))
+        self._wait(
+          self._sampleable,
+          lambda: self._may_sample(batch_size),
+          _left(deadline),
+          waiting=("sample", batch_size),
+        )
         self._sampling += batch_size
         inserts_seen = self._counts.inserts
         # Adds admitted before this sample are pending (drained on the
@@ -619,12 +635,35 @@ class ReplayService(Generic[StateT, SampleT]):
     return bool(self.buffer.can_sample(state, rows))
 
   def _check_sizes(self, *, insert: int = 0, sample: int = 0) -> None:
-    """`check_sizes` over the sizes used and the new one, which is kept only
-    when accepted (a refused call changes nothing). Holds `_counts_lock`."""
-    inserts = self._insert_sizes | ({insert} if insert else set())
-    samples = self._sample_sizes | ({sample} if sample else set())
-    self.rate_limiter.check_sizes(inserts, samples, self._start)
-    self._insert_sizes, self._sample_sizes = inserts, samples
+    """Refuses a size that can never run (`RateLimiter.check_size`); keeps
+    the sizes used, which `_deadlock` judges by. Holds `_counts_lock`."""
+    self.rate_limiter.check_size(insert=insert, sample=sample)
+    if insert:
+      self._insert_sizes.add(insert)
+    if sample:
+      self._sample_sizes.add(sample)
+
+  def _deadlock(self, token: object) -> str | None:
+    """The message for a deadlock, told to every other waiting caller, or
+    None. A deadlock: callers wait on both sides, none is under way (an add
+    or sample admitted and not done, a wait for live items), and no add nor
+    sample of a size used so far may run at the counts, so no caller of
+    those sizes can ever move them. Holds `_counts_lock`."""
+    if self._lockstep is not None or self._other_waits or self._adding or self._sampling:
+      return None
+    if {side for side, _ in self._waiting.values()} != {"insert", "sample"}:
+      return None
+    if any(self._may_insert(units) for units in self._insert_sizes) or any(
+      self._may_sample(rows) for rows in self._sample_sizes
+    ):
+      return None
+    message = self.rate_limiter.deadlock(self._counts, self._insert_sizes, self._sample_sizes)
+    for other in self._waiting:
+      if other is not token:
+        self._deadlocked[other] = message
+    self._insertable.notify_all()
+    self._sampleable.notify_all()
+    return message
 
   def _may_insert(self, units: int) -> bool:
     """The limiter over the units in the state or reserved, and the rows
@@ -745,7 +784,6 @@ class ReplayService(Generic[StateT, SampleT]):
       unread = int(np.uint32(state.add_count) - np.uint32(service._fifo.read_count))
       counts = RateCounts(counts.inserts, counts.inserts - unread)
     service._counts = service.rate_limiter.restored(counts)
-    service._start = service._counts
     service._global_inserts = service._counts.inserts  # lockstep: what every process agreed
     return service
 
@@ -772,14 +810,39 @@ class ReplayService(Generic[StateT, SampleT]):
       raise ServiceClosed(f"{what}: the replay service is closed.") from self._cause
 
   def _wait(
-    self, condition: threading.Condition, allowed: Callable[[], bool], timeout, why: str = ""
+    self,
+    condition: threading.Condition,
+    allowed: Callable[[], bool],
+    timeout,
+    why: str = "",
+    waiting: tuple[str, int] | None = None,
   ) -> None:
-    """Waits on `condition` (its lock held) until `allowed()` or closed."""
-    if not condition.wait_for(lambda: self.closed or allowed(), timeout):
-      raise TimeoutError(
-        why
-        or f"the rate limiter did not allow it within {timeout} s: {self.rate_limiter!r}, "
-        f"counts {self._counts} ({self._adding} units and {self._sampling} rows under way)."
-      )
+    """Waits on `condition` (its lock held) until `allowed()` or closed;
+    `waiting`: the limiter's side and size, for `_deadlock` (else a wait
+    that an add may end)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    token = object()
+    if waiting is None:
+      self._other_waits += 1
+    else:
+      self._waiting[token] = waiting
+    try:
+      while not (self.closed or allowed()):
+        message = self._deadlocked.pop(token, None) or self._deadlock(token)
+        if message is not None:
+          raise ValueError(message)
+        left = _left(deadline)
+        if left == 0:
+          raise TimeoutError(
+            why
+            or f"the rate limiter did not allow it within {timeout} s: {self.rate_limiter!r}, "
+            f"counts {self._counts} ({self._adding} units and {self._sampling} rows under way)."
+          )
+        condition.wait(left)
+    finally:
+      if waiting is None:
+        self._other_waits -= 1
+      self._waiting.pop(token, None)
+      self._deadlocked.pop(token, None)
     if self.closed:
       raise ServiceClosed("the replay service was closed while waiting.") from self._cause
