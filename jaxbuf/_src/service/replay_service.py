@@ -222,6 +222,7 @@ class ReplayService(Generic[StateT, SampleT]):
     # so an exception raised in a caller's thread (an actor killed by an
     # async exception) never lands between the two (`_owned`).
     self._owner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxbuf-service")
+    self._queued_drain: concurrent.futures.Future | None = None  # not started yet
     self._state_lock = threading.Lock()
     self._counts_lock = threading.Lock()
     self._insertable = threading.Condition(self._counts_lock)
@@ -319,9 +320,14 @@ class ReplayService(Generic[StateT, SampleT]):
       self._pending.append(entry)
       self.adds += 1
       self._sampleable.notify_all()
-    if self._lockstep is not None:
-      return  # the learners' lockstep rounds add it
-    self._owned(self._drain_locked)
+      if self._lockstep is not None:
+        return  # the learners' lockstep rounds add it
+      # A drain queued and not yet started takes this add too: one job for
+      # every add that arrives while the service's thread is busy.
+      drain = self._queued_drain
+      if drain is None:
+        drain = self._queued_drain = self._owner.submit(self._drain_queued)
+    drain.result()
     if entry.error is not None:
       raise entry.error
 
@@ -334,6 +340,11 @@ class ReplayService(Generic[StateT, SampleT]):
   def _drain_locked(self) -> None:
     with self._state_lock:
       self._drain()
+
+  def _drain_queued(self) -> None:
+    with self._counts_lock:  # adds pending from now on queue another drain
+      self._queued_drain = None
+    self._drain_locked()
 
   def _drained(self) -> None:
     """Every add admitted so far in the state (drained on the service's
