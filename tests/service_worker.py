@@ -57,6 +57,14 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
       break
     drawn.append(np.asarray(sample.batch.items["serial"].addressable_data(0)))
   thread.join(30)
+  # Adds pending on the host (10 rows here, 3 there: two rounds' worth on
+  # process 0), then a checkpoint in both: its rounds take them all.
+  late = service.writer()
+  for start in range(0, 10 if process_id == 0 else 3, 5):
+    count = min(5, (10 if process_id == 0 else 3) - start)
+    late.add({"serial": 1000 * process_id + 500 + start + np.arange(count, dtype=np.int32)})
+  service.checkpoint(f"{out_dir}/cut")  # one path, as jaxbuf.save asks
+  checkpointed = service.counts.inserts
   state = service.state
   storage = multihost_utils.process_allgather(state.storage["serial"], tiled=True)
   size_held = multihost_utils.process_allgather(state.size, tiled=True)
@@ -69,6 +77,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
     inserts=service.counts.inserts,
     samples=service.counts.samples,
     timed_out=timed_out,
+    checkpointed=checkpointed,
   )
   jax.distributed.shutdown()
 

@@ -124,12 +124,31 @@ def test_sizes_the_limiter_accepts_never_block_both_sides(
       assert limiter.min_diff <= diff <= limiter.max_diff + insert_units * ratio
 
 
-def test_sizes_that_could_deadlock_are_refused_before_waiting():
+def test_sizes_that_deadlock_are_told_to_every_waiting_caller():
+  """SampleToInsertRatio(1, 1, 4), window [-3, 5]: after an add of 4 a
+  sample of 8 needs the diff >= 5 and an add of 4 needs it <= 1. One
+  thread alone times out (another add, of 1, would let it run); an actor
+  and a learner waiting on each other are both told."""
   service = items_service(limiter=jaxbuf.SampleToInsertRatio(1.0, min_size=1, error_buffer=4.0))
   writer = service.writer()
   writer.add(items(range(4), 0), timeout=1.0)
-  with pytest.raises(ValueError, match="block each other forever"):
-    service.sample(jax.random.key(0), 8, timeout=1.0)  # 4 * 1 + 8 > 8
+  with pytest.raises(TimeoutError):
+    service.sample(jax.random.key(0), 8, timeout=0.05)
+  raised: list = []
+
+  def learner():
+    try:
+      service.sample(jax.random.key(0), 8, timeout=10.0)
+    except ValueError as error:
+      raised.append(error)
+
+  thread = threading.Thread(target=learner)
+  thread.start()
+  with pytest.raises(ValueError, match="block each other forever") as error:
+    writer.add(items(range(4, 8), 0), timeout=10.0)
+  thread.join(10.0)
+  assert not thread.is_alive() and len(raised) == 1
+  assert "samples of [8] rows" in str(error.value) and "error_buffer" in str(error.value)
   assert service.counts == jaxbuf.RateCounts(4, 0)
   service.close()
 

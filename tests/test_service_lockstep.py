@@ -109,17 +109,52 @@ def test_two_processes_add_their_own_rows_and_sample_in_lockstep(tmp_path):
   own process's devices."""
   run_workers(tmp_path, worker=os.path.join(ROOT, "tests", "service_worker.py"))
   first, second = (dict(np.load(tmp_path / f"process_{i}.npz")) for i in range(2))
-  for name in ("drawn", "storage", "size", "inserts", "samples", "timed_out"):
+  for name in ("drawn", "storage", "size", "inserts", "samples", "timed_out", "checkpointed"):
     np.testing.assert_array_equal(first[name], second[name], err_msg=name)
-  assert int(first["inserts"]) == 64
+  # 64 rows, then 10 + 3 pending that each process's checkpoint took in
+  # the same rounds.
+  assert int(first["inserts"]) == 77 == int(first["checkpointed"])
   # SampleToInsertRatio(1, min_size=8, error_buffer=16): samples stop at 64 + 8.
   assert int(first["samples"]) == 72 == 8 * len(first["drawn"])
   assert "within 1.0 s (in some process)" in str(first["timed_out"])
   storage, size = first["storage"], first["size"]
   rows = storage[np.arange(storage.shape[1]) < size[:, None]]
-  expected = list(range(40)) + list(range(1000, 1024))
+  expected = list(range(40)) + list(range(500, 510)) + list(range(1000, 1024))
+  expected += list(range(1500, 1503))
   assert sorted(rows.tolist()) == expected
   # Devices 0-1 are process 0's, 2-3 process 1's: each holds its own rows.
   assert np.all(storage[:2][np.arange(32) < size[:2, None]] < 1000)
   assert np.all(storage[2:][np.arange(32) < size[2:, None]] >= 1000)
   assert set(first["drawn"].reshape(-1).tolist()) <= set(expected)
+
+
+def test_a_checkpoint_holds_the_pending_adds_and_restores_in_lockstep(tmp_path):
+  """Adds wait on the host until a round; a checkpoint runs the rounds that
+  take them (every process calls it, as `sample`), so the saved state and
+  the saved counts are one cut, and `restore(..., lockstep_rows=)` rebuilds
+  the lockstep service."""
+  buffer = sharded(jaxbuf.uniform_replay(64))
+  like = buffer.init({"serial": np.int32(0)})
+  service = jaxbuf.ReplayService(buffer, like, jaxbuf.MinSize(8), lockstep_rows=8)
+  writer = service.writer()
+  for start in range(0, 15, 5):  # 15 rows pending: more than one round's block of 8
+    writer.add({"serial": np.arange(start, start + 5, dtype=np.int32)}, timeout=10)
+  service.checkpoint(tmp_path / "cut")
+  service.close()
+  saved = jaxbuf.load(tmp_path / "cut" / "state", like=buffer.init({"serial": np.int32(0)}))
+  assert held(saved) == list(range(15))
+  restored = jaxbuf.ReplayService.restore(
+    tmp_path / "cut",
+    buffer,
+    buffer.init({"serial": np.int32(0)}),
+    jaxbuf.MinSize(8),
+    lockstep_rows=8,
+  )
+  assert restored.counts.inserts == int(np.sum(restored.state.add_count)) == 15
+  drawn = restored.sample(jax.random.key(0), 4, timeout=10).batch.items["serial"]
+  assert set(np.asarray(drawn).tolist()) <= set(range(15))
+  restored.writer().add({"serial": np.arange(100, 103, dtype=np.int32)}, timeout=10)
+  restored.sample(jax.random.key(1), 4, timeout=10)  # its round adds them
+  assert held(restored.state) == list(range(15)) + [100, 101, 102]
+  assert restored.counts.inserts == 18 and restored.counts.samples == 8
+  restored.close()

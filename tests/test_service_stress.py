@@ -7,6 +7,7 @@ Every wait has a timeout (`JOIN` seconds for a thread, the service's own
 hanging the suite.
 """
 
+import ctypes
 import json
 import threading
 import time
@@ -16,6 +17,7 @@ import hypothesis.strategies as st
 import jax
 import numpy as np
 import pytest
+from jax.experimental import io_callback
 
 import jaxbuf
 
@@ -275,18 +277,71 @@ def test_a_sample_of_4_then_adds_of_2_run_in_one_thread():
   service.close()
 
 
-def test_sizes_that_reach_a_deadlock_are_refused_naming_the_sizes_and_the_fix():
-  """Queue(4), a sample of 4 then an add of 3: after the add 3 are unread,
-  where an add of 3 (needs <= 1) and a sample of 4 (needs >= 4) both wait."""
+def test_a_sample_of_4_then_adds_of_3_run_in_one_thread():
+  """Queue(4), a sample of 4 then adds of 3 in one thread: 3 unread would
+  block both an add of 3 and a sample of 4, but with one thread nothing
+  waits on another (the issue's false refusal): each call runs or times out."""
   service = queue_service(capacity=4, max_size=4)
   with pytest.raises(TimeoutError):
     service.sample(jax.random.key(0), 4, timeout=0.01)
   own = service.writer()
-  with pytest.raises(ValueError, match=r"adds of \[3\] units and samples of \[4\] rows") as error:
-    own.add(np.arange(3, dtype=np.int32), timeout=1.0)
-  assert "3 units unread" in str(error.value) and "max_size" in str(error.value)
+  own.add(np.arange(3, dtype=np.int32), timeout=1.0)
+  with pytest.raises(TimeoutError):
+    own.add(np.arange(3, 6, dtype=np.int32), timeout=0.01)
+  with pytest.raises(TimeoutError):
+    service.sample(jax.random.key(0), 4, timeout=0.01)
+  batch = service.sample(jax.random.key(0), 3, timeout=1.0).batch
+  assert np.asarray(batch.items).tolist() == [0, 1, 2]
+  assert service.counts == jaxbuf.RateCounts(3, 3)
+  service.close()
+
+
+def test_callers_that_all_wait_on_each_other_are_told_naming_the_sizes_and_the_fix():
+  """Queue(4), one thread adding 3s, one sampling 4s: after the first add 3
+  are unread, where the add (needs <= 1) and the sample (needs >= 4) both
+  wait and no call is under way. Both are told at once, not at their 5 s
+  timeouts."""
+  service = queue_service(capacity=8, max_size=4)
+  errors: dict = {}
+
+  def actor():
+    own = service.writer()
+    try:
+      for step in range(4):
+        own.add(np.arange(3, dtype=np.int32) + 3 * step, timeout=5.0)
+    except ValueError as error:
+      errors["add"] = error
+
+  def learner():
+    try:
+      for step in range(4):
+        service.sample(jax.random.key(step), 4, timeout=5.0)
+    except ValueError as error:
+      errors["sample"] = error
+
+  started = time.monotonic()
+  assert not run_threads([actor, learner])
+  assert time.monotonic() - started < 2.0
+  assert set(errors) == {"add", "sample"}, errors
+  for error in errors.values():
+    message = str(error)
+    assert "Queue(4)" in message and "3 units unread" in message, message
+    assert "adds of [3] units" in message and "samples of [4] rows" in message, message
+    assert "max_size" in message, message
+  assert service.counts == jaxbuf.RateCounts(3, 0)
+  own = service.writer()
+  own.add(np.arange(1, dtype=np.int32), timeout=1.0)  # the service goes on: 4 unread
+  assert service.sample(jax.random.key(9), 4, timeout=1.0).batch.mask.all()
+  service.close()
+
+
+def test_a_size_that_can_never_run_is_refused_before_waiting():
+  service = queue_service(capacity=8, max_size=4)
+  with pytest.raises(ValueError, match=r"Queue\(4\): a sample of 5 rows can never run"):
+    service.sample(jax.random.key(0), 5, timeout=1.0)
+  with pytest.raises(ValueError, match=r"Queue\(4\): an add of 5 units can never"):
+    service.writer().add(np.arange(5, dtype=np.int32), timeout=1.0)
   assert service.counts == jaxbuf.RateCounts(0, 0)
-  own.add(np.arange(4, dtype=np.int32), timeout=1.0)  # the sizes that fit still run
   service.close()
 
 
@@ -542,3 +597,119 @@ def test_a_disk_tier_buffer_is_refused_when_the_service_is_made(tmp_path):
   host = jaxbuf.uniform_replay(16, storage="host")
   service = jaxbuf.ReplayService(host, host.init({"obs": np.zeros(64, np.float32)}))
   service.close()
+
+
+def _faulty_uniform(capacity, fault):
+  """A uniform buffer whose add fails while it runs (an XLA runtime error,
+  after the donated state was consumed) when `fault["on"]`: a host callback
+  inside the jitted add raises."""
+  buffer = jaxbuf.uniform_replay(capacity)
+
+  def check(_):
+    if fault["on"]:
+      raise RuntimeError("injected device fault")
+
+  def add(state, items):
+    io_callback(check, None, state.add_count, ordered=True)
+    return buffer.add(state, items)
+
+  return buffer._replace(add=add)
+
+
+def test_a_device_add_failing_while_it_runs_leaves_the_state_as_it_was():
+  fault = {"on": False}
+  buffer = _faulty_uniform(16, fault)
+  service = jaxbuf.ReplayService(buffer, buffer.init(np.int32(0)))
+  writer = service.writer()
+  writer.add(np.arange(4, dtype=np.int32))
+  fault["on"] = True
+  with pytest.raises(Exception, match="injected device fault"):
+    writer.add(np.arange(4, 8, dtype=np.int32))
+  fault["on"] = False
+  state = service.state  # not "Array has been deleted"
+  assert int(state.add_count) == 4 == service.counts.inserts
+  assert sorted(np.asarray(state.storage)[:4].tolist()) == [0, 1, 2, 3]
+  writer.add(np.arange(8, 12, dtype=np.int32))
+  state = service.state
+  assert int(state.add_count) == 8 == service.counts.inserts
+  assert np.asarray(state.storage)[:8].tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+  batch = service.sample(jax.random.key(0), 4, timeout=5.0).batch
+  assert set(np.asarray(batch.items).tolist()) <= {0, 1, 2, 3, 8, 9, 10, 11}
+  service.close()
+
+
+def _raise_in(thread: threading.Thread, kind: type) -> None:
+  """An async exception in `thread` (how a runtime kills an actor)."""
+  ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(kind))
+
+
+class _Killed(Exception):
+  pass
+
+
+@pytest.mark.parametrize("run", range(8))
+def test_an_actor_killed_inside_writer_add_leaves_the_state_as_it_was(run):
+  """The probe: an async exception in an actor thread while it adds (5 of 8
+  runs deleted the whole state: the exception landed between the donated
+  device call and the assignment of its result)."""
+  rng = np.random.default_rng(run)
+  buffer = jaxbuf.uniform_replay(64)
+  service = jaxbuf.ReplayService(buffer, buffer.init(np.int32(0)))
+  service.writer().add(np.zeros(1, np.int32))  # compiled before the actor starts
+  accepted: list = []
+  started = threading.Event()
+
+  def actor():
+    writer = service.writer()
+    started.set()
+    try:
+      for i in range(1, 100_000):
+        writer.add(np.full(2, i, np.int32))
+        accepted.append(i)
+    except _Killed:
+      pass
+
+  thread = threading.Thread(target=actor)
+  thread.start()
+  assert started.wait(JOIN)
+  time.sleep(float(rng.uniform(0.01, 0.2)))
+  _raise_in(thread, _Killed)
+  thread.join(JOIN)
+  assert not thread.is_alive()
+  state = service.state  # not "Array has been deleted"
+  counts = service.counts
+  assert int(state.add_count) == counts.inserts
+  held = np.asarray(state.storage)[: min(counts.inserts, 64)]
+  # Every add the actor saw accepted is held (the last one, cut off while
+  # adding, is held whole or not at all).
+  newest = [i for i in accepted if i > 0][-20:]
+  assert set(newest) <= set(held.tolist())
+  assert (counts.inserts - 1) // 2 in (len(accepted), len(accepted) + 1)
+  service.sample(jax.random.key(run), 4, timeout=5.0)
+  service.writer().add(np.full(2, -1, np.int32), timeout=5.0)
+  assert int(service.state.add_count) == counts.inserts + 2
+  service.close()
+
+
+def test_a_device_fault_that_consumed_the_state_closes_the_service_with_its_error():
+  """A donated add that fails after consuming the state (a device fault;
+  simulated: the add deletes its input, then raises): nothing to go on
+  with, so the service closes, every later call naming the fault."""
+  buffer = jaxbuf.uniform_replay(16)
+  service = jaxbuf.ReplayService(buffer, buffer.init(np.int32(0)))
+  writer = service.writer()
+  writer.add(np.arange(4, dtype=np.int32))
+
+  def faulty_add(state, items):
+    for leaf in jax.tree.leaves(state):
+      leaf.delete()
+    raise RuntimeError("injected device fault")
+
+  service._donating_add = faulty_add  # pylint: disable=protected-access
+  with pytest.raises(RuntimeError, match="injected device fault"):
+    writer.add(np.arange(4, dtype=np.int32))
+  with pytest.raises(jaxbuf.ServiceClosed) as closed:
+    writer.add(np.arange(4, dtype=np.int32))
+  assert "injected device fault" in str(closed.value.__cause__)
+  with pytest.raises(jaxbuf.ServiceClosed, match="restore the service from its last checkpoint"):
+    _ = service.state

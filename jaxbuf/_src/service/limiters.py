@@ -18,12 +18,12 @@ each sampled once.
 
 Liveness. Inserts of `n` units and samples of `b` rows are both blocked
 when the diff lies in `(max_diff - n * samples_per_insert, min_diff + b)`
-(neither may move). A limiter whose window is too
-narrow for even one unit and one row is refused when made, and the service
-refuses a call whose size, with the sizes used so far, could reach a diff
-where the largest of each side both wait (`check_sizes`: the diff moves on
-the lattice the sizes generate, so adds of B and samples of B under
-`Queue(B)` run).
+(neither may move). A limiter whose window is too narrow for even one unit
+and one row is refused when made; the service refuses a call that can never
+run (`check_size`), and tells callers that all wait on each other, none
+under way, at once (`deadlock`): sizes that could meet there (`check_sizes`
+walks the lattice they generate) are not refused, since one thread alone,
+or callers in another order, may never reach it.
 """
 
 import dataclasses
@@ -155,15 +155,8 @@ class RateLimiter:
     name = self._name()
     if math.isinf(self.max_diff) or math.isinf(self.min_diff):
       return
-    if (
-      inserts
-      and (inserts[-1] - 1) * ratio > fractions.Fraction(self.max_diff) - self.min_size * ratio
-    ):
-      raise ValueError(
-        f"{name}: an add of {inserts[-1]} units can never be inserted before min_size = "
-        f"{self.min_size} units are in (it would pass max_diff = {self.max_diff}). Use adds "
-        f"of at most {self._largest_first_insert()} units, or a larger error_buffer / max_size."
-      )
+    if inserts:
+      self.check_size(insert=inserts[-1])
     if not inserts or not samples:
       return
     largest_insert, largest_sample = inserts[-1], samples[-1]
@@ -202,6 +195,59 @@ class RateLimiter:
         f"{self.min_diff + largest_sample}). Use sizes that divide one another (adds of B "
         f"and samples of B, or of B / 2), or a larger error_buffer / max_size."
       )
+
+  def check_size(self, *, insert: int = 0, sample: int = 0) -> None:
+    """Refuses a call that can never run, whatever else is called: an
+    insert of `insert` units that would pass `max_diff` before `min_size`
+    units are in, a sample of `sample` rows that needs a diff above
+    `max_diff` (which inserts never pass). The service refuses these before
+    waiting; sizes that deadlock only together it detects as they wait
+    (`deadlock`).
+
+    Raises:
+      ValueError: naming the size, the limit it passes and the fix.
+    """
+    if math.isinf(self.max_diff) or math.isinf(self.min_diff):
+      return
+    ratio = fractions.Fraction(self.samples_per_insert)
+    name = self._name()
+    if insert and (insert - 1) * ratio > fractions.Fraction(self.max_diff) - self.min_size * ratio:
+      raise ValueError(
+        f"{name}: an add of {insert} units can never be inserted before min_size = "
+        f"{self.min_size} units are in (it would pass max_diff = {self.max_diff}). Use adds "
+        f"of at most {self._largest_first_insert()} units, or a larger error_buffer / max_size."
+      )
+    if sample and self.min_diff + sample > self.max_diff:
+      held = "at most max_size units are unread" if self.fifo else "inserts stop there"
+      raise ValueError(
+        f"{name}: a sample of {sample} rows can never run: it needs the diff at least "
+        f"{self.min_diff + sample}, above max_diff = {self.max_diff} ({held}). Sample at "
+        f"most {int(math.floor(self.max_diff - self.min_diff))} rows, or use a larger "
+        f"error_buffer / max_size."
+      )
+
+  def deadlock(
+    self, counts: RateCounts, insert_sizes: Iterable[int], sample_sizes: Iterable[int]
+  ) -> str:
+    """What to tell callers that all wait on each other at `counts`: no
+    insert of `insert_sizes` and no sample of `sample_sizes` may run, and
+    none is under way to move the counts."""
+    inserts, samples = sorted(set(insert_sizes)), sorted(set(sample_sizes))
+    diff = counts.inserts * self.samples_per_insert - counts.samples
+    where = (
+      f"{diff:g} units unread"
+      if self.fifo
+      else f"the diff inserts * samples_per_insert - samples = {diff:g}"
+    )
+    return (
+      f"{self._name()}: adds of {inserts} units and samples of {samples} rows block each "
+      f"other forever: every caller waits on the others and none is under way, at {where} "
+      f"(counts {tuple(counts)}), where an add of {inserts[0]} waits (it needs the diff at "
+      f"most {self.max_diff - inserts[0] * self.samples_per_insert:g}) and a sample of "
+      f"{samples[0]} waits (it needs at least {self.min_diff + samples[0]:g}). Use sizes that "
+      f"divide one another (adds of B and samples of B, or of B / 2), or a larger "
+      f"error_buffer / max_size."
+    )
 
   def _name(self) -> str:
     if self.fifo:

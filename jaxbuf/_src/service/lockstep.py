@@ -114,11 +114,16 @@ class Lockstep:
     return taken
 
   def round(
-    self, state: Any, taken: list[coalescing.PendingAdd], timed_out: bool, closed: bool
-  ) -> tuple[Any, int, bool, bool]:
+    self,
+    state: Any,
+    taken: list[coalescing.PendingAdd],
+    timed_out: bool,
+    closed: bool,
+    more: bool = False,
+  ) -> tuple[Any, int, bool, bool, bool]:
     """One lockstep round (every process calls it together): the state with
     every process's block added, the rows added over all processes, and
-    whether any process timed out or is closed."""
+    whether any process timed out, is closed, or has `more` to flush."""
     counts = np.zeros(self._local, np.int32)
     block = self._padding
     if taken:
@@ -137,19 +142,24 @@ class Lockstep:
         return out.reshape(pad.shape)
 
       block = jax.tree.map(placed, self._padding, items)
-    flags = np.tile(np.array([[int(timed_out), int(closed)]], np.int32), (self._local, 1))
+    flags = np.tile(
+      np.array([[int(timed_out), int(closed), int(more)]], np.int32), (self._local, 1)
+    )
     arrays = jax.tree.map(
       lambda leaf: jax.make_array_from_process_local_data(self._rows_sharding, leaf),
       (block, counts, flags),
     )
     state, totals = self._round(state, *arrays)
-    added, any_timed_out, any_closed = (int(x) for x in np.asarray(totals.addressable_data(0)))
-    return state, added, any_timed_out > 0, any_closed > 0
+    added, any_timed_out, any_closed, any_more = (
+      int(x) for x in np.asarray(totals.addressable_data(0))
+    )
+    return state, added, any_timed_out > 0, any_closed > 0, any_more > 0
 
 
 def _round_function(kind: Any, mesh: jax.sharding.Mesh, axis: str, per_device: int) -> Callable:
-  """`(state, block [D, r, ...], counts [D], flags [D, 2]) -> (state,
-  int32 [3]: rows added, timed-out and closed flags, summed over devices)`,
+  """`(state, block [D, r, ...], counts [D], flags [D, 3]) -> (state,
+  int32 [4]: rows added, timed-out, closed and more-to-flush flags, summed
+  over devices)`,
   jitted, the state donated."""
   spec = PartitionSpec(axis)
   bits = [1 << j for j in reversed(range(per_device.bit_length()))]
@@ -180,6 +190,42 @@ def _round_function(kind: Any, mesh: jax.sharding.Mesh, axis: str, per_device: i
   return jax.jit(mapped, donate_argnums=0)
 
 
+def _agree(service: Any, taken: list[coalescing.PendingAdd], added: int) -> RateCounts:
+  """The counts after a round that added `added` rows over every process,
+  `taken` this process's. Holds both of the service's locks."""
+  self = service  # pylint: disable=protected-access  (the package's ReplayService)
+  self.device_adds += 1
+  self._global_inserts += added
+  # The agreed inserts are in the state; this process's taken adds are no
+  # longer under way (those still pending are).
+  self._adding -= sum(entry.units for entry in taken)
+  self._counts = self._counts._replace(inserts=self._counts.inserts + added)
+  self._insertable.notify_all()
+  return RateCounts(self._global_inserts, self._counts.samples)
+
+
+def flush(service: Any) -> None:
+  """Rounds until every process's adds pending when it was called are in
+  the state (a checkpoint's cut; every process calls it in the same order,
+  as `sampled`): each round's psum says whether any process has more of
+  them, so every process runs the same rounds. Holds the state lock."""
+  self = service  # pylint: disable=protected-access  (the package's ReplayService)
+  with self._counts_lock:
+    left = list(self._pending)  # the adds to flush; later ones wait for a round
+  more = True
+  while more:
+    with self._counts_lock:
+      taken = self._lockstep.taking(left)
+      left = left[len(taken) :]
+      for entry in taken:
+        self._pending.remove(entry)
+    self._state, added, _, _, more = self._lockstep.round(
+      self._state, taken, False, False, more=bool(left)
+    )
+    with self._counts_lock:
+      _agree(self, taken, added)
+
+
 def sampled(service: Any, what: str, batch_size: int, timeout, call: Callable) -> Any:
   """`ReplayService._sampled` in lockstep, under the service's locks:
   rounds until the limiter allows the sample over the agreed counts, or a
@@ -195,17 +241,11 @@ def sampled(service: Any, what: str, batch_size: int, timeout, call: Callable) -
         del self._pending[: len(taken)]
         closed = self.closed
       timed_out = deadline is not None and time.monotonic() >= deadline
-      self._state, added, any_timed_out, any_closed = self._lockstep.round(
+      self._state, added, any_timed_out, any_closed, _ = self._lockstep.round(
         self._state, taken, timed_out, closed
       )
-      self.device_adds += 1
       with self._counts_lock:
-        self._global_inserts += added
-        # The agreed inserts are in the state; this process's taken adds are
-        # no longer under way (those still pending are).
-        self._adding -= sum(entry.units for entry in taken)
-        self._counts = self._counts._replace(inserts=self._counts.inserts + added)
-        agreed = RateCounts(self._global_inserts, self._counts.samples)
+        agreed = _agree(self, taken, added)
         if any_closed:
           self.closed = True
           self._insertable.notify_all()

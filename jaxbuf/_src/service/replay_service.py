@@ -35,12 +35,19 @@ read); a sample against the units in the state and the rows taken or
 reserved (never rows an add may still fail to write). Under `Queue` every
 item is thus read exactly once, in order, for any capacity >= max_size.
 
+The service's thread. Every donated device call (a drain, a consuming
+kind's take, `update_priorities`) and the storing of its result run on one
+thread the service owns (`_owned`), callers waiting for it: an exception
+raised in a caller's thread (an actor killed by an async exception) can
+then never land between a donated call and the assignment of its result.
+
 Samples drain the pending adds first too, so a sample sees every add
 admitted before it. They draw with `buffer.take` (consuming kinds retire what
 they hand out), under `Queue` with the core's FIFO rule (`fifo_reads`), and
 with `max_version_lag` with `uniform.sample_eligible`.
 """
 
+import concurrent.futures
 import json
 import math
 import os
@@ -105,6 +112,11 @@ def _check_version(version: Any, what: str) -> int:
 def _signature(tree: PyTree) -> tuple:
   leaves, treedef = jax.tree.flatten(tree)
   return (treedef, tuple((np.shape(leaf), np.result_type(leaf)) for leaf in leaves))
+
+
+def _consumed(tree: PyTree) -> bool:
+  """Whether an array of `tree` was donated (deleted)."""
+  return any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(tree))
 
 
 def _abstract(tree: PyTree) -> PyTree:
@@ -198,6 +210,19 @@ class ReplayService(Generic[StateT, SampleT]):
     self._part_adds: list[Callable] = [jax.jit(part.add, donate_argnums=0) for part in self._parts]
     if not isinstance(buffer, Mixture):
       self._donating_add = jax.jit(buffer.add, donate_argnums=0)
+    # An add whose computation has effects (a host callback) can fail while
+    # it runs, after a donated state was consumed: such adds keep the state
+    # alive instead (`_check_signature` finds them; pure XLA fails at run
+    # time only with its device).
+    self._may_fail_running = False
+    self._parts_undonated: list[Callable] = [jax.jit(part.add) for part in self._parts]
+    if not isinstance(buffer, Mixture):
+      self._undonated_add = jax.jit(buffer.add)
+    # The thread that makes every donated device call and stores its result,
+    # so an exception raised in a caller's thread (an actor killed by an
+    # async exception) never lands between the two (`_owned`).
+    self._owner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxbuf-service")
+    self._queued_drain: concurrent.futures.Future | None = None  # not started yet
     self._state_lock = threading.Lock()
     self._counts_lock = threading.Lock()
     self._insertable = threading.Condition(self._counts_lock)
@@ -205,9 +230,14 @@ class ReplayService(Generic[StateT, SampleT]):
     self._counts = RateCounts(0, 0)  # units in the state, rows taken from it
     self._adding = 0  # units of admitted adds not yet in the state
     self._sampling = 0  # rows of admitted samples not yet taken
-    self._insert_sizes: set[int] = set()  # the sizes used, for `check_sizes`
+    self._insert_sizes: set[int] = set()  # the sizes used, for `_deadlock`
     self._sample_sizes: set[int] = set()
-    self._start = RateCounts(0, 0)  # the counts the diff started from
+    # Callers waiting for the limiter: ("insert", units) or ("sample", rows)
+    # by a token per wait; the message for those told of a deadlock; the
+    # waits for something else (live items), any of which may still move.
+    self._waiting: dict[object, tuple[str, int]] = {}
+    self._deadlocked: dict[object, str] = {}
+    self._other_waits = 0
     self._pending: list[coalescing.PendingAdd] = []
     self._owned_envs: set[int] = set()
     self._checked: set = set()  # add signatures the buffer accepted
@@ -280,17 +310,49 @@ class ReplayService(Generic[StateT, SampleT]):
       )
     with self._counts_lock:
       self._check_sizes(insert=entry.units)
-      self._wait(self._insertable, lambda: self._may_insert(entry.units), timeout)
+      self._wait(
+        self._insertable,
+        lambda: self._may_insert(entry.units),
+        timeout,
+        waiting=("insert", entry.units),
+      )
       self._adding += entry.units
       self._pending.append(entry)
       self.adds += 1
       self._sampleable.notify_all()
-    if self._lockstep is not None:
-      return  # the learners' lockstep rounds add it
-    with self._state_lock:
-      self._drain()
+      if self._lockstep is not None:
+        return  # the learners' lockstep rounds add it
+      # A drain queued and not yet started takes this add too: one job for
+      # every add that arrives while the service's thread is busy.
+      drain = self._queued_drain
+      if drain is None:
+        drain = self._queued_drain = self._owner.submit(self._drain_queued)
+    drain.result()
     if entry.error is not None:
       raise entry.error
+
+  def _owned(self, job: Callable[[], Any]) -> Any:
+    """`job()` run on the service's own thread, its result (or error)
+    returned here. A caller interrupted while it waits leaves the job to
+    finish: a donated call and the storing of its result are never split."""
+    return self._owner.submit(job).result()
+
+  def _drain_locked(self) -> None:
+    with self._state_lock:
+      self._drain()
+
+  def _drain_queued(self) -> None:
+    with self._counts_lock:  # adds pending from now on queue another drain
+      self._queued_drain = None
+    self._drain_locked()
+
+  def _drained(self) -> None:
+    """Every add admitted so far in the state (drained on the service's
+    thread if any is pending; see `_sampled`)."""
+    with self._counts_lock:
+      pending = bool(self._pending)
+    if pending:
+      self._owned(self._drain_locked)
 
   def _entry(self, writer, items, version, mask, episode_end, final_steps) -> coalescing.PendingAdd:
     """The add, checked against the buffer (once per shape signature)."""
@@ -337,12 +399,13 @@ class ReplayService(Generic[StateT, SampleT]):
       self.buffer.add if part is None else self._parts[part].add,
       self._abstract_state,
     )
-    jax.eval_shape(
-      lambda state, items, kwargs: add(state, items, **kwargs),
+    traced = jax.make_jaxpr(lambda state, items, kwargs: add(state, items, **kwargs))(
       state if part is None else state[part],
       _abstract(items),
       _abstract(kwargs),
     )
+    if traced.effects:
+      self._may_fail_running = True
     self._checked.add(key)
 
   def _drain(self) -> None:
@@ -362,11 +425,16 @@ class ReplayService(Generic[StateT, SampleT]):
           self._add_items(group)
         self.device_adds += 1
       except BaseException as error:  # pylint: disable=broad-exception-caught
-        # The call failed before running (adds were checked; an interrupt),
-        # so the state is the one before: each writer of the group gets the
-        # error, and their units are handed back to the limiter.
+        # The call failed before running (adds were checked), or while
+        # running an add that was not donated (`_may_fail_running`), so the
+        # state is the one before: each writer of the group gets the error,
+        # and their units are handed back to the limiter.
         for entry in group:
           entry.error = error
+        if _consumed(self._state):
+          # Only a device fault consumes a donated state and fails (the
+          # device is then lost too): nothing to go on with.
+          self.close(cause=error)
     units = sum(entry.units for entry in pending)
     failed = sum(entry.units for entry in pending if entry.error is not None)
     with self._counts_lock:  # in the state now (or handed back, when failed)
@@ -380,17 +448,20 @@ class ReplayService(Generic[StateT, SampleT]):
     if self._mixture:
       part = group[0].writer.part
       states = list(self._state)
-      states[part] = self._part_adds[part](states[part], items)
+      adds = self._parts_undonated if self._may_fail_running else self._part_adds
+      states[part] = adds[part](states[part], items)
       self._state = type(self._state)(states)
     else:
-      self._state = self._donating_add(self._state, items)
+      add = self._undonated_add if self._may_fail_running else self._donating_add
+      self._state = add(self._state, items)
     self._versions.added_items(versions)
 
   def _add_steps(self, group: list[coalescing.PendingAdd]) -> None:
     (items, mask, episode_end, final_steps), steps_per_env, versions = coalescing.merged_steps(
       group, self._num_envs
     )
-    self._state = self._donating_add(
+    add = self._undonated_add if self._may_fail_running else self._donating_add
+    self._state = add(
       self._state, items, mask=mask, episode_end=episode_end, final_steps=final_steps
     )
     self._versions.added_steps(steps_per_env, versions)
@@ -423,8 +494,9 @@ class ReplayService(Generic[StateT, SampleT]):
     Raises:
       ServiceClosed: the service is closed, or was closed while waiting.
       TimeoutError: the limiter did not allow the sample within `timeout`.
-      ValueError: a size that could deadlock with the adds seen
-        (`RateLimiter.check_sizes`), or a bad argument.
+      ValueError: a size that can never run (`RateLimiter.check_size`);
+        every caller waiting on the others, none under way (the message
+        names the sizes and the fix); or a bad argument.
     """
     what = "ReplayService.sample"
     if max_version_lag is not None:
@@ -457,7 +529,7 @@ class ReplayService(Generic[StateT, SampleT]):
       rows = batch.weights if self._mixture else batch.indices  # a mixture: untracked
       return state, ServiceSample(batch, self._versions.lags(rows))
 
-    return self._sampled(what, batch_size, timeout, draw)
+    return self._sampled(what, batch_size, timeout, draw, True)
 
   def learn(self, step: Callable, batch_size: int, *args: Any, timeout: float | None = None) -> Any:
     """Runs the learner's own step on the state once the limiter allows a
@@ -490,10 +562,15 @@ class ReplayService(Generic[StateT, SampleT]):
           fifo.read_count = cursor
           raise
 
-      return self._sampled("ReplayService.learn", batch_size, timeout, fifo_step)
-    return self._sampled("ReplayService.learn", batch_size, timeout, lambda s: step(s, *args))
+      return self._sampled("ReplayService.learn", batch_size, timeout, fifo_step, False)
+    return self._sampled(
+      "ReplayService.learn", batch_size, timeout, lambda s: step(s, *args), False
+    )
 
-  def _sampled(self, what: str, batch_size: int, timeout, call: Callable) -> Any:
+  def _sampled(self, what: str, batch_size: int, timeout, call: Callable, owned: bool) -> Any:
+    """Waits for the limiter, then `call(state) -> (state, result)` under
+    the state lock; `owned`: a call that may donate (a consuming kind's
+    take), made on the service's thread (`_owned`) when it does."""
     timeout = _check_timeout(timeout, what)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
       raise ValueError(f"{what}: batch_size must be an int >= 1; given {batch_size!r}.")
@@ -503,24 +580,49 @@ class ReplayService(Generic[StateT, SampleT]):
     while True:
       with self._counts_lock:
         self._check_sizes(sample=batch_size)
-        self._wait(self._sampleable, lambda: self._may_sample(batch_size), _left(deadline))
+        self._wait(
+          self._sampleable,
+          lambda: self._may_sample(batch_size),
+          _left(deadline),
+          waiting=("sample", batch_size),
+        )
         self._sampling += batch_size
         inserts_seen = self._counts.inserts
-      taken = False
-      try:
-        with self._state_lock:
-          self._drain()
-          if self._live_items(self._state, batch_size):
-            state, result = call(self._state)
-            self._state = state
-            taken = True
-      finally:
-        with self._counts_lock:  # taken now (or handed back: the call failed or found too few)
-          self._sampling -= batch_size
-          if taken:
-            self._counts = self._counts._replace(samples=self._counts.samples + batch_size)
-          self._sampleable.notify_all()
-          self._insertable.notify_all()
+        # Adds admitted before this sample are pending (drained on the
+        # service's thread) or in the state, or in a drain holding the state
+        # lock: with none pending a sample that donates nothing needs no drain.
+        drain = bool(self._pending)
+
+      def taking(drain: bool) -> tuple[bool, Any]:
+        taken, result = False, None
+        try:
+          with self._state_lock:
+            if drain:
+              self._drain()
+            if self._live_items(self._state, batch_size):
+              state, result = call(self._state)
+              self._state = state
+              taken = True
+        finally:
+          with self._counts_lock:  # taken now (or handed back: failed, or too few live)
+            self._sampling -= batch_size
+            if taken:
+              self._counts = self._counts._replace(samples=self._counts.samples + batch_size)
+            self._sampleable.notify_all()
+            self._insertable.notify_all()
+        return taken, result
+
+      if owned and (drain or self._consuming):  # a donated take or drain: the service's thread
+        taken, result = self._owned(lambda: taking(True))
+      else:  # the learner's own step on its own thread, the adds drained before
+        if drain:
+          try:
+            self._owned(self._drain_locked)
+          except BaseException:
+            with self._counts_lock:
+              self._sampling -= batch_size
+            raise
+        taken, result = taking(False)
       if taken:
         return result
       with self._counts_lock:  # a consuming kind with too few live items: wait for an add
@@ -544,12 +646,35 @@ class ReplayService(Generic[StateT, SampleT]):
     return bool(self.buffer.can_sample(state, rows))
 
   def _check_sizes(self, *, insert: int = 0, sample: int = 0) -> None:
-    """`check_sizes` over the sizes used and the new one, which is kept only
-    when accepted (a refused call changes nothing). Holds `_counts_lock`."""
-    inserts = self._insert_sizes | ({insert} if insert else set())
-    samples = self._sample_sizes | ({sample} if sample else set())
-    self.rate_limiter.check_sizes(inserts, samples, self._start)
-    self._insert_sizes, self._sample_sizes = inserts, samples
+    """Refuses a size that can never run (`RateLimiter.check_size`); keeps
+    the sizes used, which `_deadlock` judges by. Holds `_counts_lock`."""
+    self.rate_limiter.check_size(insert=insert, sample=sample)
+    if insert:
+      self._insert_sizes.add(insert)
+    if sample:
+      self._sample_sizes.add(sample)
+
+  def _deadlock(self, token: object) -> str | None:
+    """The message for a deadlock, told to every other waiting caller, or
+    None. A deadlock: callers wait on both sides, none is under way (an add
+    or sample admitted and not done, a wait for live items), and no add nor
+    sample of a size used so far may run at the counts, so no caller of
+    those sizes can ever move them. Holds `_counts_lock`."""
+    if self._lockstep is not None or self._other_waits or self._adding or self._sampling:
+      return None
+    if {side for side, _ in self._waiting.values()} != {"insert", "sample"}:
+      return None
+    if any(self._may_insert(units) for units in self._insert_sizes) or any(
+      self._may_sample(rows) for rows in self._sample_sizes
+    ):
+      return None
+    message = self.rate_limiter.deadlock(self._counts, self._insert_sizes, self._sample_sizes)
+    for other in self._waiting:
+      if other is not token:
+        self._deadlocked[other] = message
+    self._insertable.notify_all()
+    self._sampleable.notify_all()
+    return message
 
   def _may_insert(self, units: int) -> bool:
     """The limiter over the units in the state or reserved, and the rows
@@ -567,13 +692,17 @@ class ReplayService(Generic[StateT, SampleT]):
     """`buffer.update_priorities` for the rows of `sample` (`.batch.indices`,
     `.batch.item_ids`)."""
     self._raise_if_closed("ReplayService.update_priorities")
-    with self._state_lock:
-      if self._mixture:
-        self._state = self.buffer.update_priorities(self._state, sample.batch, priorities)
-      else:
-        self._state = self.buffer.update_priorities(
-          self._state, sample.batch.indices, priorities, sample.batch.item_ids
-        )
+
+    def update() -> None:  # donated: on the service's thread
+      with self._state_lock:
+        if self._mixture:
+          self._state = self.buffer.update_priorities(self._state, sample.batch, priorities)
+        else:
+          self._state = self.buffer.update_priorities(
+            self._state, sample.batch.indices, priorities, sample.batch.item_ids
+          )
+
+    self._owned(update)
 
   # State, checkpoints, closing ---------------------------------------------
 
@@ -584,8 +713,13 @@ class ReplayService(Generic[StateT, SampleT]):
     A copy, valid while writers go on adding (the service's own arrays are
     donated by the next add).
     """
-    with self._state_lock:
-      self._drain()
+    self._drained()
+    with self._state_lock:  # adds let in since are pending: in neither state nor counts
+      if _consumed(self._state):
+        raise ServiceClosed(
+          "ReplayService.state: a device call failed after consuming the donated state; "
+          "restore the service from its last checkpoint."
+        ) from self._cause
       return jax.tree.map(
         lambda leaf: leaf.copy() if isinstance(leaf, jax.Array) else leaf, self._state
       )
@@ -599,39 +733,57 @@ class ReplayService(Generic[StateT, SampleT]):
 
   def checkpoint(self, path: str | os.PathLike) -> None:
     """Saves the state (`jaxbuf.save` under `path/state`) and the limiter's
-    counts and the units' versions (`path/service.json`, `path/versions.npy`)."""
+    counts and the units' versions (`path/service.json`, `path/versions.npy`):
+    one cut, every add taken before the call in both, none after in either.
+    Lockstep: every process calls it in the same order (as `sample`); it
+    runs the rounds that add the adds pending on each host."""
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    with self._state_lock:
-      self._drain()
+    self._drained()
+    with self._state_lock:  # adds let in since are pending: in neither state nor counts
+      if self._lockstep is not None:
+        lockstep.flush(self)
       saving.save(path / "state", self._state)
       with self._counts_lock:
         counts = self._counts
-      np.save(path / "versions.npy", np.asarray(self._versions.versions))
+      # Lockstep: every process writes the same files (the counts agreed),
+      # each through a file of its own, replaced whole.
+      process = jax.process_index()
+      with open(path / f"versions.npy.tmp{process}", "wb") as file:
+        np.save(file, np.asarray(self._versions.versions))
+      os.replace(path / f"versions.npy.tmp{process}", path / "versions.npy")
       record = {
         "inserts": counts.inserts,
         "samples": counts.samples,
         "newest": self._versions.newest,
         "read_count": None if self._fifo is None else int(self._fifo.read_count),
       }
-      temporary = path / "service.json.tmp"
+      temporary = path / f"service.json.tmp{process}"
       temporary.write_text(json.dumps(record))
       os.replace(temporary, path / "service.json")
 
   @classmethod
   def restore(
-    cls, path: str | os.PathLike, buffer: Buffer, like: Any, rate_limiter=None
+    cls,
+    path: str | os.PathLike,
+    buffer: Buffer,
+    like: Any,
+    rate_limiter=None,
+    *,
+    lockstep_rows: int | None = None,
   ) -> "ReplayService":
     """A service from `checkpoint(path)`: the state (`jaxbuf.load(..., like=)`),
     the counts and versions. The counts go through `rate_limiter.restored`:
     kept unless they would block both inserts and samples, when the sample
     count is raised so that inserts may go on (never a deadlock). Under
     `jaxbuf.Queue` the rows sampled are those the FIFO cursor read: a
-    checkpoint of another limiter restores with every held item read."""
+    checkpoint of another limiter restores with every held item read.
+    `lockstep_rows`: as `ReplayService` takes it (a lockstep service; every
+    process restores its own checkpoint)."""
     path = pathlib.Path(path)
     state = saving.load(path / "state", like=like)
     record = json.loads((path / "service.json").read_text())
-    service = cls(buffer, state, rate_limiter=rate_limiter)
+    service = cls(buffer, state, rate_limiter=rate_limiter, lockstep_rows=lockstep_rows)
     service._versions.restore(np.load(path / "versions.npy"), record["newest"])
     if service._fifo is not None and record.get("read_count") is not None:
       service._fifo.read_count = jnp.uint32(record["read_count"])
@@ -643,7 +795,7 @@ class ReplayService(Generic[StateT, SampleT]):
       unread = int(np.uint32(state.add_count) - np.uint32(service._fifo.read_count))
       counts = RateCounts(counts.inserts, counts.inserts - unread)
     service._counts = service.rate_limiter.restored(counts)
-    service._start = service._counts
+    service._global_inserts = service._counts.inserts  # lockstep: what every process agreed
     return service
 
   def close(self, cause: BaseException | None = None) -> None:
@@ -669,14 +821,39 @@ class ReplayService(Generic[StateT, SampleT]):
       raise ServiceClosed(f"{what}: the replay service is closed.") from self._cause
 
   def _wait(
-    self, condition: threading.Condition, allowed: Callable[[], bool], timeout, why: str = ""
+    self,
+    condition: threading.Condition,
+    allowed: Callable[[], bool],
+    timeout,
+    why: str = "",
+    waiting: tuple[str, int] | None = None,
   ) -> None:
-    """Waits on `condition` (its lock held) until `allowed()` or closed."""
-    if not condition.wait_for(lambda: self.closed or allowed(), timeout):
-      raise TimeoutError(
-        why
-        or f"the rate limiter did not allow it within {timeout} s: {self.rate_limiter!r}, "
-        f"counts {self._counts} ({self._adding} units and {self._sampling} rows under way)."
-      )
+    """Waits on `condition` (its lock held) until `allowed()` or closed;
+    `waiting`: the limiter's side and size, for `_deadlock` (else a wait
+    that an add may end)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    token = object()
+    if waiting is None:
+      self._other_waits += 1
+    else:
+      self._waiting[token] = waiting
+    try:
+      while not (self.closed or allowed()):
+        message = self._deadlocked.pop(token, None) or self._deadlock(token)
+        if message is not None:
+          raise ValueError(message)
+        left = _left(deadline)
+        if left == 0:
+          raise TimeoutError(
+            why
+            or f"the rate limiter did not allow it within {timeout} s: {self.rate_limiter!r}, "
+            f"counts {self._counts} ({self._adding} units and {self._sampling} rows under way)."
+          )
+        condition.wait(left)
+    finally:
+      if waiting is None:
+        self._other_waits -= 1
+      self._waiting.pop(token, None)
+      self._deadlocked.pop(token, None)
     if self.closed:
       raise ServiceClosed("the replay service was closed while waiting.") from self._cause

@@ -58,6 +58,8 @@ class Writer:
     Raises:
       ServiceClosed: the service is closed, or was closed while waiting.
       TimeoutError: the limiter did not allow the add within `timeout`.
+      ValueError: an add that can never run, or every caller waiting on
+        the others, none under way (the sizes and the fix named).
       RuntimeError: the writer is used from a second thread, or closed.
       TypeError, ValueError: `items` do not fit the buffer (the leaf path,
         expected and given); nothing was added, other writers unaffected.
