@@ -41,6 +41,8 @@ def _recorded() -> dict:
 
 def _check(groups: tuple[str, ...]) -> None:
   counted = kernel_counts.count_all(("h100",), groups)
+  if "selection" in groups and "items" not in groups:  # its goals are against uniform items
+    counted["h100"]["uniform items"] = _recorded()["uniform items"]
   recorded = _recorded()
   over = []
   for name, figures in counted["h100"].items():
@@ -58,10 +60,13 @@ def test_the_record_meets_every_goal():
   assert lines and not [line for line in lines if not line.startswith("PASS")], lines
 
 
-def test_no_loop_launches_more_kernels_than_recorded():
-  _check(GROUPS)
+# A test per group, so that the suite's workers share them out.
+@pytest.mark.parametrize("group", GROUPS)
+def test_no_loop_launches_more_kernels_than_recorded(group):
+  _check((group,))
 
 
 @pytest.mark.slow
-def test_no_training_loop_or_deep_tree_launches_more_kernels_than_recorded():
-  _check(SLOW_GROUPS)
+@pytest.mark.parametrize("group", SLOW_GROUPS)
+def test_no_training_loop_or_deep_tree_launches_more_kernels_than_recorded(group):
+  _check((group,))
