@@ -15,8 +15,20 @@ import device_suite  # noqa: E402  pylint: disable=wrong-import-position
 
 
 # One test per part, so that the suite's workers share them out (the parts
-# run one after another in one test took 100 s of one worker).
-@pytest.mark.parametrize("part", [part.name for part in device_suite.PARTS])
+# run one after another in one test took 100 s of one worker). The default
+# suite runs the cheap parts, whose code (the suite's process, budget, JSON
+# and table) every part shares; the others, each a benchmark's smoke run,
+# with the slow tests (`pytest -m slow tests/test_device_suite.py`).
+FAST_PARTS = ("kernels", "dispatch", "mixture")
+
+
+@pytest.mark.parametrize(
+  "part",
+  [
+    part.name if part.name in FAST_PARTS else pytest.param(part.name, marks=pytest.mark.slow)
+    for part in device_suite.PARTS
+  ],
+)
 def test_smoke_run_finishes_every_part_with_figures(tmp_path, monkeypatch, part):
   # Tiny sizes: each part's process is mostly compiling, so it compiles as
   # this process does (conftest.py sets LLVM's expensive passes off).

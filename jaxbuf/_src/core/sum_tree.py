@@ -57,6 +57,7 @@ from jaxbuf._src.core.kernel_choice import KERNEL_VARIANTS as KERNEL_VARIANTS
 from jaxbuf._src.core.kernel_choice import choose_kernel as choose_kernel
 from jaxbuf._src.core.kernel_choice import forced_kernel_variant as forced_kernel_variant
 from jaxbuf._src.core.kernel_choice import kernel_variant as kernel_variant
+from jaxbuf._src.core.kernel_choice import _in_manual_mesh
 
 BRANCHING = 8
 
@@ -427,11 +428,13 @@ def _draw_levels(
   # elementwise function of the random bits, would otherwise be fused into
   # a gather of the rows drawn and their hash redone for every element of
   # every row (on CPU, where this path runs).
-  indices = jax.lax.cond(
-    has_mass,
-    lambda: found,
-    lambda: random.scale_to_span(bits[0], bits[-1], span).astype(jnp.int32),
-  )
+  # Inside `jax.shard_map` the two differ in how they vary over the mesh,
+  # which a cond refuses: a where serves there.
+  fallback = lambda: random.scale_to_span(bits[0], bits[-1], span).astype(jnp.int32)
+  if _in_manual_mesh(found, bits):
+    indices = jnp.where(has_mass, found, fallback())
+  else:
+    indices = jax.lax.cond(has_mass, lambda: found, fallback)
   values = jnp.where(has_mass, values, 0.0)
   return indices, values, jnp.min(values), total
 

@@ -54,6 +54,7 @@ import os
 import pathlib
 import threading
 import time
+import weakref
 from typing import Any, Callable, Generic, NamedTuple, Sequence
 
 import jax
@@ -222,6 +223,10 @@ class ReplayService(Generic[StateT, SampleT]):
     # so an exception raised in a caller's thread (an actor killed by an
     # async exception) never lands between the two (`_owned`).
     self._owner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxbuf-service")
+    # Its thread ends with the service (adds taken before a close are still
+    # written, so not at close): a program that makes many services does not
+    # keep a thread for each.
+    weakref.finalize(self, self._owner.shutdown, wait=False)
     self._queued_drain: concurrent.futures.Future | None = None  # not started yet
     self._state_lock = threading.Lock()
     self._counts_lock = threading.Lock()
