@@ -150,8 +150,12 @@ class Broker:
       request_id, _, _ = state.pending.popleft()
       self._resolve(request_id, ("closed", message))
 
-  async def status(self, channel: int) -> dict:
-    state = self._channel(channel)
+  async def status(self, channel: int) -> dict | None:
+    """The channel's state, or None for a channel not opened yet (a broker
+    just made under a learner's name, before its server opens channel 0)."""
+    state = self._channels.get(channel)
+    if state is None:
+      return None
     return dict(
       name=self._name,
       closed=state.closed,

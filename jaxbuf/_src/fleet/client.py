@@ -121,8 +121,8 @@ class Served:
     while True:
       try:
         broker = ray.get_actor(name, namespace=self.namespace)
-        ray.get(broker.status.remote(0), timeout=CONTROL)
-        return broker
+        if ray.get(broker.status.remote(0), timeout=CONTROL) is not None:
+          return broker  # its server has opened channel 0
       except (ValueError, ray.exceptions.RayActorError):
         pass  # not (yet) served again
       if deadline is not None and time.monotonic() > deadline:
