@@ -163,7 +163,7 @@ def draw(
   levels_per_target: int,
   stratified: bool,
   interpret: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """`sum_tree.draw_leaves` from its random bits, in one kernel: the targets
   (strata ranked in the kernel), the descent, the uniform fallback of an
   empty tree, and the smallest leaf drawn.

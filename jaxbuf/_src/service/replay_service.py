@@ -731,8 +731,9 @@ class ReplayService(Generic[StateT, SampleT]):
 
   @property
   def counts(self) -> RateCounts:
-    """The limiter's counts: units in the state, rows taken from it so far
-    (adds and samples admitted and still under way are not counted yet)."""
+    """Units in the state and rows taken from it so far, as the limiter
+    counts them (adds and samples admitted and still under way are not
+    counted yet)."""
     with self._counts_lock:
       return self._counts
 
