@@ -21,26 +21,7 @@ from jax.experimental import io_callback
 
 import jaxbuf
 
-JOIN = 60.0  # seconds any test waits for a thread
-
-
-def run_threads(targets):
-  """Runs each callable in its own thread; returns the exceptions raised."""
-  errors: list = []
-
-  def wrapped(target):
-    try:
-      target()
-    except BaseException as error:  # pylint: disable=broad-exception-caught
-      errors.append(error)
-
-  threads = [threading.Thread(target=wrapped, args=(target,)) for target in targets]
-  for thread in threads:
-    thread.start()
-  for thread in threads:
-    thread.join(JOIN)
-    assert not thread.is_alive(), "a thread did not finish: deadlock?"
-  return errors
+from tests.test_service import JOIN, run_threads  # one runner for both files
 
 
 def queue_service(capacity, max_size):

@@ -101,12 +101,35 @@ def _descent_kernel(
   targets = refs[num_levels][...]
   redraw_refs = refs[num_levels + 1 : num_levels + 1 + num_redraws]
   nodes_ref, values_ref = refs[-2:]
+  node, value = _descend(
+    level_refs,
+    targets,
+    lambda redraw: redraw_refs[redraw - 1][...],
+    branching=branching,
+    levels_per_target=levels_per_target,
+  )
+  nodes_ref[...] = node
+  values_ref[...] = value
+
+
+def _descend(
+  level_refs: Any,
+  targets: jax.Array,
+  redraw_at: Callable[[int], jax.Array],
+  *,
+  branching: int,
+  levels_per_target: int,
+) -> tuple[jax.Array, jax.Array]:
+  """Each lane's descent from the root's children to a leaf: its node and
+  value. Every `levels_per_target` levels the target becomes `redraw_at(r)`
+  (uniforms, r from 1) times the value of the node reached. The arithmetic of
+  `sum_tree.find_prefix_sums_and_leaves`, operation for operation."""
   node = jnp.zeros(targets.shape, jnp.int32)
-  children: list[jax.Array] = []  # K columns [block]: set by each level
-  child = node  # [block]: likewise
+  children: list[jax.Array] = []  # K columns [lanes]: set by each level
+  child = node  # [lanes]: likewise
   for depth, level_ref in enumerate(level_refs):
     if depth and depth % levels_per_target == 0:
-      targets = redraw_refs[depth // levels_per_target - 1][...] * _pick(children, child)
+      targets = redraw_at(depth // levels_per_target) * _pick(children, child)
     first = node * branching
     children = [level_ref[first + position] for position in range(branching)]
     prefix = _prefix_sums(children)
@@ -120,8 +143,7 @@ def _descent_kernel(
     child = jnp.where(score < branching, score, last - score).astype(jnp.int32)
     targets = targets - _pick(prefix, child - 1)
     node = first + child
-  nodes_ref[...] = node
-  values_ref[...] = _pick(children, child)
+  return node, _pick(children, child)
 
 
 def _prefix_sums(columns: list[jax.Array]) -> list[jax.Array]:
@@ -263,25 +285,13 @@ def _draw_kernel(
     targets = (ranks.astype(jnp.float32) + uniforms) * (total / batch_size)
   else:
     targets = uniforms * total
-  node = zeros
-  children: list[jax.Array] = []
-  child = node
-  for depth, level_ref in enumerate(level_refs):
-    if depth and depth % levels_per_target == 0:
-      redraw = uniform_of(row(depth // levels_per_target))
-      targets = redraw * _pick(children, child)
-    first = node * branching
-    children = [level_ref[first + position] for position in range(branching)]
-    prefix = _prefix_sums(children)
-    last = 2 * branching - 1
-    score = jnp.full(targets.shape, last, jnp.int32)
-    for position in range(branching):
-      passed = jnp.where(prefix[position] > targets, position, last - position)
-      score = jnp.minimum(score, jnp.where(children[position] > 0, passed, last).astype(jnp.int32))
-    child = jnp.where(score < branching, score, last - score).astype(jnp.int32)
-    targets = targets - _pick(prefix, child - 1)
-    node = first + child
-  values = _pick(children, child)
+  node, values = _descend(
+    level_refs,
+    targets,
+    lambda redraw: uniform_of(row(redraw)),
+    branching=branching,
+    levels_per_target=levels_per_target,
+  )
   span = jnp.maximum(fallback_size_ref[zeros], 1).astype(jnp.uint32)
   fallback = scale_to_span(row(0), row(num_rows - 1), span).astype(jnp.int32)
   has_mass = total > 0
